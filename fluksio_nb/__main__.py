@@ -1,0 +1,61 @@
+"""``fluksio-nb``: the machine's books in a terminal, and the flavors.
+
+For the person at a shell on a shared box who wants to know, before starting
+a notebook, how much of the machine is free and which sizes they may ask for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fluksio_nb.budget import human
+from fluksio_nb.flavors import describe_flavors
+from fluksio_nb.resources import BadClaim
+
+
+def describe_snapshot(snapshot: dict) -> str:
+    """The snapshot as a few lines of text."""
+    cpus, gpus, ram = snapshot["cpus"], snapshot["gpus"], snapshot["ram_bytes"]
+    lines = [
+        f"cpus  {cpus['free']}/{cpus['total']} free",
+        f"gpus  {gpus['free']}/{gpus['total']} free",
+        f"ram   {human(ram['free'])}/{human(ram['total'])} free",
+    ]
+    for claim in snapshot.get("running", []):
+        held = claim["allocation"]
+        cards = ",".join(str(g) for g in held["gpus"]) or "-"
+        lines.append(
+            f"running  #{claim['ticket']} {claim['label']!s}: cpus={held['cpus']} "
+            f"gpus={cards} ram={human(held['ram_bytes'])} (pid {claim['pid']})"
+        )
+    for claim in snapshot.get("waiting", []):
+        asked = claim["asked"]
+        lines.append(
+            f"waiting  {claim['position']}. #{claim['ticket']} {claim['label']!s}: "
+            f"cpus={asked['cpus']} gpus={asked['gpus']} ram={human(asked['ram_bytes'])}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fluksio-nb", description="Show this machine's shares, or the flavors."
+    )
+    parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
+    options = parser.parse_args(argv)
+    from fluksio_nb.accountant import accountant, settings
+
+    try:
+        if options.what == "flavors":
+            print(describe_flavors(settings()))
+        else:
+            print(describe_snapshot(accountant().snapshot()))
+    except BadClaim as error:
+        print(f"fluksio-nb: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

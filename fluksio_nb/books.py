@@ -1,0 +1,113 @@
+"""The books for one machine: what it holds, and what is free of it.
+
+This is arithmetic nobody was doing. Five notebooks each sizing a thread pool
+to every core, or three processes each taking most of "GPU 0", are both a
+sum that exceeds what the machine has, and nothing anywhere keeps the sum.
+
+The books never block. Waiting belongs to :mod:`fluksio_nb.queue`, which asks
+:meth:`ResourceAccountant.try_take` again when something comes free. Keeping the two
+apart is what lets the queue decide *who* goes next (first come, first served,
+with the overtaking rule) while the books only decide *whether* something fits.
+It is also what lets the machine-wide ledger replace the books without
+touching the queue's rules.
+
+A card is held by one claim at a time and handed out whole. Which card a
+claim gets is the lowest free index, so a quiet machine hands out card 0
+first, as people expect.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fluksio_nb.inventory import GpuId
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What one claim was actually given."""
+
+    cpus: int = 1
+    gpus: tuple[GpuId, ...] = ()
+    ram_bytes: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"cpus": self.cpus, "gpus": list(self.gpus), "ram_bytes": self.ram_bytes}
+
+
+class ResourceAccountant:
+    """How much of one machine is handed out, and which cards.
+
+    Memory is accounted only for claims that name it: a claim without ``ram=``
+    takes none from the books, since a zero would make every such claim wait
+    behind every claim that did name one.
+    """
+
+    def __init__(self, cpus: int, gpus: int | Iterable[GpuId] = 0, ram_bytes: int = 0):
+        if cpus < 1:
+            raise ValueError(f"a machine has at least one core, not {cpus}")
+        self.cpus = cpus
+        self.gpu_ids: tuple[GpuId, ...] = (
+            tuple(range(gpus)) if isinstance(gpus, int) else tuple(sorted(gpus))
+        )
+        self.ram_bytes = max(0, ram_bytes)
+        self._free_cpus = cpus
+        self._free_gpus = list(self.gpu_ids)
+        self._free_ram = self.ram_bytes
+        self._lock = threading.Lock()
+
+    @property
+    def gpus(self) -> int:
+        return len(self.gpu_ids)
+
+    def fits(self, cpus: int, gpus: int = 0, ram_bytes: int = 0) -> bool:
+        """Whether this machine could ever grant that much, busy or not.
+
+        Waiting for a card that is merely busy is queueing; waiting for one the
+        machine does not have is a cell that never runs.
+        """
+        return cpus <= self.cpus and gpus <= self.gpus and ram_bytes <= self.ram_bytes
+
+    def try_take(self, cpus: int, gpus: int = 0, ram_bytes: int = 0) -> Allocation | None:
+        """Take this much if it is free right now, or answer that it is not."""
+        with self._lock:
+            if self._free_cpus < cpus or len(self._free_gpus) < gpus or self._free_ram < ram_bytes:
+                return None
+            self._free_cpus -= cpus
+            taken = tuple(self._free_gpus[:gpus])
+            del self._free_gpus[:gpus]
+            self._free_ram -= ram_bytes
+        return Allocation(cpus=cpus, gpus=taken, ram_bytes=ram_bytes)
+
+    def give_back(self, allocation: Allocation) -> None:
+        """Return what a claim held, however it ended."""
+        with self._lock:
+            stray = set(allocation.gpus) - set(self.gpu_ids)
+            doubled = set(allocation.gpus) & set(self._free_gpus)
+            if stray or doubled or self._free_cpus + allocation.cpus > self.cpus:
+                # Giving back twice would hand the same card to two claims
+                # later, which is the one thing these books exist to prevent.
+                raise ValueError(f"{allocation} was not taken from these books")
+            self._free_cpus += allocation.cpus
+            self._free_gpus = sorted([*self._free_gpus, *allocation.gpus])
+            self._free_ram += allocation.ram_bytes
+
+    def free(self) -> tuple[int, tuple[GpuId, ...], int]:
+        """Free cores, free cards and free bytes, read together."""
+        with self._lock:
+            return self._free_cpus, tuple(self._free_gpus), self._free_ram
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """What this machine holds and what is free of it."""
+        free_cpus, free_gpus, free_ram = self.free()
+        return {
+            "cpus": {"total": self.cpus, "free": free_cpus},
+            "gpus": {
+                "total": self.gpus,
+                "free": len(free_gpus),
+                "free_ids": list(free_gpus),
+            },
+            "ram_bytes": {"total": self.ram_bytes, "free": free_ram},
+        }

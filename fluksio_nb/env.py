@@ -1,0 +1,75 @@
+"""What a claim's worker is told about the share it got.
+
+The knobs that size a numerical library's thread pool, and the variable that
+decides which GPUs CUDA can see, are read once, when the library is imported.
+Setting them in a running kernel does nothing, which is why a claimed cell
+runs in a fresh worker process: its environment is the only place a share can
+be written where the libraries will read it.
+
+Three layers, the later winning: the kernel's own environment, what the
+allocation implies, and what the claim itself set. A claim's ``env`` is a
+deliberate statement about that one cell and outranks the machine's default.
+
+``XLA_FLAGS`` and friends are deliberately not derived. They are composed
+strings whose contents depend on the version installed, and writing one here
+would silently replace what the author put there. They travel in the claim's
+``env``, where they can be seen.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.resources import Resources
+
+#: Every spelling of "how many threads may you use" that a scientific stack
+#: reads at import: OpenMP (and torch), OpenBLAS, MKL, Apple's Accelerate,
+#: numexpr, BLIS, numba, and joblib/loky's view of the core count. Set
+#: together, because one process usually pulls in several of them.
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "LOKY_MAX_CPU_COUNT",
+)
+
+
+def derive_env(wanted: Resources, allocation: Allocation) -> dict[str, str]:
+    """The variables a worker holding this allocation is started with.
+
+    A claim that asked for no GPU has the cards hidden rather than left all
+    visible: a CPU cell that imports torch would otherwise create a context on
+    card 0, which is someone else's.
+    """
+    env = {var: str(allocation.cpus) for var in THREAD_VARS}
+    # CUDA numbers cards fastest-first by default; PCI order is NVML's order,
+    # and NVML's indices are the ones the books hand out.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
+    env.update(wanted.env)
+    return env
+
+
+def worker_environ(
+    derived: Mapping[str, str], base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The whole environment of a worker: the kernel's, with the derived on top."""
+    return {**(os.environ if base is None else base), **derived}
+
+
+def fair_share_env(cpus: int, workers: int) -> dict[str, str]:
+    """Thread caps for work that declared nothing but runs beside others.
+
+    A pool of ``workers`` processes, all busy at once, each believing it owns
+    the machine is the oversubscription this project is about. Only variables
+    the user has not already set: an explicit ``OMP_NUM_THREADS`` in the
+    kernel's environment is an answer, and this is a default.
+    """
+    fair = max(1, cpus // max(1, workers))
+    return {var: str(fair) for var in THREAD_VARS if var not in os.environ}

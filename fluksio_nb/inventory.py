@@ -1,0 +1,364 @@
+"""What this machine has to hand out, as this process is allowed to see it.
+
+``os.cpu_count()`` and the host's RAM are the wrong answers on most shared
+machines. A JupyterHub pod with a two-core quota on a 64-core node reports 64,
+and a batch job pinned to four cores by ``taskset`` or Slurm reports every
+core of the box. Handing out shares of cores the process cannot run on is the
+oversubscription this project exists to stop, so each number here is the
+smallest of every limit that applies:
+
+- cores: the CPU count, the process's affinity mask, and the cgroup quota
+  (v2 ``cpu.max``, or v1 ``cfs_quota_us / cfs_period_us``), rounded up,
+  because a 1.5-core quota can still run two threads;
+- memory: the host's total and the cgroup limit (v2 ``memory.max``, v1
+  ``memory.limit_in_bytes``);
+- GPUs: NVML (``nvidia-ml-py``), then ``nvidia-smi -L``, then none, narrowed
+  by a ``CUDA_VISIBLE_DEVICES`` already set on the kernel, since a kernel that
+  was started seeing two cards has no business handing out the other six.
+
+A declared inventory (``FLUKSIO_CPUS``/``GPUS``/``RAM`` or the config file)
+replaces detection outright. Tests and demos use it to declare cards on a
+machine that has none.
+
+GPUs are identified by their physical index, the one NVML and ``nvidia-smi``
+print. The derived env sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA
+numbers them the same way, which is what lets the books and the worker agree
+on which card "1" is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from fluksio_nb.settings import Settings
+
+#: Where the cgroup filesystems are mounted. A parameter everywhere below, so
+#: that tests can point at a tree of real files they wrote.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+
+#: What cgroup v1 writes for "no limit": the largest page-aligned signed 64-bit
+#: value. Anything this large is not a limit anybody set.
+_V1_UNLIMITED = 1 << 62
+
+#: A card may only be claimed whole; its id is the physical index.
+GpuId = int
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One card as detection saw it."""
+
+    index: GpuId
+    name: str = ""
+    uuid: str = ""
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The machine, as far as claims are concerned.
+
+    ``cpus`` and ``ram_bytes`` are what claims may take: the detected (or
+    declared) amount less the reserve for the kernel and the server, and less
+    the host headroom that the halt rule keeps free. ``machine_cpus`` is
+    everything this process may run on, and is what CPU readings are a share of.
+    """
+
+    cpus: int
+    machine_cpus: int
+    ram_bytes: int
+    machine_ram_bytes: int
+    gpus: tuple[Gpu, ...] = ()
+    #: Where each number came from, for ``%claims`` and bug reports.
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gpu_ids(self) -> tuple[GpuId, ...]:
+        return tuple(gpu.index for gpu in self.gpus)
+
+
+# -----------------------------------------------------------------------------
+# Cores
+# -----------------------------------------------------------------------------
+
+
+def _cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
+    """Each controller's cgroup path for this process; ``""`` is the v2 one."""
+    paths: dict[str, str] = {}
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths
+
+
+def _walk_up(base: Path, path: str) -> list[Path]:
+    """The cgroup's directory and every ancestor's, nearest first.
+
+    A limit set on a parent applies to the children too, and the tightest one
+    anywhere on the way up is the one in force.
+    """
+    here = base / path.lstrip("/")
+    dirs = []
+    while True:
+        dirs.append(here)
+        if here == base or base not in here.parents:
+            break
+        here = here.parent
+    return dirs
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_limit(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> float | None:
+    """The cgroup CPU quota in cores, or ``None`` when there is none."""
+    paths = _cgroup_paths(proc_cgroup)
+    limits: list[float] = []
+    if "" in paths:
+        for directory in _walk_up(root, paths[""]):
+            text = _read(directory / "cpu.max")
+            if text:
+                quota, _, period = text.partition(" ")
+                if quota != "max" and period:
+                    limits.append(int(quota) / int(period))
+    for controller in ("cpu", "cpu,cpuacct"):
+        if controller not in paths:
+            continue
+        for mount in (root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"):
+            for directory in _walk_up(mount, paths[controller]):
+                quota = _read(directory / "cpu.cfs_quota_us")
+                period = _read(directory / "cpu.cfs_period_us")
+                if quota and period and int(quota) > 0:
+                    limits.append(int(quota) / int(period))
+    return min(limits) if limits else None
+
+
+def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> int:
+    """Cores this process may actually run on: the tightest of every limit."""
+    candidates = [os.cpu_count() or 1]
+    if hasattr(os, "sched_getaffinity"):
+        candidates.append(len(os.sched_getaffinity(0)))
+    quota = cgroup_cpu_limit(root, proc_cgroup)
+    if quota is not None:
+        candidates.append(max(1, math.ceil(quota)))
+    return max(1, min(candidates))
+
+
+# -----------------------------------------------------------------------------
+# Memory
+# -----------------------------------------------------------------------------
+
+
+def cgroup_memory_limit(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> int | None:
+    """The cgroup memory limit in bytes, or ``None`` when there is none."""
+    paths = _cgroup_paths(proc_cgroup)
+    limits: list[int] = []
+    if "" in paths:
+        for directory in _walk_up(root, paths[""]):
+            text = _read(directory / "memory.max")
+            if text and text != "max":
+                limits.append(int(text))
+    if "memory" in paths:
+        for directory in _walk_up(root / "memory", paths["memory"]):
+            text = _read(directory / "memory.limit_in_bytes")
+            if text and int(text) < _V1_UNLIMITED:
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def host_memory(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[int, int]:
+    """Total and available memory, as this process's cgroup sees them.
+
+    Inside a container the host may have 200 GB free while the cgroup has
+    200 MB left; the cgroup is what the OOM killer acts on, so it wins.
+    """
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    limit = cgroup_memory_limit(root, proc_cgroup)
+    if limit is not None and limit < total:
+        used = _cgroup_memory_used(root, proc_cgroup)
+        total = limit
+        if used is not None:
+            available = min(available, max(0, limit - used))
+    return total, min(available, total)
+
+
+def _cgroup_memory_used(root: Path, proc_cgroup: Path) -> int | None:
+    paths = _cgroup_paths(proc_cgroup)
+    if "" in paths:
+        text = _read(root / paths[""].lstrip("/") / "memory.current")
+        if text:
+            return int(text)
+    if "memory" in paths:
+        text = _read(root / "memory" / paths["memory"].lstrip("/") / "memory.usage_in_bytes")
+        if text:
+            return int(text)
+    return None
+
+
+def system_headroom_bytes(total_bytes: int) -> int:
+    """Memory kept free for the host: a tenth of it, or 1 GiB, whichever is more.
+
+    The same rule decides when a claim is halted because the host ran short,
+    so it is also taken off what the books hand out: a claim granted the last
+    byte of RAM would be halted for using it.
+    """
+    return int(max(total_bytes * 0.10, 1 << 30))
+
+
+# -----------------------------------------------------------------------------
+# GPUs
+# -----------------------------------------------------------------------------
+
+
+def gpus_from_nvml() -> list[Gpu] | None:
+    """The cards NVML reports, or ``None`` when NVML is not there to ask."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        cards = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            cards.append(
+                Gpu(
+                    index=index,
+                    name=name.decode() if isinstance(name, bytes) else name,
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    memory_bytes=int(memory),
+                )
+            )
+        return cards
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+_SMI_LINE = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: ([^)]+)\))?$")
+
+
+def gpus_from_nvidia_smi() -> list[Gpu] | None:
+    """The cards ``nvidia-smi -L`` lists, or ``None`` when it cannot be run."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        listing = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    cards = []
+    for line in listing.splitlines():
+        match = _SMI_LINE.match(line.strip())
+        if match:
+            cards.append(Gpu(index=int(match[1]), name=match[2], uuid=match[3] or ""))
+    return cards
+
+
+def visible_to_kernel(cards: list[Gpu], cuda_visible: str | None) -> list[Gpu]:
+    """The cards a ``CUDA_VISIBLE_DEVICES`` on the kernel leaves claimable.
+
+    It may name cards by index or by UUID (or a UUID's prefix), as CUDA
+    accepts. CUDA stops reading the list at the first entry it cannot match,
+    and so does this, so the two agree on what the kernel could have used.
+    """
+    if cuda_visible is None:
+        return cards
+    chosen: list[Gpu] = []
+    for entry in (part.strip() for part in cuda_visible.split(",")):
+        if not entry:
+            break
+        if entry.lstrip("-").isdigit():
+            found = [card for card in cards if card.index == int(entry)]
+        else:
+            found = [card for card in cards if card.uuid and card.uuid.startswith(entry)]
+        if len(found) != 1 or found[0] in chosen:
+            break
+        chosen.append(found[0])
+    return chosen
+
+
+def detect_gpus(cuda_visible: str | None = None) -> tuple[list[Gpu], str]:
+    """The claimable cards, and which source said so."""
+    for source, probe in (("nvml", gpus_from_nvml), ("nvidia-smi", gpus_from_nvidia_smi)):
+        cards = probe()
+        if cards is not None:
+            return visible_to_kernel(cards, cuda_visible), source
+    return [], "none found"
+
+
+# -----------------------------------------------------------------------------
+# All of it
+# -----------------------------------------------------------------------------
+
+
+def take_inventory(settings: Settings) -> Inventory:
+    """What claims may take here: declared where declared, detected elsewhere."""
+    sources: dict[str, str] = {}
+
+    if settings.cpus is not None:
+        machine_cpus, sources["cpus"] = settings.cpus, "declared"
+    else:
+        machine_cpus, sources["cpus"] = usable_cpus(), "detected"
+    # At least one core is always claimable: a reserve larger than the machine
+    # would otherwise make every claim wait forever.
+    cpus = max(1, machine_cpus - settings.reserve_cpus)
+
+    if settings.ram is not None:
+        machine_ram, sources["ram"] = int(settings.ram), "declared"
+        ram = machine_ram
+    else:
+        machine_ram, _ = host_memory()
+        sources["ram"] = "detected"
+        ram = max(0, machine_ram - system_headroom_bytes(machine_ram))
+
+    if settings.gpus is not None:
+        gpus = [Gpu(index=index, name="declared") for index in range(settings.gpus)]
+        sources["gpus"] = "declared"
+    else:
+        found, sources["gpus"] = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        gpus = found
+
+    return Inventory(
+        cpus=cpus,
+        machine_cpus=machine_cpus,
+        ram_bytes=ram,
+        machine_ram_bytes=machine_ram,
+        gpus=tuple(gpus),
+        sources=sources,
+    )

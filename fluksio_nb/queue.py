@@ -1,0 +1,297 @@
+"""Waiting for a share: first come, first served, and visible while it lasts.
+
+The books say whether a claim fits right now; this module decides who goes
+next when several are waiting. The rule is first come, first served, with one
+exception that keeps a machine from idling: a later claim may overtake the
+claims ahead of it only if it takes nothing they still need. A cell waiting
+for the one GPU does not hold up a CPU-only cell behind it when there are
+cores to spare, but a stream of small CPU cells can never starve a large one,
+because whatever the large one is short of is set aside for it.
+
+Grants are made here, centrally, under one lock, when something is asked for
+and when something is given back, rather than by each waiter racing to take
+for itself. Deciding in one place is what makes the order FIFO rather than
+whichever thread the scheduler happened to wake first.
+
+Oversized claims are shrunk to what the machine has, with a warning, so a
+notebook written on a large box still runs on a laptop; ``strict`` refuses
+them instead. Every way a claim can end (its block returns or raises, the
+wait times out, it is cancelled, the user presses stop) gives its share back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ByteSize
+
+from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.resources import BadClaim, Resources
+
+#: How often a waiter looks at its own deadline when nothing wakes it. Grants
+#: and cancellations wake it at once; this only bounds how late a timeout is.
+_WAKE_S = 0.25
+
+
+class ClaimTooLarge(BadClaim):
+    """A strict claim asks for more than the machine has."""
+
+
+class ClaimTimeout(TimeoutError):
+    """A claim waited longer than its timeout allowed."""
+
+
+class ClaimCancelled(RuntimeError):
+    """Somebody cancelled a claim before or while it ran."""
+
+
+class ClampedWarning(UserWarning):
+    """A claim asked for more than the machine has and was given what there is."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One claim's place in the queue, and later its share."""
+
+    number: int
+    resources: Resources
+    label: str
+    since: float = field(default_factory=time.time)
+    pid: int = field(default_factory=os.getpid)
+    state: Literal["waiting", "running", "done"] = "waiting"
+    allocation: Allocation | None = None
+    cancelled: str | None = None
+    #: Called, outside the queue's lock, when a running claim is cancelled:
+    #: whoever runs the claim knows how to stop it; the queue does not.
+    on_cancel: Callable[[str], None] | None = None
+
+    @property
+    def asked(self) -> dict[str, int]:
+        r = self.resources
+        return {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
+
+
+class ClaimQueue:
+    """FIFO claims over one machine's books, usable from many threads."""
+
+    def __init__(self, books: ResourceAccountant) -> None:
+        self.books = books
+        self._cond = threading.Condition()
+        self._waiting: list[Ticket] = []
+        self._running: dict[int, Ticket] = {}
+        self._numbers = itertools.count(1)
+
+    # -- asking ---------------------------------------------------------------
+
+    def fit_to_machine(self, wanted: Resources) -> Resources:
+        """The claim shrunk to what exists, or refused if it is strict."""
+        books = self.books
+        if books.fits(wanted.cpus, wanted.gpus, wanted.ram_bytes):
+            return wanted
+        capacity = f"cpus={books.cpus} gpus={books.gpus} ram={_size(books.ram_bytes)}"
+        if wanted.strict:
+            raise ClaimTooLarge(
+                f"{wanted.describe()} asks for more than this machine has to hand out "
+                f"({capacity}); ask for less, or drop --strict to be given what there is"
+            )
+        shrunk = Resources(
+            **{
+                **wanted.model_dump(exclude_unset=True),
+                "cpus": min(wanted.cpus, books.cpus),
+                "gpus": min(wanted.gpus, books.gpus),
+                "ram": None if wanted.ram is None else (min(wanted.ram, books.ram_bytes) or None),
+            }
+        )
+        warnings.warn(
+            f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
+            f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
+            ClampedWarning,
+            stacklevel=3,
+        )
+        return shrunk
+
+    def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
+        """Join the queue. The ticket may already be granted when this returns."""
+        fitted = self.fit_to_machine(wanted)
+        with self._cond:
+            number = next(self._numbers)
+            ticket = Ticket(
+                number=number,
+                resources=fitted,
+                label=label or wanted.label or f"claim {number}",
+            )
+            self._waiting.append(ticket)
+            self._dispatch()
+        return ticket
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
+        """Block until the ticket is granted, cancelled or out of time.
+
+        On any exception, KeyboardInterrupt included, the ticket is still in
+        the books' care: the caller must :meth:`release` it, as :meth:`claim`
+        does in its ``finally``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while ticket.allocation is None:
+                if ticket.cancelled is not None:
+                    raise ClaimCancelled(
+                        f"{ticket.label} was cancelled while waiting: {ticket.cancelled}"
+                    )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ClaimTimeout(self._timeout_message(ticket, timeout))
+                self._cond.wait(_WAKE_S if left is None else min(left, _WAKE_S))
+            return ticket.allocation
+
+    def release(self, ticket: Ticket) -> None:
+        """Leave the queue, or give the share back: safe to call on any ticket, twice."""
+        with self._cond:
+            if ticket.state == "waiting":
+                self._waiting.remove(ticket)
+            elif ticket.state == "running":
+                del self._running[ticket.number]
+                assert ticket.allocation is not None
+                self.books.give_back(ticket.allocation)
+            ticket.state = "done"
+            self._dispatch()
+
+    @contextmanager
+    def claim(
+        self,
+        wanted: Resources,
+        *,
+        label: str | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[Allocation]:
+        """Hold a share for the length of a ``with`` block, waiting for it first.
+
+        ``timeout`` bounds the wait; it defaults to the claim's own timeout.
+        """
+        ticket = self.enqueue(wanted, label)
+        try:
+            yield self.wait(ticket, wanted.timeout if timeout is None else timeout)
+        finally:
+            self.release(ticket)
+
+    def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
+        """Cancel a waiting claim, or ask a running one to stop. False if unknown."""
+        stop = None
+        with self._cond:
+            ticket = self._running.get(number) or next(
+                (t for t in self._waiting if t.number == number), None
+            )
+            if ticket is None:
+                return False
+            ticket.cancelled = reason
+            if ticket.state == "waiting":
+                self._waiting.remove(ticket)
+                ticket.state = "done"
+                self._dispatch()
+                self._cond.notify_all()
+            else:
+                stop = ticket.on_cancel
+        if stop is not None:
+            stop(reason)
+        return True
+
+    # -- who goes next --------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Grant whatever can be granted now, in order. Called with the lock held."""
+        free_cpus, free_gpus, free_ram = self.books.free()
+        # What is left for each later claim once the ones ahead of it that
+        # could not go have had their needs set aside. It may go negative: a
+        # shortfall nobody behind may take from.
+        spare = [free_cpus, len(free_gpus), free_ram]
+        granted = False
+        for ticket in list(self._waiting):
+            need = (
+                ticket.resources.cpus,
+                ticket.resources.gpus,
+                ticket.resources.ram_bytes,
+            )
+            if all(n == 0 or n <= s for n, s in zip(need, spare, strict=True)):
+                allocation = self.books.try_take(*need)
+                if allocation is not None:
+                    ticket.allocation, ticket.state = allocation, "running"
+                    self._waiting.remove(ticket)
+                    self._running[ticket.number] = ticket
+                    granted = True
+            spare = [s - n for s, n in zip(spare, need, strict=True)]
+        if granted:
+            self._cond.notify_all()
+
+    # -- what is going on -----------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """Totals and free, the waiting list in order, and the running claims."""
+        with self._cond:
+            books = self.books.snapshot()
+            waiting = [
+                {**_describe(ticket), "position": position, "asked": ticket.asked}
+                for position, ticket in enumerate(self._waiting, start=1)
+            ]
+            running = [
+                {**_describe(ticket), "allocation": ticket.allocation.as_dict()}
+                for ticket in self._running.values()
+                if ticket.allocation is not None
+            ]
+        return {**books, "waiting": waiting, "running": running}
+
+    def position(self, ticket: Ticket) -> int | None:
+        """Where a waiting ticket stands, 1 being next; ``None`` once it is not waiting."""
+        with self._cond:
+            try:
+                return self._waiting.index(ticket) + 1
+            except ValueError:
+                return None
+
+    def holders(self) -> list[Ticket]:
+        """The running claims, oldest first: who holds what a waiter waits for."""
+        with self._cond:
+            return sorted(self._running.values(), key=lambda t: t.number)
+
+    def _timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
+        held = ", ".join(
+            f"{t.label!r} ({_held(t.allocation)})"
+            for t in self._running.values()
+            if t.allocation is not None
+        )
+        return (
+            f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
+            f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
+            "Raise --timeout, or free the share from `%claims`."
+        )
+
+
+def _describe(ticket: Ticket) -> dict[str, object]:
+    return {
+        "ticket": ticket.number,
+        "label": ticket.label,
+        "since": ticket.since,
+        "pid": ticket.pid,
+    }
+
+
+def _held(allocation: Allocation | None) -> str:
+    if allocation is None:
+        return "nothing"
+    words = [f"cpus={allocation.cpus}"]
+    if allocation.gpus:
+        words.append("gpus=" + ",".join(str(g) for g in allocation.gpus))
+    if allocation.ram_bytes:
+        words.append(f"ram={_size(allocation.ram_bytes)}")
+    return " ".join(words)
+
+
+def _size(n: int) -> str:
+    return ByteSize(n).human_readable(decimal=True)

@@ -1,0 +1,203 @@
+"""What a cell asks for, checked before anything waits on it.
+
+A claim is typed by hand at the top of a cell, so most mistakes in it are
+typos: ``cpu=2``, ``ram=8GB ``, ``gpus=one``. Each of those has to fail where it
+was typed, with the word that was wrong and the words that would have been
+right, rather than queue for ten minutes and then fail, or worse, quietly run
+with a default nobody chose.
+
+:class:`Resources` is the one shape every way of asking arrives in: the
+``%%claim`` line, ``claim(...)`` keyword arguments, a flavor from the config
+file. Sizes go through pydantic's :class:`~pydantic.ByteSize`, so ``8G`` is
+decimal (8 × 10⁹ bytes) and ``8GiB`` binary, the same as everywhere else
+pydantic reads a size.
+
+Declaring nothing is not a :class:`Resources` at all: a cell without ``%%claim``
+never reaches this module and runs in the kernel as it always did.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+#: What an environment variable handed to the worker may be called. Upper
+#: case only on the ``%%claim`` line, which is how ``OMP_NUM_THREADS=1`` is told
+#: apart from a resource such as ``cpus=1``.
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+#: What a flavor may be called: dashes allowed, because "gpu-small" reads
+#: better than "gpu_small" when it is typed at the top of a cell.
+FLAVOR_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+#: What the line may say as NAME=VALUE, lower case. The rest of the fields are
+#: spelt as options (``--label``) or are not a resource at all (``env``).
+LINE_KEYS = ("cpus", "gpus", "ram", "flavor")
+
+
+_SIZE = TypeAdapter(ByteSize)
+
+
+class BadClaim(ValueError):
+    """A claim that cannot be understood, with what was wrong and how to fix it."""
+
+
+class Resources(BaseModel):
+    """One request for a share of the machine.
+
+    ``cpus`` defaults to one, because a worker is a process and a process runs
+    on at least one core; ``gpus`` to none; ``ram`` to unaccounted, which means
+    the claim takes no memory from the books and is held only to the host's
+    headroom, not to a budget of its own.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int = Field(default=1, ge=1)
+    gpus: int = Field(default=0, ge=0)
+    ram: ByteSize | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    flavor: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    label: str | None = None
+    strict: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_misspelled_key(cls, data: Any) -> Any:
+        # pydantic's own "extra inputs are not permitted" names the key but not
+        # the ones that exist, and the fix is almost always a one-letter edit.
+        if isinstance(data, Mapping):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValueError(unknown_keys_message(unknown))
+        return data
+
+    @field_validator("cpus", "gpus", mode="before")
+    @classmethod
+    def _whole_counts_only(cls, value: Any, info: Any) -> Any:
+        # Lax int parsing would take True as 1 and 2.0 as 2; a count of cores
+        # given as a boolean or a fraction is a mistake worth saying out loud.
+        what = info.field_name
+        if isinstance(value, bool):
+            raise ValueError(f"{what} must be a whole number, not {value!r}")
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{what} must be a whole number of devices, not {value}")
+            value = int(value)
+        if isinstance(value, str):
+            text = value.strip()
+            if not re.fullmatch(r"[+-]?\d+", text):
+                raise ValueError(f"{what} must be a whole number such as 2, not {value!r}")
+            value = int(text)
+        if isinstance(value, int) and value < (1 if what == "cpus" else 0):
+            least = "1 (a worker runs on at least one core)" if what == "cpus" else "0"
+            raise ValueError(f"{what} must be at least {least}, not {value}")
+        return value
+
+    @field_validator("ram", mode="before")
+    @classmethod
+    def _ram_says_how_to_write_a_size(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool):
+            raise ValueError(f"ram must be a size such as 8G or 512MiB, not {value!r}")
+        if isinstance(value, int | float) and value <= 0:
+            raise ValueError(f"ram must be more than zero bytes, not {value}")
+        if isinstance(value, str):
+            try:
+                size = _SIZE.validate_python(value)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    f"ram={value!r} is not a size: write a number and a unit, "
+                    "such as 8G, 512M, 1.5GiB, or a plain number of bytes"
+                ) from None
+            if size <= 0:
+                raise ValueError(f"ram must be more than zero bytes, not {value!r}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_are_variables(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"{name!r} cannot be the name of an environment variable")
+        return env
+
+    @field_validator("flavor")
+    @classmethod
+    def _flavor_is_a_name(cls, flavor: str | None) -> str | None:
+        if flavor is not None and not FLAVOR_NAME.match(flavor):
+            raise ValueError(
+                f"flavor {flavor!r} is not a flavor name: lower case letters, digits, "
+                "'-' and '_', starting with a letter (`fluksio-nb flavors` lists them)"
+            )
+        return flavor
+
+    @property
+    def ram_bytes(self) -> int:
+        """The memory this claim takes from the books: none if it named none."""
+        return int(self.ram) if self.ram is not None else 0
+
+    def describe(self) -> str:
+        """The request as a person would type it: ``cpus=2 gpus=1 ram=8.0GB``."""
+        words = [f"cpus={self.cpus}"]
+        if self.gpus:
+            words.append(f"gpus={self.gpus}")
+        if self.ram is not None:
+            words.append(f"ram={self.ram.human_readable(decimal=True)}")
+        return " ".join(words)
+
+
+def unknown_keys_message(
+    unknown: list[str], valid: Iterable[str] | None = None, noun: str = "resource"
+) -> str:
+    """Name each unknown key, the nearest real one, and every real one."""
+    known = list(Resources.model_fields if valid is None else valid)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        parts.append(f"{key!r}{hint}")
+    return f"unknown {noun} {', '.join(parts)}; the {noun}s are: {', '.join(known)}"
+
+
+def ask(**fields: Any) -> Resources:
+    """Build :class:`Resources`, turning pydantic's report into one paragraph.
+
+    A ``ValidationError`` is the right exception for a library and the wrong
+    one for a person at a notebook: it is several lines of locations and types.
+    :class:`BadClaim` keeps only what was wrong, in the words that were typed.
+    """
+    try:
+        return Resources(**fields)
+    except ValidationError as error:
+        raise BadClaim(explain(error)) from None
+
+
+def explain(error: ValidationError) -> str:
+    """One paragraph out of a pydantic report: each problem once, in plain words."""
+    problems = []
+    for item in error.errors(include_url=False):
+        message = str(item.get("msg", ""))
+        message = message.removeprefix("Value error, ")
+        where = ".".join(str(part) for part in item.get("loc", ()))
+        if where and where not in message:
+            message = f"{where}: {message}"
+        if message not in problems:
+            problems.append(message)
+    return "; ".join(problems) + "."

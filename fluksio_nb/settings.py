@@ -1,0 +1,142 @@
+"""Where fluksio_nb's configuration comes from, and which source wins.
+
+There are two places, read in this order, the later winning:
+
+1. ``fluksio_nb.json`` in the user's Jupyter config directory (``jupyter
+   --config-dir``, usually ``~/.jupyter``), or the file ``FLUKSIO_CONFIG`` names.
+   It is shared by every kernel the user starts, which is why the flavors live
+   there too: a size defined once is the same size in every notebook.
+2. ``FLUKSIO_*`` environment variables, one per setting, for the one-off: a
+   test declaring two GPUs on a machine with none, a demo, a batch job.
+
+Settings are read when the kernel's accountant is first made and not again.
+Changing the inventory under a running accountant would leave claims holding
+cards that no longer exist in its books.
+
+A bad value is an error that names its source. A typo in a config file has to
+say which file and which key, or the user goes looking in the wrong one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from fluksio_nb.resources import BadClaim, explain, unknown_keys_message
+
+CONFIG_FILE_NAME = "fluksio_nb.json"
+
+#: Each setting's environment variable. The config file uses the key on the left.
+ENV_VARS = {
+    "cpus": "FLUKSIO_CPUS",
+    "gpus": "FLUKSIO_GPUS",
+    "ram": "FLUKSIO_RAM",
+    "reserve_cpus": "FLUKSIO_RESERVE_CPUS",
+    "ledger": "FLUKSIO_LEDGER",
+}
+
+#: Cores kept back for the kernel and the Jupyter server when nobody said.
+#: Both spend nearly all their time waiting for the user, so one core is
+#: enough to keep them answering while every other core is claimed; the seed
+#: engine's two was for an event loop that also ran its own scheduler.
+DEFAULT_RESERVE_CPUS = 1
+
+
+class BadSettings(BadClaim):
+    """A setting that cannot be used, with where it came from."""
+
+
+class Flavor(BaseModel):
+    """A named size: the numbers behind ``flavor=gpu-small``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int = Field(default=1, ge=1)
+    gpus: int = Field(default=0, ge=0)
+    ram: ByteSize | None = None
+
+
+class Settings(BaseModel):
+    """Everything that can be configured, after both sources are merged.
+
+    ``None`` for an inventory field means "detect it"; a number declares it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int | None = Field(default=None, ge=1)
+    gpus: int | None = Field(default=None, ge=0)
+    ram: ByteSize | None = None
+    reserve_cpus: int = Field(default=DEFAULT_RESERVE_CPUS, ge=0)
+    #: Where the machine-wide ledger lives, or ``"kernel"`` for books that only
+    #: this kernel keeps. ``None`` is the default location.
+    ledger: str | None = None
+    flavors: dict[str, Flavor] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_misspelled_key(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValueError(unknown_keys_message(unknown, cls.model_fields, "setting"))
+        return data
+
+
+def config_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The config file every kernel of this user reads."""
+    environ = os.environ if environ is None else environ
+    if environ.get("FLUKSIO_CONFIG"):
+        return Path(environ["FLUKSIO_CONFIG"]).expanduser()
+    from jupyter_core.paths import jupyter_config_dir
+
+    return Path(jupyter_config_dir()) / CONFIG_FILE_NAME
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings in force: the config file, then ``FLUKSIO_*`` on top."""
+    environ = os.environ if environ is None else environ
+    path = config_path(environ)
+    from_file = _read_config_file(path)
+    try:
+        Settings(**from_file)
+    except ValidationError as error:
+        raise BadSettings(f"{path}: {explain(error)}") from None
+
+    from_env = {key: environ[var] for key, var in ENV_VARS.items() if environ.get(var)}
+    try:
+        return Settings(**{**from_file, **from_env})
+    except ValidationError as error:
+        names = ", ".join(f"{ENV_VARS[key]}={value!r}" for key, value in from_env.items())
+        raise BadSettings(f"environment ({names}): {explain(error)}") from None
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as error:
+        raise BadSettings(f"{path} cannot be read: {error.strerror}") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise BadSettings(
+            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: "
+            f"{error.msg}); fix or remove it"
+        ) from None
+    if not isinstance(data, dict):
+        raise BadSettings(f'{path} must hold a JSON object, such as {{"reserve_cpus": 1}}')
+    return data

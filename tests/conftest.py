@@ -1,0 +1,22 @@
+"""Every test starts from a kernel that has read no settings.
+
+The accountant is made once per process and reads ``FLUKSIO_*`` and the
+user's config file when it is made, so a test that declared two GPUs would
+otherwise leak them into the next, and a developer's own ``~/.jupyter`` would
+change what the suite sees.
+"""
+
+import pytest
+
+from fluksio_nb.accountant import forget_accountant
+from fluksio_nb.settings import ENV_VARS
+
+
+@pytest.fixture(autouse=True)
+def isolated_settings(monkeypatch, tmp_path):
+    for var in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLUKSIO_CONFIG", str(tmp_path / "fluksio_nb.json"))
+    forget_accountant()
+    yield tmp_path / "fluksio_nb.json"
+    forget_accountant()

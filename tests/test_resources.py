@@ -1,0 +1,215 @@
+"""What is asked: the claim's fields, the ``%%claim`` line, flavors, settings.
+
+Almost every mistake here is a typo at the top of a cell. The failure guarded
+against is a typo that is accepted silently (a cell that runs on a default
+nobody chose) or rejected with a message that does not say what to type.
+"""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fluksio_nb.claim_line import claim_parser, parse_claim_line
+from fluksio_nb.flavors import UnknownFlavor, describe_flavors, resolve_flavor
+from fluksio_nb.resources import BadClaim, Resources, ask
+from fluksio_nb.settings import BadSettings, load_settings
+
+# -----------------------------------------------------------------------------
+# Resources
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("8G", 8 * 10**9), ("512M", 512 * 10**6), ("1.5GiB", 3 << 29), ("1024", 1024)],
+)
+def test_ram_reads_the_sizes_people_write(text, size):
+    assert Resources(ram=text).ram_bytes == size
+
+
+def test_ram_given_as_plain_bytes_is_taken_as_bytes():
+    assert Resources(ram=4096).ram_bytes == 4096
+
+
+def test_a_misspelled_resource_is_refused_with_the_right_spelling():
+    """`cpu=2` must not run with the default one core."""
+    with pytest.raises(ValueError) as caught:
+        ask(cpu=2)
+    message = str(caught.value)
+    assert "'cpu'" in message
+    assert "did you mean 'cpus'" in message
+    assert "cpus, gpus, ram" in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"cpus": -1}, "cpus must be at least 1"),
+        ({"gpus": -2}, "gpus must be at least 0"),
+        ({"cpus": 1.5}, "cpus must be a whole number"),
+        ({"gpus": "one"}, "gpus must be a whole number"),
+        ({"cpus": True}, "cpus must be a whole number"),
+        ({"cpus": 0}, "at least 1"),
+        ({"ram": "lots"}, "ram='lots' is not a size"),
+        ({"ram": 0}, "more than zero"),
+        ({"timeout": -3}, "timeout"),
+    ],
+)
+def test_bad_counts_and_sizes_are_refused_in_plain_words(fields, words):
+    with pytest.raises(BadClaim) as caught:
+        ask(**fields)
+    assert words in str(caught.value)
+    assert "\n" not in str(caught.value), "the error should be one paragraph"
+
+
+def test_whole_floats_and_digit_strings_are_counts():
+    assert Resources(cpus=2.0, gpus="1").cpus == 2
+
+
+def test_declaring_nothing_asks_for_one_core_and_nothing_else():
+    """A bare `%%claim` is a valid claim: one core, no card, no memory accounted."""
+    nothing = Resources()
+    assert (nothing.cpus, nothing.gpus, nothing.ram) == (1, 0, None)
+    assert nothing.ram_bytes == 0
+
+
+# -----------------------------------------------------------------------------
+# The %%claim line
+# -----------------------------------------------------------------------------
+
+
+def test_the_line_splits_resources_env_and_options():
+    line = parse_claim_line(
+        "cpus=2 gpus=1 ram=8G OMP_NUM_THREADS=1 --label fit --in a,b --out c "
+        "--timeout 30 --background --strict"
+    )
+    r = line.resources
+    assert (r.cpus, r.gpus, r.ram_bytes) == (2, 1, 8 * 10**9)
+    assert r.env == {"OMP_NUM_THREADS": "1"}
+    assert (r.label, r.timeout, r.strict) == ("fit", 30.0, True)
+    assert line.inputs == ("a", "b")
+    assert line.outputs == ("c",)
+    assert line.background is True
+
+
+def test_an_empty_line_is_one_core():
+    line = parse_claim_line("")
+    assert line.resources == Resources()
+    assert (line.inputs, line.outputs, line.background) == (None, None, False)
+
+
+def test_quoted_values_keep_their_spaces():
+    line = parse_claim_line("""XLA_FLAGS="--a=1 --b=2" --label 'my fit'""")
+    assert line.resources.env == {"XLA_FLAGS": "--a=1 --b=2"}
+    assert line.resources.label == "my fit"
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("cpu=2", "did you mean 'cpus'"),
+        ("ram=lots", "ram='lots' is not a size"),
+        ("cpus", "is not NAME=VALUE"),
+        ("cpus=2 cpus=3", "given twice"),
+        ("--colour red", "unrecognized arguments"),
+        ("--in 1x", "is not a Python name"),
+        ("--label 'unclosed", "close the quote"),
+        ("--timeout soon", "invalid float value"),
+        ("Omp_Threads=1", "UPPER_CASE"),
+    ],
+)
+def test_a_bad_line_says_what_to_change(line, words):
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(line)
+    assert words in str(caught.value)
+
+
+def test_the_help_text_is_the_parser_that_reads_the_line():
+    """`%%claim?` must list every option the parser accepts, so the two cannot drift."""
+    text = claim_parser().format_help()
+    for option in ("--in", "--out", "--timeout", "--background", "--label", "--strict"):
+        assert option in text
+
+
+_line_words = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(
+        ["cpus=", "gpus=", "ram=", "flavor=", "--in", "--out", "--timeout", "--label"]
+    ).flatmap(lambda key: st.builds(lambda v: key + v, st.text(max_size=6))),
+    st.sampled_from(["--background", "--strict", "OMP_NUM_THREADS=2", "'", '"', "-h"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_line_words, max_size=6).map(" ".join))
+def test_any_line_is_a_claim_or_a_clear_error(line):
+    """Whatever is typed, the magic must not die with a stray exception."""
+    try:
+        parsed = parse_claim_line(line)
+    except ValueError as error:
+        assert str(error)
+    else:
+        assert isinstance(parsed.resources, Resources)
+
+
+# -----------------------------------------------------------------------------
+# Flavors and settings
+# -----------------------------------------------------------------------------
+
+
+def test_a_flavor_supplies_the_numbers_not_given(isolated_settings):
+    resolved = resolve_flavor(parse_claim_line("flavor=gpu-small").resources, load_settings())
+    assert (resolved.cpus, resolved.gpus, resolved.ram_bytes) == (4, 1, 16 * 10**9)
+
+
+def test_numbers_on_the_line_win_over_the_flavor():
+    wanted = parse_claim_line("flavor=gpu-small ram=32G --label big").resources
+    resolved = resolve_flavor(wanted, load_settings())
+    assert (resolved.cpus, resolved.ram_bytes, resolved.label) == (4, 32 * 10**9, "big")
+
+
+def test_a_user_flavor_comes_from_the_shared_config_file(isolated_settings):
+    isolated_settings.write_text(json.dumps({"flavors": {"tiny": {"cpus": 1, "ram": "1G"}}}))
+    settings_now = load_settings()
+    resolved = resolve_flavor(Resources(flavor="tiny"), settings_now)
+    assert resolved.ram_bytes == 10**9
+    assert "tiny" in describe_flavors(settings_now)
+
+
+def test_a_flavor_that_does_not_exist_says_how_to_list_them():
+    with pytest.raises(UnknownFlavor) as caught:
+        resolve_flavor(Resources(flavor="huge"), load_settings())
+    assert "flavor 'huge' does not exist" in str(caught.value)
+    assert "fluksio-nb flavors" in str(caught.value)
+
+
+def test_environment_variables_win_over_the_config_file(isolated_settings, monkeypatch):
+    isolated_settings.write_text(json.dumps({"cpus": 8, "gpus": 1, "reserve_cpus": 2}))
+    monkeypatch.setenv("FLUKSIO_GPUS", "2")
+    loaded = load_settings()
+    assert (loaded.cpus, loaded.gpus, loaded.reserve_cpus) == (8, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("{not json", "is not valid JSON (line 1"),
+        ('{"cpu": 4}', "unknown setting 'cpu' (did you mean 'cpus'?)"),
+        ("[1, 2]", "must hold a JSON object"),
+    ],
+)
+def test_a_broken_config_file_names_itself(isolated_settings, content, words):
+    isolated_settings.write_text(content)
+    with pytest.raises(BadSettings) as caught:
+        load_settings()
+    assert str(isolated_settings) in str(caught.value)
+    assert words in str(caught.value)
+
+
+def test_a_bad_environment_variable_names_itself(monkeypatch):
+    monkeypatch.setenv("FLUKSIO_GPUS", "two")
+    with pytest.raises(BadSettings) as caught:
+        load_settings()
+    assert "FLUKSIO_GPUS='two'" in str(caught.value)
