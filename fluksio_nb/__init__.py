@@ -3,27 +3,56 @@
 ``%load_ext fluksio_nb`` registers ``%%claim`` and ``%claims``. A claimed cell
 waits its turn for its cores, cards and memory, then runs in a worker process
 whose environment was derived from its share. See ``README.md``.
+
+The public names are imported on first use. Every worker process imports this
+package to reach its own module, and a worker that loaded pydantic and the
+queue it never uses would start measurably slower.
 """
 
-from fluksio_nb.accountant import accountant
-from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.env import THREAD_VARS, derive_env, fair_share_env
-from fluksio_nb.queue import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
-from fluksio_nb.resources import BadClaim, Resources
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "THREAD_VARS",
-    "Allocation",
-    "BadClaim",
-    "ClaimCancelled",
-    "ClaimTimeout",
-    "ClaimTooLarge",
-    "ClampedWarning",
-    "ResourceAccountant",
-    "Resources",
-    "accountant",
-    "derive_env",
-    "fair_share_env",
-]
+_PUBLIC = {
+    "claim": "fluksio_nb.context",
+    "Claim": "fluksio_nb.context",
+    "accountant": "fluksio_nb.kernel",
+    "Resources": "fluksio_nb.resources",
+    "BadClaim": "fluksio_nb.resources",
+    "Allocation": "fluksio_nb.books",
+    "ResourceAccountant": "fluksio_nb.books",
+    "THREAD_VARS": "fluksio_nb.env",
+    "derive_env": "fluksio_nb.env",
+    "fair_share_env": "fluksio_nb.env",
+    "ClaimCancelled": "fluksio_nb.queue",
+    "ClaimTimeout": "fluksio_nb.queue",
+    "ClaimTooLarge": "fluksio_nb.queue",
+    "ClampedWarning": "fluksio_nb.queue",
+    "ClaimHalted": "fluksio_nb.context",
+    "RemoteError": "fluksio_nb.context",
+    "WorkerDied": "fluksio_nb.context",
+    "Job": "fluksio_nb.jobs",
+}
+
+__all__ = [*_PUBLIC, "load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'fluksio_nb' has no attribute {name!r}")
+
+
+def load_ipython_extension(shell: Any) -> None:
+    from fluksio_nb.magics import load_ipython_extension as load
+
+    load(shell)
+
+
+def unload_ipython_extension(shell: Any) -> None:
+    from fluksio_nb.magics import unload_ipython_extension as unload
+
+    unload(shell)

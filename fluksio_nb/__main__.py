@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
     options = parser.parse_args(argv)
-    from fluksio_nb.accountant import accountant, settings
+    from fluksio_nb.kernel import accountant, settings
 
     try:
         if options.what == "flavors":

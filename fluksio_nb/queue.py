@@ -68,6 +68,8 @@ class Ticket:
     pid: int = field(default_factory=os.getpid)
     state: Literal["waiting", "running", "done"] = "waiting"
     allocation: Allocation | None = None
+    #: ``time.monotonic()`` when the share was granted: the queue's own order.
+    granted_at: float | None = None
     cancelled: str | None = None
     #: Called, outside the queue's lock, when a running claim is cancelled:
     #: whoever runs the claim knows how to stop it; the queue does not.
@@ -223,6 +225,7 @@ class ClaimQueue:
                 allocation = self.books.try_take(*need)
                 if allocation is not None:
                     ticket.allocation, ticket.state = allocation, "running"
+                    ticket.granted_at = time.monotonic()
                     self._waiting.remove(ticket)
                     self._running[ticket.number] = ticket
                     granted = True

@@ -8,7 +8,7 @@ change what the suite sees.
 
 import pytest
 
-from fluksio_nb.accountant import forget_accountant
+from fluksio_nb.kernel import forget_accountant
 from fluksio_nb.settings import ENV_VARS
 
 

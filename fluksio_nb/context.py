@@ -1,0 +1,391 @@
+"""Holding a share for a block of code: ``with claim(cpus=2) as c:``.
+
+:class:`Claim` is the one path every claimed piece of work takes, whether a
+``%%claim`` cell, a ``--background`` job or a ``with claim(...)`` block: wait
+in the kernel's queue with a visible status, derive the environment from what
+was granted, run the work in a worker or a subprocess that was born with that
+environment, sample it, and give the share back however it ends.
+
+How it ends decides what the user reads. A cell that raised shows its own
+traceback. A cell that was halted for memory, ran out of time, was
+cancelled, or lost its worker says which of those happened and the numbers,
+in one paragraph, because there is no traceback in the user's code to read.
+
+Inside a ``with claim(...)`` block, the kernel's own BLAS and OpenMP pools are
+also held to the share (threadpoolctl), and restored after: code run directly
+in the block is then as well-behaved as code sent to a worker. The ``%%claim``
+magic and background jobs do not do this, because their work is not in the
+kernel, and a background job limiting the kernel's pools would slow every
+other cell the user runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import Budget, HaltDecision, resolve_budget
+from fluksio_nb.env import derive_env, worker_environ
+from fluksio_nb.flavors import resolve_flavor
+from fluksio_nb.inventory import host_memory
+from fluksio_nb.kernel import accountant, settings
+from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
+from fluksio_nb.resources import Resources, ask
+from fluksio_nb.sampler import Readings, Sample, Sampler
+from fluksio_nb.status import ClaimStatus, Ending, StatusView
+from fluksio_nb.transfer import Parcel
+from fluksio_nb.watch import Watch, Watched, kernel_watch
+from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.pool import WorkerPool, kernel_pool
+
+#: How long the status may lag the queue while a claim waits.
+_STATUS_EVERY_S = 0.5
+
+
+class ClaimHalted(RuntimeError):
+    """The sampler stopped a claim: over its memory budget, or the host short."""
+
+    def __init__(self, decision: HaltDecision) -> None:
+        super().__init__(decision.message)
+        self.decision = decision
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended in the middle of the work."""
+
+
+class RemoteError(Exception):
+    """The claimed code raised; its traceback is the worker's, not the kernel's."""
+
+    def __init__(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        super().__init__(f"{ename}: {evalue}")
+        self.ename, self.evalue, self.traceback = ename, evalue, traceback
+
+
+class Claim:
+    """A share of the machine, held from :meth:`acquire` until :meth:`release`."""
+
+    def __init__(
+        self,
+        wanted: Resources,
+        *,
+        view: StatusView | None = None,
+        queue: ClaimQueue | None = None,
+        pool: WorkerPool | None = None,
+        watch: Watch | None = None,
+        limit_kernel_threads: bool = False,
+    ) -> None:
+        self.wanted = resolve_flavor(wanted, settings())
+        self._queue = queue or accountant()
+        self._pool = pool or kernel_pool()
+        self._watch = watch or kernel_watch()
+        self._view = view
+        self._limit_kernel_threads = limit_kernel_threads
+        self._thread_limits: Any = None
+        self._ticket: Ticket | None = None
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+        self._stop_reason: tuple[Ending, str, HaltDecision | None] | None = None
+        self._stoppers: list[Callable[[], None]] = []
+        self._processes: list[subprocess.Popen] = []
+        self.status = ClaimStatus(label=self.wanted.label or "claim", asked=self.wanted)
+        self.allocation: Allocation | None = None
+        self.env: dict[str, str] = {}
+        self.budget: Budget | None = None
+
+    # -- the share --------------------------------------------------------------
+
+    @property
+    def readings(self) -> Readings:
+        """The latest, peak and mean readings of everything this claim ran."""
+        return self.status.readings
+
+    def enqueue(self) -> Ticket:
+        """Take a place in the queue and show it; does not wait. Idempotent."""
+        if self._ticket is not None:
+            return self._ticket
+        if self.wanted.timeout is not None:
+            self._deadline = time.monotonic() + self.wanted.timeout
+        ticket = self._queue.enqueue(self.wanted)
+        self._ticket = ticket
+        self.status.label, self.status.ticket = ticket.label, ticket.number
+        self.status.asked = ticket.resources
+        self._refresh_queue_position()
+        if self._view is not None:
+            self._view.show(self.status)
+        return ticket
+
+    def acquire(self) -> Claim:
+        """Wait for the share, showing where the claim stands while it waits."""
+        ticket = self.enqueue()
+        try:
+            allocation = self._wait(ticket)
+        except BaseException as error:
+            self._end(
+                _ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
+            )
+            raise
+        self.allocation = allocation
+        self.env = derive_env(ticket.resources, allocation)
+        total, available = host_memory()
+        self.budget = resolve_budget(
+            allocation.ram_bytes or None, host_total_bytes=total, host_available_bytes=available
+        )
+        ticket.on_cancel = self._cancelled
+        self.status.phase, self.status.allocation = "running", allocation
+        self.status.budget, self.status.started_at = self.budget, time.monotonic()
+        self._update_view()
+        if self._limit_kernel_threads:
+            from threadpoolctl import threadpool_limits
+
+            self._thread_limits = threadpool_limits(limits=allocation.cpus)
+        return self
+
+    def _wait(self, ticket: Ticket) -> Allocation:
+        while True:
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            try:
+                return self._queue.wait(
+                    ticket, _STATUS_EVERY_S if left is None else min(max(left, 0), _STATUS_EVERY_S)
+                )
+            except ClaimTimeout:
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise ClaimTimeout(
+                        self._queue._timeout_message(ticket, self.wanted.timeout)
+                    ) from None
+            self._refresh_queue_position()
+            self._update_view()
+
+    def _refresh_queue_position(self) -> None:
+        ticket = self._ticket
+        if ticket is None:
+            return
+        self.status.position = self._queue.position(ticket)
+        self.status.holders = [
+            f"{holder.label!r} (#{holder.number})"
+            for holder in self._queue.holders()
+            if holder is not ticket
+        ]
+
+    def release(self, error: BaseException | None = None) -> None:
+        """Give the share back and end everything this claim started."""
+        if self._thread_limits is not None:
+            self._thread_limits.restore_original_limits()
+            self._thread_limits = None
+        for process in self._processes:
+            if process.poll() is None:
+                _end_process_group(process)
+        if self._ticket is not None:
+            self._queue.release(self._ticket)
+        if self.status.phase != "done":
+            if self._stop_reason is not None:
+                ending, message, _ = self._stop_reason
+                self._end(ending, message)
+            elif error is None:
+                self._end("ok", "")
+            else:
+                self._end(_ending_of(error), _message_of(error))
+
+    def __enter__(self) -> Claim:
+        return self.acquire()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.release(error)
+
+    # -- running things under it -----------------------------------------------
+
+    def run_code(
+        self,
+        code: str,
+        inputs: Mapping[str, object] | Parcel,
+        outputs: Sequence[str] | None,
+        sink: Any,
+    ) -> Outcome:
+        """Run notebook code in a worker that holds this share; raise how it failed."""
+        if self.allocation is None:
+            raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        worker = self._pool.checkout(self.env)
+        watched = self._watch_process(worker.pid, stop=worker.kill)
+        try:
+            outcome = worker.run(code, inputs=inputs, outputs=outputs, sink=sink)
+        finally:
+            self._watch.discard(watched)
+            self._stoppers.remove(worker.kill)
+            self._pool.checkin(worker, self.env)
+        self._raise_for(outcome)
+        return outcome
+
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)`` in a worker holding this share; return its result."""
+        from fluksio_nb.relay import CellOutput
+
+        outcome = self.run_code(
+            "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
+            {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": kwargs},
+            ["__fluksio_result__"],
+            CellOutput(),
+        )
+        if "__fluksio_result__" in outcome.failed:
+            raise RemoteError(
+                "TransferError",
+                f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
+                [],
+            )
+        return outcome.outputs["__fluksio_result__"]
+
+    def popen(self, args: Sequence[str] | str, **kwargs: Any) -> subprocess.Popen:
+        """Start a subprocess with this share's environment, sampled and held to its budget.
+
+        An ``env=`` given here is laid over the derived one, as a claim's own
+        ``env`` is. The process ends, if it has not already, when the claim does.
+        """
+        if self.allocation is None:
+            raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        extra = kwargs.pop("env", None) or {}
+        kwargs.setdefault("start_new_session", True)
+        process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
+        self._processes.append(process)
+        self._watch_process(process.pid, stop=lambda: _end_process_group(process))
+        return process
+
+    # -- stopping ----------------------------------------------------------------
+
+    def _watch_process(self, pid: int, stop: Callable[[], None]) -> Watched:
+        self._stoppers.append(stop)
+        assert self.budget is not None
+        return self._watch.add(
+            Watched(
+                sampler=Sampler(pid),
+                budget=self.budget,
+                on_sample=self._sampled,
+                on_halt=self._halt,
+                deadline=self._deadline,
+            )
+        )
+
+    def _sampled(self, sample: Sample) -> None:
+        self.status.readings.add(sample)
+        self._update_view()
+
+    def _halt(self, decision: HaltDecision | None) -> None:
+        if decision is None:
+            self._stop(
+                "timed out",
+                f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and was "
+                "stopped. Raise --timeout, or make the cell do less.",
+                None,
+            )
+        else:
+            self._stop("halted", decision.message, decision)
+
+    def _cancelled(self, reason: str) -> None:
+        self._stop("cancelled", f"{self.status.label} was cancelled while running: {reason}", None)
+
+    def _stop(self, ending: Ending, message: str, decision: HaltDecision | None) -> None:
+        with self._lock:
+            if self._stop_reason is None:
+                self._stop_reason = (ending, message, decision)
+            stoppers = list(self._stoppers)
+        for stop in stoppers:
+            stop()
+
+    def _raise_for(self, outcome: Outcome) -> None:
+        if self._stop_reason is not None:
+            ending, message, decision = self._stop_reason
+            if ending == "halted" and decision is not None:
+                raise ClaimHalted(decision)
+            if ending == "timed out":
+                raise ClaimTimeout(message)
+            raise ClaimCancelled(message)
+        if outcome.died is not None:
+            raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
+        if outcome.error is not None:
+            error = outcome.error
+            if error.ename == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            raise RemoteError(error.ename, error.evalue, error.traceback)
+
+    # -- showing ----------------------------------------------------------------
+
+    def _update_view(self) -> None:
+        if self._view is not None:
+            self._view.update(self.status)
+
+    def _end(self, ending: Ending, message: str) -> None:
+        self.status.phase, self.status.ending, self.status.message = "done", ending, message
+        self.status.ended_at = time.monotonic()
+        if self.status.started_at is None:
+            self.status.started_at = self.status.ended_at
+        self._update_view()
+
+
+def _ending_of(error: BaseException) -> Ending:
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, ClaimHalted):
+        return "halted"
+    if isinstance(error, ClaimTimeout):
+        return "timed out"
+    if isinstance(error, ClaimCancelled):
+        return "cancelled"
+    if isinstance(error, WorkerDied):
+        return "died"
+    return "error"
+
+
+def _message_of(error: BaseException) -> str:
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted by the user"
+    return str(error)
+
+
+def _end_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process's group, then SIGKILL whatever is left a moment later."""
+    try:
+        group = os.getpgid(process.pid)
+    except ProcessLookupError:
+        return
+    for sig, grace in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=grace or 5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def claim(
+    cpus: int | None = None,
+    gpus: int | None = None,
+    ram: int | str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flavor: str | None = None,
+    label: str | None = None,
+    timeout: float | None = None,
+    strict: bool = False,
+    view: StatusView | None = None,
+) -> Claim:
+    """Hold a share of the machine for a ``with`` block.
+
+    ``with claim(cpus=2, gpus=1, ram="8G") as c:`` waits for the share, then
+    gives ``c.allocation``, ``c.env``, ``c.run(fn, *args)``, ``c.popen(args)``
+    and ``c.readings``. The kernel's own BLAS/OpenMP pools are limited to the
+    share inside the block.
+    """
+    fields: dict[str, Any] = {
+        name: value
+        for name, value in {"cpus": cpus, "gpus": gpus, "ram": ram, "flavor": flavor}.items()
+        if value is not None
+    }
+    wanted = ask(**fields, env=dict(env or {}), label=label, timeout=timeout, strict=strict)
+    return Claim(wanted, view=view, limit_kernel_threads=True)

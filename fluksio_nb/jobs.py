@@ -1,0 +1,106 @@
+"""``%%claim --background``: a claimed cell that returns at once with a handle.
+
+The cell joins the kernel's queue before the magic returns, in the main
+thread, so eight background cells started in order are granted in that order
+and never more at once than the inventory holds. It then waits and runs on a
+thread of its own while the user goes on working.
+
+Two things a background cell must not do. Its output must not land in
+whichever cell happens to be executing when it prints, so it is sent to the
+cell that started it (see :mod:`fluksio_nb.relay`). And the names it binds must
+not appear in the namespace at some unpredictable later moment, overwriting
+what the user has since done with them; they wait on the handle, in
+:meth:`Job.result`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from fluksio_nb.context import Claim, RemoteError
+from fluksio_nb.relay import CellOutput
+from fluksio_nb.resources import Resources
+from fluksio_nb.status import TextView, describe
+from fluksio_nb.transfer import Parcel
+
+
+class Job:
+    """A handle on a background claim: ``.result()``, ``.done()``, ``.cancel()``, ``.status``."""
+
+    def __init__(
+        self,
+        wanted: Resources,
+        code: str,
+        inputs: Parcel,
+        outputs: Sequence[str] | None,
+    ) -> None:
+        self._claim = Claim(wanted, view=TextView())
+        self._code, self._inputs, self._outputs = code, inputs, outputs
+        self._output = CellOutput()
+        self._finished = threading.Event()
+        self._values: dict[str, object] = {}
+        self._error: BaseException | None = None
+        self._claim.enqueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"fluksio-job-{self.label}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def label(self) -> str:
+        return self._claim.status.label
+
+    @property
+    def status(self) -> str:
+        """``waiting``, ``running``, or how it ended: ``ok``, ``error``, ``halted``..."""
+        state = self._claim.status
+        return state.ending or state.phase if state.phase == "done" else state.phase
+
+    @property
+    def granted_at(self) -> float | None:
+        """When the queue granted this job its share (``time.monotonic()``), if it has."""
+        return self._claim.enqueue().granted_at
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> dict[str, object]:
+        """Wait for the cell and return the names it bound; raise how it failed."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.label} is still {self.status} after {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return dict(self._values)
+
+    def cancel(self) -> bool:
+        """Leave the queue, or stop the worker if it is running. False once it has ended."""
+        if self.done():
+            return False
+        ticket = self._claim.enqueue()
+        return self._claim._queue.cancel(ticket.number, "cancelled from its job handle")
+
+    def _run(self) -> None:
+        try:
+            with self._claim as claimed:
+                outcome = claimed.run_code(self._code, self._inputs, self._outputs, self._output)
+            self._values = outcome.outputs
+            if outcome.failed:
+                lines = "".join(f"  {n}: {r}\n" for n, r in sorted(outcome.failed.items()))
+                self._output.stderr(f"fluksio_nb: these names could not be brought back:\n{lines}")
+        except RemoteError as error:
+            self._error = error
+            self._output.error(error.ename, error.evalue, error.traceback)
+        except BaseException as error:
+            self._error = error
+            self._output.stderr(f"{type(error).__name__}: {error}\n")
+        finally:
+            self._inputs.discard()
+            self._finished.set()
+
+    def __repr__(self) -> str:
+        return f"<Job {self.label!r}: {describe(self._claim.status).splitlines()[0]}>"
+
+
+def start_job(wanted: Resources, code: str, inputs: Parcel, outputs: Sequence[str] | None) -> Job:
+    return Job(wanted, code, inputs, outputs)

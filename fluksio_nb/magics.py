@@ -1,0 +1,132 @@
+"""``%%claim`` and ``%claims``: the notebook's way in.
+
+A claimed cell should behave as much like a normal cell as a separate process
+can. Its output appears in the cell as it happens, its last expression is
+shown, the names it reads come in from the kernel and the names it binds go
+back, and the stop button stops it. What cannot be hidden is said plainly: a
+name that could not travel is reported by name, and a cell that was halted,
+timed out or lost its worker says which, in one paragraph.
+
+Bad input is refused before anything waits or starts. A misspelled resource,
+an unknown flavor or an input that cannot be sent is a ``UsageError``: one
+line, no traceback, no share taken, no worker started.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from fluksio_nb import transfer
+from fluksio_nb.claim_line import claim_parser, parse_claim_line
+from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
+from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
+from fluksio_nb.relay import CellOutput
+from fluksio_nb.resources import BadClaim
+from fluksio_nb.status import TextView
+from fluksio_nb.variables import choose_inputs, choose_outputs
+
+#: Errors whose message is the whole story: shown as one paragraph, with no
+#: traceback through fluksio_nb's own code, which the user did not write.
+PLAIN_ERRORS = (ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim)
+
+
+class ForegroundOutput(CellOutput):
+    """Output of a cell the kernel is waiting on. Its error is raised, not sent.
+
+    Raising is what marks the cell as failed, so that "Run All" stops there as
+    it would for a normal cell; sending the traceback as well would show it twice.
+    """
+
+    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        pass
+
+
+@magics_class
+class ClaimMagics(Magics):
+    """The magics ``%load_ext fluksio_nb`` registers."""
+
+    @cell_magic
+    def claim(self, line: str, cell: str) -> Any:
+        try:
+            parsed = parse_claim_line(line)
+            inputs = choose_inputs(cell, self.shell.user_ns, parsed.inputs)
+            outputs = choose_outputs(cell, parsed.outputs)
+        except (BadClaim, SyntaxError, ValueError) as error:
+            raise UsageError(str(error)) from None
+        # Packed now, before the claim waits: an input that cannot travel is
+        # refused before it takes a place in the queue, and a background cell
+        # ships its inputs as they were when it was started.
+        parcel = transfer.pack({name: self.shell.user_ns[name] for name in inputs})
+        if parcel.failures:
+            parcel.discard()
+            raise UsageError(_unsendable_message(parcel.failures))
+        try:
+            if parsed.background:
+                from fluksio_nb.jobs import start_job
+
+                return start_job(parsed.resources, cell, parcel, outputs)
+            claimed = Claim(parsed.resources, view=TextView())
+        except BadClaim as error:
+            parcel.discard()
+            raise UsageError(str(error)) from None
+        try:
+            with claimed:
+                outcome = claimed.run_code(cell, parcel, outputs, ForegroundOutput())
+        finally:
+            parcel.discard()
+        self.shell.user_ns.update(outcome.outputs)
+        _report_failed(outcome.failed)
+        return None
+
+    @line_magic
+    def claims(self, line: str = "") -> Any:
+        """Show the machine: totals, free, the queue and the running claims."""
+        from fluksio_nb.__main__ import describe_snapshot
+        from fluksio_nb.kernel import accountant
+
+        print(describe_snapshot(accountant().snapshot()))
+
+
+ClaimMagics.claim.__doc__ = claim_parser().format_help()
+
+
+def _unsendable_message(failures: dict[str, str]) -> str:
+    names = ", ".join(f"'{name}' ({reason})" for name, reason in sorted(failures.items()))
+    return (
+        f"%%claim: cannot send {names} to the worker. Create it inside the cell, "
+        "or leave it out with --in."
+    )
+
+
+def _report_failed(failed: dict[str, str]) -> None:
+    if not failed:
+        return
+    import sys
+
+    lines = "\n".join(f"  {name}: {reason}" for name, reason in sorted(failed.items()))
+    sys.stderr.write(f"fluksio_nb: these names could not be brought back:\n{lines}\n")
+
+
+def _show_claim_error(shell, kind, error, traceback, tb_offset=None):
+    """Show a claimed cell's failure as the user needs to read it."""
+    if isinstance(error, RemoteError):
+        # The cell's own exception name, not ours: the front end shows the
+        # error's name, and "ValueError" is what the user raised.
+        stb = error.traceback or [str(error)]
+        shell._showtraceback(type(error.ename, (Exception,), {}), error.evalue, stb)
+    else:
+        stb = [f"\x1b[0;31m{kind.__name__}\x1b[0m: {error}"]
+        shell._showtraceback(kind, error, stb)
+    return stb
+
+
+def load_ipython_extension(shell) -> None:
+    shell.register_magics(ClaimMagics)
+    shell.set_custom_exc((RemoteError, *PLAIN_ERRORS), _show_claim_error)
+
+
+def unload_ipython_extension(shell) -> None:
+    shell.set_custom_exc((), None)

@@ -1,0 +1,92 @@
+"""Putting a worker's output into the cell that asked for it.
+
+A worker's stdout, display data and traceback have to appear in the cell that
+started the claim, as they happen, and stay there. For a cell that waits for
+its worker this is the cell that is executing anyway. For a ``--background``
+claim it is not: by the time the worker prints, the user is running other
+cells, and ipykernel sends output to whichever cell is executing now.
+
+So the relay remembers the message that started the cell (its parent header)
+when it is made, and sends every output as a reply to that message, on the
+kernel's IOPub channel, from whichever thread the output arrives on. Outside
+ipykernel (a terminal IPython, a test shell) there is no such channel, and
+output goes to this process's own streams and display hook instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+class CellOutput:
+    """Sends a worker's output to one cell, from any thread, at any time."""
+
+    def __init__(self) -> None:
+        self._kernel = _kernel()
+        self._parent = None
+        if self._kernel is not None:
+            # ipykernel 6 keeps one parent per channel; older keeps just one.
+            get_parent = getattr(self._kernel, "get_parent", None)
+            self._parent = get_parent("shell") if get_parent else self._kernel._parent_header
+
+    def stdout(self, text: str) -> None:
+        self._stream("stdout", text)
+
+    def stderr(self, text: str) -> None:
+        self._stream("stderr", text)
+
+    def display(self, data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+        if self._kernel is None:
+            from IPython.display import publish_display_data
+
+            publish_display_data(data, metadata or {})
+            return
+        self._send("display_data", {"data": data, "metadata": metadata or {}, "transient": {}})
+
+    def result(self, data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+        # Shown as display data, not execute_result: the execution count belongs
+        # to the kernel's cell, which has already (or will) report its own.
+        self.display(data, metadata)
+
+    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        if self._kernel is None:
+            sys.stderr.write("\n".join(traceback) + "\n")
+            return
+        self._send("error", {"ename": ename, "evalue": evalue, "traceback": traceback})
+
+    def _stream(self, name: str, text: str) -> None:
+        if not text:
+            return
+        if self._kernel is None:
+            stream = sys.stdout if name == "stdout" else sys.stderr
+            stream.write(text)
+            stream.flush()
+            return
+        # Whatever the kernel has buffered for this cell goes first, so the
+        # kernel's own prints and the worker's come out in the order they ran.
+        getattr(sys, name).flush()
+        self._send("stream", {"name": name, "text": text})
+
+    def _send(self, msg_type: str, content: dict[str, Any]) -> None:
+        kernel = self._kernel
+        kernel.session.send(
+            kernel.iopub_socket,
+            msg_type,
+            content,
+            parent=self._parent,
+            ident=f"kernel.{kernel.ident}.{msg_type}".encode(),
+        )
+
+
+def _kernel():
+    """The running ipykernel, or ``None`` outside one."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or not hasattr(kernel, "iopub_socket"):
+        return None
+    return kernel

@@ -1,0 +1,171 @@
+"""What a claimed cell shows about itself while it waits, runs and ends.
+
+A claimed cell can sit in a queue for minutes, and a cell that shows nothing
+for minutes looks hung. So the cell always says where it is: waiting (for
+what, at which place, behind whom), running (on which share, with the
+worker's memory and CPU), or done (how long it took, the peak memory, and how
+it ended).
+
+The facts live in :class:`ClaimStatus`, which the code running the claim
+updates. How they are drawn is a :class:`StatusView`: this module's
+:class:`TextView` is a plain display that is replaced in place, and the live
+widget takes the same facts. Keeping the two apart is what lets the widget
+take over without the runner knowing.
+
+Every view also leaves text behind (:func:`describe`), because a notebook
+saved and opened later, or compared by nbval, has no live view to ask.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import Budget, human
+from fluksio_nb.resources import Resources
+from fluksio_nb.sampler import Readings
+
+Phase = Literal["waiting", "running", "done"]
+
+#: How a claim ended, in the words the status uses.
+Ending = Literal["ok", "error", "interrupted", "halted", "timed out", "died", "cancelled"]
+
+
+@dataclass
+class ClaimStatus:
+    """Everything a view may show about one claim."""
+
+    label: str
+    asked: Resources
+    phase: Phase = "waiting"
+    ticket: int | None = None
+    position: int | None = None
+    #: Who holds what this claim waits for, as short descriptions.
+    holders: list[str] = field(default_factory=list)
+    allocation: Allocation | None = None
+    budget: Budget | None = None
+    readings: Readings = field(default_factory=Readings)
+    asked_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    ended_at: float | None = None
+    ending: Ending | None = None
+    #: What the user should read about how it ended; empty when it just worked.
+    message: str = ""
+
+    @property
+    def elapsed_s(self) -> float:
+        if self.started_at is None:
+            return 0.0
+        return (self.ended_at or time.monotonic()) - self.started_at
+
+    @property
+    def waited_s(self) -> float:
+        return (self.started_at or self.ended_at or time.monotonic()) - self.asked_at
+
+
+def describe(status: ClaimStatus) -> str:
+    """The status as one or two lines of plain text."""
+    name = status.label
+    if status.phase == "waiting":
+        place = f"#{status.position} in the queue" if status.position else "in the queue"
+        behind = f", behind {', '.join(status.holders)}" if status.holders else ""
+        return (
+            f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
+            f"({status.waited_s:.0f} s so far)"
+        )
+    share = _share(status.allocation)
+    latest = status.readings.latest
+    if status.phase == "running":
+        reading = ""
+        if latest is not None:
+            reading = (
+                f", RSS {human(latest.rss_bytes)}{_of_budget(status.budget)}, "
+                f"CPU {latest.cpu_percent:.0f}% of the machine"
+            )
+        return f"{name}: running on {share}{reading}, {status.elapsed_s:.1f} s"
+    summary = (
+        f"{name}: {status.ending or 'done'} after {status.elapsed_s:.1f} s on {share}, "
+        f"peak RSS {human(status.readings.peak_rss_bytes)}, "
+        f"mean CPU {status.readings.mean_cpu_percent:.0f}%"
+    )
+    return f"{summary}\n{status.message}" if status.message else summary
+
+
+def _share(allocation: Allocation | None) -> str:
+    if allocation is None:
+        return "no share"
+    words = [f"cpus={allocation.cpus}"]
+    words.append("gpus=" + (",".join(map(str, allocation.gpus)) if allocation.gpus else "none"))
+    if allocation.ram_bytes:
+        words.append(f"ram={human(allocation.ram_bytes)}")
+    return " ".join(words)
+
+
+def _of_budget(budget: Budget | None) -> str:
+    if budget is None or budget.applied_bytes is None:
+        return ""
+    return f" of {human(budget.applied_bytes)}"
+
+
+class StatusView(Protocol):
+    """Something that draws a claim's status and is told when it changes."""
+
+    def show(self, status: ClaimStatus) -> None: ...
+
+    def update(self, status: ClaimStatus) -> None: ...
+
+
+class TextView:
+    """The status as a display that is redrawn in place, at most twice a second.
+
+    Drawing is throttled because the sampler reads every half second and a
+    waiting claim is told every time the queue moves; a notebook front end
+    asked to redraw a hundred times a second stops answering the user.
+    The final state is always drawn, however soon after the last.
+    """
+
+    MIN_INTERVAL_S = 0.5
+
+    def __init__(self) -> None:
+        self._handle = None
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def show(self, status: ClaimStatus) -> None:
+        """Draw the status in the cell executing now; once, later calls update it."""
+        from IPython.display import display
+
+        if self._handle is not None:
+            self.update(status)
+            return
+        bundle = self._bundle(status)
+        with self._lock:
+            self._handle = display(bundle, raw=True, display_id=True)
+            self._last = time.monotonic()
+
+    def update(self, status: ClaimStatus) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._handle is None:
+                return
+            if status.phase != "done" and now - self._last < self.MIN_INTERVAL_S:
+                return
+            self._last = now
+            self._handle.update(self._bundle(status), raw=True)
+
+    @staticmethod
+    def _bundle(status: ClaimStatus) -> dict[str, str]:
+        text = describe(status)
+        colour = {"waiting": "#b26b00", "running": "#1565c0", "done": "#2e7d32"}[status.phase]
+        if status.phase == "done" and status.ending != "ok":
+            colour = "#c62828"
+        # Labels and messages come from users and from cells: escaped, always.
+        body = html.escape(text).replace("\n", "<br>")
+        return {
+            "text/plain": text,
+            "text/html": f'<div class="fluksio-status" style="color:{colour}">{body}</div>',
+        }

@@ -1,0 +1,589 @@
+"""Which of the kernel's names a claimed cell needs, and which it hands back.
+
+A claimed cell runs in another process, so the kernel's namespace does not
+follow it: every name the cell reads has to be shipped in and every name it
+binds shipped back, or a cell behaves differently the moment it is claimed.
+Shipping is not free — one name can hold gigabytes — so the question is
+answered from the cell's source before it runs, rather than by copying the
+whole namespace.
+
+The answer leans towards shipping. An extra name costs a copy; a missing one
+is a ``NameError`` in the worker that the same cell would not raise unclaimed.
+So a name counts as already there only when the cell's own top-level code
+certainly bound it before the read: a binding inside one branch of an ``if``,
+a loop body or a ``try`` is not trusted, and a function defined in the cell is
+taken to read every global it mentions at the moment it is defined, because
+when it will be called is not known. What the compiler itself makes local — a
+function's parameters and assignments, a comprehension's loop variable — is
+never shipped.
+
+Names stored into (``table[k] = v``, ``model.weights = w``) come back as well
+as names bound: either way the kernel's name means something else after the
+cell. What cannot be seen in the source is not guessed at — names bound by
+``from m import *`` or ``exec``, or changed through a method call
+(``rows.append(r)``) — and travels only when the user names it with
+``--in``/``--out``.
+
+The source is what the user typed, IPython syntax included, so it goes through
+IPython's own translation first. A magic that runs code (``%time x = f()``) is
+read as that code; ``{expr}`` and ``$name`` in a shell line or a magic are
+reads, since IPython expands them from the namespace.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterable, Iterator, Mapping
+
+from IPython.core.inputtransformer2 import TransformerManager
+
+#: What IPython keeps in every user namespace for its own bookkeeping. Never
+#: shipped: the history is large, partly unpicklable, and the worker has its own.
+IPYTHON_NAMES = frozenset(
+    {"In", "Out", "_", "__", "___", "_oh", "_ih", "_dh", "exit", "quit", "get_ipython"}
+)
+
+#: IPython's input history: ``_i``, ``_ii``, ``_iii`` and ``_i<n>``.
+_INPUT_HISTORY = re.compile(r"_i{1,3}|_i\d+")
+
+#: Magics whose argument is Python run in the user namespace. ``%timeit``
+#: runs its statement inside a function, so what it assigns stays there.
+_MAGICS_RUNNING_CODE = frozenset({"time", "timeit", "prun"})
+_MAGICS_BINDING_NAMES = frozenset({"time", "prun"})
+
+#: IPython expands these in shell lines and most magics before running them.
+_DOLLAR_NAME = re.compile(r"(?<!\$)\$([A-Za-z_]\w*)")
+_BRACED_EXPRESSION = re.compile(r"(?<!\{)\{([^{}]+)\}(?!\})")
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_SCOPES = (*_FUNCTIONS, ast.ClassDef, *_COMPREHENSIONS)
+
+
+class CellSyntaxError(SyntaxError):
+    """The cell is not Python, even once IPython's own syntax is translated."""
+
+    def __str__(self) -> str:
+        # The message already names the line; SyntaxError would repeat it.
+        return str(self.msg)
+
+
+def names_read(source: str) -> set[str]:
+    """Names the cell may read from the namespace it runs in."""
+    flow = _TopLevelFlow()
+    flow.block(_parse(source).body, set())
+    return flow.reads
+
+
+def names_written(source: str) -> set[str]:
+    """Names the cell may bind or store into in the namespace it runs in.
+
+    ``except E as e`` is left out: Python deletes ``e`` when the handler ends.
+    """
+    return _module_writes(_parse(source).body)
+
+
+def choose_inputs(
+    source: str,
+    namespace: Mapping[str, object],
+    explicit: Iterable[str] | str | None = None,
+) -> list[str]:
+    """The kernel's names to ship into the worker before the cell runs.
+
+    ``explicit`` is the user's ``--in`` (a list, or ``"a,b"``) and replaces the
+    automatic choice entirely; each name in it has to exist in ``namespace``.
+    """
+    if explicit is not None:
+        chosen = _explicit_names(explicit, "--in")
+        missing = [name for name in chosen if name not in namespace]
+        if missing:
+            # A bad argument to the magic rather than a failing cell, and
+            # reported as the other bad ``--in`` values are.
+            raise ValueError(_not_defined_message(missing))
+        return chosen
+    return sorted(
+        name for name in names_read(source) if name in namespace and not _is_bookkeeping(name)
+    )
+
+
+def choose_outputs(source: str, explicit: Iterable[str] | str | None = None) -> list[str]:
+    """The worker's names to ship back to the kernel when the cell ends.
+
+    Names starting with ``_`` stay behind, as they would from a module's
+    ``import *``: they are the cell's scratch. ``explicit`` is the user's
+    ``--out`` and replaces the automatic choice entirely.
+    """
+    if explicit is not None:
+        return _explicit_names(explicit, "--out")
+    return sorted(name for name in names_written(source) if not name.startswith("_"))
+
+
+def _is_bookkeeping(name: str) -> bool:
+    return (
+        name in IPYTHON_NAMES
+        or _INPUT_HISTORY.fullmatch(name) is not None
+        or (name.startswith("__") and name.endswith("__"))
+    )
+
+
+def _explicit_names(explicit: Iterable[str] | str, option: str) -> list[str]:
+    if isinstance(explicit, str):
+        explicit = explicit.split(",")
+    chosen: list[str] = []
+    for raw in explicit:
+        name = raw.strip()
+        if not name:
+            continue
+        if not name.isidentifier():
+            raise ValueError(
+                f"{option} names {name!r}, which is not a Python name — "
+                f"give names separated by commas, as in {option} a,b"
+            )
+        if name not in chosen:
+            chosen.append(name)
+    return chosen
+
+
+def _not_defined_message(missing: list[str]) -> str:
+    quoted = " and ".join(repr(name) for name in missing)
+    if len(missing) == 1:
+        return (
+            f"--in names {quoted}, which is not defined in this kernel — "
+            "define it first or drop it from --in"
+        )
+    return (
+        f"--in names {quoted}, which are not defined in this kernel — "
+        "define them first or drop them from --in"
+    )
+
+
+# -- parsing -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _parse(source: str) -> ast.Module:
+    # Both choices parse the same cell one after the other; the tree is only read.
+    try:
+        python = TransformerManager().transform_cell(source)
+        tree = compile(
+            python,
+            "<cell>",
+            "exec",
+            flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+            dont_inherit=True,
+        )
+        # Parsing alone lets through what only the compiler refuses — a
+        # ``return`` or ``break`` at top level — which would otherwise surface
+        # in the worker, after the cell waited for its share.
+        compile(tree, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except SyntaxError as error:
+        raise _cell_syntax_error(error, source) from None
+    return _InlineCodeMagics().visit(tree)
+
+
+def _cell_syntax_error(error: SyntaxError, source: str) -> CellSyntaxError:
+    lineno = error.lineno or 1
+    lines = source.splitlines()
+    # IPython's translation keeps line numbers for line magics and shell
+    # escapes, so the user's own line is the one to show.
+    text = lines[lineno - 1] if 0 < lineno <= len(lines) else (error.text or "")
+    message = (
+        f"line {lineno} of the cell is not valid Python ({error.msg}): "
+        f"{text.strip()!r} — fix it and run the cell again"
+    )
+    return CellSyntaxError(message, ("<cell>", lineno, error.offset, text, None, None))
+
+
+class _InlineCodeMagics(ast.NodeTransformer):
+    """Reads ``%time x = f()`` as ``x = f()``, wherever it stands as a statement."""
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST | list[ast.stmt]:
+        magic = _ipython_call(node.value)
+        if magic is None:
+            return node
+        method, texts = magic
+        if method == "run_line_magic" and len(texts) >= 2:
+            name, code = texts[0], _code_after_options(texts[1])
+        elif method == "run_cell_magic" and len(texts) >= 3:
+            name, code = texts[0], _parse_quietly(texts[2])
+        else:
+            return node
+        if name not in _MAGICS_BINDING_NAMES or code is None:
+            return node
+        return [self.visit(statement) for statement in code.body] or node
+
+
+def _ipython_call(node: ast.AST) -> tuple[str, list[str]] | None:
+    """``get_ipython().method('text', ...)``, as translated IPython syntax reads."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "get_ipython"
+    ):
+        return None
+    texts = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+    if not all(isinstance(text, str) for text in texts):
+        return None
+    return node.func.attr, texts
+
+
+def _ipython_reads(node: ast.Call) -> set[str]:
+    """Names IPython itself looks up to run one translated magic or shell line."""
+    magic = _ipython_call(node)
+    if magic is None:
+        return set()
+    method, texts = magic
+    if method in ("run_line_magic", "run_cell_magic"):
+        name, texts = (texts[0] if texts else ""), texts[1:]
+    else:
+        name = ""
+    reads: set[str] = set()
+    for text in texts:
+        reads |= _interpolated_names(text)
+    if name in _MAGICS_RUNNING_CODE and texts:
+        code = _code_after_options(texts[0]) if len(texts) == 1 else _parse_quietly(texts[-1])
+        if code is not None:
+            reads |= _free_reads(code.body)
+    return reads
+
+
+def _interpolated_names(text: str) -> set[str]:
+    names = set(_DOLLAR_NAME.findall(text))
+    for expression in _BRACED_EXPRESSION.findall(text):
+        parsed = _parse_quietly(expression, mode="eval")
+        if parsed is not None:
+            names |= _free_reads([parsed.body])
+    return names
+
+
+def _code_after_options(text: str) -> ast.Module | None:
+    # ``%timeit -n 10 -r 3 f(x)``: the options come first and are not Python,
+    # so the code is the first tail of the line that parses.
+    if not text.lstrip().startswith("-"):
+        return _parse_quietly(text.strip())
+    words = text.split()
+    for skipped in range(1, min(len(words), 6)):
+        code = _parse_quietly(" ".join(words[skipped:]))
+        if code is not None:
+            return code
+    return None
+
+
+def _parse_quietly(text: str, mode: str = "exec") -> ast.AST | None:
+    try:
+        return ast.parse(text, mode=mode)
+    except (SyntaxError, ValueError):
+        return None
+
+
+# -- scopes --------------------------------------------------------------------------
+
+
+def _scope_nodes(roots: Iterable[ast.AST]) -> Iterator[ast.AST]:
+    """Every node evaluated in the scope `roots` belong to.
+
+    A nested scope is yielded itself, and the parts of it its enclosing scope
+    evaluates — decorators, defaults, base classes, a comprehension's first
+    iterable — are walked as this scope's.
+    """
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, _SCOPES):
+            stack.extend(_evaluated_outside(node))
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _evaluated_outside(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, _COMPREHENSIONS):
+        return [node.generators[0].iter]
+    if isinstance(node, ast.ClassDef):
+        return [*node.decorator_list, *node.bases, *node.keywords]
+    arguments = node.args
+    outside: list[ast.AST] = [*arguments.defaults, *filter(None, arguments.kw_defaults)]
+    if isinstance(node, ast.Lambda):
+        return outside
+    annotations = [argument.annotation for argument in _every_argument(arguments)]
+    return [*node.decorator_list, *outside, *filter(None, [*annotations, node.returns])]
+
+
+def _evaluated_inside(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, _COMPREHENSIONS):
+        parts: list[ast.AST] = (
+            [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        )
+        for index, generator in enumerate(node.generators):
+            parts += [generator.target, *generator.ifs]
+            if index:
+                parts.append(generator.iter)
+        return parts
+    if isinstance(node, ast.Lambda):
+        return [node.body]
+    return list(node.body)
+
+
+def _parameters(node: ast.AST) -> set[str]:
+    if isinstance(node, _COMPREHENSIONS):
+        return {name for g in node.generators for name in _target_names(g.target)}
+    if isinstance(node, ast.ClassDef):
+        return set()
+    return {argument.arg for argument in _every_argument(node.args)}
+
+
+def _every_argument(arguments: ast.arguments) -> list[ast.arg]:
+    return [
+        *arguments.posonlyargs,
+        *arguments.args,
+        *filter(None, [arguments.vararg, arguments.kwarg]),
+        *arguments.kwonlyargs,
+    ]
+
+
+def _target_names(target: ast.AST) -> set[str]:
+    return {
+        node.id
+        for node in ast.walk(target)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+    }
+
+
+def _bound_by(node: ast.AST) -> set[str]:
+    """Names one node binds in the scope it is evaluated in."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return {node.id}
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        # ``import a.b`` binds ``a``; ``from m import *`` binds what cannot be known here.
+        return {
+            alias.asname or alias.name.partition(".")[0]
+            for alias in node.names
+            if alias.name != "*"
+        }
+    if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+        return {node.name}
+    if isinstance(node, ast.MatchMapping) and node.rest:
+        return {node.rest}
+    if isinstance(node, _COMPREHENSIONS):
+        return _walrus_targets(node)
+    type_alias = getattr(ast, "TypeAlias", None)
+    if type_alias is not None and isinstance(node, type_alias):
+        return _target_names(node.name)
+    return set()
+
+
+def _walrus_targets(comprehension: ast.AST) -> set[str]:
+    # A walrus inside a comprehension binds in the scope around it (PEP 572).
+    targets: set[str] = set()
+    stack = _evaluated_inside(comprehension)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.NamedExpr):
+            targets.add(node.target.id)
+        if not isinstance(node, (*_FUNCTIONS, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+    return targets
+
+
+def _stored_into(node: ast.AST) -> str | None:
+    """The name whose object ``name[k] = v`` or ``name.attr = v`` changes."""
+    if not (
+        isinstance(node, (ast.Subscript, ast.Attribute))
+        and isinstance(node.ctx, (ast.Store, ast.Del))
+    ):
+        return None
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _name_read(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del)):
+        return node.id
+    if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+        return node.target.id
+    return None
+
+
+def _declared(body: list[ast.AST], kind: type) -> set[str]:
+    return {name for node in _scope_nodes(body) if isinstance(node, kind) for name in node.names}
+
+
+def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> tuple[set[str], set[str]]:
+    """What a function, class or comprehension reads from and writes to the cell's namespace.
+
+    ``enclosing`` holds the names local to the functions around it, which its
+    own free names resolve to before they reach the cell's namespace.
+    """
+    inside = _evaluated_inside(scope)
+    declared_global = _declared(inside, ast.Global)
+    bindings = _parameters(scope)
+    # A comprehension binds only its loop variables; a walrus in it binds
+    # in the scope around it.
+    if not isinstance(scope, _COMPREHENSIONS):
+        for node in _scope_nodes(inside):
+            bindings |= _bound_by(node)
+            # ``del x`` makes x local, as an assignment would.
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del):
+                bindings.add(node.id)
+        bindings -= _declared(inside, ast.Nonlocal)
+    # A class body falls back to the cell's namespace for a name it has not
+    # bound yet, and whether it has depends on order: every name it reads is
+    # taken as a read. Nor do its names enclose the methods defined in it.
+    local = frozenset() if isinstance(scope, ast.ClassDef) else frozenset(bindings)
+    visible = (enclosing | local) - declared_global
+    # A function declaring ``global x`` may read x too, and shipping x in means
+    # it still comes back unchanged if the function is never called.
+    reads = set(declared_global)
+    writes = bindings & declared_global
+    for node in _scope_nodes(inside):
+        name = _name_read(node)
+        if name is not None and name not in visible:
+            reads.add(name)
+        name = _stored_into(node)
+        if name is not None and name not in visible:
+            writes.add(name)
+        if isinstance(node, ast.Call):
+            reads |= _ipython_reads(node) - visible
+        if isinstance(node, _SCOPES):
+            nested_reads, nested_writes = _scope_effects(
+                node, enclosing if isinstance(scope, ast.ClassDef) else visible
+            )
+            reads |= nested_reads
+            writes |= nested_writes
+    return reads, writes
+
+
+def _free_reads(roots: Iterable[ast.AST]) -> set[str]:
+    """Names top-level code reads from the cell's namespace, bound or not."""
+    reads: set[str] = set()
+    for node in _scope_nodes(roots):
+        name = _name_read(node)
+        if name is not None:
+            reads.add(name)
+        if isinstance(node, ast.Call):
+            reads |= _ipython_reads(node)
+        if isinstance(node, _SCOPES):
+            reads |= _scope_effects(node, frozenset())[0]
+    return reads
+
+
+def _module_writes(body: list[ast.stmt]) -> set[str]:
+    writes: set[str] = set()
+    nodes = list(_scope_nodes(body))
+    # ``x: int`` makes x local in a function, but binds nothing.
+    annotated_only = {
+        id(node.target) for node in nodes if isinstance(node, ast.AnnAssign) and node.value is None
+    }
+    for node in nodes:
+        if id(node) in annotated_only:
+            continue
+        writes |= _bound_by(node)
+        name = _stored_into(node)
+        if name is not None:
+            writes.add(name)
+        if isinstance(node, _SCOPES):
+            writes |= _scope_effects(node, frozenset())[1]
+    return writes
+
+
+# -- order at top level ----------------------------------------------------------------
+
+
+class _TopLevelFlow:
+    """Follows the cell's top level in order, to drop reads of names it bound first.
+
+    ``bound`` is what is certainly bound at a point on every path to it; each
+    method takes it on entry and returns it on exit.
+    """
+
+    def __init__(self) -> None:
+        self.reads: set[str] = set()
+
+    def block(self, body: list[ast.stmt], bound: set[str]) -> set[str]:
+        for statement in body:
+            bound = self.statement(statement, bound)
+        return bound
+
+    def read(self, nodes: Iterable[ast.AST | None], bound: set[str]) -> None:
+        self.reads |= _free_reads(node for node in nodes if node is not None) - bound
+
+    def statement(self, node: ast.stmt, bound: set[str]) -> set[str]:
+        handler = getattr(self, f"_{type(node).__name__}", None)
+        if handler is not None:
+            return handler(node, bound)
+        self.read([node], bound)
+        # Only what every run of the statement binds; a walrus inside an
+        # ``and`` or a comprehension may not run, so it is left out entirely.
+        if isinstance(node, ast.Assign):
+            return bound | {name for target in node.targets for name in _target_names(target)}
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            return bound | _target_names(node.target)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return bound | {node.name}
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return bound | _bound_by(node)
+        return bound
+
+    def _If(self, node: ast.If, bound: set[str]) -> set[str]:
+        self.read([node.test], bound)
+        return self.block(node.body, set(bound)) & self.block(node.orelse, set(bound))
+
+    def _For(self, node: ast.For, bound: set[str]) -> set[str]:
+        # The body may run no times, so nothing it binds is certain after the
+        # loop. Within one pass, order holds on every pass.
+        self.read([node.iter], bound)
+        self.read([node.target], bound)
+        self.block(node.body, bound | _target_names(node.target))
+        self.block(node.orelse, set(bound))
+        return bound
+
+    _AsyncFor = _For
+
+    def _While(self, node: ast.While, bound: set[str]) -> set[str]:
+        self.read([node.test], bound)
+        self.block(node.body, set(bound))
+        self.block(node.orelse, set(bound))
+        return bound
+
+    def _With(self, node: ast.With, bound: set[str]) -> set[str]:
+        # The body is taken to run to its end. Only a context manager that
+        # swallows exceptions gets past it otherwise, and doubting every
+        # ``with open(...)`` would ship back in whatever it read on a re-run.
+        bound = set(bound)
+        for item in node.items:
+            self.read([item.context_expr, item.optional_vars], bound)
+            if item.optional_vars is not None:
+                bound |= _target_names(item.optional_vars)
+        return self.block(node.body, bound)
+
+    _AsyncWith = _With
+
+    def _Try(self, node: ast.Try, bound: set[str]) -> set[str]:
+        # A handler may start from any point in the body, so it can count
+        # only on what was bound before the ``try``.
+        completed = self.block(node.orelse, self.block(node.body, set(bound)))
+        outcomes = [completed]
+        for handler in node.handlers:
+            self.read([handler.type], bound)
+            caught = bound | ({handler.name} if handler.name else set())
+            outcomes.append(self.block(handler.body, caught) - {handler.name})
+        after = set.intersection(*outcomes)
+        return after | self.block(node.finalbody, set(bound))
+
+    _TryStar = _Try
+
+    def _Match(self, node: ast.AST, bound: set[str]) -> set[str]:
+        self.read([node.subject], bound)
+        for case in node.cases:
+            self.read([case.pattern], bound)
+            captured = bound | {name for part in ast.walk(case.pattern) for name in _bound_by(part)}
+            self.read([case.guard], captured)
+            self.block(case.body, captured)
+        return bound

@@ -1,0 +1,117 @@
+"""The kernel's one sampling thread: readings for every running claim, and halts.
+
+Each running claim's worker is read every half second, its readings handed
+to whoever shows them, and the halt decision taken on each reading. A claim
+also ends here when it outlives its deadline. Stopping is the job of
+whoever runs the claim (only it knows the worker's process group), so the
+watch calls back and never kills anything itself.
+
+One thread for all claims, not one per claim: eight claims running should
+cost the kernel what one does. The thread starts when the first claim is
+watched and ends when the last one is let go, so an idle kernel runs no
+thread at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fluksio_nb.budget import Budget, HaltDecision, halt_decision
+from fluksio_nb.sampler import SAMPLE_INTERVAL_S, Sample, Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Watched:
+    """One claim under watch."""
+
+    sampler: Sampler
+    budget: Budget
+    on_sample: Callable[[Sample], None]
+    #: Called once, with the reason, when the claim must stop.
+    on_halt: Callable[[HaltDecision | None], None]
+    #: ``time.monotonic()`` after which the claim is out of time, if any.
+    deadline: float | None = None
+    halted: bool = field(default=False, init=False)
+
+
+class Watch:
+    """Samples what it is given, from one thread that exists only while needed."""
+
+    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._watched: set[Watched] = set()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def add(self, watched: Watched) -> Watched:
+        with self._lock:
+            self._watched.add(watched)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="fluksio-watch", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+        return watched
+
+    def discard(self, watched: Watched) -> None:
+        with self._lock:
+            self._watched.discard(watched)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._watched:
+                    # Decided under the lock, so an add() racing with this exit
+                    # either lands before it (and is seen) or starts a new thread.
+                    self._thread = None
+                    return
+                watched = list(self._watched)
+            for item in watched:
+                try:
+                    self._look_at(item)
+                except Exception:
+                    # One claim's broken view must not stop the readings, or
+                    # the halts, of every other claim in the kernel.
+                    log.exception("fluksio_nb: sampling %s failed", item.sampler.pid)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def _look_at(self, item: Watched) -> None:
+        if item.halted:
+            return
+        if item.deadline is not None and time.monotonic() >= item.deadline:
+            item.halted = True
+            item.on_halt(None)
+            return
+        if not item.sampler.due():
+            return
+        sample = item.sampler.sample()
+        if sample is None:
+            return
+        item.on_sample(sample)
+        decision = halt_decision(sample, item.budget)
+        if decision.should_halt:
+            item.halted = True
+            item.on_halt(decision)
+
+
+_watch = Watch()
+
+
+def kernel_watch() -> Watch:
+    """The kernel's one watch."""
+    return _watch

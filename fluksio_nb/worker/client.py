@@ -1,0 +1,705 @@
+"""The kernel's side of a worker: start it, run cells in it, stop it, say how it ended.
+
+A claimed cell runs in a subprocess (:mod:`fluksio_nb.worker.main`) started with
+the environment its share implies. This module is everything the kernel does
+with that process, and it decides:
+
+- **One thread does all the listening.** :meth:`Worker.run` waits on the
+  channel and on the worker's stdout and stderr pipes with one selector, in the
+  thread that called it, and calls the :class:`Sink` from that thread as bytes
+  and frames arrive. No reader threads means nothing to join, nothing racing
+  the end of a cell, and a ``KeyboardInterrupt`` from the stop button lands
+  exactly where the waiting happens. Python's own output arrives as frames,
+  in order with everything else the cell shows. The pipes carry what child
+  processes and C code write; they are drained before each frame is handled,
+  which keeps that output close to where it was written.
+- **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
+  button sends the kernel does not reach it behind the kernel's back. Stopping
+  a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
+  worker's whole process group, then SIGTERM, then SIGKILL, about a second from
+  first to last. A cell that stops at SIGINT leaves the worker usable; one that
+  does not costs the worker, because a cell that ignores being asked has left
+  it in a state nobody can vouch for.
+- **A worker dying is an outcome, not an exception.** Segfault, ``os._exit``,
+  the out-of-memory killer: :meth:`Worker.run` returns an :class:`Outcome` that
+  says which, in a sentence a notebook can show. Only ``KeyboardInterrupt``
+  (re-raised once the worker has been stopped) and :class:`UnsendableInput`
+  (raised before anything starts) leave ``run`` as exceptions.
+- **Nothing the worker started outlives it.** Ending a worker ends its process
+  group and any descendant that left the group, and reaps the worker. The group
+  is signalled only while the worker is unreaped, because after that its
+  number may already belong to somebody else's process.
+
+How values are packed is decided in exactly two functions here,
+:func:`pack_inputs` and :func:`unpack_outputs`, mirroring the two in
+:mod:`fluksio_nb.worker.main`.
+
+POSIX only: process groups, ``killpg`` and ``select`` on pipes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psutil
+
+from fluksio_nb import transfer
+from fluksio_nb.worker.protocol import Channel, ChannelClosed
+
+#: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
+#: and how long after SIGTERM before SIGKILL. A Python cell in ``time.sleep``
+#: or a numpy loop takes well under a millisecond to raise KeyboardInterrupt;
+#: the rest is room for a ``finally`` block to tidy up.
+GRACE_AFTER_SIGINT = 0.3
+GRACE_AFTER_SIGTERM = 0.3
+#: SIGKILL cannot be refused, but a process stuck in the kernel (a hung NFS
+#: read, a GPU driver call) only dies when that returns.
+GRACE_AFTER_SIGKILL = 2.0
+#: How long :meth:`Worker.close` lets the worker exit by itself.
+GRACE_TO_EXIT = 1.0
+
+#: The longest the main thread blocks without looking for a pending SIGINT.
+#: Any thread may take a signal sent to the process; Python then only flags
+#: it for the main thread, which would sleep through the stop button until the
+#: cell next printed something.
+_SIGNAL_CHECK_SECONDS = 0.1
+
+#: Read this much of a pipe at a time, and at most this many times before
+#: looking at the channel again, so a child flooding stdout cannot starve the frames.
+_READ_CHUNK = 1 << 16
+_READS_PER_DRAIN = 16
+
+
+class UnsendableInput(ValueError):
+    """An input the cell asked for cannot be pickled, so the cell was not run."""
+
+
+class WorkerMisuse(RuntimeError):
+    """The worker was asked for something that cannot work the way it was asked."""
+
+
+# -----------------------------------------------------------------------------
+# What travels: the one place on this side that knows how values are packed
+# -----------------------------------------------------------------------------
+
+
+def pack_inputs(values: Mapping[str, Any]) -> Any:
+    """What the worker is sent for ``values``; refuses before the cell runs if one won't go."""
+    if isinstance(values, transfer.Parcel):
+        return values  # packed by the caller, before it waited for a share
+    parcel = transfer.pack(values)
+    if parcel.failures:
+        parcel.discard()
+        name, reason = next(iter(parcel.failures.items()))
+        raise UnsendableInput(
+            f"input '{name}' cannot be sent to the worker ({reason}) — "
+            f"leave '{name}' out of the cell's inputs and create it inside the cell"
+        )
+    return parcel
+
+
+def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The cell's outputs by name, and why each one that could not be rebuilt wasn't."""
+    if parcel is None:
+        return {}, {}
+    return transfer.unpack(parcel)
+
+
+# -----------------------------------------------------------------------------
+# Where output goes, and what came of a cell
+# -----------------------------------------------------------------------------
+
+
+class Sink:
+    """Where a running cell's output goes; subclass it and override what you relay.
+
+    Every method is called from the thread that called :meth:`Worker.run`,
+    while the cell is still running, in the order the worker produced the
+    output. The defaults drop everything.
+    """
+
+    def stdout(self, text: str) -> None:
+        pass
+
+    def stderr(self, text: str) -> None:
+        pass
+
+    def display(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        pass
+
+    def result(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        pass
+
+    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        pass
+
+    def clear_output(self, wait: bool) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class CellError:
+    """The exception a cell raised, as IPython formatted it in the worker."""
+
+    ename: str
+    evalue: str
+    #: Lines with IPython's ANSI colours, as a notebook shows them.
+    traceback: list[str]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one cell ended, and what it handed back."""
+
+    status: Literal["ok", "error", "died"]
+    #: A sentence for the notebook: "the cell was interrupted", "the worker
+    #: died from SIGSEGV (signal 11) while running the cell".
+    description: str
+    outputs: dict[str, Any] = field(default_factory=dict)
+    #: Output names that did not come back, with the reason for each.
+    failed: dict[str, str] = field(default_factory=dict)
+    #: The first exception the cell raised, when it raised one.
+    error: CellError | None = None
+    #: How the worker died, as a sentence, when it did; None while it lives.
+    died: str | None = None
+    #: For a worker that died: its exit code, or minus the signal that ended it.
+    returncode: int | None = None
+    #: Whether :meth:`Worker.interrupt` (or a KeyboardInterrupt in ``run``) was
+    #: applied to this cell.
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def signal_name(self) -> str | None:
+        """``"SIGSEGV"`` for a worker a signal ended, else None."""
+        if self.returncode is None or self.returncode >= 0:
+            return None
+        return _signal_name(-self.returncode)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+@dataclass
+class _Cell:
+    """What is known about the cell in flight, shared with :meth:`Worker.interrupt`."""
+
+    sink: Sink
+    thread: int = field(default_factory=threading.get_ident)
+    ended: threading.Event = field(default_factory=threading.Event)
+    #: Whether the worker has the request, so there is a cell over there to stop.
+    sent: bool = False
+    #: Whether its end has been heard, so there is no longer anything to stop.
+    over: bool = False
+    interrupted: bool = False
+    #: The strongest signal the ladder had to use beyond SIGINT, if any.
+    escalated_to: str | None = None
+    error: CellError | None = None
+
+
+class _Stream:
+    """One of the worker's output pipes, decoded as it is read."""
+
+    def __init__(self, name: Literal["stdout", "stderr"], pipe: Any) -> None:
+        self.name = name
+        self.pipe = pipe
+        self.fd = pipe.fileno()
+        os.set_blocking(self.fd, False)
+        # Incremental, because a read can end in the middle of a UTF-8 character.
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def drain(self, sink: Sink) -> bool:
+        """Relay what is waiting in the pipe; False once the pipe has reached its end."""
+        for _ in range(_READS_PER_DRAIN):
+            try:
+                chunk = os.read(self.fd, _READ_CHUNK)
+            except BlockingIOError:
+                return True
+            text = self.decoder.decode(chunk, final=not chunk)
+            if text:
+                getattr(sink, self.name)(text)
+            if not chunk:
+                return False
+        return True
+
+
+# -----------------------------------------------------------------------------
+# The worker
+# -----------------------------------------------------------------------------
+
+
+class Worker:
+    """One worker process: a fresh Python with ``env``, running claimed cells one at a time.
+
+    Construction starts the process and returns at once; the first
+    :meth:`run` waits for it to be ready (about a quarter of a second, most of
+    it importing IPython). ``env`` is the worker's whole environment — the
+    caller merges ``os.environ`` with what the share implies —
+    plus ``PYTHONUNBUFFERED=1``, so that a ``print`` reaches the notebook while
+    the cell is still running.
+
+    :meth:`run` is for one thread at a time; :meth:`interrupt`, :meth:`kill`
+    and :attr:`alive` are for any thread.
+    """
+
+    def __init__(self, env: Mapping[str, str], cwd: str | os.PathLike[str] | None = None):
+        for name, value in env.items():
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"env[{name!r}] is {value!r}; a process environment holds only "
+                    f"strings — pass str({value!r})"
+                )
+        self.env: dict[str, str] = {**env, "PYTHONUNBUFFERED": "1"}
+        kernel_end, worker_end = socket.socketpair()
+        # The worker watches the read end for the end-of-file that the kernel's
+        # death causes; the kernel never writes to it.
+        lifeline_read, lifeline_write = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fluksio_nb.worker",
+                    f"--channel-fd={worker_end.fileno()}",
+                    f"--lifeline-fd={lifeline_read}",
+                    f"--kernel-pid={os.getpid()}",
+                ],
+                env=self.env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(worker_end.fileno(), lifeline_read),
+                start_new_session=True,
+            )
+        except BaseException:
+            kernel_end.close()
+            os.close(lifeline_write)
+            raise
+        finally:
+            worker_end.close()
+            os.close(lifeline_read)
+        self.pid: int = self._process.pid
+        self._lifeline = lifeline_write
+        self._channel = Channel(kernel_end)
+        self._streams = [
+            _Stream("stdout", self._process.stdout),
+            _Stream("stderr", self._process.stderr),
+        ]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._channel.sock, selectors.EVENT_READ, self._channel)
+        for stream in self._streams:
+            self._selector.register(stream.fd, selectors.EVENT_READ, stream)
+        self._run_lock = threading.Lock()
+        self._cell: _Cell | None = None
+        self._ready = False
+        self._released = False
+        #: Why this side is ending the worker, when it is, so its death is not
+        #: reported as a crash.
+        self._ending: str | None = None
+        self._death: Outcome | None = None
+        # A Worker dropped without close() must not leave its process behind.
+        self._finalizer = weakref.finalize(self, _end_unreaped, self._process, lifeline_write)
+
+    def __repr__(self) -> str:
+        return f"<Worker pid={self.pid} {'alive' if self.alive else 'ended'}>"
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker can still run a cell."""
+        return not self._released and not self._channel.broken and not self._has_exited()
+
+    # -- running cells ---------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        inputs: Mapping[str, Any] | None = None,
+        outputs: list[str] | None = None,
+        sink: Sink | None = None,
+    ) -> Outcome:
+        """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
+
+        ``outputs`` names the values to bring back; None brings back every
+        name the cell bound. Output is relayed to ``sink`` as it arrives.
+        Returns once the cell has ended, however it ended; a dead worker is an
+        :class:`Outcome` with ``status="died"``. A ``KeyboardInterrupt`` in the
+        calling thread stops the cell with :meth:`interrupt`'s ladder and is
+        then re-raised. An exception raised by ``sink`` kills the worker — the
+        cell's output has nowhere to go — and is re-raised.
+        """
+        sink = sink if sink is not None else Sink()
+        parcel = pack_inputs(inputs or {})
+        with self._run_lock:
+            cell = _Cell(sink)
+            self._cell = cell
+            try:
+                return self._run(cell, code, parcel, outputs)
+            except KeyboardInterrupt:
+                self._stop_after_keyboard_interrupt(cell)
+                raise
+            except BaseException:
+                self.kill()
+                raise
+            finally:
+                self._cell = None
+                cell.ended.set()
+                # Unpacking removed the files if the worker got that far; if it
+                # died first, nobody else will.
+                parcel.discard()
+
+    def wait_until_ready(self, timeout: float = 30.0, sink: Sink | None = None) -> bool:
+        """Block until the worker has started; False if it died or took longer than ``timeout``.
+
+        Only needed to warm a worker up ahead of its first cell: :meth:`run`
+        waits by itself.
+        """
+        with self._run_lock:
+            if self._ready:
+                return True
+            if self._released:
+                return False
+            cell = _Cell(sink if sink is not None else Sink())
+            outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
+            return self._ready and outcome is None
+
+    def _run(self, cell: _Cell, code: str, parcel: Any, outputs: list[str] | None) -> Outcome:
+        if self._death is not None:
+            how = f"the worker had already ended: {self._death.died}"
+            return Outcome("died", how, died=how, returncode=self._death.returncode)
+        self._drain_streams(cell.sink)
+        request = {"type": "run", "code": code, "inputs": parcel, "outputs": outputs}
+        try:
+            self._channel.send(request)
+        except ChannelClosed:
+            return self._died(cell)
+        cell.sent = True
+        outcome = self._follow(cell)
+        assert outcome is not None, "with no deadline, following a cell ends with an outcome"
+        return outcome
+
+    def _follow(
+        self, cell: _Cell, deadline: float | None = None, until_ready: bool = False
+    ) -> Outcome | None:
+        """Relay the cell's output until it ends; None if ``deadline`` came first."""
+        longest_wait = (
+            _SIGNAL_CHECK_SECONDS if threading.current_thread() is threading.main_thread() else None
+        )
+        while True:
+            timeout = longest_wait
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    return None
+                if longest_wait is not None:
+                    timeout = min(timeout, longest_wait)
+            frame_waiting = False
+            for key, _ in self._selector.select(timeout):
+                if key.data is self._channel:
+                    frame_waiting = True
+                elif not key.data.drain(cell.sink):
+                    self._forget_stream(key.data)
+            if not frame_waiting:
+                continue
+            # Whatever the worker wrote before sending this frame is in the
+            # pipes by now, and belongs before it.
+            self._drain_streams(cell.sink)
+            try:
+                frame = self._channel.receive()
+            except ChannelClosed:
+                return self._died(cell)
+            except Exception as error:
+                cell.sink.stderr(f"[fluksio] a message from the worker was unreadable: {error}\n")
+                continue
+            outcome = self._take(frame, cell)
+            if outcome is not None:
+                return outcome
+            if until_ready and self._ready:
+                return None
+
+    def _take(self, frame: dict[str, Any], cell: _Cell) -> Outcome | None:
+        """Hand one frame to the sink; the outcome if it was the cell's last."""
+        kind = frame.get("type")
+        sink = cell.sink
+        if kind == "stream":
+            getattr(sink, "stderr" if frame["name"] == "stderr" else "stdout")(frame["text"])
+        elif kind == "display":
+            sink.display(frame["data"], frame.get("metadata") or {})
+        elif kind == "result":
+            sink.result(frame["data"], frame.get("metadata") or {})
+        elif kind == "error":
+            if cell.error is None:
+                cell.error = CellError(frame["ename"], frame["evalue"], frame["traceback"])
+            sink.error(frame["ename"], frame["evalue"], frame["traceback"])
+        elif kind == "clear_output":
+            # Not one of the five methods a sink must have; one without it
+            # simply keeps the output.
+            clear_output = getattr(sink, "clear_output", None)
+            if clear_output is not None:
+                clear_output(frame.get("wait", False))
+        elif kind == "ready":
+            self._ready = True
+        elif kind == "done":
+            cell.over = True
+            self._drain_streams(sink)
+            return self._finished(frame, cell)
+        return None
+
+    def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
+        values, unreadable = unpack_outputs(done.get("outputs"))
+        failed = {**done.get("failed", {}), **unreadable}
+        if done.get("ok"):
+            return Outcome("ok", "the cell finished", values, failed, interrupted=cell.interrupted)
+        error = cell.error
+        if error is None:
+            description = "the cell failed without saying why"
+        elif cell.interrupted and error.ename == "KeyboardInterrupt":
+            description = "the cell was interrupted"
+        else:
+            description = f"the cell raised {error.ename}: {error.evalue}"
+        return Outcome(
+            "error", description, values, failed, error=error, interrupted=cell.interrupted
+        )
+
+    def _died(self, cell: _Cell) -> Outcome:
+        cell.over = True
+        self._drain_streams(cell.sink)
+        self._end_group()
+        returncode = self._process.returncode
+        how = self._describe_death(returncode, cell)
+        self._death = Outcome(
+            "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
+        )
+        self._release()
+        return self._death
+
+    def _describe_death(self, returncode: int | None, cell: _Cell) -> str:
+        if not self._ready:
+            when = "while starting"
+        elif not cell.sent:
+            when = "between cells"
+        else:
+            when = "while running the cell"
+        if self._ending:
+            return f"the worker was ended {when}, because {self._ending}"
+        if cell.escalated_to:
+            return (
+                f"the cell did not stop when interrupted, so the worker was "
+                f"ended with {cell.escalated_to}"
+            )
+        if returncode is None:
+            return f"the worker closed its channel {when}"
+        if returncode >= 0:
+            return f"the worker exited with code {returncode} {when}"
+        number = -returncode
+        how = f"the worker died from {_signal_name(number)} (signal {number}) {when}"
+        if number == signal.SIGKILL:
+            how += (
+                " — a SIGKILL nobody here sent is most often the out-of-memory "
+                "killer; claim more ram= or make the cell use less"
+            )
+        return how
+
+    # -- stopping ------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        """Stop the running cell: SIGINT, then SIGTERM, then SIGKILL, within about a second.
+
+        Returns once the cell has ended. If it ended at SIGINT the worker is
+        still usable; otherwise it is dead and :attr:`alive` is False. The
+        :meth:`run` in progress returns the matching :class:`Outcome`. Does
+        nothing when no cell is running. From inside a sink callback, raise
+        ``KeyboardInterrupt`` instead: the thread that would notice the cell
+        ending is the one calling this.
+        """
+        cell = self._cell
+        if cell is None or cell.ended.is_set():
+            return
+        if cell.thread == threading.get_ident():
+            raise WorkerMisuse(
+                "interrupt() was called from the thread running the cell, which "
+                "would wait on itself — raise KeyboardInterrupt there instead"
+            )
+        self._ladder(cell, cell.ended.wait)
+
+    def kill(self) -> None:
+        """End the worker and every process it started, now, and reap it."""
+        self._ending = self._ending or "kill() was called"
+        self._end_group()
+        if self._run_lock.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                self._run_lock.release()
+
+    def close(self) -> None:
+        """Ask the worker to exit, then end whatever it started, and reap it.
+
+        A cell still running in another thread is not waited for: the worker
+        is killed and that :meth:`run` returns ``status="died"``.
+        """
+        self._ending = self._ending or "close() was called"
+        if not self._run_lock.acquire(blocking=False):
+            self.kill()
+            return
+        try:
+            # Found now: once the worker has exited, what it started under a
+            # session of its own is nobody's descendant any more.
+            strays = (
+                _descendants_outside_group(self.pid) if self._process.returncode is None else []
+            )
+            if not self._released and not self._has_exited():
+                with contextlib.suppress(ChannelClosed):
+                    self._channel.send({"type": "exit"})
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._wait_without_reaping(GRACE_TO_EXIT)
+            self._end_group(strays)
+            self._release()
+        finally:
+            self._run_lock.release()
+
+    def _ladder(self, cell: _Cell, cell_ended_within: Callable[[float], bool]) -> None:
+        cell.interrupted = True
+        self._signal_group(signal.SIGINT)
+        if cell_ended_within(GRACE_AFTER_SIGINT):
+            return
+        cell.escalated_to = "SIGTERM"
+        self._signal_group(signal.SIGTERM)
+        if cell_ended_within(GRACE_AFTER_SIGTERM):
+            return
+        cell.escalated_to = "SIGKILL"
+        self._signal_group(signal.SIGKILL)
+        cell_ended_within(GRACE_AFTER_SIGKILL)
+
+    def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
+        if not cell.sent or cell.over:
+            if self._channel.broken:
+                self.kill()
+            return
+        try:
+            if self._released or self._channel.broken:
+                # Interrupted halfway through a frame: the channel cannot be
+                # read any more, so there is no hearing whether SIGINT worked.
+                self.kill()
+                return
+
+            def cell_ended_within(seconds: float) -> bool:
+                return self._follow(cell, deadline=time.monotonic() + seconds) is not None
+
+            self._ladder(cell, cell_ended_within)
+            if cell.escalated_to:
+                self.kill()
+        except BaseException:
+            self.kill()
+            raise
+
+    # -- the process -----------------------------------------------------------------
+
+    def _signal_group(self, signum: int) -> None:
+        # Once reaped, the worker's number may already be someone else's group.
+        if self._process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def _end_group(self, strays: list[psutil.Process] | None = None) -> None:
+        """SIGKILL the worker's group and its strays, then reap the worker."""
+        if self._process.returncode is not None:
+            return
+        if strays is None:
+            strays = _descendants_outside_group(self.pid)
+        self._signal_group(signal.SIGKILL)
+        for stray in strays:
+            with contextlib.suppress(psutil.Error):
+                stray.kill()
+        self._process.wait()
+
+    def _has_exited(self) -> bool:
+        """Whether the worker has exited, without reaping it: see :meth:`_signal_group`."""
+        if self._process.returncode is not None:
+            return True
+        if not hasattr(os, "waitid"):
+            return self._process.poll() is not None
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def _wait_without_reaping(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._has_exited():
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self._process.args, timeout)
+            time.sleep(0.01)
+
+    def _drain_streams(self, sink: Sink) -> None:
+        for stream in list(self._streams):
+            if not stream.drain(sink):
+                self._forget_stream(stream)
+
+    def _forget_stream(self, stream: _Stream) -> None:
+        self._selector.unregister(stream.fd)
+        self._streams.remove(stream)
+        stream.pipe.close()
+
+    def _release(self) -> None:
+        """Close this side's ends of everything; the worker must already be reaped."""
+        if self._released:
+            return
+        self._released = True
+        for stream in list(self._streams):
+            self._forget_stream(stream)
+        self._selector.close()
+        self._channel.close()
+        os.close(self._lifeline)
+        self._finalizer.detach()
+
+
+def _descendants_outside_group(pid: int) -> list[psutil.Process]:
+    """Processes the worker started that left its group — ``setsid`` daemons, mostly."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    strays = []
+    for process in descendants:
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(process.pid) != pid:
+                strays.append(process)
+    return strays
+
+
+def _end_unreaped(process: subprocess.Popen[bytes], lifeline: int) -> None:
+    """The finalizer of a Worker nobody closed: its process must not outlive it."""
+    with contextlib.suppress(OSError):
+        os.close(lifeline)
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -1,0 +1,528 @@
+"""The worker's side: run claimed cells in a process that was born with the share.
+
+``OMP_NUM_THREADS`` and ``CUDA_VISIBLE_DEVICES`` are read once, when a library
+is imported, so the only way to give a cell a share of the machine is to run it
+in a process that had the share in its environment from birth. This is that
+process. It is started by :class:`fluksio_nb.worker.client.Worker` and serves
+one cell at a time over a :class:`~fluksio_nb.worker.protocol.Channel`.
+
+What it decides:
+
+- **A cell should feel like a notebook cell.** It runs in a real IPython
+  ``InteractiveShell``, so magics, ``!cmd``, ``display()`` and
+  ``%matplotlib inline`` behave as they do in the kernel. What a notebook would
+  show is sent as frames instead of printed: display data, the last
+  expression's value as the cell's result, an exception as IPython formats it.
+- **Every cell starts from an empty namespace**; only its inputs are put in it.
+  A claimed cell is a function of what it was given, so that what it hands back
+  cannot depend on which claimed cell ran here before. Modules stay imported,
+  so the second ``import torch`` costs nothing.
+- **Python's output is frames; everything else's is the pipe.** ``print``
+  goes through :class:`FrameStream` as frames on the same channel as
+  ``display``, so the two arrive in the order the cell made them. The
+  process's real stdout and stderr are pipes the kernel relays, which is how
+  ``!cmd``, ``os.system`` and C code writing to fd 1 are heard at all; those
+  arrive live, but not ordered against frames.
+- **SIGINT stops the cell, never the worker.** It raises ``KeyboardInterrupt``
+  only while a cell's code runs; while the worker is idle, it is an interrupt
+  that arrived after its cell ended and is dropped; while a frame is on its
+  way out, it waits until the frame is whole, because a half-written frame
+  would leave the kernel unable to find the next one.
+- **The worker never outlives its kernel.** A pipe whose write end only the
+  kernel holds reaches end-of-file when the kernel is gone, however it went;
+  the worker then takes its whole process group down, cell children included.
+
+Packing of inputs and outputs happens in exactly two functions,
+:func:`unpack_inputs` and :func:`pack_outputs`, so that how values travel can be
+changed without touching how cells run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import io
+import os
+import select
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from fluksio_nb import transfer
+from fluksio_nb.worker.protocol import (
+    Channel,
+    ChannelClosed,
+)
+
+#: How often the worker asks who its parent is, for the case the lifeline
+#: cannot see: a process forked from the kernel that still holds its write end.
+PARENT_CHECK_SECONDS = 1.0
+
+
+# -----------------------------------------------------------------------------
+# What travels: the one place on this side that knows how values are packed
+# -----------------------------------------------------------------------------
+
+
+class UnreadableInput(Exception):
+    """An input the kernel sent could not be rebuilt in the worker."""
+
+
+def unpack_inputs(parcel: Any) -> dict[str, Any]:
+    """The cell's inputs, name to value, from what the kernel packed."""
+    if parcel is None:
+        return {}
+    values, failed = transfer.unpack(parcel)
+    if failed:
+        name, reason = next(iter(failed.items()))
+        raise UnreadableInput(
+            f"input '{name}' could not be rebuilt in the worker ({reason}) — "
+            "the module that defines it must be importable in the worker too, "
+            f"or leave '{name}' out of the cell's inputs"
+        )
+    return values
+
+
+def pack_outputs(namespace: dict[str, Any], names: list[str]) -> tuple[Any, dict[str, str]]:
+    """What goes back for ``names``, and why each one that cannot go back can't."""
+    present = {name: namespace[name] for name in names if name in namespace}
+    failed = {name: "the cell did not define it" for name in names if name not in namespace}
+    parcel = transfer.pack(present)
+    failed.update(parcel.failures)
+    return parcel, failed
+
+
+def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list[str]:
+    """What the cell made, when the kernel did not say what it wants back.
+
+    A name counts when the cell bound it to something it was not bound to
+    before the cell ran: an input the cell only read does not go back, one it
+    reassigned does. Modules, ``_private`` names and IPython's own furniture
+    (``In``, ``exit``, ``get_ipython``...) never go back.
+    """
+    furniture = shell.user_ns_hidden
+    bound = []
+    for name, value in shell.user_ns.items():
+        if name.startswith("_") or isinstance(value, ModuleType):
+            continue
+        if name in furniture and furniture[name] is value:
+            continue
+        if name in inputs and inputs[name] is value:
+            continue
+        bound.append(name)
+    return bound
+
+
+# -----------------------------------------------------------------------------
+# What SIGINT means right now
+# -----------------------------------------------------------------------------
+
+
+class Interrupts:
+    """Turns SIGINT into ``KeyboardInterrupt`` only where that is safe.
+
+    The client signals the worker's whole process group, so the signal can
+    land at any moment: before a cell starts, halfway through a frame, or
+    after the cell ended. While the cell's own code runs, Python's default
+    handler is in place: it raises from C, so the traceback the user sees ends
+    on their line rather than in here. Everywhere else, this object decides.
+    """
+
+    def __init__(self) -> None:
+        self._in_cell = False
+        self._held_back = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._outside_user_code)
+
+    @contextlib.contextmanager
+    def cell_running(self) -> Iterator[None]:
+        self._in_cell, self._held_back = True, False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._outside_user_code)
+            self._in_cell = False
+
+    @contextlib.contextmanager
+    def frame_in_flight(self, deliver_held_back: bool = True) -> Iterator[None]:
+        # Signals are only delivered to, and handlers only changed from, the
+        # main thread: a frame a cell's own thread sends cannot be cut short.
+        if not self._in_cell or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        during_the_cell = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._outside_user_code)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, during_the_cell)
+        if self._held_back:
+            self._held_back = False
+            # Raised again rather than turned into KeyboardInterrupt here, so
+            # that whatever the cell set for SIGINT — ignore it, or a handler
+            # that stops a training loop gently — is what answers it.
+            if deliver_held_back:
+                signal.raise_signal(signal.SIGINT)
+
+    def _outside_user_code(self, signum: int, frame: Any) -> None:
+        # Outside a cell there is nothing to stop: the interrupt arrived after
+        # its cell had already ended, and is dropped.
+        if self._in_cell:
+            self._held_back = True
+
+
+# -----------------------------------------------------------------------------
+# The shell: IPython, with everything it would print sent as frames
+# -----------------------------------------------------------------------------
+
+
+class Reporter:
+    """Sends frames to the kernel, whole, with Python's own output sent ahead of them."""
+
+    def __init__(self, channel: Channel, interrupts: Interrupts) -> None:
+        self.channel = channel
+        self.interrupts = interrupts
+
+    def __call__(
+        self,
+        frame: dict[str, Any],
+        deliver_held_back: bool = True,
+        flush_first: bool = True,
+    ) -> None:
+        if flush_first:
+            flush_streams()
+        with self.interrupts.frame_in_flight(deliver_held_back):
+            self.channel.send(frame)
+
+
+def flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+class FrameStream(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` in the worker: Python's own writes, sent as frames.
+
+    Frames rather than the pipe underneath, because a pipe and the channel are
+    read separately and nothing says which came first: a ``print`` followed by
+    a ``display`` would sometimes arrive after it. Line-buffered like a
+    terminal, so a loop of prints costs a frame per line, not per ``write``.
+
+    :meth:`fileno` is the real descriptor — the pipe the kernel relays — so code
+    that hands ``sys.stdout`` to a subprocess, or writes to it from C, is still
+    heard, just without that ordering guarantee.
+    """
+
+    def __init__(self, name: str, fd: int, reporter: Reporter) -> None:
+        super().__init__()
+        self.name = name
+        self._fd = fd
+        self._reporter = reporter
+        self._pending: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._pending.append(text)
+        # "\r" too: a progress bar redraws its line without ever ending it.
+        if "\n" in text or "\r" in text:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        # Taken out before sending, so an interrupt raised once the frame is
+        # out cannot leave the same text behind to be sent a second time.
+        with self._lock:
+            text = "".join(self._pending)
+            self._pending.clear()
+        if text:
+            self._reporter({"type": "stream", "name": self.name, "text": text}, flush_first=False)
+
+
+class FramePublisher(DisplayPublisher):
+    """``display()`` and friends, sent to the kernel as they happen."""
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
+        frame = {"type": "display", "data": data, "metadata": metadata or {}}
+        # Carried for the kernel to honour display ids; nothing here depends on them.
+        if transient:
+            frame["transient"] = transient
+        if update:
+            frame["update"] = True
+        self.shell.report(frame)
+
+    def clear_output(self, wait=False):
+        self.shell.report({"type": "clear_output", "wait": wait})
+
+
+class ResultHook(DisplayHook):
+    """The last expression's value, sent as the cell's result instead of ``Out[n]``."""
+
+    def write_output_prompt(self):
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None):
+        self.shell.report({"type": "result", "data": format_dict, "metadata": md_dict or {}})
+
+    def log_output(self, format_dict):
+        # IPython keeps every result's reprs in its history; a worker that lives
+        # for many cells would keep every image it ever returned.
+        pass
+
+    def finish_displayhook(self):
+        self._is_active = False
+
+
+class WorkerShell(InteractiveShell):
+    """An ``InteractiveShell`` whose tracebacks go to the kernel as error frames."""
+
+    report: Reporter
+    #: Python's stdout and stderr as frames; put back before every cell, in
+    #: case the last one replaced them and never restored them.
+    streams: tuple[FrameStream, FrameStream]
+
+    def _showtraceback(self, etype, evalue, stb):
+        # The cell is already ending in an error; a held-back interrupt would
+        # only end it a second time.
+        self.report(
+            {
+                "type": "error",
+                "ename": getattr(etype, "__name__", str(etype)),
+                "evalue": str(evalue),
+                "traceback": list(stb),
+            },
+            deliver_held_back=False,
+        )
+
+    def show_usage_error(self, exc):
+        # A mistyped magic is an error like any other, and a notebook should
+        # show it as one, not as a stray line on stderr.
+        self.report(
+            {
+                "type": "error",
+                "ename": "UsageError",
+                "evalue": str(exc),
+                "traceback": [f"UsageError: {exc}"],
+            },
+            deliver_held_back=False,
+        )
+
+    def enable_gui(self, gui=None):
+        # Called by %matplotlib for every backend; None (IPython 9) or "inline"
+        # (IPython 8) for the ones that draw without a window, which need no
+        # event loop at all.
+        if gui not in (None, "inline"):
+            raise UsageError(
+                f"a worker has no screen to open a {gui} window on — "
+                "use %matplotlib inline to see figures under the cell"
+            )
+
+    @contextlib.contextmanager
+    def _tee(self, channel):
+        # IPython 9 copies everything a cell prints into its history. A training
+        # loop printing for a day would keep the whole day in the worker's memory.
+        yield
+
+
+def make_shell(reporter: Reporter) -> WorkerShell:
+    config = Config()
+    # A worker's cells are not history anyone will search, and a sqlite file
+    # shared with the user's real IPython sessions is a lock to contend for.
+    config.HistoryManager.enabled = False
+    shell = WorkerShell.instance(
+        config=config,
+        # The output cache (Out, _1, _2...) holds every result; the namespace
+        # is emptied between cells anyway.
+        cache_size=0,
+        colors="linux",
+        display_pub_class=FramePublisher,
+        displayhook_class=ResultHook,
+    )
+    shell.report = reporter
+    shell.streams = (
+        FrameStream("stdout", 1, reporter),
+        FrameStream("stderr", 2, reporter),
+    )
+    sys.stdout, sys.stderr = shell.streams
+    return shell
+
+
+def start_fresh(shell: WorkerShell) -> None:
+    """Empty the namespace a previous cell left behind; keep what was imported."""
+    shell.reset(new_session=False)
+    sys.stdout, sys.stderr = shell.streams
+    history = shell.history_manager
+    del history.input_hist_parsed[1:]
+    del history.input_hist_raw[1:]
+    # A traceback keeps the locals of every frame in it alive.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+
+
+def default_to_inline_figures() -> None:
+    """Figures appear under the cell, as in a kernel, unless the user chose a backend.
+
+    ipykernel makes the same choice for the same reason: a worker has no
+    screen, and the alternative is figures silently drawn to nowhere.
+    """
+    if "MPLBACKEND" not in os.environ and importlib.util.find_spec("matplotlib_inline"):
+        os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+
+
+def flush_c_streams() -> None:
+    """C code's ``printf`` sits in stdio's buffer, which ``sys.stdout`` cannot reach."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+
+
+# -----------------------------------------------------------------------------
+# One cell
+# -----------------------------------------------------------------------------
+
+
+def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interrupts) -> None:
+    """Run one cell and answer with exactly one ``done`` frame, however it ends."""
+    start_fresh(shell)
+    ok = False
+    inputs: dict[str, Any] = {}
+    try:
+        inputs = unpack_inputs(request.get("inputs"))
+    except Exception as error:
+        report_exception_only(shell, error)
+    else:
+        shell.user_ns.update(inputs)
+        try:
+            with interrupts.cell_running():
+                ok = shell.run_cell(request["code"], store_history=True).success
+        except (KeyboardInterrupt, Exception) as escaped:
+            # Raised in IPython's own machinery around the cell's code rather
+            # than in the code itself — typically an interrupt landing just
+            # before or after it — so nothing has reported it yet.
+            report_exception_only(shell, escaped)
+    wanted = request.get("outputs")
+    names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
+    outputs, failed = pack_outputs(shell.user_ns, names)
+    flush_c_streams()
+    shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed})
+
+
+def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
+    lines = shell.InteractiveTB.get_exception_only(type(error), error)
+    shell._showtraceback(type(error), error, lines)
+
+
+# -----------------------------------------------------------------------------
+# The process
+# -----------------------------------------------------------------------------
+
+
+def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
+    """Take the worker and everything it started down as soon as the kernel is gone.
+
+    A thread rather than ``PR_SET_PDEATHSIG``: that fires when the *thread*
+    that started the worker exits, and the kernel may well start workers from
+    a thread that ends long before the kernel does.
+    """
+
+    def watch() -> None:
+        # Any thread may take a signal sent to the process, and a SIGINT taken
+        # here would only be flagged for the main thread, not wake it from a
+        # cell's `time.sleep`.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        while True:
+            readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
+            if readable or os.getppid() != kernel_pid:
+                break
+        # Only a group this worker leads is its own to end; started by hand
+        # from a terminal, the group is the terminal's.
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fluksio-lifeline", daemon=True).start()
+
+
+def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> None:
+    """Answer requests until the kernel says exit or stops listening."""
+    shell.report({"type": "ready", "pid": os.getpid()})
+    while True:
+        try:
+            request = channel.receive()
+        except ChannelClosed:
+            return
+        kind = request.get("type")
+        if kind == "exit":
+            return
+        if kind == "run":
+            run_one_cell(shell, request, interrupts)
+        else:
+            shell.report(
+                {
+                    "type": "error",
+                    "ename": "ProtocolError",
+                    "evalue": f"the worker does not know requests of type {kind!r}",
+                    "traceback": [],
+                }
+            )
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fluksio_nb.worker",
+        description="Run claimed notebook cells for a kernel. Started by the kernel, not by hand.",
+    )
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--kernel-pid", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    interrupts = Interrupts()
+    interrupts.install()
+    # Inherited on purpose from the kernel, but a cell's `os.system("... &")`
+    # must not inherit them in turn: a child holding the channel would keep
+    # the kernel from ever seeing this worker die.
+    for fd in (arguments.channel_fd, arguments.lifeline_fd):
+        os.set_inheritable(fd, False)
+    leave_with_the_kernel(arguments.lifeline_fd, arguments.kernel_pid)
+    channel = Channel.from_fd(arguments.channel_fd)
+    default_to_inline_figures()
+    shell = make_shell(Reporter(channel, interrupts))
+    # The kernel closing the channel is how a conversation ends, not an error.
+    with contextlib.suppress(ChannelClosed):
+        serve(channel, shell, interrupts)
+    # Whatever atexit handlers print is for the pipe: nobody reads frames now.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    return 0

@@ -1,0 +1,363 @@
+"""Claimed cells in a real kernel: the share reaches the library, and every ending is clean.
+
+Each test drives an ipykernel through jupyter_client, as a notebook does.
+The failures guarded against are the ones a user would meet: a share that
+never reached numpy, two cells on one card, output that only appears at the
+end, variables that do not come back, and any ending (an exception, the stop
+button, a dead worker, a timeout, a memory overrun) that leaves a share
+taken, a process running, or a kernel that no longer answers.
+"""
+
+import time
+
+import psutil
+import pytest
+
+from tests.kernels import Kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = Kernel(
+        FLUKSIO_CPUS="2",
+        FLUKSIO_GPUS="2",
+        FLUKSIO_RAM="8G",
+        FLUKSIO_RESERVE_CPUS="0",
+        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
+    )
+    yield k
+    k.shutdown()
+
+
+def assert_books_balanced(kernel):
+    books = kernel.books()
+    assert books["cpus"] == {"total": 2, "free": 2}
+    assert books["gpus"]["free"] == 2
+    assert books["running"] == [] and books["waiting"] == []
+
+
+def gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -----------------------------------------------------------------------------
+# The share reaches the libraries
+# -----------------------------------------------------------------------------
+
+
+def test_a_one_core_claim_gives_openblas_one_thread(kernel):
+    """The whole point: the env must be there when numpy loads OpenBLAS."""
+    ran = kernel.run(
+        "%%claim cpus=1\n"
+        "import json, threadpoolctl, numpy\n"
+        "print(json.dumps([(p['internal_api'], p['num_threads']) "
+        "for p in threadpoolctl.threadpool_info()]))",
+        check=True,
+    )
+    pools = dict(ran.json())
+    assert pools.get("openblas") == 1, pools
+
+
+def test_a_plain_cell_still_runs_in_the_kernel(kernel):
+    """Declaring nothing changes nothing."""
+    assert kernel.facts("__import__('os').getpid()") == kernel.pid
+
+
+def test_two_gpu_claims_at_once_get_different_cards(kernel):
+    kernel.run(
+        "%%claim gpus=1 --background --out card\nimport os, time\ntime.sleep(1)\n"
+        "card = os.environ['CUDA_VISIBLE_DEVICES']",
+        check=True,
+    )
+    kernel.run("first = _", check=True)
+    kernel.run(
+        "%%claim gpus=1 --background --out card\nimport os, time\ntime.sleep(1)\n"
+        "card = os.environ['CUDA_VISIBLE_DEVICES']",
+        check=True,
+    )
+    kernel.run("second = _", check=True)
+    cards = kernel.facts("[first.result(30)['card'], second.result(30)['card']]")
+    assert sorted(cards) == ["0", "1"]
+    assert_books_balanced(kernel)
+
+
+# -----------------------------------------------------------------------------
+# It behaves like a cell
+# -----------------------------------------------------------------------------
+
+
+def test_variables_travel_in_and_out_including_a_large_array(kernel):
+    kernel.run(
+        "import numpy as np\nbig = np.ones(25_000_000)\nscale = 3\n"
+        "def double(x):\n    return 2 * x",
+        check=True,
+    )
+    kernel.run(
+        "%%claim\ntotal = float((big * scale).sum())\nbig[0] = 7\nbigger = double(big)", check=True
+    )
+    facts = kernel.facts(
+        "[total, float(bigger[0]), float(bigger[1]), bigger.nbytes, float(big[0])]"
+    )
+    assert facts == [75_000_000.0, 14.0, 2.0, 200_000_000, 7.0]
+
+
+def test_in_and_out_override_the_automatic_choice(kernel):
+    kernel.run("a, b = 1, 2", check=True)
+    ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)
+    assert ran.stdout.strip() == "False"
+    assert kernel.facts("[c, 'd' in dir()]") == [11, False]
+
+
+def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
+    kernel.run("%%claim --out y\nsecret = 1\ny = 2", check=True)
+    ran = kernel.run("%%claim\nprint('secret' in dir())", check=True)
+    assert ran.stdout.strip() == "False"
+
+
+def test_stdout_arrives_while_the_cell_is_still_running(kernel):
+    ran = kernel.run(
+        "%%claim\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')", check=True
+    )
+    early = next(
+        when
+        for when, m in zip(ran.arrived, ran.messages, strict=True)
+        if m["msg_type"] == "stream" and "early" in m["content"]["text"]
+    )
+    assert ran.finished_at - early > 1.5, "the first line only arrived when the cell ended"
+
+
+def test_the_last_expression_and_displays_are_shown(kernel):
+    ran = kernel.run(
+        "%%claim\nfrom IPython.display import display, HTML\ndisplay(HTML('<b>hi</b>'))\n40 + 2",
+        check=True,
+    )
+    assert "42" in ran.texts
+    assert any(
+        "text/html" in m["content"]["data"] and "<b>hi</b>" in m["content"]["data"]["text/html"]
+        for m in ran.of("display_data")
+    )
+
+
+def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
+    ran = kernel.run(
+        "%%claim\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])",
+        check=True,
+    )
+    assert any("image/png" in m["content"]["data"] for m in ran.of("display_data"))
+
+
+# -----------------------------------------------------------------------------
+# Every ending gives the share back and leaves the kernel answering
+# -----------------------------------------------------------------------------
+
+
+def test_an_exception_shows_the_workers_traceback(kernel):
+    ran = kernel.run("%%claim gpus=1\ndef inner():\n    raise ValueError('boom')\ninner()")
+    assert ran.status == "error"
+    assert ran.error["ename"] == "ValueError"
+    assert "boom" in ran.error["evalue"]
+    assert any("inner" in line for line in ran.error["traceback"])
+    assert_books_balanced(kernel)
+    assert kernel.facts("1 + 1") == 2
+
+
+def test_the_stop_button_interrupts_a_running_claim(kernel):
+    msg_id = kernel.client.execute(
+        "%%claim\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)"
+    )
+    worker_pid = None
+    deadline = time.monotonic() + 30
+    while worker_pid is None and time.monotonic() < deadline:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            worker_pid = int(msg["content"]["text"].split()[0])
+    started = time.monotonic()
+    kernel.interrupt()
+    ename = None
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            ename = msg["content"]["ename"]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert time.monotonic() - started < 3
+    assert ename == "KeyboardInterrupt"
+    assert_books_balanced(kernel)
+    assert kernel.facts("'still here'") == "still here"
+
+
+def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):
+    msg_id = kernel.client.execute(
+        "%%claim\nimport os, signal, subprocess, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
+    )
+    pids = None
+    while pids is None:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            pids = [int(p) for p in msg["content"]["text"].split()]
+    kernel.interrupt()
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        ):
+            break
+    assert all(gone(pid) for pid in pids), "the worker's process group outlived the cell"
+    assert_books_balanced(kernel)
+
+
+@pytest.mark.parametrize(
+    ("death", "words"),
+    [
+        ("import os\nos._exit(3)", "exited with code 3"),
+        ("import ctypes\nctypes.string_at(0)", "SIGSEGV"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ],
+)
+def test_a_dead_worker_says_how_it_died(kernel, death, words):
+    ran = kernel.run(f"%%claim\n{death}")
+    assert ran.status == "error"
+    assert ran.error["ename"] == "WorkerDied"
+    assert words in "".join(ran.error["traceback"])
+    assert_books_balanced(kernel)
+
+
+def test_a_cell_past_its_timeout_is_stopped(kernel):
+    started = time.monotonic()
+    ran = kernel.run("%%claim --timeout 1\nimport time\ntime.sleep(60)")
+    assert time.monotonic() - started < 10
+    assert ran.error["ename"] == "ClaimTimeout"
+    assert "ran past its 1 s timeout" in "".join(ran.error["traceback"])
+    assert_books_balanced(kernel)
+
+
+def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
+    ran = kernel.run(
+        "%%claim ram=300M\nimport time\nblock = bytearray(600 * 2**20)\n"
+        "for i in range(0, len(block), 4096): block[i] = 1\ntime.sleep(30)"
+    )
+    assert ran.error["ename"] == "ClaimHalted"
+    message = "".join(ran.error["traceback"])
+    assert "over its memory budget of 300.0MB" in message
+    assert any("halted" in text for text in ran.texts), "the status should say it was halted"
+    assert_books_balanced(kernel)
+
+
+# -----------------------------------------------------------------------------
+# Bad input is refused before anything starts
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setup", "cell", "words"),
+    [
+        ("", "%%claim cpu=2\n1", "did you mean 'cpus'"),
+        ("", "%%claim ram=lots\n1", "ram='lots' is not a size"),
+        ("", "%%claim flavor=enormous\n1", "flavor 'enormous' does not exist"),
+        (
+            "import threading\nlock = threading.Lock()",
+            "%%claim\nwith lock:\n    pass",
+            "cannot send 'lock' (cannot pickle '_thread.lock' object) to the worker",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell, words):
+    kernel.run(setup, check=True)
+    before = {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
+    ran = kernel.run(cell)
+    assert ran.status == "error"
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert words in shown
+    assert shown.strip().count("\n") == 0, shown
+    after = {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
+    assert after <= before, "a worker was started for a claim that was refused"
+    assert_books_balanced(kernel)
+
+
+# -----------------------------------------------------------------------------
+# Workers: warm per environment, GPU workers never reused
+# -----------------------------------------------------------------------------
+
+
+def test_the_same_claim_shape_reuses_a_warm_worker(kernel):
+    first = kernel.run("%%claim cpus=1\nimport os\nprint(os.getpid())", check=True).stdout
+    again = kernel.run("%%claim cpus=1\nimport os\nprint(os.getpid())", check=True).stdout
+    other = kernel.run("%%claim cpus=2\nimport os\nprint(os.getpid())", check=True).stdout
+    assert first == again
+    assert other != first
+
+
+def test_a_gpu_worker_ends_when_its_claim_gives_back(kernel):
+    """A CUDA context must not stay on a card that may be granted to someone else."""
+    pid = int(kernel.run("%%claim gpus=1\nimport os\nprint(os.getpid())", check=True).stdout)
+    assert gone(pid)
+
+
+# -----------------------------------------------------------------------------
+# Background claims
+# -----------------------------------------------------------------------------
+
+
+def test_background_claims_run_in_order_and_never_over_the_inventory(kernel):
+    kernel.run("jobs = []", check=True)
+    for index in range(6):
+        kernel.run(
+            f"%%claim gpus=1 --background --label job{index}\n"
+            "import time\nstart = time.time()\ntime.sleep(0.3)\nend = time.time()",
+            check=True,
+        )
+        kernel.run("jobs.append(_)", check=True)
+    spans = kernel.facts("[(j.result(60)['start'], j.result(60)['end']) for j in jobs]")
+    granted = kernel.facts("[j.granted_at for j in jobs]")
+    assert granted == sorted(granted), "background claims must be granted in the order made"
+    for start, _ in spans:
+        overlapping = sum(1 for s, e in spans if s <= start < e)
+        assert overlapping <= 2, "more gpus=1 claims ran at once than there are cards"
+    assert_books_balanced(kernel)
+
+
+def test_a_background_claims_output_stays_in_its_own_cell(kernel):
+    """The job prints while another cell runs; the print belongs to the job's cell."""
+    started = kernel.run(
+        "%%claim --background\nimport time\ntime.sleep(1)\nprint('from the job')", check=True
+    )
+    later = kernel.run("import time\ntime.sleep(3)\nprint('later cell')", check=True)
+    assert "from the job" not in later.stdout
+    assert any(
+        m["msg_type"] == "stream"
+        and "from the job" in m["content"]["text"]
+        and m["parent_header"].get("msg_id") == started.msg_id
+        for m in kernel.seen
+    )
+
+
+def test_a_waiting_background_claim_can_be_cancelled(kernel):
+    kernel.run("%%claim cpus=2 --background\nimport time\ntime.sleep(3)", check=True)
+    kernel.run("holder = _", check=True)
+    kernel.run("%%claim cpus=2 --background\nprint('never')", check=True)
+    kernel.run("waiter = _", check=True)
+    assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
+    assert kernel.facts("[sorted(holder.result(30)), holder.status, waiter.done()]") == [
+        ["time"],
+        "ok",
+        True,
+    ]
+    assert kernel.facts("waiter.status") == "cancelled"
+    assert_books_balanced(kernel)

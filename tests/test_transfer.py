@@ -1,0 +1,358 @@
+"""Values crossing between the kernel and a worker: what arrives, and what is left behind."""
+
+import gc
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fluksio_nb import transfer
+from fluksio_nb.transfer import SEGMENT_DIR, SEGMENT_PREFIX, pack, sweep_orphans, unpack
+
+#: Big enough to go through shared memory, small enough to keep the suite fast.
+BIG = 16 * 2**20 // 8
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc and /dev/shm"
+)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers_carried_over():
+    """One test's leftover segments must not fail the next test's count."""
+    yield
+    for path in segments_of(os.getpid()):
+        path.unlink(missing_ok=True)
+
+
+def segments_of(pid: int) -> list[Path]:
+    return sorted(Path(SEGMENT_DIR).glob(f"{SEGMENT_PREFIX}{pid}-*"))
+
+
+def mapped_segment(start: int, nbytes: int, maps: str) -> str | None:
+    """The shared-memory file whose mapping holds these bytes, per /proc/<pid>/maps."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and SEGMENT_PREFIX in fields[5]:
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            if low <= start and start + nbytes <= high:
+                return fields[5]
+    return None
+
+
+def segment_under(array: np.ndarray) -> str | None:
+    """The shared-memory file this process has mapped under `array`, if any."""
+    start = array.__array_interface__["data"][0]
+    return mapped_segment(start, array.nbytes, Path("/proc/self/maps").read_text())
+
+
+def owners(array: np.ndarray) -> list[str]:
+    """What keeps `array`'s memory alive, from the array down to whatever owns it."""
+    chain, holder = [], array
+    while holder is not None:
+        chain.append(type(holder).__name__)
+        holder = holder.obj if isinstance(holder, memoryview) else getattr(holder, "base", None)
+    return chain
+
+
+def python(script: str, *args: str, parcel: transfer.Parcel | None = None) -> bytes:
+    """Run `script` in a fresh interpreter, feeding it a pickled parcel; return its stdout."""
+    stdin = pickle.dumps(parcel) if parcel is not None else b""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
+
+
+RECEIVER = """
+    import hashlib, json, pickle, sys
+    from fluksio_nb.transfer import unpack
+    values, failures = unpack(pickle.load(sys.stdin.buffer))
+    array = values["array"]
+    digest = hashlib.sha256(array).hexdigest()
+    array[0] = -1.0
+    chain, holder = [], array
+    while holder is not None:
+        chain.append(type(holder).__name__)
+        holder = holder.obj if isinstance(holder, memoryview) else getattr(holder, "base", None)
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    json.dump(
+        {
+            "failures": failures,
+            "digest": digest,
+            "first": float(array[0]),
+            "address": array.__array_interface__["data"][0],
+            "nbytes": array.nbytes,
+            "owners": chain,
+            "maps": mapped,
+        },
+        sys.stdout,
+    )
+"""
+
+SENDER = """
+    import pickle, sys
+    import numpy as np
+    from fluksio_nb.transfer import pack
+    array = np.arange(int(sys.argv[1]), dtype=np.float64)
+    sys.stdout.buffer.write(pickle.dumps(pack({"array": array, "label": "sent"})))
+"""
+
+
+# -- what arrives ----------------------------------------------------------------------
+
+
+def test_a_value_that_cannot_be_pickled_is_reported_by_name_and_the_rest_arrive():
+    """Guards against one lock in the namespace failing the whole cell."""
+    parcel = pack({"lock": threading.Lock(), "rows": [1, 2, 3]})
+    values, failures = unpack(parcel)
+    assert values == {"rows": [1, 2, 3]}
+    assert failures == {"lock": "cannot pickle '_thread.lock' object"}
+
+
+def test_a_value_that_cannot_be_rebuilt_is_reported_by_name_and_the_rest_arrive(
+    tmp_path, monkeypatch
+):
+    """Guards against a class the receiver cannot import failing every other value."""
+    (tmp_path / "fluksio_vanishing.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fluksio_vanishing
+
+    parcel = pack({"thing": fluksio_vanishing.Thing(), "size": 3})
+    monkeypatch.delitem(sys.modules, "fluksio_vanishing")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+
+    values, failures = unpack(parcel)
+    assert values == {"size": 3}
+    assert failures == {"thing": "No module named 'fluksio_vanishing'"}
+
+
+def test_modules_travel_by_reference():
+    """Guards against a module being pickled by value, or not at all."""
+    parcel = pack({"np": np, "json": json})
+    assert all(len(packed.pickle) < 100 for packed in parcel.values.values())
+    values, failures = unpack(parcel)
+    assert failures == {}
+    assert values["np"] is np and values["json"] is json
+
+
+def test_functions_and_classes_defined_in_the_notebook_arrive_in_another_process():
+    """Guards against a function defined in a cell failing to import in the worker."""
+    notebook = {"__name__": "__main__"}
+    exec(
+        textwrap.dedent(
+            """
+            RATE = 3
+            def cost(hours):
+                return hours * RATE
+            class Box:
+                def __init__(self, side):
+                    self.side = side
+                def volume(self):
+                    return self.side ** 3
+            """
+        ),
+        notebook,
+    )
+    parcel = pack({"cost": notebook["cost"], "box": notebook["Box"](2)})
+    out = python(
+        """
+        import pickle, sys
+        from fluksio_nb.transfer import unpack
+        values, failures = unpack(pickle.load(sys.stdin.buffer))
+        print(values["cost"](5), values["box"].volume(), failures)
+        """,
+        parcel=parcel,
+    )
+    assert out.decode().split() == ["15", "8", "{}"]
+
+
+def test_a_small_array_travels_inline_and_arrives_writable():
+    """Guards against a file and a mapping per tiny array, or a read-only array."""
+    parcel = pack({"small": np.arange(1000.0)})
+    assert parcel.values["small"].segments == ()
+    values, _ = unpack(parcel)
+    values["small"][0] = 7.0
+    assert values["small"][1:].tolist() == list(range(1, 1000))
+
+
+def test_strided_and_fortran_ordered_arrays_arrive_intact():
+    """Guards against an array whose memory is not C-ordered arriving scrambled."""
+    grid = np.arange(BIG, dtype=np.float64).reshape(1024, -1)
+    fortran, every_other = np.asfortranarray(grid), grid[:, ::2]
+    values, failures = unpack(pack({"fortran": fortran, "every_other": every_other}))
+    assert failures == {}
+    assert values["fortran"].flags.f_contiguous
+    np.testing.assert_array_equal(values["fortran"], grid)
+    np.testing.assert_array_equal(values["every_other"], every_other)
+
+
+# -- without copies --------------------------------------------------------------------
+
+
+def test_a_big_array_arrives_writable_on_a_mapping_of_its_segment():
+    """Guards against the receiving side copying a big array instead of mapping it."""
+    original = np.arange(BIG, dtype=np.float64)
+    parcel = pack({"array": original})
+    assert len(parcel.values["array"].segments) == 1
+
+    array = unpack(parcel)[0]["array"]
+    assert owners(array)[-1] == "mmap"
+    assert segment_under(array) is not None
+    array[0] = -1.0
+    np.testing.assert_array_equal(array[1:], original[1:])
+
+
+def test_a_big_array_crosses_into_another_process_without_a_copy():
+    """Guards against the worker's copy of an input being anything but the shared mapping."""
+    array = np.arange(BIG, dtype=np.float64)
+    arrived = json.loads(python(RECEIVER, parcel=pack({"array": array})))
+    assert arrived["failures"] == {}
+    assert arrived["digest"] == hashlib.sha256(array).hexdigest()
+    assert arrived["first"] == -1.0, "the array arrived read-only"
+    assert arrived["owners"][-1] == "mmap"
+    segment = mapped_segment(arrived["address"], arrived["nbytes"], arrived["maps"])
+    # Unlinked as soon as it was mapped: nothing is left to sweep.
+    assert segment is not None and segment.endswith("(deleted)")
+
+
+def test_a_big_array_from_a_process_that_has_exited_lands_on_a_mapping_here():
+    """Guards against an output needing its sender alive, or being copied on arrival."""
+    parcel = pickle.loads(python(SENDER, str(BIG)))
+    values, failures = unpack(parcel)
+    assert failures == {} and values["label"] == "sent"
+    array = values["array"]
+    assert array.flags.writeable
+    assert segment_under(array) is not None
+    assert array[-1] == BIG - 1 and array.sum() == BIG * (BIG - 1) / 2
+
+
+def test_the_mapping_goes_away_with_the_last_array_on_it():
+    """Guards against a received array's memory outliving it, or vanishing under a view."""
+    array = unpack(pack({"array": np.ones(BIG)}))[0]["array"]
+    segment = segment_under(array)
+    view = array[BIG // 2 :]
+    del array
+    gc.collect()
+    assert segment in Path("/proc/self/maps").read_text()
+    assert view.sum() == BIG // 2
+    del view
+    gc.collect()
+    assert segment not in Path("/proc/self/maps").read_text()
+
+
+def test_the_parcel_stays_small_whatever_it_carries():
+    """Guards against the big buffers travelling inside the frame that carries the parcel."""
+    parcel = pack({"array": np.zeros(BIG), "other": np.ones(BIG)})
+    try:
+        assert len(pickle.dumps(parcel)) < 2048
+        assert parcel.nbytes > 2 * BIG * 8
+    finally:
+        parcel.discard()
+
+
+# -- nothing left behind ---------------------------------------------------------------
+
+
+def test_unpack_leaves_no_shared_memory_behind():
+    """Guards against every claimed cell leaking its inputs' size in /dev/shm."""
+    parcel = pack({"array": np.zeros(BIG)})
+    assert len(segments_of(os.getpid())) == 1
+    values, _ = unpack(parcel)
+    assert segments_of(os.getpid()) == []
+    assert values["array"].sum() == 0
+
+
+def test_a_segment_is_unlinked_as_soon_as_it_is_mapped(monkeypatch):
+    """Guards against a receiver that dies while unpickling leaving the file behind."""
+    parcel = pack({"array": np.zeros(BIG)})
+    unpickle = pickle.loads
+    left_while_unpickling = []
+
+    def watching(*args, **kwargs):
+        left_while_unpickling.extend(segments_of(os.getpid()))
+        return unpickle(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.pickle, "loads", watching)
+    unpack(parcel)
+    assert left_while_unpickling == []
+
+
+def test_unpack_removes_the_memory_of_a_value_that_failed_to_arrive():
+    """Guards against the rest of a value's buffers staying in /dev/shm when one is missing."""
+    parcel = pack({"pair": (np.zeros(BIG), np.ones(BIG))})
+    first, second = parcel.values["pair"].segments
+    os.unlink(first.path)
+    values, failures = unpack(parcel)
+    assert values == {} and "is gone" in failures["pair"]
+    assert not os.path.exists(second.path)
+
+
+def test_a_value_that_fails_halfway_through_packing_leaves_nothing_behind():
+    """Guards against the big array packed before the lock next to it failed staying in /dev/shm."""
+    parcel = pack({"pair": (np.zeros(BIG), threading.Lock())})
+    assert "pair" in parcel.failures
+    assert segments_of(os.getpid()) == []
+
+
+def test_discard_leaves_no_shared_memory_behind():
+    """Guards against a parcel whose receiver died keeping its memory forever."""
+    pack({"array": np.zeros(BIG)}).discard()
+    assert segments_of(os.getpid()) == []
+
+
+def test_a_parcel_unpacked_twice_names_what_is_gone():
+    """Guards against a second unpack crashing instead of saying what went missing."""
+    parcel = pack({"array": np.zeros(BIG), "size": 3})
+    unpack(parcel)
+    values, failures = unpack(parcel)
+    assert values == {"size": 3}
+    assert "is gone" in failures["array"]
+
+
+def test_sweep_removes_what_a_dead_sender_left_behind():
+    """Guards against /dev/shm filling up with parcels of senders that died in flight."""
+    parcel = pickle.loads(python(SENDER, str(BIG)))
+    sender = int(Path(parcel.values["array"].segments[0].path).name.split("-")[1])
+    assert len(segments_of(sender)) == 1
+
+    removed = sweep_orphans()
+    assert segments_of(sender) == []
+    assert any(Path(path).name.startswith(f"{SEGMENT_PREFIX}{sender}-") for path in removed)
+    values, failures = unpack(parcel)
+    assert values == {"label": "sent"} and "swept" in failures["array"]
+
+
+def test_sweep_leaves_a_live_senders_memory_alone():
+    """Guards against sweeping a parcel its sender is still sending."""
+    parcel = pack({"array": np.zeros(BIG)})
+    try:
+        sweep_orphans()
+        assert len(segments_of(os.getpid())) == 1
+    finally:
+        parcel.discard()
+
+
+def test_a_segment_older_than_the_process_with_its_pid_is_swept():
+    """Guards against a recycled pid keeping a dead sender's memory forever."""
+    stale = Path(SEGMENT_DIR) / f"{SEGMENT_PREFIX}{os.getpid()}-0123456789abcdef"
+    stale.write_bytes(b"left by an earlier process with this pid")
+    a_day_ago = time.time() - 86400
+    os.utime(stale, (a_day_ago, a_day_ago))
+    assert str(stale) in sweep_orphans()
+    assert not stale.exists()

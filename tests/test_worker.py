@@ -1,0 +1,522 @@
+"""The worker a claimed cell runs in: what reaches it, what comes back, how it ends.
+
+Everything here runs real worker processes. The failures that matter are the
+ones a notebook user cannot see through: output that only appears when the
+cell ends, a stop button that does nothing, a worker that dies and leaves the
+cell waiting forever, and processes that outlive the kernel holding a GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
+from fluksio_nb.worker.protocol import Channel, ChannelClosed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Recorder(Sink):
+    """Every call the worker made, in order, with when it arrived."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object, float]] = []
+        self.stdout_seen = threading.Event()
+
+    def stdout(self, text: str) -> None:
+        self.events.append(("stdout", text, time.monotonic()))
+        self.stdout_seen.set()
+
+    def stderr(self, text: str) -> None:
+        self.events.append(("stderr", text, time.monotonic()))
+
+    def display(self, data, metadata) -> None:
+        self.events.append(("display", data, time.monotonic()))
+
+    def result(self, data, metadata) -> None:
+        self.events.append(("result", data, time.monotonic()))
+
+    def error(self, ename, evalue, traceback) -> None:
+        self.events.append(("error", (ename, evalue, traceback), time.monotonic()))
+
+    def text(self, stream: str = "stdout") -> str:
+        return "".join(payload for kind, payload, _ in self.events if kind == stream)
+
+    def of(self, kind: str) -> list:
+        return [payload for seen, payload, _ in self.events if seen == kind]
+
+
+def cell(source: str) -> str:
+    return textwrap.dedent(source).strip()
+
+
+def living_members_of_group(pgid: int) -> list[int]:
+    """Processes still in the group. Zombies have ended; reaping orphans is init's job."""
+    living = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != "zombie":
+                living.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return living
+
+
+def has_ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def interrupt_once_it_prints(worker: Worker, recorder: Recorder, stop=None) -> None:
+    """Interrupt from another thread, the way the kernel's stop button would arrive."""
+
+    def wait_then_stop() -> None:
+        recorder.stdout_seen.wait(10)
+        (stop or worker.interrupt)()
+
+    threading.Thread(target=wait_then_stop, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One worker for the tests that leave it usable, which is also what they check."""
+    with Worker(dict(os.environ)) as shared:
+        yield shared
+
+
+@pytest.fixture
+def own_worker():
+    """A worker of its own, for a test that may kill it."""
+    with Worker(dict(os.environ)) as fresh:
+        yield fresh
+
+
+# -----------------------------------------------------------------------------
+# What reaches the worker
+# -----------------------------------------------------------------------------
+
+
+def test_the_cell_sees_the_environment_the_worker_was_started_with():
+    """The whole point: a share is only honoured if the env reaches the import."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+    with Worker(env) as started:
+        outcome = started.run(
+            "import os\nseen = {k: os.environ.get(k) for k in ('OMP_NUM_THREADS', "
+            "'CUDA_VISIBLE_DEVICES')}",
+            outputs=["seen"],
+        )
+    assert outcome.outputs["seen"] == {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_inputs_arrive_and_outputs_come_back(worker):
+    """Inputs missing in the worker, or results left behind in it, make claiming useless."""
+    array = np.arange(1_000_000, dtype=np.float64)
+    outcome = worker.run(
+        "scaled = array * factor\nother = 1",
+        inputs={"array": array, "factor": 2.0},
+        outputs=["scaled", "never_made"],
+    )
+    assert outcome.ok
+    np.testing.assert_array_equal(outcome.outputs["scaled"], array * 2.0)
+    assert set(outcome.outputs) == {"scaled"}
+    assert "never_made" in outcome.failed
+
+
+def test_without_named_outputs_only_what_the_cell_bound_comes_back(worker):
+    """Sending back modules, `_private` names, In/Out or unchanged inputs clutters the kernel."""
+    outcome = worker.run(
+        "import json\n_scratch = 1\nmade = given + 1\nchanged = 2",
+        inputs={"given": 1, "changed": 1},
+    )
+    assert outcome.outputs == {"made": 2, "changed": 2}
+    assert outcome.failed == {}
+
+
+def test_an_unpicklable_output_is_reported_by_name_and_the_rest_still_arrive(worker):
+    """One lock in the namespace must not cost the user every other variable."""
+    outcome = worker.run(
+        "import threading\nlock = threading.Lock()\nnumbers = (n for n in range(3))\nkept = 42"
+    )
+    assert outcome.ok
+    assert outcome.outputs == {"kept": 42}
+    assert set(outcome.failed) == {"lock", "numbers"}
+    assert "pickle" in outcome.failed["lock"]
+
+
+def test_an_input_that_cannot_be_sent_is_refused_before_the_cell_runs(worker):
+    """A half-sent request would leave the worker waiting for bytes that never come."""
+    with pytest.raises(UnsendableInput, match="'lock'"):
+        worker.run("lock", inputs={"lock": threading.Lock()})
+    assert worker.run("1 + 1").ok
+
+
+def test_each_cell_starts_from_an_empty_namespace_but_imports_stay_warm(worker):
+    """Claimed cells must not depend on each other, nor pay for `import torch` twice."""
+    first = worker.run(
+        "import sys\nimported_before = 'wave' in sys.modules\nimport wave\nleftover = 1"
+    )
+    assert first.outputs["imported_before"] is False
+    second = worker.run(
+        "import sys\nwarm = 'wave' in sys.modules\nleftover_gone = 'leftover' not in dir()"
+    )
+    assert second.outputs == {"warm": True, "leftover_gone": True}
+
+
+def test_a_mistyped_magic_is_reported_as_an_error(worker):
+    """IPython prints usage errors instead of raising; the notebook would show no error."""
+    recorder = Recorder()
+    outcome = worker.run("%no_such_magic", sink=recorder)
+    assert outcome.error.ename == "UsageError"
+    [(ename, evalue, _)] = recorder.of("error")
+    assert ename == "UsageError"
+    assert "no_such_magic" in evalue
+
+
+def test_a_cell_asking_for_input_gets_an_error_instead_of_hanging(worker):
+    """Nobody can type into a worker; input() waiting on the kernel's stdin would hang."""
+    outcome = worker.run("input('name? ')")
+    assert outcome.error.ename == "EOFError"
+
+
+# -----------------------------------------------------------------------------
+# What comes back while the cell runs
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(15)
+def test_stdout_arrives_while_the_cell_is_still_running(worker):
+    """Output relayed only at the end makes a long training loop look hung."""
+    recorder = Recorder()
+    started = time.monotonic()
+    outcome = worker.run("import time\nprint('epoch 1')\ntime.sleep(2)", sink=recorder)
+    ended = time.monotonic()
+    assert outcome.ok
+    assert recorder.text() == "epoch 1\n"
+    arrived = recorder.events[0][2]
+    assert arrived - started < 0.5
+    assert ended - arrived > 1.5
+
+
+def test_output_of_child_processes_and_c_code_is_relayed(worker):
+    """`!cmd`, os.system and printf write to fd 1, which sys.stdout never sees."""
+    recorder = Recorder()
+    outcome = worker.run(
+        cell(
+            """
+            import ctypes, os
+            !echo from-the-shell
+            os.system("echo from-os-system >&2")
+            ctypes.CDLL(None).printf(b"from-c\\n")
+            """
+        ),
+        sink=recorder,
+    )
+    assert outcome.ok
+    assert "from-the-shell" in recorder.text("stdout")
+    assert "from-c" in recorder.text("stdout")
+    assert "from-os-system" in recorder.text("stderr")
+
+
+def test_output_keeps_the_order_the_cell_produced_it_in(worker):
+    """A print relayed after the display that followed it tells the story backwards."""
+    recorder = Recorder()
+    worker.run("print('before')\ndisplay('shown')\nprint('after')", sink=recorder)
+    order = [
+        "display" if kind == "display" else payload.strip()
+        for kind, payload, _ in recorder.events
+        if payload != "\n"
+    ]
+    assert order == ["before", "display", "after"]
+
+
+def test_display_data_and_the_last_expression_come_back_as_mime_bundles(worker):
+    """Rich output is why people use notebooks; a text-only worker would lose it."""
+    recorder = Recorder()
+    worker.run(
+        cell(
+            """
+            from IPython.display import HTML, display
+            display(HTML("<b>shown</b>"))
+
+            class Report:
+                def _repr_html_(self):
+                    return "<i>returned</i>"
+
+            Report()
+            """
+        ),
+        sink=recorder,
+    )
+    [shown] = recorder.of("display")
+    [returned] = recorder.of("result")
+    assert shown["text/html"] == "<b>shown</b>"
+    assert returned["text/html"] == "<i>returned</i>"
+    assert "text/plain" in returned
+
+
+def test_a_matplotlib_figure_comes_back_as_a_png(worker):
+    """Plots are the commonest output of a claimed cell and must not vanish."""
+    pytest.importorskip("matplotlib", reason="the figure test needs matplotlib")
+    recorder = Recorder()
+    outcome = worker.run(
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3]);",
+        sink=recorder,
+    )
+    assert outcome.ok
+    figures = [data for data in recorder.of("display") if "image/png" in data]
+    assert len(figures) == 1
+    assert base64.b64decode(figures[0]["image/png"]).startswith(b"\x89PNG")
+
+
+def test_an_exception_comes_back_with_its_traceback_and_the_worker_stays_usable(worker):
+    """A failing cell is routine; it must read like IPython and cost nothing else."""
+    recorder = Recorder()
+    outcome = worker.run("def divide():\n    return 1 / 0\ndivide()", sink=recorder)
+    assert outcome.status == "error"
+    assert outcome.error.ename == "ZeroDivisionError"
+    [(ename, evalue, traceback)] = recorder.of("error")
+    assert (ename, evalue) == ("ZeroDivisionError", "division by zero")
+    rendered = "\n".join(traceback)
+    assert "\x1b[" in rendered, "the traceback should keep IPython's colours"
+    assert "return 1 / 0" in re.sub(r"\x1b\[[0-9;]*m", "", rendered)
+    assert worker.run("1 + 1").ok
+
+
+# -----------------------------------------------------------------------------
+# Stopping a cell
+# -----------------------------------------------------------------------------
+
+
+def test_interrupt_stops_a_sleeping_cell_and_the_worker_stays_usable(own_worker):
+    """The stop button has to work, and stopping a cell must not cost the worker."""
+    recorder = Recorder()
+    interrupt_once_it_prints(own_worker, recorder)
+    started = time.monotonic()
+    outcome = own_worker.run("import time\nprint('sleeping')\ntime.sleep(60)", sink=recorder)
+    assert time.monotonic() - started < 2
+    assert outcome.status == "error"
+    assert outcome.error.ename == "KeyboardInterrupt"
+    assert outcome.interrupted
+    assert own_worker.alive
+    assert own_worker.run("1 + 1").ok
+
+
+def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_worker):
+    """A cell deaf to SIGINT would otherwise hold its share, and its children, for ever."""
+    recorder = Recorder()
+    interrupt_once_it_prints(own_worker, recorder)
+    started = time.monotonic()
+    outcome = own_worker.run(
+        cell(
+            """
+            import signal, subprocess, time
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            child = subprocess.Popen(["sleep", "60"])
+            print("deaf")
+            time.sleep(60)
+            """
+        ),
+        sink=recorder,
+    )
+    assert time.monotonic() - started < 2.5
+    assert outcome.died
+    assert outcome.interrupted
+    assert "did not stop" in outcome.description
+    assert not own_worker.alive
+    assert living_members_of_group(own_worker.pid) == []
+
+
+def test_an_interrupt_that_arrives_after_its_cell_ended_does_not_touch_the_next_one(
+    own_worker,
+):
+    """The ladder's SIGINT can race the end of a cell; it must not kill the idle worker."""
+    assert own_worker.run("1 + 1").ok
+    os.killpg(own_worker.pid, signal.SIGINT)
+    time.sleep(0.1)
+    outcome = own_worker.run("import time\ntime.sleep(0.2)\nfinished = True")
+    assert outcome.ok
+    assert outcome.outputs == {"finished": True}
+
+
+@pytest.mark.parametrize("deaf_to_sigint", [False, True], ids=["stops", "ignores-sigint"])
+def test_keyboard_interrupt_in_the_calling_thread_stops_the_cell_and_is_reraised(
+    own_worker, deaf_to_sigint
+):
+    """The stop button interrupts the kernel's thread inside run(); the cell must stop too."""
+    recorder = Recorder()
+    interrupt_once_it_prints(own_worker, recorder, stop=lambda: os.kill(os.getpid(), signal.SIGINT))
+    deafness = "signal.signal(signal.SIGINT, signal.SIG_IGN)\n" if deaf_to_sigint else ""
+    with pytest.raises(KeyboardInterrupt):
+        own_worker.run(
+            f"import signal, time\n{deafness}print('sleeping')\ntime.sleep(60)", sink=recorder
+        )
+    if deaf_to_sigint:
+        assert not own_worker.alive
+        assert living_members_of_group(own_worker.pid) == []
+    else:
+        assert own_worker.run("1 + 1").ok
+
+
+# -----------------------------------------------------------------------------
+# How a worker ends
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "returncode", "said"),
+    [
+        ("import ctypes\nctypes.string_at(0)", -signal.SIGSEGV, "died from SIGSEGV (signal 11)"),
+        ("import os\nos._exit(3)", 3, "exited with code 3"),
+    ],
+    ids=["segfault", "os-exit"],
+)
+def test_a_worker_that_dies_says_how(own_worker, code, returncode, said):
+    """A crash reported as a hang, or as nothing at all, leaves the user guessing."""
+    outcome = own_worker.run(code)
+    assert outcome.died
+    assert outcome.returncode == returncode
+    assert said in outcome.description
+    assert "while running the cell" in outcome.description
+    assert not own_worker.alive
+    again = own_worker.run("1 + 1")
+    assert again.died and "already ended" in again.description
+
+
+def test_a_worker_killed_from_outside_says_sigkill(own_worker):
+    """The out-of-memory killer's SIGKILL must read as a death, not a hang."""
+    recorder = Recorder()
+    interrupt_once_it_prints(
+        own_worker, recorder, stop=lambda: os.kill(own_worker.pid, signal.SIGKILL)
+    )
+    outcome = own_worker.run("import time\nprint('running')\ntime.sleep(60)", sink=recorder)
+    assert outcome.died
+    assert outcome.signal_name == "SIGKILL"
+    assert "died from SIGKILL" in outcome.description
+
+
+@pytest.mark.parametrize("ending", ["kill", "close"])
+def test_ending_a_worker_ends_the_processes_its_cells_started(ending):
+    """A forgotten `sleep` is harmless; a forgotten trainer holds the GPU for ever."""
+    started = Worker(dict(os.environ))
+    outcome = started.run(
+        cell(
+            """
+            import subprocess
+            in_group = subprocess.Popen(["sleep", "60"]).pid
+            left_group = subprocess.Popen(["sleep", "60"], start_new_session=True).pid
+            """
+        )
+    )
+    children = [outcome.outputs["in_group"], outcome.outputs["left_group"]]
+    assert not any(has_ended(pid) for pid in children)
+    getattr(started, ending)()
+    assert not started.alive
+    assert wait_until(lambda: all(has_ended(pid) for pid in children), timeout=2)
+    assert has_ended(started.pid)
+
+
+@pytest.mark.timeout(20)
+def test_the_worker_ends_when_its_kernel_dies():
+    """A kernel killed by the OOM killer must not leave a worker holding its share."""
+    kernel = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            cell(
+                """
+                import os, sys
+                from fluksio_nb.worker.client import Sink, Worker
+
+                class Relay(Sink):
+                    def stdout(self, text):
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+
+                worker = Worker(dict(os.environ))
+                worker.run(
+                    "import os, subprocess, time\\n"
+                    "child = subprocess.Popen(['sleep', '60'])\\n"
+                    "print(os.getpid(), child.pid)\\n"
+                    "time.sleep(60)",
+                    sink=Relay(),
+                )
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker_pid, child_pid = map(int, kernel.stdout.readline().split())
+        kernel.kill()
+        kernel.wait()
+        assert wait_until(lambda: has_ended(worker_pid) and has_ended(child_pid), timeout=5)
+    finally:
+        kernel.kill()
+        kernel.wait()
+        kernel.stdout.close()
+
+
+# -----------------------------------------------------------------------------
+# The channel
+# -----------------------------------------------------------------------------
+
+
+def test_a_large_array_crosses_the_channel_intact_and_writable():
+    """Out-of-band buffers are the fast path; rebuilt read-only, `+=` on them would fail."""
+    kernel_end, worker_end = (Channel(end) for end in socket.socketpair())
+    array = np.random.default_rng(0).random(4_000_000)
+    sender = threading.Thread(target=kernel_end.send, args=({"array": array},))
+    sender.start()
+    received = worker_end.receive()["array"]
+    sender.join()
+    np.testing.assert_array_equal(received, array)
+    received += 1
+    kernel_end.close()
+    worker_end.close()
+
+
+def test_a_peer_that_goes_away_mid_frame_raises_instead_of_hanging():
+    """A reader blocked for ever on a dead peer is a notebook that never answers."""
+    ours, theirs = socket.socketpair()
+    channel = Channel(ours)
+    body = pickle.dumps({"type": "display"}, protocol=5)
+    theirs.sendall(len(body).to_bytes(8, "little") + (0).to_bytes(4, "little") + body[:3])
+    theirs.close()
+    with pytest.raises(ChannelClosed, match="middle of a frame"):
+        channel.receive()
+    with pytest.raises(ChannelClosed):
+        channel.send({"type": "run"})
+
+
+def test_a_peer_that_goes_away_between_frames_raises_channel_closed():
+    """The ordinary way a worker dies must be told apart from a torn frame."""
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    with pytest.raises(ChannelClosed, match="between frames"):
+        Channel(ours).receive()
