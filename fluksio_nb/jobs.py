@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from fluksio_nb.context import Claim, RemoteError
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
-from fluksio_nb.status import TextView, describe
+from fluksio_nb.status import describe, new_view
 from fluksio_nb.transfer import Parcel
 
 
@@ -35,7 +35,7 @@ class Job:
         inputs: Parcel,
         outputs: Sequence[str] | None,
     ) -> None:
-        self._claim = Claim(wanted, view=TextView())
+        self._claim = Claim(wanted, view=new_view())
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._output = CellOutput()
         self._finished = threading.Event()

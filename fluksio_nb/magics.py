@@ -25,7 +25,7 @@ from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
 from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
-from fluksio_nb.status import TextView
+from fluksio_nb.status import new_view
 from fluksio_nb.variables import choose_inputs, choose_outputs
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
@@ -68,7 +68,7 @@ class ClaimMagics(Magics):
                 from fluksio_nb.jobs import start_job
 
                 return start_job(parsed.resources, cell, parcel, outputs)
-            claimed = Claim(parsed.resources, view=TextView())
+            claimed = Claim(parsed.resources, view=new_view())
         except BadClaim as error:
             parcel.discard()
             raise UsageError(str(error)) from None

@@ -169,3 +169,8 @@ class TextView:
             "text/plain": text,
             "text/html": f'<div class="fluksio-status" style="color:{colour}">{body}</div>',
         }
+
+
+def new_view() -> StatusView:
+    """The view a claimed cell draws its status with."""
+    return TextView()
