@@ -157,7 +157,7 @@ class Claim:
             except ClaimTimeout:
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     raise ClaimTimeout(
-                        self._queue._timeout_message(ticket, self.wanted.timeout)
+                        self._queue.timeout_message(ticket, self.wanted.timeout)
                     ) from None
             self._refresh_queue_position()
             self._update_view()
@@ -271,6 +271,17 @@ class Claim:
 
     def _sampled(self, sample: Sample) -> None:
         self.status.readings.add(sample)
+        if self._ticket is not None:
+            self._queue.report(
+                self._ticket,
+                {
+                    "rss_bytes": sample.rss_bytes,
+                    "peak_rss_bytes": self.status.readings.peak_rss_bytes,
+                    "cpu_percent": sample.cpu_percent,
+                    "processes": sample.processes,
+                    "at": time.time(),
+                },
+            )
         self._update_view()
 
     def _halt(self, decision: HaltDecision | None) -> None:

@@ -59,7 +59,7 @@ class Job:
 
     @property
     def granted_at(self) -> float | None:
-        """When the queue granted this job its share (``time.monotonic()``), if it has."""
+        """When the queue granted this job its share (``time.time()``), if it has."""
         return self._claim.enqueue().granted_at
 
     def done(self) -> bool:

@@ -68,7 +68,7 @@ class Ticket:
     pid: int = field(default_factory=os.getpid)
     state: Literal["waiting", "running", "done"] = "waiting"
     allocation: Allocation | None = None
-    #: ``time.monotonic()`` when the share was granted: the queue's own order.
+    #: When the share was granted (``time.time()``, comparable across processes).
     granted_at: float | None = None
     cancelled: str | None = None
     #: Called, outside the queue's lock, when a running claim is cancelled:
@@ -95,30 +95,7 @@ class ClaimQueue:
 
     def fit_to_machine(self, wanted: Resources) -> Resources:
         """The claim shrunk to what exists, or refused if it is strict."""
-        books = self.books
-        if books.fits(wanted.cpus, wanted.gpus, wanted.ram_bytes):
-            return wanted
-        capacity = f"cpus={books.cpus} gpus={books.gpus} ram={_size(books.ram_bytes)}"
-        if wanted.strict:
-            raise ClaimTooLarge(
-                f"{wanted.describe()} asks for more than this machine has to hand out "
-                f"({capacity}); ask for less, or drop --strict to be given what there is"
-            )
-        shrunk = Resources(
-            **{
-                **wanted.model_dump(exclude_unset=True),
-                "cpus": min(wanted.cpus, books.cpus),
-                "gpus": min(wanted.gpus, books.gpus),
-                "ram": None if wanted.ram is None else (min(wanted.ram, books.ram_bytes) or None),
-            }
-        )
-        warnings.warn(
-            f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
-            f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
-            ClampedWarning,
-            stacklevel=3,
-        )
-        return shrunk
+        return fit_to_capacity(wanted, self.books)
 
     def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
         """Join the queue. The ticket may already be granted when this returns."""
@@ -150,7 +127,7 @@ class ClaimQueue:
                     )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise ClaimTimeout(self._timeout_message(ticket, timeout))
+                    raise ClaimTimeout(self.timeout_message(ticket, timeout))
                 self._cond.wait(_WAKE_S if left is None else min(left, _WAKE_S))
             return ticket.allocation
 
@@ -205,32 +182,24 @@ class ClaimQueue:
             stop(reason)
         return True
 
+    def report(self, ticket: Ticket, readings: dict[str, object]) -> None:
+        """Readings of a running claim. The kernel's own books need not keep them."""
+
     # -- who goes next --------------------------------------------------------
 
     def _dispatch(self) -> None:
         """Grant whatever can be granted now, in order. Called with the lock held."""
         free_cpus, free_gpus, free_ram = self.books.free()
-        # What is left for each later claim once the ones ahead of it that
-        # could not go have had their needs set aside. It may go negative: a
-        # shortfall nobody behind may take from.
-        spare = [free_cpus, len(free_gpus), free_ram]
-        granted = False
-        for ticket in list(self._waiting):
-            need = (
-                ticket.resources.cpus,
-                ticket.resources.gpus,
-                ticket.resources.ram_bytes,
-            )
-            if all(n == 0 or n <= s for n, s in zip(need, spare, strict=True)):
-                allocation = self.books.try_take(*need)
-                if allocation is not None:
-                    ticket.allocation, ticket.state = allocation, "running"
-                    ticket.granted_at = time.monotonic()
-                    self._waiting.remove(ticket)
-                    self._running[ticket.number] = ticket
-                    granted = True
-            spare = [s - n for s, n in zip(spare, need, strict=True)]
-        if granted:
+        needs = [_need(ticket.resources) for ticket in self._waiting]
+        going = who_goes_next(needs, (free_cpus, len(free_gpus), free_ram))
+        for ticket in [self._waiting[index] for index in going]:
+            allocation = self.books.try_take(*_need(ticket.resources))
+            assert allocation is not None, "who_goes_next granted more than is free"
+            ticket.allocation, ticket.state = allocation, "running"
+            ticket.granted_at = time.time()
+            self._waiting.remove(ticket)
+            self._running[ticket.number] = ticket
+        if going:
             self._cond.notify_all()
 
     # -- what is going on -----------------------------------------------------
@@ -263,7 +232,7 @@ class ClaimQueue:
         with self._cond:
             return sorted(self._running.values(), key=lambda t: t.number)
 
-    def _timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
+    def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
         held = ", ".join(
             f"{t.label!r} ({_held(t.allocation)})"
             for t in self._running.values()
@@ -274,6 +243,60 @@ class ClaimQueue:
             f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
             "Raise --timeout, or free the share from `%claims`."
         )
+
+
+Need = tuple[int, int, int]
+
+
+def _need(resources: Resources) -> Need:
+    return (resources.cpus, resources.gpus, resources.ram_bytes)
+
+
+def who_goes_next(needs: list[Need], free: Need) -> list[int]:
+    """Which of the waiting claims, given in queue order, are granted now.
+
+    First come, first served, except that a later claim may overtake the ones
+    ahead of it when it takes nothing they still need. Walking the queue, a
+    claim that cannot go has what it needs set aside, so that what is left
+    (possibly less than nothing: a shortfall nobody behind may take from) is
+    all that later claims may use. A claim asking for none of a resource is
+    never held back by a shortage of it.
+    """
+    spare = list(free)
+    going = []
+    for index, need in enumerate(needs):
+        if all(n == 0 or n <= s for n, s in zip(need, spare, strict=True)):
+            going.append(index)
+        spare = [s - n for s, n in zip(spare, need, strict=True)]
+    return going
+
+
+def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
+    """The claim shrunk to what the machine has, with a warning, or refused if strict."""
+    if books.fits(wanted.cpus, wanted.gpus, wanted.ram_bytes):
+        return wanted
+    capacity = f"cpus={books.cpus} gpus={books.gpus} ram={_size(books.ram_bytes)}"
+    if wanted.strict:
+        raise ClaimTooLarge(
+            f"{wanted.describe()} asks for more than this machine has to hand out "
+            f"({capacity}); ask for less, or drop --strict to be given what there is"
+        )
+    ram = None if wanted.ram is None else (min(wanted.ram, books.ram_bytes) or None)
+    shrunk = Resources(
+        **{
+            **wanted.model_dump(exclude_unset=True),
+            "cpus": min(wanted.cpus, books.cpus),
+            "gpus": min(wanted.gpus, books.gpus),
+            "ram": ram,
+        }
+    )
+    warnings.warn(
+        f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
+        f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
+        ClampedWarning,
+        stacklevel=4,
+    )
+    return shrunk
 
 
 def _describe(ticket: Ticket) -> dict[str, object]:

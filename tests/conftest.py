@@ -17,6 +17,8 @@ def isolated_settings(monkeypatch, tmp_path):
     for var in ENV_VARS.values():
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLUKSIO_CONFIG", str(tmp_path / "fluksio_nb.json"))
+    # Tests never touch the machine's real ledger; each gets one of its own.
+    monkeypatch.setenv("FLUKSIO_LEDGER", str(tmp_path / "ledger"))
     forget_accountant()
     yield tmp_path / "fluksio_nb.json"
     forget_accountant()

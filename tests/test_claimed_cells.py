@@ -26,6 +26,7 @@ def kernel(tmp_path_factory):
         FLUKSIO_RAM="8G",
         FLUKSIO_RESERVE_CPUS="0",
         FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
     )
     yield k
     k.shutdown()
