@@ -25,9 +25,10 @@ def describe_snapshot(snapshot: dict) -> str:
     for claim in snapshot.get("running", []):
         held = claim["allocation"]
         cards = ",".join(str(g) for g in held["gpus"]) or "-"
+        where = claim.get("notebook") or f"pid {claim['pid']}"
         lines.append(
             f"running  #{claim['ticket']} {claim['label']!s}: cpus={held['cpus']} "
-            f"gpus={cards} ram={human(held['ram_bytes'])} (pid {claim['pid']})"
+            f"gpus={cards} ram={human(held['ram_bytes'])} ({where})"
         )
     for claim in snapshot.get("waiting", []):
         asked = claim["asked"]
@@ -44,13 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
     options = parser.parse_args(argv)
-    from fluksio_nb.kernel import accountant, settings
+    from fluksio_nb.kernel import accountant
+    from fluksio_nb.ledger import ledger_location, read_snapshot
+    from fluksio_nb.settings import load_settings
 
     try:
+        settings = load_settings()
         if options.what == "flavors":
-            print(describe_flavors(settings()))
+            print(describe_flavors(settings))
         else:
-            print(describe_snapshot(accountant().snapshot()))
+            where = ledger_location(settings.ledger)
+            # A terminal makes no claims: it reads the machine's ledger as it is.
+            snapshot = read_snapshot(where[0]) if where else accountant().snapshot()
+            print(describe_snapshot(snapshot))
     except BadClaim as error:
         print(f"fluksio-nb: {error}", file=sys.stderr)
         return 2

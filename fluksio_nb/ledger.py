@@ -106,14 +106,19 @@ def _owner_alive(owner: dict[str, Any]) -> bool:
     return started is not None and abs(started - owner["started"]) < 1.0
 
 
-def _empty_state(inventory: dict[str, Any]) -> dict[str, Any]:
+def _empty_state(inventory: dict[str, Any] | None) -> dict[str, Any]:
+    inventory = inventory or {"cpus": 0, "gpu_ids": [], "ram_bytes": 0}
     return {"version": VERSION, "inventory": inventory, "next": 1, "tickets": []}
 
 
 class LedgerFile:
     """The document and its lock: transactions, lock-free reads, and repair."""
 
-    def __init__(self, directory: Path, inventory: dict[str, Any], shared: bool = False):
+    def __init__(
+        self, directory: Path, inventory: dict[str, Any] | None = None, shared: bool = False
+    ):
+        #: What this process says the machine has; ``None`` for a reader that
+        #: takes the ledger's word for it (the server).
         self.directory = Path(directory)
         self.inventory = inventory
         # A team's shared ledger lives in a group-writable place; a user's own
@@ -176,7 +181,8 @@ class LedgerFile:
             return fresh
         # The kernel that wrote the inventory last describes the machine: a
         # restarted kernel with a new FLUKSIO_* setting means it.
-        state["inventory"] = self.inventory
+        if self.inventory is not None:
+            state["inventory"] = self.inventory
         return state
 
     @staticmethod
@@ -253,6 +259,86 @@ def identity() -> dict[str, Any]:
     }
 
 
+def dispatch(state: dict[str, Any]) -> list[str]:
+    """Reap dead owners and grant in order. Returns the addresses to wake."""
+    tickets = state["tickets"]
+    tickets[:] = [t for t in tickets if _owner_alive(t["owner"])]
+    inventory = state["inventory"]
+    running = [t for t in tickets if t["state"] == "running"]
+    held_gpus = {g for t in running for g in t["allocation"]["gpus"]}
+    free_gpus = sorted(set(inventory["gpu_ids"]) - held_gpus)
+    free = (
+        inventory["cpus"] - sum(t["allocation"]["cpus"] for t in running),
+        len(free_gpus),
+        inventory["ram_bytes"] - sum(t["allocation"]["ram_bytes"] for t in running),
+    )
+    waiting = [t for t in tickets if t["state"] == "waiting"]
+    needs = [(t["asked"]["cpus"], t["asked"]["gpus"], t["asked"]["ram_bytes"]) for t in waiting]
+    woken = []
+    for index in who_goes_next(needs, free):
+        entry = waiting[index]
+        cards, free_gpus = (
+            free_gpus[: entry["asked"]["gpus"]],
+            free_gpus[entry["asked"]["gpus"] :],
+        )
+        entry["state"] = "running"
+        entry["allocation"] = {**entry["asked"], "gpus": cards}
+        entry["granted_at"] = time.time()
+        if entry.get("wake"):
+            woken.append(entry["wake"])
+    return woken
+
+
+class NotYours(PermissionError):
+    """A claim may only be cancelled by the user who made it."""
+
+
+def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None = None) -> bool:
+    """Cancel a waiting claim, or mark a running one to be stopped by its kernel.
+
+    ``user``, when given, must be the claim's owner: on a team's shared ledger
+    a user may stop their own work and nobody else's. False if there is no
+    such claim (any more).
+    """
+    with ledger.transaction() as state:
+        entry = next(
+            (t for t in state["tickets"] if t["number"] == number and t["state"] != "cancelled"),
+            None,
+        )
+        if entry is None:
+            return False
+        owner = entry["owner"].get("user")
+        if user is not None and owner != user:
+            raise NotYours(f"claim {number} belongs to {owner!r}; only they may cancel it")
+        entry["cancel"] = reason
+        woken = [entry["wake"]] if entry.get("wake") else []
+        if entry["state"] == "waiting":
+            # Kept, marked, until its owner lets go of it, so that the owner
+            # learns why; it no longer takes a place in the queue.
+            entry["state"] = "cancelled"
+            woken += dispatch(state)
+    wake(woken)
+    return True
+
+
+def read_snapshot(directory: Path) -> dict[str, Any]:
+    """The machine as its ledger describes it, read without taking the lock.
+
+    For the server and the command line, which make no claims of their own:
+    with no ledger yet, the machine is described as this process sees it.
+    """
+    ledger = LedgerFile(directory)
+    if ledger.path.exists():
+        state = ledger.read()
+        return machine_snapshot(state, state["inventory"])
+    from fluksio_nb.inventory import take_inventory
+    from fluksio_nb.settings import load_settings
+
+    found = take_inventory(load_settings())
+    inventory = {"cpus": found.cpus, "gpu_ids": list(found.gpu_ids), "ram_bytes": found.ram_bytes}
+    return machine_snapshot(_empty_state(inventory), inventory)
+
+
 class MachineQueue:
     """The kernel's accountant, keeping its books in the machine's ledger.
 
@@ -298,7 +384,7 @@ class MachineQueue:
             )
             self._restore_missing(state)
             state["tickets"].append(self._entry(ticket, waker.address))
-            woken = self._dispatch(state)
+            woken = dispatch(state)
         with self._lock:
             self._mine[number] = ticket
             self._wakers[number] = waker
@@ -332,7 +418,7 @@ class MachineQueue:
         with self.ledger.transaction() as state:
             self._restore_missing(state)
             state["tickets"] = [t for t in state["tickets"] if t["number"] != ticket.number]
-            woken = self._dispatch(state)
+            woken = dispatch(state)
         ticket.state = "done"
         self._forget(ticket.number)
         self._adopt(state)
@@ -340,20 +426,9 @@ class MachineQueue:
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop, in any kernel of this user."""
-        with self.ledger.transaction() as state:
-            entry = next((t for t in state["tickets"] if t["number"] == number), None)
-            if entry is None:
-                return False
-            entry["cancel"] = reason
-            woken = [entry["wake"]] if entry.get("wake") else []
-            if entry["state"] == "waiting":
-                # Kept, marked, until its owner lets go of it, so that the owner
-                # learns why; it no longer takes a place in the queue.
-                entry["state"] = "cancelled"
-                woken += self._dispatch(state)
-        self._adopt(state)
-        wake(woken)
-        return True
+        found = cancel_claim(self.ledger, number, reason)
+        self.look()
+        return found
 
     # -- keeping up with the ledger -------------------------------------------
 
@@ -365,42 +440,13 @@ class MachineQueue:
                 reading = self._readings.get(entry["number"])
                 if reading is not None and entry["owner"]["pid"] == self.owner["pid"]:
                     entry["readings"] = reading
-            woken = self._dispatch(state)
+            woken = dispatch(state)
         self._adopt(state)
         wake(woken)
 
     def report(self, ticket: Ticket, readings: dict[str, Any]) -> None:
         """The latest readings of a running claim, written on the next look."""
         self._readings[ticket.number] = readings
-
-    def _dispatch(self, state: dict[str, Any]) -> list[str]:
-        """Reap dead owners and grant in order. Returns the addresses to wake."""
-        tickets = state["tickets"]
-        tickets[:] = [t for t in tickets if _owner_alive(t["owner"])]
-        inventory = state["inventory"]
-        running = [t for t in tickets if t["state"] == "running"]
-        held_gpus = {g for t in running for g in t["allocation"]["gpus"]}
-        free_gpus = sorted(set(inventory["gpu_ids"]) - held_gpus)
-        free = (
-            inventory["cpus"] - sum(t["allocation"]["cpus"] for t in running),
-            len(free_gpus),
-            inventory["ram_bytes"] - sum(t["allocation"]["ram_bytes"] for t in running),
-        )
-        waiting = [t for t in tickets if t["state"] == "waiting"]
-        needs = [(t["asked"]["cpus"], t["asked"]["gpus"], t["asked"]["ram_bytes"]) for t in waiting]
-        woken = []
-        for index in who_goes_next(needs, free):
-            entry = waiting[index]
-            cards, free_gpus = (
-                free_gpus[: entry["asked"]["gpus"]],
-                free_gpus[entry["asked"]["gpus"] :],
-            )
-            entry["state"] = "running"
-            entry["allocation"] = {**entry["asked"], "gpus": cards}
-            entry["granted_at"] = time.time()
-            if entry.get("wake"):
-                woken.append(entry["wake"])
-        return woken
 
     def _adopt(self, state: dict[str, Any]) -> None:
         """Bring this kernel's tickets up to date with what the ledger says of them."""

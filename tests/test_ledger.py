@@ -266,3 +266,22 @@ def test_the_default_ledger_is_private_to_the_user(tmp_path, monkeypatch):
 
 def test_kernel_only_books_are_a_setting():
     assert ledger_location("kernel") is None
+
+
+def test_the_command_line_prints_every_kernels_claims(tmp_path):
+    """`fluksio-nb` on a shared box: who holds what, before starting a notebook."""
+    holder = other_process(
+        tmp_path,
+        "t = q.enqueue(Resources(gpus=1), 'training run'); q.wait(t); say(ok=1)\n"
+        "sys.stdin.readline()\n",
+    )
+    heard(holder)
+    env = {**os.environ, "FLUKSIO_LEDGER": str(tmp_path)}
+    shown = subprocess.run(
+        [sys.executable, "-m", "fluksio_nb"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "gpus  0/1 free" in shown
+    assert f"training run: cpus=1 gpus=0 ram=0B (pid {holder.pid})" in shown
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    holder.wait(timeout=10)
