@@ -127,6 +127,9 @@ class Claim:
         try:
             allocation = self._wait(ticket)
         except BaseException as error:
+            # A `with` whose __enter__ raised never reaches __exit__: the place
+            # in the queue is given up here or nowhere.
+            self._queue.release(ticket)
             self._end(
                 _ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
             )

@@ -124,6 +124,9 @@ def _show_claim_error(shell, kind, error, traceback, tb_offset=None):
 
 
 def load_ipython_extension(shell) -> None:
+    # Shared-memory files of kernels that died mid-transfer would otherwise
+    # hold their memory until the machine reboots.
+    transfer.sweep_orphans()
     shell.register_magics(ClaimMagics)
     shell.set_custom_exc((RemoteError, *PLAIN_ERRORS), _show_claim_error)
 

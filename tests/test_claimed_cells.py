@@ -362,3 +362,44 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel):
     ]
     assert kernel.facts("waiter.status") == "cancelled"
     assert_books_balanced(kernel)
+
+
+def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
+    kernel.run("%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(4)", check=True)
+    kernel.run("holder = _", check=True)
+    msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
+    deadline = time.monotonic() + 20
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=20)
+        texts = msg["content"].get("data", {}).get("text/plain", "")
+        if msg["parent_header"].get("msg_id") == msg_id and "waiting" in texts:
+            break
+        assert time.monotonic() < deadline, "the cell never said it was waiting"
+    kernel.interrupt()
+    ename = None
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=20)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            ename = msg["content"]["ename"]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert ename == "KeyboardInterrupt"
+    books = kernel.books()
+    assert [w["label"] for w in books["waiting"]] == []
+    kernel.facts("holder.result(30) and 1")
+    assert_books_balanced(kernel)
+
+
+def test_claim_help_is_the_parser_that_reads_the_line(kernel):
+    """`%%claim?` must be real help: every option the line accepts."""
+    msg_id = kernel.client.execute("%%claim?")
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=20)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    pages = [p["data"]["text/plain"] for p in reply["content"]["payload"] if p.get("data")]
+    help_text = "".join(pages)
+    for option in ("--in", "--out", "--timeout", "--background", "--label", "--strict", "cpus=N"):
+        assert option in help_text

@@ -394,7 +394,14 @@ class Worker:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
         self._drain_streams(cell.sink)
-        request = {"type": "run", "code": code, "inputs": parcel, "outputs": outputs}
+        request = {
+            "type": "run",
+            "code": code,
+            "inputs": parcel,
+            "outputs": outputs,
+            "path": list(sys.path),
+            "cwd": os.getcwd(),
+        }
         try:
             self._channel.send(request)
         except ChannelClosed:
@@ -677,8 +684,9 @@ class Worker:
             self._forget_stream(stream)
         self._selector.close()
         self._channel.close()
-        os.close(self._lifeline)
-        self._finalizer.detach()
+        # At interpreter exit the finalizer may have run first and closed it.
+        if self._finalizer.detach() is not None:
+            os.close(self._lifeline)
 
 
 def _descendants_outside_group(pid: int) -> list[psutil.Process]:

@@ -416,6 +416,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     ok = False
     inputs: dict[str, Any] = {}
     try:
+        follow_the_kernel(request.get("path"), request.get("cwd"))
         inputs = unpack_inputs(request.get("inputs"))
     except Exception as error:
         report_exception_only(shell, error)
@@ -434,6 +435,20 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     outputs, failed = pack_outputs(shell.user_ns, names)
     flush_c_streams()
     shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed})
+
+
+def follow_the_kernel(path: list[str] | None, cwd: str | None) -> None:
+    """Import from where the kernel imports, and open files where it opens them.
+
+    A function the kernel imported from ``mymodule`` travels by reference and
+    is imported again here, which only works with the kernel's ``sys.path``;
+    and ``open("data.csv")`` in a claimed cell means the kernel's ``%cd``, not
+    wherever the worker happened to start.
+    """
+    if path is not None:
+        sys.path[:] = [*path, *(entry for entry in sys.path if entry not in path)]
+    if cwd is not None and cwd != os.getcwd():
+        os.chdir(cwd)
 
 
 def report_exception_only(shell: WorkerShell, error: BaseException) -> None:

@@ -1,0 +1,131 @@
+"""``with claim(...) as c:`` from plain Python: the share, the env, run, popen.
+
+The failures guarded against: a block whose work does not get the share's
+environment, kernel thread pools left at every core inside the block (or
+left limited after it), a subprocess that outlives its claim, and threads
+using claims at once over-granting the machine.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from threadpoolctl import threadpool_info
+
+from fluksio_nb import ClaimHalted, RemoteError, accountant, claim
+from fluksio_nb.resources import BadClaim
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def two_cores_one_card(monkeypatch):
+    monkeypatch.setenv("FLUKSIO_CPUS", "2")
+    monkeypatch.setenv("FLUKSIO_GPUS", "1")
+    monkeypatch.setenv("FLUKSIO_RESERVE_CPUS", "0")
+
+
+def read_env(name):
+    import os
+
+    return os.environ.get(name)
+
+
+def test_the_block_holds_the_share_and_gives_it_back():
+    with claim(cpus=2, gpus=1, label="block") as c:
+        assert (c.allocation.cpus, c.allocation.gpus) == (2, (0,))
+        assert c.env["OMP_NUM_THREADS"] == "2"
+        assert c.env["CUDA_VISIBLE_DEVICES"] == "0"
+        running = accountant().snapshot()["running"]
+        assert [r["label"] for r in running] == ["block"]
+    assert accountant().snapshot()["cpus"]["free"] == 2
+
+
+def test_run_calls_the_function_in_a_worker_born_with_the_share():
+    with claim(cpus=1, env={"MY_SETTING": "on"}) as c:
+        assert c.run(read_env, "OMP_NUM_THREADS") == "1"
+        assert c.run(read_env, "MY_SETTING") == "on"
+        assert c.run(pow, 2, 10) == 1024
+
+
+def test_an_exception_in_run_comes_back_with_the_workers_traceback():
+    def fails():
+        raise KeyError("inside the worker")
+
+    with claim() as c, pytest.raises(RemoteError) as caught:
+        c.run(fails)
+    assert caught.value.ename == "KeyError"
+    assert any("fails" in line for line in caught.value.traceback)
+
+
+def test_popen_starts_a_real_script_with_the_derived_env(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text("import os\nprint(os.environ['OPENBLAS_NUM_THREADS'], os.environ['EXTRA'])\n")
+    with claim(cpus=2) as c:
+        process = c.popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={"EXTRA": "x"}
+        )
+        out, _ = process.communicate(timeout=30)
+    assert out.split() == ["2", "x"]
+
+
+def test_a_subprocess_still_running_when_the_block_ends_is_ended():
+    with claim() as c:
+        process = c.popen(["sleep", "60"])
+    assert process.poll() is not None
+
+
+def test_a_subprocess_over_the_budget_is_halted():
+    hog = (
+        "b = bytearray(400 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+        "import time\ntime.sleep(30)"
+    )
+    with pytest.raises(ClaimHalted) as caught, claim(ram="150M") as c:
+        process = c.popen([sys.executable, "-c", hog])
+        process.wait(timeout=30)
+        c.run(pow, 1, 1)  # the claim was stopped: further work is refused
+    assert "over its memory budget" in str(caught.value)
+
+
+def test_the_kernels_own_thread_pools_are_limited_inside_the_block():
+    import numpy  # noqa: F401  (loads OpenBLAS into this process)
+
+    def blas_threads():
+        return {p["internal_api"]: p["num_threads"] for p in threadpool_info()}
+
+    before = blas_threads()
+    with claim(cpus=1):
+        assert set(blas_threads().values()) == {1}
+    assert blas_threads() == before
+
+
+def test_threads_claiming_at_once_never_exceed_the_machine():
+    in_flight, peak = [0], [0]
+    lock = threading.Lock()
+
+    def work():
+        with claim(cpus=1):
+            with lock:
+                in_flight[0] += 1
+                peak[0] = max(peak[0], in_flight[0])
+            time.sleep(0.05)
+            with lock:
+                in_flight[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert peak[0] == 2
+    assert accountant().snapshot()["cpus"]["free"] == 2
+
+
+def test_bad_arguments_are_refused_before_anything_waits():
+    with pytest.raises(BadClaim, match="ram='plenty' is not a size"):
+        claim(ram="plenty")
+    with pytest.raises(BadClaim, match="flavor 'nope' does not exist"):
+        claim(flavor="nope")
+    assert accountant().snapshot()["waiting"] == []
