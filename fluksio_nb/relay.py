@@ -36,13 +36,34 @@ class CellOutput:
     def stderr(self, text: str) -> None:
         self._stream("stderr", text)
 
-    def display(self, data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+    def display(
+        self,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        display_id: str | None = None,
+    ) -> None:
+        """Show a bundle; with a ``display_id``, one that :meth:`update_display` redraws."""
+        transient = {"display_id": display_id} if display_id else {}
         if self._kernel is None:
             from IPython.display import publish_display_data
 
-            publish_display_data(data, metadata or {})
+            publish_display_data(data, metadata or {}, transient=transient)
             return
-        self._send("display_data", {"data": data, "metadata": metadata or {}, "transient": {}})
+        self._send(
+            "display_data", {"data": data, "metadata": metadata or {}, "transient": transient}
+        )
+
+    def update_display(self, data: dict[str, Any], display_id: str) -> None:
+        """Redraw what :meth:`display` showed under ``display_id``, wherever it is."""
+        if self._kernel is None:
+            from IPython.display import publish_display_data
+
+            publish_display_data(data, {}, transient={"display_id": display_id}, update=True)
+            return
+        self._send(
+            "update_display_data",
+            {"data": data, "metadata": {}, "transient": {"display_id": display_id}},
+        )
 
     def result(self, data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
         # Shown as display data, not execute_result: the execution count belongs

@@ -8,8 +8,8 @@ watch calls back and never kills anything itself.
 
 One thread for all claims, not one per claim: eight claims running should
 cost the kernel what one does. The thread starts when the first claim is
-watched and ends when the last one is let go, so an idle kernel runs no
-thread at all.
+watched and ends a couple of seconds after the last one is let go, so an
+idle kernel runs no thread at all.
 """
 
 from __future__ import annotations
@@ -37,14 +37,22 @@ class Watched:
     on_halt: Callable[[HaltDecision | None], None]
     #: ``time.monotonic()`` after which the claim is out of time, if any.
     deadline: float | None = None
+    #: No reading before this (``time.monotonic()``): a cell that is over
+    #: within one interval is read once at its end instead, by its runner, and
+    #: the thread stays off the GIL while the cell runs.
+    first_at: float = field(default_factory=lambda: time.monotonic() + SAMPLE_INTERVAL_S)
     halted: bool = field(default=False, init=False)
 
 
 class Watch:
     """Samples what it is given, from one thread that exists only while needed."""
 
-    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, linger_s: float = 2.0) -> None:
         self.interval_s = interval_s
+        #: How long the thread outlives the last claim. Cells run one after
+        #: another; starting a thread for each cost a measurable share of a
+        #: short claimed cell, and a sleeping thread costs nothing.
+        self.linger_s = linger_s
         self._lock = threading.Lock()
         self._watched: set[Watched] = set()
         self._wake = threading.Event()
@@ -72,9 +80,14 @@ class Watch:
         self._wake.set()
 
     def _loop(self) -> None:
+        idle_since: float | None = None
         while True:
             with self._lock:
-                if not self._watched:
+                if self._watched:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= self.linger_s:
                     # Decided under the lock, so an add() racing with this exit
                     # either lands before it (and is seen) or starts a new thread.
                     self._thread = None
@@ -97,7 +110,7 @@ class Watch:
             item.halted = True
             item.on_halt(None)
             return
-        if not item.sampler.due():
+        if time.monotonic() < item.first_at or not item.sampler.due():
             return
         sample = item.sampler.sample()
         if sample is None:

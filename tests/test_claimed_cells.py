@@ -193,7 +193,8 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
             ename = msg["content"]["ename"]
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    assert time.monotonic() - started < 3
+    # Far short of the cell's 60 s sleep, with room for a loaded machine.
+    assert time.monotonic() - started < 10
     assert ename == "KeyboardInterrupt"
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"

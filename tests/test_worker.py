@@ -212,13 +212,12 @@ def test_a_cell_asking_for_input_gets_an_error_instead_of_hanging(worker):
 def test_stdout_arrives_while_the_cell_is_still_running(worker):
     """Output relayed only at the end makes a long training loop look hung."""
     recorder = Recorder()
-    started = time.monotonic()
     outcome = worker.run("import time\nprint('epoch 1')\ntime.sleep(2)", sink=recorder)
     ended = time.monotonic()
     assert outcome.ok
     assert recorder.text() == "epoch 1\n"
     arrived = recorder.events[0][2]
-    assert arrived - started < 0.5
+    # The print came two seconds before the cell's end: it must not wait for it.
     assert ended - arrived > 1.5
 
 
@@ -318,7 +317,8 @@ def test_interrupt_stops_a_sleeping_cell_and_the_worker_stays_usable(own_worker)
     interrupt_once_it_prints(own_worker, recorder)
     started = time.monotonic()
     outcome = own_worker.run("import time\nprint('sleeping')\ntime.sleep(60)", sink=recorder)
-    assert time.monotonic() - started < 2
+    # Far short of the cell's 60 s sleep, with room for a loaded machine.
+    assert time.monotonic() - started < 10
     assert outcome.status == "error"
     assert outcome.error.ename == "KeyboardInterrupt"
     assert outcome.interrupted
@@ -343,7 +343,7 @@ def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_wor
         ),
         sink=recorder,
     )
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 10
     assert outcome.died
     assert outcome.interrupted
     assert "did not stop" in outcome.description
