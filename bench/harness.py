@@ -1,0 +1,62 @@
+"""Timing helpers shared by the benchmark sections.
+
+Numbers from a shared, noisy two-core machine only mean something next to a
+baseline taken in the same run, so every section measures its baseline and
+its subject alternately, in rounds, and reports medians and the 90th
+percentile rather than means, which one descheduled run can double.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def percentile(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def timed(action: Callable[[], object], repeat: int) -> list[float]:
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def interleaved(actions: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each action once per round, in turn, so drift in the machine hits them all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in actions}
+    for _ in range(rounds):
+        for name, action in actions.items():
+            samples[name] += timed(action, 1)
+    return samples
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def machine() -> str:
+    memory = psutil.virtual_memory().total / 2**30
+    return (
+        f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
+        f"{memory:.0f} GiB, Python {platform.python_version()}, {platform.machine()}"
+    )
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
