@@ -20,8 +20,10 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
+# The notebooks are tests too: nbval runs each and compares what it shows with
+# the outputs stored in it, numbers that honestly vary sanitized away.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,18 +25,28 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     sections = []
     if options.smoke:
-        sections.append(overload.main(n=100, k=2))
-        sections.append(cells.main(rounds=2, mib=8, others=False))
-        sections.append(books.main(cycles=40, rounds=3))
+        runs = [
+            lambda: overload.main(n=100, k=2),
+            lambda: cells.main(rounds=2, mib=8, others=False),
+            lambda: books.main(cycles=40, rounds=3),
+        ]
     else:
-        sections.append(overload.main())
-        sections.append(cells.main())
-        sections.append(books.main())
-        for name in ("bench.widget_sampling", "bench.ray_overhead"):
-            if importlib.util.find_spec(name) is not None:
-                module = importlib.import_module(name)
-                if hasattr(module, "main"):
-                    sections.append(module.main())
+        runs = [overload.main, cells.main, books.main]
+    for run in runs:
+        sections.append(run())
+        print(sections[-1], flush=True)
+    if not options.smoke:
+        for name, heading in (
+            ("bench.widget_sampling", "What the sampling thread costs the kernel"),
+            ("bench.ray_overhead", "`%%claim --on ray` against a bare Ray task"),
+        ):
+            # Scripts of their own, with their own command lines: run as such.
+            ran = subprocess.run(
+                [sys.executable, "-m", name], capture_output=True, text=True, check=False
+            )
+            body = ran.stdout.strip() or ran.stderr.strip()[-2000:]
+            sections.append(f"### {heading}\n\n```text\n{body}\n```\n")
+            print(sections[-1], flush=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     report = (
         f"# Benchmarks\n\nRun {when} on {machine()}"
@@ -46,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(sections)
     )
     options.out.write_text(report)
-    print(report)
     return 0
 
 

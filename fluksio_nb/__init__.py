@@ -20,6 +20,7 @@ _PUBLIC = {
     "claim": "fluksio_nb.context",
     "Claim": "fluksio_nb.context",
     "accountant": "fluksio_nb.kernel",
+    "monitor": "fluksio_nb.widget",
     "Resources": "fluksio_nb.resources",
     "BadClaim": "fluksio_nb.resources",
     "Allocation": "fluksio_nb.books",
@@ -56,3 +57,13 @@ def unload_ipython_extension(shell: Any) -> None:
     from fluksio_nb.magics import unload_ipython_extension as unload
 
     unload(shell)
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    # The handlers live in their own module: jupyter_server is imported only
+    # by a server, never by a kernel or a worker that imports this package.
+    return [{"module": "fluksio_nb.server"}]
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    return [{"src": "labextension", "dest": "fluksio-nb"}]

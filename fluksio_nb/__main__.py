@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             where = ledger_location(settings.ledger)
             # A terminal makes no claims: it reads the machine's ledger as it is.
-            snapshot = read_snapshot(where[0]) if where else accountant().snapshot()
+            snapshot = read_snapshot(*where) if where else accountant().snapshot()
             print(describe_snapshot(snapshot))
     except BadClaim as error:
         print(f"fluksio-nb: {error}", file=sys.stderr)

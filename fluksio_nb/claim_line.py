@@ -42,6 +42,8 @@ class ClaimLine:
     inputs: tuple[str, ...] | None = None
     outputs: tuple[str, ...] | None = None
     background: bool = False
+    #: Where the cell runs instead of this machine: ``ray`` or a Ray address.
+    on: str | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +66,9 @@ def claim_parser() -> argparse.ArgumentParser:
     """The one definition of what a ``%%claim`` line may say."""
     parser = _Parser(
         prog="%%claim",
+        # A fixed width, not the terminal's: the README quotes this text and a
+        # test holds the two to each other.
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=88),
         add_help=False,
         allow_abbrev=False,
         description=(
@@ -113,6 +118,15 @@ def claim_parser() -> argparse.ArgumentParser:
         help="return at once with a job handle; the cell's output stays in this cell",
     )
     parser.add_argument("--label", metavar="TEXT", help="the name shown in the queue")
+    parser.add_argument(
+        "--on",
+        metavar="TARGET",
+        help=(
+            "run the cell as a task on a Ray cluster instead: 'ray' (the cluster this "
+            "kernel is connected to, or ray.init()'s choice) or an address such as "
+            "ray://host:10001"
+        ),
+    )
     parser.add_argument(
         "--strict",
         action="store_true",
@@ -164,4 +178,5 @@ def parse_claim_line(line: str) -> ClaimLine:
         inputs=options.inputs,
         outputs=options.outputs,
         background=options.background,
+        on=options.on,
     )

@@ -36,9 +36,10 @@ from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.inventory import host_memory
 from fluksio_nb.kernel import accountant, settings
 from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
+from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources, ask
 from fluksio_nb.sampler import Readings, Sample, Sampler
-from fluksio_nb.status import ClaimStatus, Ending, StatusView
+from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import Outcome
@@ -46,6 +47,13 @@ from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
 _STATUS_EVERY_S = 0.5
+
+#: How long a claim waits before it is shown waiting. A running claim is shown
+#: at its first reading, one sampling interval in. A cell done sooner shows
+#: only its summary: a live view of a cell that is over before anyone could
+#: read it costs more than the cell (measured: most of a trivial claimed
+#: cell's time went to drawing it).
+SHOW_AFTER_S = 0.25
 
 
 class ClaimHalted(RuntimeError):
@@ -80,12 +88,16 @@ class Claim:
         pool: WorkerPool | None = None,
         watch: Watch | None = None,
         limit_kernel_threads: bool = False,
+        show_after: float | None = SHOW_AFTER_S,
     ) -> None:
         self.wanted = resolve_flavor(wanted, settings())
         self._queue = queue or accountant()
         self._pool = pool or kernel_pool()
         self._watch = watch or kernel_watch()
         self._view = view
+        self._show_after = show_after
+        self._shown = False
+        self._summary: TextView | None = None
         self._limit_kernel_threads = limit_kernel_threads
         self._thread_limits: Any = None
         self._ticket: Ticket | None = None
@@ -114,11 +126,14 @@ class Claim:
             self._deadline = time.monotonic() + self.wanted.timeout
         ticket = self._queue.enqueue(self.wanted)
         self._ticket = ticket
+        # Made now, in the cell that asked: a background claim's summary
+        # belongs there, not in whichever cell is running when it ends.
+        self._summary = TextView(CellOutput())
         self.status.label, self.status.ticket = ticket.label, ticket.number
         self.status.asked = ticket.resources
         self._refresh_queue_position()
-        if self._view is not None:
-            self._view.show(self.status)
+        if self._show_after is None:
+            self._show()
         return ticket
 
     def acquire(self) -> Claim:
@@ -136,13 +151,17 @@ class Claim:
             raise
         self.allocation = allocation
         self.env = derive_env(ticket.resources, allocation)
-        total, available = host_memory()
-        self.budget = resolve_budget(
-            allocation.ram_bytes or None, host_total_bytes=total, host_available_bytes=available
-        )
+        if allocation.ram_bytes:
+            total, available = host_memory()
+            self.budget = resolve_budget(
+                allocation.ram_bytes, host_total_bytes=total, host_available_bytes=available
+            )
+        else:
+            self.budget = Budget(None, None)
         ticket.on_cancel = self._cancelled
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
+        note_running(self.status)
         self._update_view()
         if self._limit_kernel_threads:
             from threadpoolctl import threadpool_limits
@@ -151,18 +170,21 @@ class Claim:
         return self
 
     def _wait(self, ticket: Ticket) -> Allocation:
+        # The first look comes sooner: a claim still waiting then is shown
+        # waiting, and one granted by then never needed to be.
+        every = _STATUS_EVERY_S if self._show_after is None else self._show_after
         while True:
             left = None if self._deadline is None else self._deadline - time.monotonic()
             try:
-                return self._queue.wait(
-                    ticket, _STATUS_EVERY_S if left is None else min(max(left, 0), _STATUS_EVERY_S)
-                )
+                return self._queue.wait(ticket, every if left is None else min(max(left, 0), every))
             except ClaimTimeout:
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     raise ClaimTimeout(
                         self._queue.timeout_message(ticket, self.wanted.timeout)
                     ) from None
+            every = _STATUS_EVERY_S
             self._refresh_queue_position()
+            self._show()
             self._update_view()
 
     def _refresh_queue_position(self) -> None:
@@ -173,7 +195,7 @@ class Claim:
         self.status.holders = [
             f"{holder.label!r} (#{holder.number})"
             for holder in self._queue.holders()
-            if holder is not ticket
+            if holder.number != ticket.number
         ]
 
     def release(self, error: BaseException | None = None) -> None:
@@ -219,6 +241,12 @@ class Claim:
             outcome = worker.run(code, inputs=inputs, outputs=outputs, sink=sink)
         finally:
             self._watch.discard(watched)
+            if not self.status.readings.count:
+                # Over before the first reading was due: one now, so that how
+                # it went still says what the worker held.
+                last = watched.sampler.sample()
+                if last is not None:
+                    self.status.readings.add(last)
             self._stoppers.remove(worker.kill)
             self._pool.checkin(worker, self.env)
         self._raise_for(outcome)
@@ -274,6 +302,9 @@ class Claim:
 
     def _sampled(self, sample: Sample) -> None:
         self.status.readings.add(sample)
+        # The first reading comes one interval after the work started: a cell
+        # still running then is worth a live status.
+        self._show()
         if self._ticket is not None:
             self._queue.report(
                 self._ticket,
@@ -327,8 +358,15 @@ class Claim:
 
     # -- showing ----------------------------------------------------------------
 
+    def _show(self) -> None:
+        with self._lock:
+            if self._shown or self._view is None:
+                return
+            self._shown = True
+        self._view.show(self.status)
+
     def _update_view(self) -> None:
-        if self._view is not None:
+        if self._view is not None and self._shown:
             self._view.update(self.status)
 
     def _end(self, ending: Ending, message: str) -> None:
@@ -336,7 +374,16 @@ class Claim:
         self.status.ended_at = time.monotonic()
         if self.status.started_at is None:
             self.status.started_at = self.status.ended_at
+        note_ended(self.status)
         self._update_view()
+        if self._view is not None and self._summary is not None:
+            # How it went is always left as text of its own, after the live
+            # view if there was one: it is what a saved notebook shows without
+            # its widgets, and what nbval compares, since nbval reads a live
+            # view as it was first drawn, never as it was updated. A claim that
+            # was over before its live view was due shows only this.
+            self._shown = True
+            self._summary.show(self.status)
 
 
 def _ending_of(error: BaseException) -> Ending:
@@ -388,6 +435,7 @@ def claim(
     timeout: float | None = None,
     strict: bool = False,
     view: StatusView | None = None,
+    on: str | None = None,
 ) -> Claim:
     """Hold a share of the machine for a ``with`` block.
 
@@ -395,6 +443,9 @@ def claim(
     gives ``c.allocation``, ``c.env``, ``c.run(fn, *args)``, ``c.popen(args)``
     and ``c.readings``. The kernel's own BLAS/OpenMP pools are limited to the
     share inside the block.
+
+    ``on="ray"`` (or a Ray address) runs each ``c.run`` as a Ray task holding
+    the share instead: see :class:`fluksio_nb.on_ray.RayClaim`.
     """
     fields: dict[str, Any] = {
         name: value
@@ -402,4 +453,8 @@ def claim(
         if value is not None
     }
     wanted = ask(**fields, env=dict(env or {}), label=label, timeout=timeout, strict=strict)
+    if on is not None:
+        from fluksio_nb.on_ray import RayClaim
+
+        return RayClaim(wanted, on, view=view)  # type: ignore[return-value]
     return Claim(wanted, view=view, limit_kernel_threads=True)

@@ -35,7 +35,9 @@ class Job:
         inputs: Parcel,
         outputs: Sequence[str] | None,
     ) -> None:
-        self._claim = Claim(wanted, view=new_view())
+        # Shown at once, from this thread: a background job's status belongs
+        # in the cell that started it, which is only the executing one now.
+        self._claim = Claim(wanted, view=new_view(), show_after=None)
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._output = CellOutput()
         self._finished = threading.Event()

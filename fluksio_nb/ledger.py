@@ -379,13 +379,13 @@ def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None 
     return True
 
 
-def read_snapshot(directory: Path) -> dict[str, Any]:
+def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
     """The machine as its ledger describes it, read without taking the lock.
 
     For the server and the command line, which make no claims of their own:
     with no ledger yet, the machine is described as this process sees it.
     """
-    ledger = LedgerFile(directory)
+    ledger = LedgerFile(directory, shared=shared)
     if ledger.path.exists():
         state = ledger.read()
         return machine_snapshot(state, state["inventory"])
@@ -647,6 +647,8 @@ def machine_snapshot(state: dict[str, Any], inventory: dict[str, Any]) -> dict[s
             "kernel_id": owner.get("kernel_id"),
             "notebook": owner.get("notebook"),
             "user": owner.get("user"),
+            #: A stop asked for and not yet carried out by the claim's kernel.
+            "cancel": entry.get("cancel"),
         }
 
     return {

@@ -56,6 +56,10 @@ class ClaimMagics(Magics):
             outputs = choose_outputs(cell, parsed.outputs)
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
+        if parsed.on is not None:
+            from fluksio_nb.on_ray import run_cell
+
+            return run_cell(self.shell, parsed, cell, inputs, outputs, ForegroundOutput())
         # Packed now, before the claim waits: an input that cannot travel is
         # refused before it takes a place in the queue, and a background cell
         # ships its inputs as they were when it was started.
@@ -84,10 +88,17 @@ class ClaimMagics(Magics):
     @line_magic
     def claims(self, line: str = "") -> Any:
         """Show the machine: totals, free, the queue and the running claims."""
+        from fluksio_nb.status import can_show_widgets
+
+        if can_show_widgets():
+            from fluksio_nb.widget import monitor
+
+            return monitor()
         from fluksio_nb.__main__ import describe_snapshot
         from fluksio_nb.kernel import accountant
 
         print(describe_snapshot(accountant().snapshot()))
+        return None
 
 
 ClaimMagics.claim.__doc__ = claim_parser().format_help()

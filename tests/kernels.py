@@ -66,6 +66,8 @@ class Kernel:
 
     def __init__(self, **env: str) -> None:
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        #: What this kernel was started with beyond the test's own environment.
+        self.env = env
         self.manager = KernelManager(kernel_name="python3")
         # The venv's own python, whatever kernelspec happens to be installed.
         self.manager.kernel_spec.argv[0] = sys.executable

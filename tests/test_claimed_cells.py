@@ -9,10 +9,12 @@ taken, a process running, or a kernel that no longer answers.
 """
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from fluksio_nb.ledger import read_snapshot
 from tests.kernels import Kernel
 
 pytestmark = pytest.mark.timeout(180)
@@ -369,13 +371,11 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
     kernel.run("%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(4)", check=True)
     kernel.run("holder = _", check=True)
     msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
+    ledger = Path(kernel.env["FLUKSIO_LEDGER"])
     deadline = time.monotonic() + 20
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=20)
-        texts = msg["content"].get("data", {}).get("text/plain", "")
-        if msg["parent_header"].get("msg_id") == msg_id and "waiting" in texts:
-            break
-        assert time.monotonic() < deadline, "the cell never said it was waiting"
+    while not any(w["label"] == "impatient" for w in read_snapshot(ledger)["waiting"]):
+        assert time.monotonic() < deadline, "the claim never joined the queue"
+        time.sleep(0.05)
     kernel.interrupt()
     ename = None
     while True:

@@ -1,0 +1,992 @@
+"""Claims that run on a Ray cluster: ``%%claim cpus=2 gpus=1 ram=8G --on ray``.
+
+When one workstation is not enough, the same claim should go to a cluster
+without a new vocabulary and without a scheduler of our own. Ray's resource
+model (``num_cpus``, ``num_gpus``, ``memory``) is the shape of a claim, and Ray
+already queues tasks, places them on nodes and hands out cards. So a claim
+``--on ray`` is one Ray task with the matching resources, and Ray's queue is
+the queue: nothing here waits in the kernel's own books.
+
+What this module decides:
+
+- **The environment travels in ``runtime_env``.** Ray sets
+  ``CUDA_VISIBLE_DEVICES`` for the cards it grants, and that value is kept.
+  Every thread variable of :data:`fluksio_nb.env.THREAD_VARS` is set through
+  ``runtime_env["env_vars"]``, ``OMP_NUM_THREADS`` included: Ray only sets that
+  one when the worker's environment lacks it, so a raylet started from a shell
+  that exported it would otherwise pass the shell's value on. A claim that got
+  no card has the cards hidden, as locally.
+- **The cell runs in the same worker as a local claim**, started inside the
+  task (:mod:`fluksio_nb.worker`). It is an IPython shell in a process of its
+  own, so displays, the last expression, magics, ``!cmd`` and tracebacks are
+  the same as on this machine, and the same sampler
+  (:class:`~fluksio_nb.sampler.Sampler` and
+  :func:`~fluksio_nb.budget.halt_decision`) holds it to its ``ram=``, which Ray
+  itself uses for placement only. Ray's worker process keeps the worker warm
+  for the next claim of the same shape, as the kernel's pool does.
+- **Output goes through a mailbox actor**, one per kernel, which the task
+  writes to and the kernel reads from while it waits for the task. Ray's
+  streaming generators would be lighter, but Ray Client (``ray://``) does not
+  support them, and a mailbox works the same both ways.
+- **Variables travel through Ray's object store**, each name pickled on its
+  own, so that one value that cannot travel is reported by name, big buffers
+  out of band. Arrays arrive writable, as they do from a local claim: the
+  object store's are read-only, so they are copied once on arrival. Through
+  Ray Client the buffers go in band (:func:`portable`), which costs a copy.
+- **A task never runs twice.** Ray retries a task whose worker died; a cell is
+  not idempotent, so ``max_retries=0``.
+- **A claim no node can hold fails at once**, naming what the largest node
+  has, because Ray would wait for such a node forever.
+- **The stop button cancels the task**, first as a local claim is stopped (the
+  cell's whole process group, children included, ends), then by force if that
+  was not enough (:func:`stop_task`).
+
+Ray is an optional extra. Without it, ``--on ray`` says how to install it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import HaltDecision, human
+from fluksio_nb.env import THREAD_VARS, derive_env
+from fluksio_nb.resources import BadClaim, Resources
+from fluksio_nb.sampler import Sample
+from fluksio_nb.status import ClaimStatus, StatusView
+from fluksio_nb.transfer import INLINE_LIMIT
+from fluksio_nb.worker.client import Outcome, Sink
+
+INSTALL_HINT = (
+    "--on ray needs Ray, which is not installed where this kernel runs: "
+    "pip install 'fluksio_nb[ray]' (or pip install ray), then restart the kernel."
+)
+
+#: The least time between two sends of the task's output: a loop printing
+#: thousands of lines costs fifty actor calls a second, not thousands.
+SEND_EVERY_S = 0.02
+
+#: The longest the kernel's thread blocks on Ray without looking for the stop
+#: button: Python only runs signal handlers between calls into Ray.
+_SIGNAL_CHECK_S = 0.1
+
+#: How long a cancelled task gets to end its cell itself before Ray kills it:
+#: the worker's ladder from SIGINT to SIGKILL takes under three seconds.
+_GRACE_TO_STOP_S = 3.0
+
+#: How long one read of the mailbox waits for output before asking again.
+_TAKE_WAIT_S = 1.0
+
+#: The variables the cell's worker is started with, as the task saw them.
+_SHOWN_VARS = (*THREAD_VARS, "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES")
+
+_RAY_ADDRESS = re.compile(r"^(ray://)?[A-Za-z0-9_.\-\[\]:]+:\d+$")
+
+
+class RayMissing(BadClaim):
+    """``--on ray`` was asked for where Ray is not installed."""
+
+
+class ClaimTooBigForCluster(BadClaim):
+    """No node of the cluster could ever hold the claim, so Ray would wait forever."""
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or :class:`RayMissing` saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing(INSTALL_HINT) from None
+    return ray
+
+
+def parse_target(target: str) -> str | None:
+    """The address ``--on`` names; ``None`` for plain ``ray``."""
+    target = target.strip()
+    if target == "ray":
+        return None
+    if _RAY_ADDRESS.match(target):
+        return target
+    raise BadClaim(
+        f"--on {target!r} is not a Ray cluster: write --on ray for the cluster this kernel "
+        "is connected to, or an address such as --on ray://head:10001."
+    )
+
+
+# -----------------------------------------------------------------------------
+# What the task is asked for
+# -----------------------------------------------------------------------------
+
+
+def ray_env(wanted: Resources) -> dict[str, str]:
+    """The variables set through ``runtime_env``: the derived env, less Ray's cards."""
+    env = derive_env(wanted, Allocation(cpus=wanted.cpus, ram_bytes=wanted.ram_bytes))
+    del env["CUDA_VISIBLE_DEVICES"]
+    return env
+
+
+def task_options(wanted: Resources, label: str) -> dict[str, Any]:
+    """Ray's options for the task that runs a claim."""
+    options: dict[str, Any] = {
+        "num_cpus": wanted.cpus,
+        "num_gpus": wanted.gpus,
+        "runtime_env": {"env_vars": ray_env(wanted)},
+        "max_retries": 0,
+        "name": f"%%claim {label}",
+    }
+    if wanted.ram is not None:
+        options["memory"] = wanted.ram_bytes
+    return options
+
+
+def check_fits(wanted: Resources, nodes: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a claim no live node could ever hold, naming what the largest one has."""
+    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
+    asked = {"CPU": wanted.cpus, "GPU": wanted.gpus, "memory": wanted.ram_bytes}
+    if any(all(have.get(key, 0) >= need for key, need in asked.items()) for have in alive):
+        return
+    if not alive:
+        raise ClaimTooBigForCluster(
+            f"{wanted.describe()} cannot run on this Ray cluster: it has no live node. "
+            "Start one (ray start), or connect to another cluster."
+        )
+    largest = max(
+        alive, key=lambda have: (have.get("CPU", 0), have.get("GPU", 0), have.get("memory", 0))
+    )
+    count = f" of {len(alive)}" if len(alive) > 1 else ""
+    raise ClaimTooBigForCluster(
+        f"{wanted.describe()} cannot run on this Ray cluster: its largest node{count} has "
+        f"{_describe_node(largest)}, and a claim runs on one node. Ask for less."
+    )
+
+
+def _describe_node(resources: Mapping[str, float]) -> str:
+    return (
+        f"cpus={resources.get('CPU', 0):g} gpus={resources.get('GPU', 0):g} "
+        f"memory={human(int(resources.get('memory', 0)))}"
+    )
+
+
+# -----------------------------------------------------------------------------
+# Values on their way through the object store
+# -----------------------------------------------------------------------------
+
+#: One value: its pickle, and its big buffers, which Ray stores out of band.
+Frozen = tuple[bytes, list[pickle.PickleBuffer]]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A cell's inputs, pickled before the claim is sent anywhere."""
+
+    values: dict[str, Frozen] = field(default_factory=dict)
+    #: Names that cannot travel, and why.
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def freeze(value: object) -> Frozen:
+    """Pickle one value, handing its big buffers out of band for Ray to store as they are."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def spill(buffer: pickle.PickleBuffer) -> bool:
+        try:
+            nbytes = buffer.raw().nbytes
+        except BufferError:
+            return True  # not contiguous: it goes in the stream
+        if nbytes < INLINE_LIMIT:
+            return True
+        buffers.append(buffer)
+        return False
+
+    return cloudpickle.dumps(value, protocol=5, buffer_callback=spill), buffers
+
+
+def portable(frozen: Frozen) -> Frozen:
+    """The same value with its buffers copied into the stream, for Ray Client.
+
+    Ray Client carries objects between the kernel and the cluster in its own
+    pickles, where an out-of-band buffer does not survive the trip: fetching
+    one hangs. A bytearray is pickled in band, at the price of one copy.
+    """
+    data, buffers = frozen
+    return data, [bytearray(buffer) for buffer in buffers]  # type: ignore[misc]
+
+
+def thaw(frozen: Frozen, *, writable: bool) -> object:
+    """Rebuild a value. ``writable`` copies each buffer out of the read-only object store."""
+    data, buffers = frozen
+    return pickle.loads(data, buffers=[bytearray(b) if writable else b for b in buffers])
+
+
+def pack_inputs(values: Mapping[str, object]) -> Packed:
+    """Pickle each input on its own, so one that cannot travel is named."""
+    packed: dict[str, Frozen] = {}
+    failures: dict[str, str] = {}
+    for name, value in values.items():
+        try:
+            packed[name] = freeze(value)
+        except Exception as error:
+            failures[name] = str(error) or type(error).__name__
+    return Packed(packed, failures)
+
+
+# -----------------------------------------------------------------------------
+# The task's side
+# -----------------------------------------------------------------------------
+
+
+class Mailboxes:
+    """A Ray actor holding each running claim's output until the kernel takes it.
+
+    Async, so a kernel waiting on one claim's box does not hold up another
+    claim's writes. Writes from one task arrive in the order it made them:
+    Ray runs one caller's actor calls in order, and :meth:`put` never awaits.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._asyncio = asyncio
+        self._boxes: dict[str, list[Any]] = {}
+        self._arrived: dict[str, Any] = {}
+        #: Boxes whose claim was given up on: a late write must not recreate them.
+        self._forgotten: deque[str] = deque(maxlen=1024)
+
+    def _event(self, box: str) -> Any:
+        if box not in self._arrived:
+            self._arrived[box] = self._asyncio.Event()
+        return self._arrived[box]
+
+    async def put(self, box: str, items: list[Any]) -> None:
+        if box in self._forgotten:
+            return
+        self._boxes.setdefault(box, []).extend(items)
+        self._event(box).set()
+
+    async def take(self, box: str, wait_s: float) -> list[Any]:
+        arrived = self._event(box)
+        if not self._boxes.get(box) and wait_s > 0:
+            with contextlib.suppress(self._asyncio.TimeoutError):
+                await self._asyncio.wait_for(arrived.wait(), wait_s)
+        arrived.clear()
+        return self._boxes.pop(box, [])
+
+    async def forget(self, box: str) -> None:
+        self._forgotten.append(box)
+        self._boxes.pop(box, None)
+        self._arrived.pop(box, None)
+
+
+class _Outbox:
+    """Sends the task's output to its mailbox in batches, from a thread of its own."""
+
+    def __init__(self, mailboxes: Any, box: str) -> None:
+        self._mailboxes, self._box = mailboxes, box
+        self._pending: list[Any] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._last: Any = None
+        self._thread = threading.Thread(target=self._send_loop, name="fluksio-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            self._pending.append(item)
+            self._lock.notify()
+
+    def close(self) -> None:
+        """Send what is left and wait until the mailbox has it."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+        if self._last is not None:
+            import ray
+
+            ray.get(self._last)
+
+    def _send_loop(self) -> None:
+        sent_at = 0.0
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                # A lone line goes at once; a burst waits out the interval
+                # since the last send and goes as one batch.
+                while not self._closed and time.monotonic() - sent_at < SEND_EVERY_S:
+                    self._lock.wait(SEND_EVERY_S - (time.monotonic() - sent_at))
+                items, self._pending = self._pending, []
+                closed = self._closed
+            if items:
+                self._last = self._mailboxes.put.remote(self._box, items)
+                sent_at = time.monotonic()
+            if closed:
+                return
+
+
+class _OutboxSink(Sink):
+    """What the cell shows, put in the outbox in the order it was shown."""
+
+    def __init__(self, outbox: _Outbox) -> None:
+        self._outbox = outbox
+
+    def stdout(self, text: str) -> None:
+        self._outbox.put(("stdout", text))
+
+    def stderr(self, text: str) -> None:
+        self._outbox.put(("stderr", text))
+
+    def display(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        self._outbox.put(("display", data, metadata))
+
+    def result(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        self._outbox.put(("result", data, metadata))
+
+    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        self._outbox.put(("error", ename, evalue, traceback))
+
+    def clear_output(self, wait: bool) -> None:
+        self._outbox.put(("clear_output", wait))
+
+
+def run_claimed_cell(
+    mailboxes: Any,
+    box: str,
+    code: str,
+    inputs: dict[str, Any],
+    outputs: list[str] | None,
+    ram_bytes: int | None,
+    through_client: bool = False,
+) -> dict[str, Any]:
+    """The Ray task: run one cell in a worker holding the task's share, watched for memory.
+
+    Runs inside a Ray worker process, which Ray started with the claim's
+    ``runtime_env`` and, for a claim with cards, the ``CUDA_VISIBLE_DEVICES``
+    of the cards it granted.
+    """
+    import ray
+
+    from fluksio_nb.budget import resolve_budget
+    from fluksio_nb.inventory import host_memory
+    from fluksio_nb.sampler import Sampler
+    from fluksio_nb.watch import Watched, kernel_watch
+    from fluksio_nb.worker.pool import kernel_pool
+
+    outbox = _Outbox(mailboxes, box)
+    parcel = None
+    try:
+        parcel = _inputs_as_parcel(ray, inputs)
+        gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
+        derived = _worker_env(gpus)
+        total, available = host_memory()
+        budget = resolve_budget(ram_bytes, host_total_bytes=total, host_available_bytes=available)
+        pool = kernel_pool()
+        worker = pool.checkout(derived)
+        halted: list[HaltDecision] = []
+
+        def halt(decision: HaltDecision | None) -> None:
+            if decision is not None:
+                halted.append(decision)
+                worker.kill()
+
+        watched = kernel_watch().add(
+            Watched(
+                sampler=Sampler(worker.pid),
+                budget=budget,
+                on_sample=lambda sample: outbox.put(("sample", asdict(sample))),
+                on_halt=halt,
+            )
+        )
+        started = {
+            "pid": worker.pid,
+            "node": ray.get_runtime_context().get_node_id(),
+            "gpus": gpus,
+            "env": derived,
+            "budget": budget,
+        }
+        outbox.put(("started", started))
+        try:
+            outcome = worker.run(code, inputs=parcel, outputs=outputs, sink=_OutboxSink(outbox))
+        finally:
+            kernel_watch().discard(watched)
+            pool.checkin(worker, derived)
+        return _task_result(outcome, halted[0] if halted else None, through_client)
+    finally:
+        if parcel is not None:
+            parcel.discard()
+        outbox.put(("end",))
+        outbox.close()
+
+
+def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
+    """The cell's inputs, from the object store to shared memory for the worker."""
+    from fluksio_nb import transfer
+
+    names = list(inputs)
+    # Copied out of the object store, whose memory is read-only: a pickle of
+    # a read-only array says so, and the cell would get read-only arrays.
+    values = {
+        name: thaw(frozen, writable=True)
+        for name, frozen in zip(names, ray.get([inputs[name] for name in names]), strict=True)
+    }
+    parcel = transfer.pack(values)
+    if parcel.failures:
+        parcel.discard()
+        name, reason = next(iter(parcel.failures.items()))
+        raise ValueError(f"input '{name}' arrived but could not be handed to the worker: {reason}")
+    return parcel
+
+
+def _worker_env(gpus: list[str]) -> dict[str, str]:
+    """What the cell's worker is told: the task's thread variables and Ray's cards."""
+    derived = {var: os.environ[var] for var in _SHOWN_VARS if var in os.environ}
+    # Ray's value for the cards it granted. None granted, none visible: Ray
+    # leaves the variable alone then, and a CPU cell importing torch would
+    # otherwise open a context on card 0, which another task holds.
+    derived["CUDA_VISIBLE_DEVICES"] = derived.get("CUDA_VISIBLE_DEVICES", "") if gpus else ""
+    return derived
+
+
+def _task_result(
+    outcome: Outcome, halted: HaltDecision | None, through_client: bool
+) -> dict[str, Any]:
+    shipped: dict[str, Frozen] = {}
+    failed = dict(outcome.failed)
+    for name, value in outcome.outputs.items():
+        try:
+            shipped[name] = portable(freeze(value)) if through_client else freeze(value)
+        except Exception as error:
+            failed[name] = str(error) or type(error).__name__
+    error = outcome.error
+    return {
+        "error": None if error is None else (error.ename, error.evalue, error.traceback),
+        "died": outcome.died,
+        "halted": halted,
+        "outputs": shipped,
+        "failed": failed,
+    }
+
+
+# -----------------------------------------------------------------------------
+# The kernel's side
+# -----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+#: Held while connecting, which can take seconds: apart from _lock, so that
+#: the monitor's snapshot never waits for it.
+_connecting = threading.Lock()
+_remote: dict[str, Any] = {}
+#: The mailbox actor of this kernel's current Ray connection, keyed by its job.
+_mailboxes: tuple[str, Any] | None = None
+#: The address this module connected to, when it made the connection itself.
+_connected_to: str | None = None
+#: This kernel's claims on Ray that have not ended, for the monitor.
+_live: dict[int, RayClaim] = {}
+
+
+def connect(target: str) -> Any:
+    """The ``ray`` module, connected to the cluster ``--on`` names."""
+    global _connected_to
+    address = parse_target(target)
+    ray = import_ray()
+    with _connecting:
+        if ray.is_initialized():
+            if address is None or address == _connected_to:
+                return ray
+            current = _connected_to or _gcs_address(ray) or "another address"
+            if address == current:
+                return ray
+            raise BadClaim(
+                f"--on {address}: this kernel is already connected to the Ray cluster at "
+                f"{current}, and a process talks to one cluster at a time. Use --on ray for "
+                "that one, or run ray.shutdown() first."
+            )
+        # Ray's own choice when no address is given: RAY_ADDRESS, a cluster
+        # started on this machine with `ray start`, or a new local one.
+        ray.init(address=address)
+        _connected_to = address
+    return ray
+
+
+def _through_client(ray: Any) -> bool:
+    """Whether this kernel reaches the cluster through Ray Client (``ray://``)."""
+    try:
+        return bool(ray.util.client.ray.is_connected())
+    except AttributeError:
+        return False
+
+
+def _gcs_address(ray: Any) -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:
+        return None
+
+
+def _remote_functions(ray: Any) -> tuple[Any, Any]:
+    with _lock:
+        if not _remote:
+            _remote["task"] = ray.remote(run_claimed_cell)
+            _remote["mailboxes"] = ray.remote(Mailboxes)
+        return _remote["task"], _remote["mailboxes"]
+
+
+def _kernel_mailboxes(ray: Any) -> Any:
+    """This kernel's mailbox actor, made on first use for each Ray connection."""
+    global _mailboxes
+    _, actor_class = _remote_functions(ray)
+    job = str(ray.get_runtime_context().get_job_id())
+    with _lock:
+        if _mailboxes is None or _mailboxes[0] != job:
+            # No CPU: it only holds text, and must never wait behind the claims it serves.
+            _mailboxes = (job, actor_class.options(num_cpus=0).remote())
+        return _mailboxes[1]
+
+
+def _forget_mailboxes() -> None:
+    global _mailboxes
+    with _lock:
+        _mailboxes = None
+
+
+class RayClaim:
+    """A claim whose work runs as Ray tasks: ``--on ray``'s :class:`~fluksio_nb.context.Claim`.
+
+    Ray holds a share per task, not per block, so inside ``with claim(..., on="ray")``
+    each :meth:`run` waits in Ray's queue for its own share. ``allocation``
+    and ``env`` say what the last task was given.
+    """
+
+    def __init__(self, wanted: Resources, on: str = "ray", *, view: StatusView | None = None):
+        from fluksio_nb.flavors import resolve_flavor
+        from fluksio_nb.settings import load_settings
+
+        self.target = on
+        parse_target(on)
+        # The settings alone, for the flavors: the kernel's accountant, and the
+        # machine's ledger behind it, have no say over a cluster's share.
+        self.wanted = resolve_flavor(wanted, load_settings())
+        if "CUDA_VISIBLE_DEVICES" in self.wanted.env:
+            raise BadClaim(
+                "CUDA_VISIBLE_DEVICES is Ray's to set on a cluster: it names the cards Ray "
+                "granted. Ask for cards with gpus=N instead."
+            )
+        self.status = ClaimStatus(label=self.wanted.label or "claim on ray", asked=self.wanted)
+        self.allocation: Allocation | None = None
+        #: The variables the task's worker was started with; before a task, the planned ones.
+        self.env: dict[str, str] = ray_env(self.wanted)
+        #: The Ray node the last task ran on.
+        self.node: str | None = None
+        self._view = view
+        self._ray: Any = None
+        #: Why the last task was stopped for running out of time, if it was.
+        self._timed_out: str | None = None
+
+    @property
+    def readings(self):
+        """The latest, peak and mean readings of everything this claim ran."""
+        return self.status.readings
+
+    def acquire(self) -> RayClaim:
+        """Connect, and refuse at once a claim no node of the cluster can hold."""
+        if self._ray is not None:
+            return self
+        ray = connect(self.target)
+        check_fits(self.wanted, ray.nodes())
+        self._ray = ray
+        with _lock:
+            _live[id(self)] = self
+        if self._view is not None:
+            self._view.show(self.status)
+        return self
+
+    def release(self, error: BaseException | None = None) -> None:
+        from fluksio_nb.context import _ending_of, _message_of
+
+        with _lock:
+            _live.pop(id(self), None)
+        if self.status.phase == "done":
+            return
+        if error is None:
+            self._end("ok", "")
+        else:
+            self._end(_ending_of(error), _message_of(error))
+
+    def __enter__(self) -> RayClaim:
+        return self.acquire()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.release(error)
+
+    def popen(self, *args: Any, **kwargs: Any) -> Any:
+        raise BadClaim(
+            "popen() starts a process on this machine, and this claim's share is on the "
+            "Ray cluster: start the process inside c.run(...) with subprocess instead."
+        )
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)`` in a Ray task holding this share; return its result."""
+        from fluksio_nb.context import RemoteError
+
+        outcome = self.run_code(
+            "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
+            {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": kwargs},
+            ["__fluksio_result__"],
+            _relay_sink(),
+        )
+        if "__fluksio_result__" in outcome.failed:
+            raise RemoteError(
+                "TransferError",
+                f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
+                [],
+            )
+        return outcome.outputs["__fluksio_result__"]
+
+    def run_code(
+        self,
+        code: str,
+        inputs: Mapping[str, object] | Packed,
+        outputs: Sequence[str] | None,
+        sink: Any,
+    ) -> Outcome:
+        """Run notebook code as a Ray task holding this share; raise how it failed."""
+        from fluksio_nb.worker.client import UnsendableInput
+
+        ray = self.acquire()._ray
+        packed = inputs if isinstance(inputs, Packed) else pack_inputs(inputs)
+        if packed.failures:
+            name, reason = next(iter(packed.failures.items()))
+            raise UnsendableInput(
+                f"input '{name}' cannot be sent to the Ray cluster ({reason}) — "
+                f"leave '{name}' out of the cell's inputs and create it inside the cell"
+            )
+        task, _ = _remote_functions(ray)
+        mailboxes = _kernel_mailboxes(ray)
+        box = uuid.uuid4().hex
+        through_client = _through_client(ray)
+        refs = {
+            name: ray.put(portable(frozen) if through_client else frozen)
+            for name, frozen in packed.values.items()
+        }
+        label = self.status.label
+        deadline = None if self.wanted.timeout is None else time.monotonic() + self.wanted.timeout
+        self._timed_out = None
+        self.status.phase, self.status.asked_at = "waiting", time.monotonic()
+        self.status.started_at = self.status.ended_at = None
+        self._update_view()
+        running = task.options(**task_options(self.wanted, label)).remote(
+            mailboxes,
+            box,
+            code,
+            refs,
+            None if outputs is None else list(outputs),
+            self.wanted.ram_bytes or None,
+            through_client,
+        )
+        try:
+            self._follow(ray, mailboxes, box, running, sink, deadline)
+            if self._timed_out is None:
+                result = ray.get(running)
+        except KeyboardInterrupt:
+            mailboxes.forget.remote(box)
+            stop_task(ray, running)
+            raise
+        except ray.exceptions.RayTaskError as error:
+            raise _remote_error(error) from None
+        except ray.exceptions.TaskCancelledError:
+            from fluksio_nb.queue import ClaimCancelled
+
+            raise ClaimCancelled(
+                f"{label} was cancelled on the Ray cluster, from outside this cell."
+            ) from None
+        except ray.exceptions.RayError as error:
+            # The worker crashed, its node went away, or Ray's own memory
+            # monitor killed it: the cell did not end by itself.
+            from fluksio_nb.context import WorkerDied
+
+            if isinstance(error, ray.exceptions.RayActorError):
+                _forget_mailboxes()  # the next claim makes a new one
+            raise WorkerDied(
+                f"the Ray worker running the cell ended: {_first_line(error)}. "
+                "Its share was given back; run the cell again."
+            ) from None
+        finally:
+            del refs
+        if self._timed_out is not None:
+            from fluksio_nb.queue import ClaimTimeout
+
+            raise ClaimTimeout(self._timed_out)
+        return self._outcome(result)
+
+    def _follow(
+        self, ray: Any, mailboxes: Any, box: str, running: Any, sink: Any, deadline: float | None
+    ) -> None:
+        """Relay the task's output until it says it has ended, or is gone without saying."""
+        taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+        task_over = False
+        while True:
+            ready, _ = ray.wait([taking, running], num_returns=1, timeout=_SIGNAL_CHECK_S)
+            if deadline is not None and time.monotonic() >= deadline:
+                self._timed_out = (
+                    f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and "
+                    "was stopped. Raise --timeout, or make the cell do less."
+                )
+                mailboxes.forget.remote(box)
+                stop_task(ray, running)
+                return
+            if running in ready:
+                task_over = True
+            if taking not in ready:
+                if task_over:
+                    # Its last words are on their way: the task waits for the
+                    # mailbox to have them before it returns.
+                    ray.wait([taking], timeout=_TAKE_WAIT_S)
+                    if not ray.wait([taking], timeout=0)[0]:
+                        return
+                else:
+                    continue
+            items = ray.get(taking)
+            if self._take(items, sink) or (task_over and not items):
+                mailboxes.forget.remote(box)
+                return
+            taking = mailboxes.take.remote(box, 0 if task_over else _TAKE_WAIT_S)
+
+    def _take(self, items: list[Any], sink: Any) -> bool:
+        """Show what the task sent; True once it has said it ended."""
+        for item in items:
+            kind = item[0]
+            if kind == "stdout":
+                sink.stdout(item[1])
+            elif kind == "stderr":
+                sink.stderr(item[1])
+            elif kind == "display":
+                sink.display(item[1], item[2])
+            elif kind == "result":
+                sink.result(item[1], item[2])
+            elif kind == "error":
+                sink.error(item[1], item[2], item[3])
+            elif kind == "clear_output":
+                clear_output = getattr(sink, "clear_output", None)
+                if clear_output is not None:
+                    clear_output(item[1])
+            elif kind == "sample":
+                self.status.readings.add(Sample(**item[1]))
+                self._update_view()
+            elif kind == "started":
+                self._started(item[1])
+            elif kind == "end":
+                return True
+        return False
+
+    def _started(self, facts: dict[str, Any]) -> None:
+        self.node = facts["node"]
+        self.env = dict(facts["env"])
+        self.allocation = Allocation(
+            cpus=self.wanted.cpus,
+            gpus=tuple(int(gpu) if gpu.isdigit() else gpu for gpu in facts["gpus"]),
+            ram_bytes=self.wanted.ram_bytes,
+        )
+        self.status.phase, self.status.allocation = "running", self.allocation
+        self.status.budget, self.status.started_at = facts["budget"], time.monotonic()
+        self._update_view()
+
+    def _outcome(self, result: dict[str, Any]) -> Outcome:
+        from fluksio_nb.context import ClaimHalted, RemoteError, WorkerDied
+
+        if result["halted"] is not None:
+            raise ClaimHalted(result["halted"])
+        if result["died"] is not None:
+            raise WorkerDied(f"{result['died']}. Its share was given back; run the cell again.")
+        values: dict[str, Any] = {}
+        failed = dict(result["failed"])
+        for name, frozen in result["outputs"].items():
+            try:
+                values[name] = thaw(frozen, writable=True)
+            except Exception as error:
+                failed[name] = str(error) or type(error).__name__
+        if result["error"] is not None:
+            ename, evalue, traceback = result["error"]
+            if ename == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            raise RemoteError(ename, evalue, traceback)
+        return Outcome("ok", "the cell finished", values, failed)
+
+    # -- showing ---------------------------------------------------------------
+
+    def _update_view(self) -> None:
+        if self._view is not None:
+            self._view.update(self.status)
+
+    def _end(self, ending: Any, message: str) -> None:
+        self.status.phase, self.status.ending, self.status.message = "done", ending, message
+        self.status.ended_at = time.monotonic()
+        if self.status.started_at is None:
+            self.status.started_at = self.status.ended_at
+        self._update_view()
+
+
+def stop_task(ray: Any, running: Any) -> None:
+    """Stop a claim's task, and with it the cell's process group; return once it is over.
+
+    First as the stop button stops a local claim: Ray raises
+    ``KeyboardInterrupt`` in the task, where the worker's own ladder (SIGINT,
+    SIGTERM, SIGKILL to the cell's whole process group) ends the cell and
+    whatever it started. Ray's forced cancel comes only if that did not end
+    the task in time: it kills the task's process at once, and Ray then ends
+    that process's children itself, but not the processes the cell started
+    below them, which are in a group of their own.
+    """
+    ray.cancel(running, force=False)
+    try:
+        ended, _ = ray.wait([running], timeout=_GRACE_TO_STOP_S)
+    except KeyboardInterrupt:
+        ended = []  # a second press of the stop button: no more patience
+    if not ended:
+        ray.cancel(running, force=True)
+        with contextlib.suppress(Exception):
+            ray.wait([running], timeout=_GRACE_TO_STOP_S)
+
+
+def _relay_sink() -> Any:
+    from fluksio_nb.relay import CellOutput
+
+    return CellOutput()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _remote_error(error: Any) -> Exception:
+    """Ray's wrapper of an exception raised by the task's own code, as the cell's error."""
+    from fluksio_nb.context import RemoteError
+
+    cause = getattr(error, "cause", None)
+    ename = type(cause).__name__ if cause is not None else type(error).__name__
+    evalue = str(cause) if cause is not None else _first_line(error)
+    if isinstance(cause, ModuleNotFoundError) and "fluksio_nb" in evalue:
+        evalue += " on the Ray cluster's nodes: install fluksio_nb there too"
+    return RemoteError(ename, evalue, str(error).splitlines())
+
+
+def run_cell(
+    shell: Any,
+    parsed: Any,
+    cell: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str] | None,
+    sink: Any,
+) -> None:
+    """``%%claim ... --on ray``: run the cell as a Ray task and bring its names back.
+
+    ``parsed`` is the cell's :class:`~fluksio_nb.claim_line.ClaimLine`.
+    """
+    from IPython.core.error import UsageError
+
+    from fluksio_nb.status import new_view
+
+    if parsed.background:
+        raise UsageError(
+            "%%claim: --background does not combine with --on yet. Run claims on Ray "
+            "side by side with claim(..., on='ray') from threads, or drop --background."
+        )
+    packed = pack_inputs({name: shell.user_ns[name] for name in inputs})
+    if packed.failures:
+        names = ", ".join(f"'{n}' ({reason})" for n, reason in sorted(packed.failures.items()))
+        raise UsageError(
+            f"%%claim: cannot send {names} to the Ray cluster. Create it inside the cell, "
+            "or leave it out with --in."
+        )
+    try:
+        claimed = RayClaim(parsed.resources, parsed.on, view=new_view())
+        claimed.acquire()
+    except BadClaim as error:
+        raise UsageError(str(error)) from None
+    try:
+        outcome = claimed.run_code(cell, packed, outputs, sink)
+    except BaseException as error:
+        claimed.release(error)
+        raise
+    claimed.release()
+    shell.user_ns.update(outcome.outputs)
+    if outcome.failed:
+        lines = "\n".join(f"  {name}: {reason}" for name, reason in sorted(outcome.failed.items()))
+        sys.stderr.write(f"fluksio_nb: these names could not be brought back:\n{lines}\n")
+
+
+# -----------------------------------------------------------------------------
+# The monitor's view
+# -----------------------------------------------------------------------------
+
+
+def ray_snapshot() -> dict[str, Any] | None:
+    """The Ray cluster this kernel is connected to, and this kernel's claims on it.
+
+    ``None`` when Ray is not imported or not connected: asking never imports
+    Ray nor connects, so a monitor can call this every second for free.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        total = ray.cluster_resources()
+        available = ray.available_resources()
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    except Exception:
+        return None
+    with _lock:
+        live = list(_live.values())
+    return {
+        "address": _connected_to or _gcs_address(ray),
+        "nodes": nodes,
+        "total": _resources(total),
+        "available": _resources(available),
+        "claims": [_claim_facts(claimed) for claimed in live],
+    }
+
+
+def _resources(resources: Mapping[str, float]) -> dict[str, float | int]:
+    return {
+        "cpus": resources.get("CPU", 0.0),
+        "gpus": resources.get("GPU", 0.0),
+        "memory_bytes": int(resources.get("memory", 0)),
+        "object_store_bytes": int(resources.get("object_store_memory", 0)),
+    }
+
+
+def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
+    status = claimed.status
+    latest = status.readings.latest
+    return {
+        "label": status.label,
+        "phase": status.phase,
+        "asked": {
+            "cpus": status.asked.cpus,
+            "gpus": status.asked.gpus,
+            "ram_bytes": status.asked.ram_bytes or None,
+        },
+        "node": claimed.node,
+        "gpus": list(claimed.allocation.gpus) if claimed.allocation else [],
+        "waited_s": round(status.waited_s, 1),
+        "elapsed_s": round(status.elapsed_s, 1),
+        "rss_bytes": latest.rss_bytes if latest else None,
+        "peak_rss_bytes": status.readings.peak_rss_bytes,
+        "cpu_percent": latest.cpu_percent if latest else None,
+        "budget_bytes": status.budget.applied_bytes if status.budget else None,
+    }

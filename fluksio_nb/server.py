@@ -1,0 +1,198 @@
+"""The machine's ledger over HTTP, for JupyterLab's status bar and panel.
+
+A kernel knows only its own claims, and the ledger knows every claim but not
+which notebook a kernel serves. The Jupyter server knows that, because it
+started the kernels. This extension puts the two together, so the panel can
+say that ``train.ipynb`` holds GPU 1 and a second notebook waits for it.
+
+What it decides:
+
+- **It reads and never claims.** The snapshot is the ledger read without its
+  lock, as ``fluksio-nb`` reads it. The server makes no claim of its own and
+  never blocks a kernel's transaction, however often a browser polls.
+- **Nothing slow runs on the event loop.** Reading the file, and taking the
+  inventory when there is no ledger yet (NVML, or ``nvidia-smi`` if NVML is
+  missing), run in a worker thread. One slow disk must not freeze every
+  notebook served here. The session manager is asked on the loop, because
+  it is made for the loop.
+- **The server's OS user can cancel their own claims and no others.** It is
+  the same user as the kernels it starts. On a team's shared ledger, other
+  users' claims are shown, and cancelling one answers 403 and names its owner.
+- **It behaves like the rest of Jupyter's API.** Requests need the server's
+  token or login cookie, and the server's authorizer decides on the resource
+  ``fluksio``, so a JupyterHub deployment's scopes apply to it as well. A
+  request that is not logged in gets 401. jupyter_server's own handlers
+  answer 403 there, and then a client cannot tell "log in again" from
+  "you may not".
+- **Settings are read on every request**, as ``fluksio-nb`` reads them, so a
+  corrected config file takes effect without restarting the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import getpass
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from fluksio_nb.resources import BadClaim
+
+#: What the server's authorizer is asked about: ``read`` for the snapshot,
+#: ``write`` for a cancel.
+AUTH_RESOURCE = "fluksio"
+
+NOT_LOGGED_IN = (
+    "not logged in: send the server's token (an 'Authorization: token <token>' header) "
+    "or log in first"
+)
+
+
+def _inventory_dict(settings: Any) -> dict[str, Any]:
+    from fluksio_nb.inventory import take_inventory
+
+    found = take_inventory(settings)
+    return {"cpus": found.cpus, "gpu_ids": list(found.gpu_ids), "ram_bytes": found.ram_bytes}
+
+
+def read_machine() -> dict[str, Any]:
+    """The snapshot ``GET fluksio/api/snapshot`` serves, before notebook paths are added.
+
+    Blocking: call it from a worker thread.
+    """
+    from fluksio_nb.ledger import ledger_location, machine_snapshot, read_snapshot
+    from fluksio_nb.settings import load_settings
+
+    settings = load_settings()
+    where = ledger_location(settings.ledger)
+    if where is None:
+        # Kernel-only books live inside each kernel, where no server can read
+        # them. Show the machine, and say that nothing more can be known.
+        return {**machine_snapshot({}, _inventory_dict(settings)), "ledger": None}
+    directory, shared = where
+    return {**read_snapshot(directory, shared), "ledger": str(directory)}
+
+
+def cancel(number: int, user: str) -> bool:
+    """Cancel claim ``number`` for ``user``. Blocking: call it from a worker thread.
+
+    Raises :class:`~fluksio_nb.ledger.NotYours` for another user's claim.
+    False when there is no such claim, or no machine-wide ledger to find it in.
+    """
+    from fluksio_nb.ledger import LedgerFile, cancel_claim, ledger_location
+    from fluksio_nb.settings import load_settings
+
+    where = ledger_location(load_settings().ledger)
+    if where is None:
+        return False
+    directory, shared = where
+    ledger = LedgerFile(directory, shared=shared)
+    if not ledger.path.exists():
+        return False
+    return cancel_claim(ledger, number, f"cancelled by {user} from JupyterLab", user=user)
+
+
+async def _off_the_loop(function: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(function, *args)
+    )
+
+
+class _LedgerHandler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def os_user(self) -> str:
+        return self.settings["fluksio_os_user"]
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        # jupyter_server answers 403 when nobody is logged in: the redirect
+        # that @web.authenticated would make on a GET, tornado's own refusal
+        # of a POST, or a POST without an XSRF cookie. A client has to tell
+        # that apart from a real refusal, so it becomes 401 here, where every
+        # one of those ends. A logged-in user who is refused keeps the 403.
+        logged_in = getattr(self, "_jupyter_current_user", None)
+        if status_code == 403 and not logged_in and self.check_host():
+            status_code = 401
+            refusal = web.HTTPError(401, NOT_LOGGED_IN)
+            kwargs["exc_info"] = (web.HTTPError, refusal, None)
+        super().send_error(status_code, **kwargs)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        if status_code == 401:
+            self.set_header("WWW-Authenticate", "token")
+        super().write_error(status_code, **kwargs)
+
+
+class SnapshotHandler(_LedgerHandler):
+    """``GET fluksio/api/snapshot``: the machine, every claim, whose notebook holds it."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        try:
+            snapshot = await _off_the_loop(read_machine)
+        except BadClaim as error:
+            raise web.HTTPError(
+                500, f"fluksio_nb's settings cannot be used: {error}. Fix them and reload."
+            ) from None
+        sessions = await self.session_manager.list_sessions()
+        paths = {s["kernel"]["id"]: s["path"] for s in sessions if s.get("kernel")}
+        for claim in snapshot["running"] + snapshot["waiting"]:
+            # Only a notebook this server serves has a path the browser can
+            # open; a kernel started elsewhere still shows its own notebook name.
+            claim["path"] = paths.get(claim["kernel_id"])
+            claim["mine"] = claim["user"] == self.os_user
+        snapshot["user"] = self.os_user
+        self.finish(snapshot)
+
+
+class CancelHandler(_LedgerHandler):
+    """``POST fluksio/api/claims/<ticket>/cancel``: a waiting claim leaves the queue,
+    a running one is stopped by its kernel."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, number: str) -> None:
+        from fluksio_nb.ledger import NotYours
+
+        try:
+            found = await _off_the_loop(cancel, int(number), self.os_user)
+        except NotYours as error:
+            raise web.HTTPError(
+                403,
+                f"{error}. This Jupyter server runs as {self.os_user!r} and cancels "
+                "only that user's claims; ask their owner to cancel it.",
+            ) from None
+        except BadClaim as error:
+            raise web.HTTPError(
+                500, f"fluksio_nb's settings cannot be used: {error}. Fix them and retry."
+            ) from None
+        if not found:
+            raise web.HTTPError(
+                404,
+                f"there is no claim {number} in this machine's ledger: it has ended, "
+                "or it was never made. GET fluksio/api/snapshot lists the claims there are.",
+            )
+        self.finish({"ticket": int(number), "cancelled": True})
+
+
+def _load_jupyter_server_extension(serverapp: Any) -> None:
+    web_app = serverapp.web_app
+    base_url = web_app.settings["base_url"]
+    web_app.settings["fluksio_os_user"] = getpass.getuser()
+    web_app.add_handlers(
+        ".*$",
+        [
+            (url_path_join(base_url, "fluksio/api/snapshot"), SnapshotHandler),
+            (url_path_join(base_url, r"fluksio/api/claims/(\d+)/cancel"), CancelHandler),
+        ],
+    )
+    serverapp.log.info(
+        "fluksio_nb: the machine's ledger is served at %s",
+        url_path_join(base_url, "fluksio/api/snapshot"),
+    )

@@ -1,0 +1,295 @@
+"""The live widgets: a claimed cell's status, and the machine's monitor (``%claims``).
+
+A claimed cell can wait minutes and run for hours; a line of text redrawn in
+place says where it is, but not whether its memory is creeping up on its
+budget, nor who else holds the machine. These widgets show that, live.
+
+What is decided here:
+
+- **The front end is one committed ES module and one stylesheet**
+  (``widget.js``, ``widget.css``) loaded by anywidget. No build step and no
+  dependency, nothing fetched from a CDN, and it runs wherever anywidget
+  does: JupyterLab 4, Notebook 7, VS Code.
+- **The claim widget is a status view** (:class:`WidgetView` implements
+  :class:`~fluksio_nb.status.StatusView`): the code running the claim tells it
+  what changed, exactly as it tells the plain :class:`~fluksio_nb.status.TextView`.
+  It runs no thread of its own: waiting claims are refreshed by their own wait
+  loop, running ones by the kernel's one sampling thread
+  (:mod:`fluksio_nb.watch`). It pushes about once a second, and always the
+  last state.
+- **Every bundle carries a text fallback.** Next to the widget view go
+  ``text/plain``, exactly :func:`~fluksio_nb.status.describe` so nbval can
+  compare it, and escaped HTML. The display is replaced at each change of
+  phase, so a notebook saved after a claim ended holds the ending in text,
+  for nbval, nbconvert and anything else that has no live kernel to ask.
+- **The monitor is refreshed by one thread for all monitors**
+  (:mod:`fluksio_nb.widget.ticker`), only while one is watched, and pushes
+  only what changed (:mod:`fluksio_nb.widget.facts`).
+- **Closed means closed.** ``widget.close()`` stops a widget's updates at
+  once; a front end that goes away stops a monitor's within its lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets as t
+
+from fluksio_nb.status import ClaimStatus
+from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, claim_html, monitor_html
+from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
+
+__all__ = ["ClaimWidget", "MonitorWidget", "WidgetView", "monitor"]
+
+_HERE = Path(__file__).parent
+
+
+class _Widget(anywidget.AnyWidget):
+    _esm = _HERE / "widget.js"
+    _css = _HERE / "widget.css"
+
+    @property
+    def closed(self) -> bool:
+        return self.comm is None
+
+
+class ClaimWidget(_Widget):
+    """One claim's status: waiting, running with its readings, or how it ended.
+
+    A push while running carries the new reading and little else, because
+    eight claims pushing is the kernel's largest cost of being watched (see
+    ``bench/widget_sampling.py``). The sparklines are the readings that were
+    pushed: the front end appends each one as it comes, and the whole series
+    is sent only when the phase changes and every :attr:`HISTORY_EVERY_S`, so
+    that a page reloaded mid-claim, which starts from the kernel's state, is
+    whole again within seconds, and the final state holds all of it.
+    """
+
+    #: How often, at most, the whole series goes with a push while running.
+    HISTORY_EVERY_S = 10.0
+
+    kind = t.Unicode("claim").tag(sync=True)
+    label = t.Unicode("").tag(sync=True)
+    phase = t.Unicode("waiting").tag(sync=True)
+    asked = t.Unicode("").tag(sync=True)
+    #: Place in the queue, 1 being next; 0 when not waiting or not known.
+    position = t.Int(0).tag(sync=True)
+    # Lists without element traits: validating every point of two series
+    # was most of a push's cost (measured: 415 µs a push, then ~60 µs).
+    holders = t.List().tag(sync=True)
+    waited_s = t.Float(0.0).tag(sync=True)
+    #: cpus, gpus, ram_bytes, budget_bytes, granted_bytes; None until granted.
+    share = t.Dict(allow_none=True, default_value=None).tag(sync=True)
+    #: The latest reading: rss_bytes, cpu_percent, cpu_cores, processes,
+    #: host_total_bytes, and n, how many readings there have been.
+    reading = t.Dict(allow_none=True, default_value=None).tag(sync=True)
+    #: The RSS and CPU of each reading pushed, oldest first, for the sparklines.
+    rss_history = t.List().tag(sync=True)
+    cpu_history = t.List().tag(sync=True)
+    elapsed_s = t.Float(0.0).tag(sync=True)
+    peak_rss_bytes = t.Int(0).tag(sync=True)
+    mean_cpu_percent = t.Float(0.0).tag(sync=True)
+    ending = t.Unicode("").tag(sync=True)
+    message = t.Unicode("").tag(sync=True)
+
+    def __init__(self, status: ClaimStatus | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: :func:`~fluksio_nb.status.describe` of the status: the text fallback.
+        #: Not sent to the front end, which draws the same facts its own way.
+        self.summary = ""
+        self._follow_lock = threading.Lock()
+        self._points: deque[tuple[int, float]] = deque(maxlen=SPARK_POINTS)
+        self._history_at = 0.0
+        if status is not None:
+            self.follow(status)
+
+    def follow(self, status: ClaimStatus) -> bool:
+        """Show ``status``, sending only what changed. False once the widget is closed."""
+        facts = claim_facts(status)
+        now = time.monotonic()
+        with self._follow_lock:
+            if self.closed:
+                return False
+            self.summary = facts.pop("summary")
+            reading = facts["reading"]
+            if reading is not None and reading["n"] != (self.reading or {}).get("n"):
+                self._points.append((reading["rss_bytes"], reading["cpu_percent"]))
+            if facts["phase"] != self.phase or now - self._history_at >= self.HISTORY_EVERY_S:
+                self._history_at = now
+                facts["rss_history"] = [rss for rss, _ in self._points]
+                facts["cpu_history"] = [cpu for _, cpu in self._points]
+            with self.hold_sync():
+                for name, value in facts.items():
+                    setattr(self, name, value)
+        return True
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        # The fallback never changes. nbval reads a display as it was first
+        # drawn, and a saved notebook keeps it as it was last redrawn, so any
+        # live text here would differ between the two; how the claim went is
+        # left as a line of its own when it ends (see ``Claim._end``).
+        data, metadata = super()._repr_mimebundle_(**kwargs)
+        text = f"{self.label}: live status (how it went follows below)"
+        data["text/plain"] = text
+        data["text/html"] = claim_html(text, "running", None)
+        return data, metadata
+
+
+class WidgetView:
+    """A claimed cell's status drawn by a :class:`ClaimWidget`, in that cell's output.
+
+    Throttled like :class:`~fluksio_nb.status.TextView` and for the same
+    reason: the sampler reads every half second and a waiting claim is told
+    every time the queue moves. Once a second, not twice: pushes are most of
+    what watching eight claims costs the kernel (measured: 0.85% of a core for
+    eight claims at two a second), and a bar that moves every second reads as
+    live. A change of phase always goes through at once.
+
+    The display is sent straight to the cell that was executing when the view
+    was shown (:class:`~fluksio_nb.relay.CellOutput`), as the text view's is,
+    because ``show`` may be called from the sampling thread.
+    """
+
+    #: A little under a second: readings come every half second, with jitter,
+    #: and a reading a millisecond early must not wait for the next one.
+    MIN_INTERVAL_S = 0.9
+
+    def __init__(self) -> None:
+        self.widget: ClaimWidget | None = None
+        self._output: Any = None
+        self._display_id = f"fluksio-{uuid.uuid4().hex}"
+        self._phase: str | None = None
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def show(self, status: ClaimStatus) -> None:
+        """Draw the status in the cell executing now; once, later calls update it."""
+        from fluksio_nb.relay import CellOutput
+
+        with self._lock:
+            if self.widget is None:
+                self.widget = ClaimWidget(status)
+                self._phase, self._last = status.phase, time.monotonic()
+                self._output = CellOutput()
+                data, metadata = self.widget._repr_mimebundle_()
+                self._output.display(data, metadata, display_id=self._display_id)
+                return
+        self.update(status)
+
+    def update(self, status: ClaimStatus) -> None:
+        now = time.monotonic()
+        with self._lock:
+            widget = self.widget
+            if widget is None or widget.closed:
+                return
+            new_phase = status.phase != self._phase
+            if not new_phase and now - self._last < self.MIN_INTERVAL_S:
+                return
+            self._last = now
+            if not widget.follow(status):
+                return
+            self._phase = status.phase
+
+
+class MonitorWidget(_Widget):
+    """The machine: what each resource holds and for whom, the queue, the running claims."""
+
+    kind = t.Unicode("monitor").tag(sync=True)
+    #: What :func:`~fluksio_nb.widget.facts.machine_facts` says, plus ``clock``:
+    #: the kernel's time (epoch seconds) when it was pushed.
+    machine = t.Dict().tag(sync=True)
+
+    #: How long every view may stay silent, counting only time the kernel was
+    #: free to hear it, before the monitor is taken for abandoned. Views ping
+    #: every 30 s (each ping costs the kernel's main thread a few ms, measured
+    #: as 0.5% of a core at one ping every 3 s), and at once when their tab is
+    #: shown again after a browser stopped its timers.
+    LEASE_S = 90.0
+
+    def __init__(self, watch: MonitorWatch | None = None, lease_s: float | None = None) -> None:
+        watch = watch or kernel_monitor_watch()
+        facts = watch.read()
+        # Sent with the widget itself, so the first view draws the machine at once.
+        super().__init__(machine=_stamped(facts))
+        self._watch = watch
+        self.lease_s = self.LEASE_S if lease_s is None else lease_s
+        self._views: dict[str, float] = {}
+        self._shown_at: float | None = None
+        self._left_at: float | None = None
+        self._shown_facts: dict[str, Any] | None = facts
+        self._push_lock = threading.Lock()
+        self.on_msg(self._heard)
+
+    # -- what the ticker asks ---------------------------------------------------
+
+    def watched(self, now: float, quiet_since: float) -> bool:
+        """Whether anyone may still be looking: shown, not closed, not abandoned."""
+        if self.closed:
+            return False
+        views = list(self._views.values())
+        if views:
+            last = max(views)
+        elif self._shown_at is None:
+            return False
+        elif self._left_at is not None and self._left_at >= self._shown_at:
+            return False  # every view said goodbye since it was last shown
+        else:
+            last = self._shown_at  # shown, and no front end has had its say yet
+        return now - max(last, quiet_since) < self.lease_s
+
+    def show_facts(self, facts: dict[str, Any]) -> None:
+        """Push ``facts`` if they differ from what was last pushed."""
+        with self._push_lock:
+            if self.closed or facts == self._shown_facts:
+                return
+            self._shown_facts = facts
+            self.machine = _stamped(facts)
+
+    # -- the front end ----------------------------------------------------------
+
+    def _heard(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if not isinstance(content, dict) or self.closed:
+            return
+        kind, view = content.get("type"), str(content.get("view", ""))
+        now = time.monotonic()
+        if kind in ("hello", "ping"):
+            self._views[view] = now
+            self._watch.watch(self)
+        elif kind == "gone":
+            self._views.pop(view, None)
+            if not self._views:
+                self._left_at = now
+                self._watch.unwatch(self)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        from fluksio_nb.__main__ import describe_snapshot
+        from fluksio_nb.kernel import accountant
+
+        data, metadata = super()._repr_mimebundle_(**kwargs)
+        text = describe_snapshot(accountant().snapshot())
+        data["text/plain"] = text
+        data["text/html"] = monitor_html(text)
+        # Being drawn is what starts the refreshing.
+        self._shown_at = time.monotonic()
+        self._watch.watch(self)
+        return data, metadata
+
+    def close(self) -> None:
+        self._watch.unwatch(self)
+        super().close()
+
+
+def _stamped(facts: dict[str, Any]) -> dict[str, Any]:
+    """The facts with the kernel's clock, which the front end counts waiting time from."""
+    return {**facts, "clock": round(time.time(), 3)}
+
+
+def monitor() -> MonitorWidget:
+    """The live monitor that ``%claims`` shows: the machine, the queue, the running claims."""
+    return MonitorWidget()

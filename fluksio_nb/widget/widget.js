@@ -1,0 +1,551 @@
+// The front end of fluksio_nb's widgets: a claim's status and the machine's monitor.
+//
+// One dependency-free ES module, loaded by anywidget as it is committed: no
+// build step, nothing fetched from anywhere. It draws what the kernel sends
+// and decides nothing; every number arrives worked out (see facts.py).
+//
+// Labels, messages and user names come from people. They are only ever set
+// with textContent (or as attribute values), never parsed as HTML.
+
+const SVG = "http://www.w3.org/2000/svg";
+
+// Views of the monitor ping this often, so the kernel can tell that someone
+// is still looking (its lease is 90 s of the kernel's idle time). Rarely,
+// because each message costs the kernel a few milliseconds of its main thread.
+const PING_MS = 30000;
+
+// RSS at or above this share of the budget turns the bar amber.
+const NEAR_BUDGET = 0.8;
+
+function h(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+
+function put(parent, ...children) {
+  for (const child of children) {
+    if (child === null || child === undefined || child === false) continue;
+    parent.append(typeof child === "string" ? document.createTextNode(child) : child);
+  }
+  return parent;
+}
+
+// Bytes as the Python side writes them (pydantic's decimal units): "1.2GB".
+function human(bytes) {
+  if (bytes === null || bytes === undefined) return "-";
+  let n = Math.max(0, Number(bytes));
+  if (n < 1000) return `${Math.round(n)}B`;
+  for (const unit of ["KB", "MB", "GB", "TB", "PB"]) {
+    n /= 1000;
+    if (n < 1000 || unit === "PB") return `${n.toFixed(1)}${unit}`;
+  }
+  return `${n}B`;
+}
+
+function clock(seconds) {
+  const s = Math.max(0, Math.floor(seconds));
+  const hours = Math.floor(s / 3600);
+  const mm = String(Math.floor((s % 3600) / 60)).padStart(2, "0");
+  const ss = String(s % 60).padStart(2, "0");
+  return hours ? `${hours}:${mm}:${ss}` : `${mm}:${ss}`;
+}
+
+function duration(seconds) {
+  return seconds < 60 ? `${Number(seconds).toFixed(1)} s` : clock(seconds);
+}
+
+function percent(value) {
+  return `${Math.round(Number(value) || 0)}%`;
+}
+
+// A filled bar. `fraction` is clamped to [0, 1]; `state` colours it.
+function bar(fraction, state, title) {
+  const outer = h("div", "fluksio-bar");
+  if (state) outer.dataset.state = state;
+  if (title) outer.title = title;
+  const fill = h("div", "fluksio-fill");
+  fill.style.width = `${(Math.min(1, Math.max(0, fraction || 0)) * 100).toFixed(1)}%`;
+  outer.append(fill);
+  return outer;
+}
+
+function budgetState(fraction) {
+  if (fraction >= 1) return "over";
+  if (fraction >= NEAR_BUDGET) return "near";
+  return "ok";
+}
+
+// A bar cut into one segment per holder, the rest free.
+function segmented(total, parts) {
+  const outer = h("div", "fluksio-bar fluksio-segmented");
+  if (!(total > 0)) return outer;
+  parts.forEach((part, index) => {
+    if (!(part.amount > 0)) return;
+    const segment = h("div", "fluksio-segment");
+    segment.dataset.shade = String(index % 4);
+    segment.style.width = `${((Math.min(part.amount, total) / total) * 100).toFixed(2)}%`;
+    segment.title = part.title;
+    outer.append(segment);
+  });
+  return outer;
+}
+
+// A sparkline of `values` from zero up to `ceiling` or their own maximum, whichever
+// is higher. Memory uses its own maximum: against a budget most lines are flat.
+function sparkline(values, ceiling, className) {
+  const width = 90;
+  const height = 18;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", `fluksio-spark ${className || ""}`);
+  svg.setAttribute("width", String(width));
+  svg.setAttribute("height", String(height));
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("aria-hidden", "true");
+  const points = (values || []).map(Number).filter((v) => Number.isFinite(v));
+  if (points.length < 2) return svg;
+  let top = ceiling > 0 ? ceiling : 0;
+  for (const v of points) top = Math.max(top, v);
+  if (!(top > 0)) top = 1;
+  const step = width / (points.length - 1);
+  const coords = points.map(
+    (v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / top) * (height - 2)).toFixed(1)}`,
+  );
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute("points", coords.join(" "));
+  line.setAttribute("fill", "none");
+  line.setAttribute("stroke", "currentColor");
+  line.setAttribute("stroke-width", "1.2");
+  svg.append(line);
+  return svg;
+}
+
+function field(name, value, text) {
+  const span = h("span", "fluksio-value", text);
+  span.dataset.field = name;
+  if (value !== undefined && value !== null) span.dataset.value = String(value);
+  return span;
+}
+
+function share(allocation, budgetBytes) {
+  const gpus = allocation.gpus && allocation.gpus.length ? allocation.gpus.join(", ") : "none";
+  const ram =
+    budgetBytes !== null && budgetBytes !== undefined
+      ? `RAM budget ${human(budgetBytes)}`
+      : allocation.ram_bytes
+        ? `RAM ${human(allocation.ram_bytes)}`
+        : "no RAM budget";
+  return `cpus ${allocation.cpus} · GPU ${gpus} · ${ram}`;
+}
+
+// Redraws at most once a frame, however many traits changed at once.
+function scheduler(draw) {
+  let pending = false;
+  const later =
+    typeof requestAnimationFrame === "function" ? requestAnimationFrame : (f) => setTimeout(f, 16);
+  return () => {
+    if (pending) return;
+    pending = true;
+    later(() => {
+      pending = false;
+      draw();
+    });
+  };
+}
+
+function listen(model, names, callback) {
+  for (const name of names) model.on(`change:${name}`, callback);
+  return () => {
+    for (const name of names) model.off(`change:${name}`, callback);
+  };
+}
+
+// -----------------------------------------------------------------------------
+// One claim
+// -----------------------------------------------------------------------------
+
+// A claim's sparkline points, kept once per model rather than per view. The
+// kernel sends each new reading, and the full histories only now and then
+// (when the phase changes, and every few seconds), to keep pushes small.
+const POINTS = 60;
+
+function keepPoints(model) {
+  const points = { rss: [], cpu: [], n: -1 };
+  const reset = () => {
+    points.rss = [...(model.get("rss_history") || [])];
+    points.cpu = [...(model.get("cpu_history") || [])];
+    const reading = model.get("reading");
+    points.n = reading ? reading.n : -1;
+  };
+  const add = () => {
+    const reading = model.get("reading");
+    if (!reading || reading.n === points.n) return;
+    points.n = reading.n;
+    points.rss.push(reading.rss_bytes);
+    points.cpu.push(reading.cpu_percent);
+    points.rss.splice(0, points.rss.length - POINTS);
+    points.cpu.splice(0, points.cpu.length - POINTS);
+  };
+  reset();
+  model.on("change:rss_history", reset);
+  model.on("change:reading", add);
+  // A local attribute of this page's copy of the model: never saved back.
+  model.set("_points", points);
+}
+
+const CLAIM_TRAITS = [
+  "label",
+  "phase",
+  "asked",
+  "position",
+  "holders",
+  "waited_s",
+  "share",
+  "reading",
+  "rss_history",
+  "cpu_history",
+  "elapsed_s",
+  "peak_rss_bytes",
+  "mean_cpu_percent",
+  "ending",
+  "message",
+];
+
+function renderClaim(model, el) {
+  const root = h("div", "fluksio fluksio-claim");
+  el.append(root);
+  // Seconds are counted here between pushes, from when the last one came.
+  let receivedAt = performance.now();
+  const since = () => (performance.now() - receivedAt) / 1000;
+
+  const draw = () => {
+    const phase = model.get("phase");
+    const ending = model.get("ending");
+    root.dataset.phase = phase;
+    root.dataset.ending = ending || "";
+    const head = h("div", "fluksio-head");
+    const state = phase === "done" ? ending || "done" : phase;
+    put(
+      head,
+      h("span", "fluksio-dot"),
+      h("span", "fluksio-label", model.get("label")),
+      h("span", "fluksio-state", state),
+    );
+    const body = [];
+    if (phase === "waiting") {
+      head.append(h("span", "fluksio-clock", `waiting ${clock(model.get("waited_s") + since())}`));
+      const position = model.get("position");
+      body.push(
+        put(
+          h("div", "fluksio-row"),
+          "asks ",
+          field("asked", null, model.get("asked")),
+          position ? ` · #${position} in the queue` : " · in the queue",
+        ),
+      );
+      const holders = model.get("holders") || [];
+      body.push(
+        put(
+          h("div", "fluksio-row fluksio-muted"),
+          holders.length ? "held by " : "behind the claims ahead of it",
+          holders.length ? field("holders", null, holders.join(", ")) : null,
+        ),
+      );
+    } else {
+      const allocation = model.get("share") || { cpus: 0, gpus: [], ram_bytes: 0 };
+      const reading = model.get("reading");
+      const points = model.get("_points") || { rss: [], cpu: [] };
+      const rssHistory = points.rss;
+      const cpuHistory = points.cpu;
+      const budget = allocation.budget_bytes;
+      if (phase === "running") {
+        head.append(h("span", "fluksio-clock", clock(model.get("elapsed_s") + since())));
+        body.push(put(h("div", "fluksio-row"), field("share", null, share(allocation, budget))));
+        const rss = reading ? reading.rss_bytes : 0;
+        const ceiling = budget || (reading ? reading.host_total_bytes : 0);
+        const fraction = ceiling ? rss / ceiling : 0;
+        body.push(
+          put(
+            h("div", "fluksio-meter"),
+            h("span", "fluksio-name", "RSS"),
+            bar(fraction, budget ? budgetState(fraction) : "ok"),
+            field(
+              "rss",
+              rss,
+              budget ? `${human(rss)} of ${human(budget)}` : `${human(rss)} (of the host)`,
+            ),
+            sparkline(rssHistory, 0, "fluksio-spark-rss"),
+          ),
+        );
+        const cpu = reading ? reading.cpu_percent : 0;
+        body.push(
+          put(
+            h("div", "fluksio-meter"),
+            h("span", "fluksio-name", "CPU"),
+            bar(cpu / 100, "cpu"),
+            field(
+              "cpu",
+              cpu,
+              `${percent(cpu)} of the machine${reading ? ` · ${reading.cpu_cores} cores` : ""}`,
+            ),
+            sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
+          ),
+        );
+      } else {
+        head.append(h("span", "fluksio-clock", duration(model.get("elapsed_s"))));
+        const peak = model.get("peak_rss_bytes");
+        body.push(
+          put(
+            h("div", "fluksio-row"),
+            "took ",
+            field("duration", model.get("elapsed_s"), duration(model.get("elapsed_s"))),
+            " · peak RSS ",
+            field("peak-rss", peak, human(peak)),
+            " · mean CPU ",
+            field("mean-cpu", model.get("mean_cpu_percent"), percent(model.get("mean_cpu_percent"))),
+          ),
+        );
+        if (model.get("share")) {
+          body.push(
+            put(h("div", "fluksio-row fluksio-muted"), "on ", share(allocation, budget)),
+          );
+        }
+        if (model.get("message")) body.push(h("div", "fluksio-message", model.get("message")));
+        if (rssHistory.length > 1) {
+          body.push(
+            put(
+              h("div", "fluksio-row fluksio-muted"),
+              "RSS ",
+              sparkline(rssHistory, 0, "fluksio-spark-rss"),
+              " CPU ",
+              sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
+            ),
+          );
+        }
+      }
+    }
+    root.replaceChildren(head, ...body);
+  };
+
+  const redraw = scheduler(draw);
+  const onChange = () => {
+    receivedAt = performance.now();
+    redraw();
+  };
+  const stop = listen(model, CLAIM_TRAITS, onChange);
+  // Only the clock moves between pushes; once done, nothing does.
+  const ticking = setInterval(() => {
+    if (model.get("phase") !== "done") redraw();
+  }, 1000);
+  draw();
+  return () => {
+    clearInterval(ticking);
+    stop();
+  };
+}
+
+// -----------------------------------------------------------------------------
+// The machine
+// -----------------------------------------------------------------------------
+
+function who(claim) {
+  return `${claim.label} (#${claim.ticket})`;
+}
+
+function renderMonitor(model, el) {
+  const root = h("div", "fluksio fluksio-monitor");
+  el.append(root);
+  // The kernel's clock, as seen from here: pushes carry its time.
+  let offset = 0;
+  const kernelNow = () => Date.now() / 1000 + offset;
+
+  const draw = () => {
+    const m = model.get("machine") || {};
+    if (!m.cpus) {
+      root.replaceChildren(h("div", "fluksio-muted", "Reading the machine…"));
+      return;
+    }
+    const running = m.running || [];
+    const waiting = m.waiting || [];
+    const rows = h("div", "fluksio-grid");
+
+    const cpuParts = running.map((c) => ({
+      amount: c.allocation.cpus,
+      title: `${who(c)}: ${c.allocation.cpus} cpus`,
+    }));
+    put(
+      rows,
+      h("span", "fluksio-name", "CPUs"),
+      segmented(m.cpus.total, cpuParts),
+      field("cpus", m.cpus.free, `${m.cpus.free} of ${m.cpus.total} free`),
+    );
+
+    for (const card of m.gpus || []) {
+      const cell = h("div", "fluksio-card");
+      cell.dataset.held = card.holder ? "yes" : "no";
+      cell.append(
+        card.holder
+          ? put(h("span", "fluksio-holder"), "held by ", h("span", "fluksio-label", who(card.holder)))
+          : h("span", "fluksio-free", "free"),
+      );
+      if (card.nvml) {
+        const used = card.nvml.memory_used;
+        const total = card.nvml.memory_total;
+        put(
+          cell,
+          bar(total ? used / total : 0, budgetState(total ? used / total : 0)),
+          h("span", "fluksio-muted", `${human(used)} of ${human(total)} · ${card.nvml.utilisation}% busy`),
+        );
+      }
+      put(rows, h("span", "fluksio-name", `GPU ${card.id}`), cell, h("span"));
+    }
+    if (!(m.gpus || []).length) {
+      put(rows, h("span", "fluksio-name", "GPUs"), h("span", "fluksio-muted", "none"), h("span"));
+    }
+
+    const ramParts = running.map((c) => ({
+      amount: c.allocation.ram_bytes,
+      title: `${who(c)}: ${human(c.allocation.ram_bytes)}`,
+    }));
+    put(
+      rows,
+      h("span", "fluksio-name", "RAM"),
+      segmented(m.ram.total, ramParts),
+      field("ram", m.ram.free, `${human(m.ram.free)} of ${human(m.ram.total)} free`),
+    );
+
+    // The host's available memory against the headroom line: below the line,
+    // running claims are halted.
+    const host = m.host;
+    const hostBar = bar(
+      host.total ? host.available / host.total : 0,
+      host.available < host.headroom ? "over" : host.available < 2 * host.headroom ? "near" : "ok",
+      `halts below ${human(host.headroom)} available`,
+    );
+    hostBar.classList.add("fluksio-host");
+    const line = h("div", "fluksio-headroom");
+    line.style.left = `${((host.headroom / (host.total || 1)) * 100).toFixed(1)}%`;
+    hostBar.append(line);
+    put(
+      rows,
+      h("span", "fluksio-name", "Host"),
+      hostBar,
+      field(
+        "host",
+        host.available,
+        `${human(host.available)} of ${human(host.total)} available · headroom ${human(host.headroom)}`,
+      ),
+    );
+
+    const runningList = h("div", "fluksio-list");
+    runningList.dataset.list = "running";
+    put(runningList, h("div", "fluksio-title", `Running (${running.length})`));
+    if (!running.length) runningList.append(h("div", "fluksio-muted", "Nothing running."));
+    for (const c of running) {
+      const item = h("div", "fluksio-item");
+      item.dataset.ticket = String(c.ticket);
+      const title = put(
+        h("div", "fluksio-row"),
+        h("span", "fluksio-label", c.label),
+        h("span", "fluksio-muted", ` #${c.ticket}`),
+        c.user && !c.mine ? h("span", "fluksio-muted", ` · ${c.user}`) : null,
+        ` · ${share(c.allocation, c.budget_bytes)}`,
+        c.started ? h("span", "fluksio-clock", clock(kernelNow() - c.started)) : null,
+      );
+      item.append(title);
+      if (c.reading) {
+        const rss = c.reading.rss_bytes;
+        const ceiling = c.budget_bytes;
+        const fraction = ceiling ? rss / ceiling : 0;
+        put(
+          item,
+          put(
+            h("div", "fluksio-meter"),
+            h("span", "fluksio-name", "RSS"),
+            bar(fraction, ceiling ? budgetState(fraction) : "ok"),
+            field("rss", rss, ceiling ? `${human(rss)} of ${human(ceiling)}` : human(rss)),
+          ),
+          put(
+            h("div", "fluksio-meter"),
+            h("span", "fluksio-name", "CPU"),
+            bar(c.reading.cpu_percent / 100, "cpu"),
+            field("cpu", c.reading.cpu_percent, `${percent(c.reading.cpu_percent)} of the machine`),
+          ),
+        );
+      } else {
+        item.append(h("div", "fluksio-muted", "no readings yet"));
+      }
+      runningList.append(item);
+    }
+
+    const waitingList = h("div", "fluksio-list");
+    waitingList.dataset.list = "waiting";
+    put(waitingList, h("div", "fluksio-title", `Waiting (${waiting.length})`));
+    if (!waiting.length) waitingList.append(h("div", "fluksio-muted", "Nobody waiting."));
+    for (const c of waiting) {
+      const item = h("div", "fluksio-item");
+      item.dataset.ticket = String(c.ticket);
+      put(
+        item,
+        put(
+          h("div", "fluksio-row"),
+          `${c.position}. `,
+          h("span", "fluksio-label", c.label),
+          h("span", "fluksio-muted", ` #${c.ticket}`),
+          c.user && !c.mine ? h("span", "fluksio-muted", ` · ${c.user}`) : null,
+          ` · asks ${c.asked}`,
+          h("span", "fluksio-clock", `waiting ${clock(kernelNow() - c.since)}`),
+        ),
+      );
+      waitingList.append(item);
+    }
+
+    root.replaceChildren(put(h("div", "fluksio-title", "Machine")), rows, runningList, waitingList);
+  };
+
+  const redraw = scheduler(draw);
+  const onChange = () => {
+    const m = model.get("machine") || {};
+    if (m.clock) offset = m.clock - Date.now() / 1000;
+    redraw();
+  };
+  onChange();
+  const stop = listen(model, ["machine"], onChange);
+
+  // Telling the kernel someone is looking: hello now, a ping every few
+  // seconds and on being shown again, goodbye when this view is removed.
+  const view = Math.random().toString(36).slice(2);
+  const say = (type) => {
+    try {
+      model.send({ type, view });
+    } catch (error) {
+      // The kernel has gone; there is nobody to tell.
+    }
+  };
+  say("hello");
+  const pinging = setInterval(() => say("ping"), PING_MS);
+  const onVisible = () => {
+    if (document.visibilityState === "visible") say("ping");
+  };
+  document.addEventListener("visibilitychange", onVisible);
+  // Waiting and running clocks move between pushes.
+  const ticking = setInterval(redraw, 1000);
+  draw();
+  return () => {
+    clearInterval(pinging);
+    clearInterval(ticking);
+    document.removeEventListener("visibilitychange", onVisible);
+    stop();
+    say("gone");
+  };
+}
+
+export default {
+  initialize({ model }) {
+    if (model.get("kind") !== "monitor") keepPoints(model);
+  },
+  render({ model, el }) {
+    return model.get("kind") === "monitor" ? renderMonitor(model, el) : renderClaim(model, el);
+  },
+};

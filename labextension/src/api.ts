@@ -1,0 +1,78 @@
+/**
+ * The server extension's two routes, typed as fluksio_nb/server.py sends them.
+ *
+ * URLs start from the server's base URL, so the extension works behind
+ * JupyterHub's /user/<name>/ prefix as well as on a bare server.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+export interface Amount {
+  total: number;
+  free: number;
+}
+
+export interface Readings {
+  rss_bytes: number;
+  peak_rss_bytes: number;
+  /** Share of the whole machine's cores, 0 to 100. */
+  cpu_percent: number;
+  processes: number;
+  at: number;
+}
+
+interface Claim {
+  ticket: number;
+  label: string;
+  since: number;
+  pid: number;
+  kernel_id: string | null;
+  /** The notebook the kernel was started for, as the kernel was told. */
+  notebook: string | null;
+  user: string | null;
+  /** The notebook's path on this server, when this server runs the kernel. */
+  path: string | null;
+  /** Whether this server's user may cancel it. */
+  mine: boolean;
+}
+
+export interface RunningClaim extends Claim {
+  allocation: { cpus: number; gpus: number[]; ram_bytes: number };
+  readings: Readings | null;
+}
+
+export interface WaitingClaim extends Claim {
+  position: number;
+  asked: { cpus: number; gpus: number; ram_bytes: number };
+}
+
+export interface Snapshot {
+  cpus: Amount;
+  gpus: Amount & { free_ids: number[] };
+  ram_bytes: Amount;
+  running: RunningClaim[];
+  waiting: WaitingClaim[];
+  /** Where the machine's ledger is; null when every kernel keeps its own books. */
+  ledger: string | null;
+  user: string;
+}
+
+async function request(path: string, init: RequestInit = {}): Promise<any> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'fluksio/api', path);
+  const response = await ServerConnection.makeRequest(url, init, settings);
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    // The server's message says what is wrong and what to do; show it as is.
+    throw new Error(body.message || `${response.status} ${response.statusText}`);
+  }
+  return body;
+}
+
+export function fetchSnapshot(): Promise<Snapshot> {
+  return request('snapshot');
+}
+
+export function cancelClaim(ticket: number): Promise<void> {
+  return request(`claims/${ticket}/cancel`, { method: 'POST' });
+}

@@ -1,0 +1,20 @@
+/** Numbers as the Python side prints them, so the panel and `fluksio-nb` agree. */
+
+/** Bytes in decimal units, like pydantic's ByteSize: `8.0GB`. */
+export function human(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined) {
+    return '-';
+  }
+  const units = ['B', 'KB', 'MB', 'GB', 'TB', 'PB'];
+  let value = Math.max(0, bytes);
+  let unit = 0;
+  while (value >= 1000 && unit < units.length - 1) {
+    value /= 1000;
+    unit += 1;
+  }
+  return unit === 0 ? `${value}B` : `${value.toFixed(1)}${units[unit]}`;
+}
+
+export function plural(n: number, one: string, many: string = one + 's'): string {
+  return `${n} ${n === 1 ? one : many}`;
+}

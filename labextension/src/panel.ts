@@ -1,0 +1,271 @@
+/**
+ * The sidebar panel: the machine, every kernel's running and waiting claims,
+ * and a button to cancel your own.
+ *
+ * Rows are kept by ticket and updated in place, not rebuilt on every poll.
+ * A row rebuilt between a mouse-down and a mouse-up would swallow the click
+ * on its cancel button. Everything a user wrote (labels, paths) is set as
+ * text, never as HTML.
+ */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { LabIcon } from '@jupyterlab/ui-components';
+import { Widget } from '@lumino/widgets';
+
+import { RunningClaim, WaitingClaim, cancelClaim } from './api';
+import { human, plural } from './format';
+import { MachineModel } from './model';
+
+export const machineIcon = new LabIcon({
+  name: 'fluksio-nb:machine',
+  svgstr:
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16">' +
+    '<g class="jp-icon3" fill="#616161">' +
+    '<path d="M7 7h10v10H7zM9 9v6h6V9zM9 2h2v3H9zm4 0h2v3h-2zM9 19h2v3H9zm4 0h2v3h-2z' +
+    'M2 9h3v2H2zm0 4h3v2H2zm17-4h3v2h-3zm0 4h3v2h-3z"/></g></svg>'
+});
+
+function element<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  parent?: HTMLElement
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  parent?.appendChild(node);
+  return node;
+}
+
+/** One resource's bar: what is used out of what there is. */
+class Bar {
+  constructor(parent: HTMLElement, name: string) {
+    const row = element('div', 'fluksio-lab-bar', parent);
+    element('span', 'fluksio-lab-bar-name', row).textContent = name;
+    const track = element('div', 'fluksio-lab-bar-track', row);
+    this._fill = element('div', 'fluksio-lab-bar-fill', track);
+    this._text = element('span', 'fluksio-lab-bar-text', row);
+  }
+
+  show(used: number, total: number, text: string): void {
+    const share = total > 0 ? Math.min(1, Math.max(0, used / total)) : 0;
+    this._fill.style.width = `${(share * 100).toFixed(1)}%`;
+    this._text.textContent = text;
+  }
+
+  private _fill: HTMLElement;
+  private _text: HTMLElement;
+}
+
+type AnyClaim = RunningClaim | WaitingClaim;
+
+/** One claim's row; made once per ticket and updated in place. */
+class ClaimRow {
+  constructor(
+    readonly state: 'running' | 'waiting',
+    private _panel: MachinePanel
+  ) {
+    this.node = element('li', `fluksio-lab-claim fluksio-lab-${state}`);
+    const head = element('div', 'fluksio-lab-claim-head', this.node);
+    this._label = element('span', 'fluksio-lab-claim-label', head);
+    this._button = element('button', 'jp-Button jp-mod-styled fluksio-lab-cancel', head);
+    this._button.textContent = state === 'running' ? 'Stop' : 'Cancel';
+    this._button.addEventListener('click', () => {
+      if (this._claim !== null) {
+        void this._panel.cancel(this._claim, this.state);
+      }
+    });
+    this._where = element('a', 'fluksio-lab-claim-where', this.node);
+    this._where.addEventListener('click', event => {
+      event.preventDefault();
+      if (this._claim?.path) {
+        this._panel.openNotebook(this._claim.path);
+      }
+    });
+    this._share = element('div', 'fluksio-lab-claim-share', this.node);
+    this._readings = element('div', 'fluksio-lab-claim-readings', this.node);
+  }
+
+  readonly node: HTMLLIElement;
+
+  show(claim: AnyClaim): void {
+    this._claim = claim;
+    this.node.dataset.ticket = String(claim.ticket);
+    this._label.textContent =
+      this.state === 'waiting'
+        ? `${(claim as WaitingClaim).position}. ${claim.label}`
+        : claim.label;
+    this._button.hidden = !claim.mine;
+    this._button.title =
+      this.state === 'running'
+        ? `Stop ${claim.label}: its worker is stopped and the share given back`
+        : `Take ${claim.label} out of the queue`;
+
+    const where = claim.path ?? claim.notebook ?? `pid ${claim.pid}`;
+    this._where.textContent = claim.mine ? where : `${where} (${claim.user ?? 'another user'})`;
+    this._where.title = claim.path
+      ? `Open ${claim.path}`
+      : claim.notebook ?? `A kernel this server did not start (pid ${claim.pid})`;
+    this._where.classList.toggle('fluksio-lab-openable', claim.path !== null);
+
+    if (this.state === 'running') {
+      const { allocation, readings } = claim as RunningClaim;
+      const cards = allocation.gpus.length
+        ? ` · GPU ${allocation.gpus.join(',')}`
+        : '';
+      this._share.textContent =
+        `${plural(allocation.cpus, 'CPU')}${cards}` +
+        (allocation.ram_bytes ? ` · ${human(allocation.ram_bytes)}` : '');
+      this._readings.textContent = readings
+        ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%`
+        : 'no readings yet';
+      this._readings.title = readings
+        ? `peak RSS ${human(readings.peak_rss_bytes)}; CPU is the share of the whole ` +
+          `machine, ${plural(readings.processes, 'process', 'processes')}`
+        : '';
+    } else {
+      const { asked } = claim as WaitingClaim;
+      this._share.textContent =
+        `asks ${plural(asked.cpus, 'CPU')}` +
+        (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
+        (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
+      this._readings.textContent = `waiting since ${new Date(claim.since * 1000).toLocaleTimeString()}`;
+    }
+  }
+
+  setBusy(busy: boolean): void {
+    this._button.disabled = busy;
+  }
+
+  private _claim: AnyClaim | null = null;
+  private _label: HTMLElement;
+  private _button: HTMLButtonElement;
+  private _where: HTMLAnchorElement;
+  private _share: HTMLElement;
+  private _readings: HTMLElement;
+}
+
+/** A list of claims in one state, kept in the server's order. */
+class ClaimList {
+  constructor(
+    parent: HTMLElement,
+    title: string,
+    private _state: 'running' | 'waiting',
+    private _panel: MachinePanel
+  ) {
+    this._heading = element('h3', 'fluksio-lab-heading', parent);
+    this._title = title;
+    this._list = element('ul', `fluksio-lab-list fluksio-lab-list-${_state}`, parent);
+  }
+
+  show(claims: AnyClaim[]): void {
+    this._heading.textContent = `${this._title} (${claims.length})`;
+    const seen = new Set<number>();
+    claims.forEach((claim, index) => {
+      seen.add(claim.ticket);
+      let row = this._rows.get(claim.ticket);
+      if (row === undefined) {
+        row = new ClaimRow(this._state, this._panel);
+        this._rows.set(claim.ticket, row);
+      }
+      row.show(claim);
+      if (this._list.children[index] !== row.node) {
+        this._list.insertBefore(row.node, this._list.children[index] ?? null);
+      }
+    });
+    for (const [ticket, row] of this._rows) {
+      if (!seen.has(ticket)) {
+        row.node.remove();
+        this._rows.delete(ticket);
+      }
+    }
+  }
+
+  row(ticket: number): ClaimRow | undefined {
+    return this._rows.get(ticket);
+  }
+
+  private _heading: HTMLElement;
+  private _title: string;
+  private _list: HTMLElement;
+  private _rows = new Map<number, ClaimRow>();
+}
+
+export class MachinePanel extends Widget {
+  constructor(
+    private _model: MachineModel,
+    readonly openNotebook: (path: string) => void
+  ) {
+    super();
+    this.id = 'fluksio-nb-panel';
+    this.addClass('fluksio-lab-panel');
+    this.title.icon = machineIcon;
+    this.title.caption = 'Machine shares';
+    const body = this.node;
+    element('h2', 'fluksio-lab-title', body).textContent = 'Machine shares';
+    this._message = element('div', 'fluksio-lab-message', body);
+    this._cpus = new Bar(body, 'CPU');
+    this._gpus = new Bar(body, 'GPU');
+    this._ram = new Bar(body, 'RAM');
+    this._running = new ClaimList(body, 'Running', 'running', this);
+    this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
+    _model.changed.connect(() => this._show());
+    this._show();
+  }
+
+  async cancel(claim: AnyClaim, state: 'running' | 'waiting'): Promise<void> {
+    if (state === 'running') {
+      const answer = await showDialog({
+        title: `Stop ${claim.label}?`,
+        body: 'Its worker is stopped and its share given back. The cell ends with an error.',
+        buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })]
+      });
+      if (!answer.button.accept) {
+        return;
+      }
+    }
+    const list = state === 'running' ? this._running : this._waiting;
+    list.row(claim.ticket)?.setBusy(true);
+    try {
+      await cancelClaim(claim.ticket);
+      this._actionError = null;
+    } catch (reason) {
+      this._actionError = reason instanceof Error ? reason.message : String(reason);
+      list.row(claim.ticket)?.setBusy(false);
+    }
+    this._show();
+    await this._model.refresh();
+  }
+
+  private _show(): void {
+    const { snapshot, error } = this._model;
+    const problem = this._actionError ?? error;
+    this._message.textContent = problem ?? '';
+    this._message.hidden = problem === null;
+    if (snapshot === null) {
+      return;
+    }
+    const { cpus, gpus, ram_bytes: ram } = snapshot;
+    this._cpus.show(cpus.total - cpus.free, cpus.total, `${cpus.total - cpus.free}/${cpus.total}`);
+    const held = gpus.total - gpus.free;
+    this._gpus.show(held, gpus.total, `${held}/${gpus.total}`);
+    this._ram.show(
+      ram.total - ram.free,
+      ram.total,
+      `${human(ram.total - ram.free)}/${human(ram.total)}`
+    );
+    if (snapshot.ledger === null) {
+      this._message.hidden = false;
+      this._message.textContent =
+        'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel), so no claims can be shown here.';
+    }
+    this._running.show(snapshot.running);
+    this._waiting.show(snapshot.waiting);
+  }
+
+  private _message: HTMLElement;
+  private _actionError: string | null = null;
+  private _cpus: Bar;
+  private _gpus: Bar;
+  private _ram: Bar;
+  private _running: ClaimList;
+  private _waiting: ClaimList;
+}

@@ -1,0 +1,57 @@
+/**
+ * The status-bar item: how much of the machine is in use, at a glance.
+ *
+ * `CPU 6/14 · GPU 1/2 · 2 waiting` is used/total. Cards are left out on a
+ * machine without any, and the queue when nobody waits.
+ */
+import { Widget } from '@lumino/widgets';
+
+import { MachineModel } from './model';
+import { plural } from './format';
+import { Snapshot } from './api';
+
+export function describeUse(snapshot: Snapshot): string {
+  const { cpus, gpus } = snapshot;
+  const parts = [`CPU ${cpus.total - cpus.free}/${cpus.total}`];
+  if (gpus.total > 0) {
+    parts.push(`GPU ${gpus.total - gpus.free}/${gpus.total}`);
+  }
+  if (snapshot.waiting.length > 0) {
+    parts.push(`${snapshot.waiting.length} waiting`);
+  }
+  return parts.join(' · ');
+}
+
+export class MachineStatus extends Widget {
+  constructor(model: MachineModel, open: () => void) {
+    super();
+    this.addClass('fluksio-lab-status');
+    this.node.tabIndex = 0;
+    this.node.addEventListener('click', open);
+    this.node.addEventListener('keydown', event => {
+      if (event.key === 'Enter' || event.key === ' ') {
+        open();
+      }
+    });
+    model.changed.connect(() => this._show(model));
+    this._show(model);
+  }
+
+  private _show(model: MachineModel): void {
+    const snapshot = model.snapshot;
+    if (model.error !== null) {
+      this.node.textContent = 'fluksio: unavailable';
+      this.node.title = model.error;
+    } else if (snapshot === null) {
+      this.node.textContent = 'fluksio: …';
+      this.node.title = 'Reading the machine’s shares';
+    } else {
+      this.node.textContent = describeUse(snapshot);
+      this.node.title =
+        snapshot.ledger === null
+          ? 'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel): claims are not visible here'
+          : `${plural(snapshot.running.length, 'claim')} running, ` +
+            `${snapshot.waiting.length} waiting. Click to see them.`;
+    }
+  }
+}

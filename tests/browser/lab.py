@@ -1,0 +1,333 @@
+"""A real JupyterLab in a real headless Chromium, for tests that look at what a user sees.
+
+Everything here is meant to be reused by any browser test of fluksio_nb (the
+in-notebook widgets now; the status bar and side panel later):
+
+- :class:`JupyterLab` starts this venv's ``jupyter-lab`` executable itself, so
+  the PID it holds is the server's, on a free port with a random token, and
+  stops it by that PID. The server and its kernels see only directories made
+  for the test (config, data, runtime, settings, workspaces, IPython), plus
+  what the venv itself installed (lab extensions, server extensions), and a
+  declared inventory (``FLUKSIO_CPUS``/``GPUS``/``RAM``/``RESERVE_CPUS``) with a
+  ledger of their own, so neither the developer's ``~/.jupyter`` nor other
+  kernels on the machine change what a test sees.
+- :class:`Notebook` drives one notebook tab the way a person does: open it,
+  wait until its kernel is idle, Run > Run All Cells, save.
+- :func:`launch_chromium` starts Debian's Chromium through Playwright with the
+  flags that work on this kind of machine. ``playwright install`` is never
+  needed (nor possible here: it downloads its own browser).
+
+Waiting for the kernel to be idle before running anything matters: cells run
+with Shift+Enter too early were seen to flake, and Run All Cells, once the
+kernel is idle, did not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+#: A small machine, declared, so tests do not depend on the one they run on.
+DEFAULT_INVENTORY = {
+    "FLUKSIO_CPUS": "2",
+    "FLUKSIO_GPUS": "2",
+    "FLUKSIO_RAM": "4G",
+    "FLUKSIO_RESERVE_CPUS": "0",
+}
+
+REPO = Path(__file__).resolve().parents[2]
+#: Screenshots and anything else a person may want to look at after a run.
+OUTPUT = REPO / "test-output" / "browser"
+
+
+def missing_for_browser_tests() -> str | None:
+    """What is missing for a real browser test, in words that say how to get it; None if nothing."""
+    if not CHROMIUM.exists():
+        return (
+            f"Debian's Chromium is not installed at {CHROMIUM}: "
+            "apt-get update && apt-get install -y chromium chromium-driver"
+        )
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the Python package playwright is not installed: pip install playwright"
+    return None
+
+
+def launch_chromium(playwright: Any) -> Any:
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """One JupyterLab server, private to a test session, with this venv's kernel."""
+
+    def __init__(self, home: Path, inventory: dict[str, str] | None = None, **env: str) -> None:
+        self.home = home
+        self.root = home / "notebooks"
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        self.log_path = home / "jupyter-lab.log"
+        self.env = self._environment({**DEFAULT_INVENTORY, **(inventory or {}), **env})
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}/{path.lstrip('/')}?token={self.token}"
+
+    def _environment(self, extra: dict[str, str]) -> dict[str, str]:
+        dirs = {
+            name: self.home / name
+            for name in ("config", "data", "runtime", "settings", "workspaces", "ipython", "ledger")
+        }
+        for path in [self.root, *dirs.values()]:
+            path.mkdir(parents=True, exist_ok=True)
+        # This venv's python as the one kernel, whatever else is installed for the user.
+        spec = dirs["data"] / "kernels" / "python3"
+        spec.mkdir(parents=True, exist_ok=True)
+        (spec / "kernel.json").write_text(
+            json.dumps(
+                {
+                    "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                    "display_name": "Python 3 (ipykernel)",
+                    "language": "python",
+                }
+            )
+        )
+        # A news prompt would sit over the notebook; a test has no use for it.
+        news = dirs["settings"] / "@jupyterlab" / "apputils-extension"
+        news.mkdir(parents=True, exist_ok=True)
+        (news / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False})
+        )
+        # Without this, a notebook opened before the kernel specs have loaded
+        # asks which kernel to start, in a dialog over the page.
+        tracker = dirs["settings"] / "@jupyterlab" / "notebook-extension"
+        tracker.mkdir(parents=True, exist_ok=True)
+        (tracker / "tracker.jupyterlab-settings").write_text(
+            json.dumps({"autoStartDefaultKernel": True})
+        )
+        self.settings_dir, self.workspaces_dir = dirs["settings"], dirs["workspaces"]
+        environ = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("JUPYTER", "FLUKSIO_", "IPYTHON"))
+        }
+        return {
+            **environ,
+            "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+            "JUPYTER_DATA_DIR": str(dirs["data"]),
+            "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+            "IPYTHONDIR": str(dirs["ipython"]),
+            "FLUKSIO_CONFIG": str(self.home / "fluksio_nb.json"),
+            "FLUKSIO_LEDGER": str(dirs["ledger"]),
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
+
+    def start(self, timeout: float = 60) -> JupyterLab:
+        argv = [
+            str(Path(sys.executable).parent / "jupyter-lab"),
+            "--no-browser",
+            f"--ServerApp.token={self.token}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--ServerApp.root_dir={self.root}",
+            f"--LabApp.user_settings_dir={self.settings_dir}",
+            f"--LabApp.workspaces_dir={self.workspaces_dir}",
+        ]
+        if os.geteuid() == 0:
+            argv.append("--allow-root")
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"jupyter-lab exited with {self.process.returncode}; its log:\n{self.log()}"
+                )
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                self.api("GET", "api/status")
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"jupyter-lab did not answer within {timeout} s; its log:\n{self.log()}")
+
+    def stop(self) -> None:
+        """End the server by its PID, and its kernels with it."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            self.shutdown_kernels()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        request = urllib.request.Request(
+            f"{self.base_url}/{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    def shutdown_kernels(self) -> None:
+        """End every kernel, so one test's claims never hold the next test's share."""
+        for kernel in self.api("GET", "api/kernels"):
+            self.api("DELETE", f"api/kernels/{kernel['id']}")
+
+    def write_notebook(self, name: str, cells: list[str]) -> str:
+        """A notebook of code cells, for this venv's kernel; returns its path for :meth:`url`."""
+        notebook = {
+            "cells": [
+                {
+                    "cell_type": "code",
+                    "execution_count": None,
+                    "id": f"cell-{index}",
+                    "metadata": {},
+                    "outputs": [],
+                    "source": source,
+                }
+                for index, source in enumerate(cells)
+            ],
+            "metadata": {
+                "kernelspec": {
+                    "display_name": "Python 3 (ipykernel)",
+                    "language": "python",
+                    "name": "python3",
+                }
+            },
+            "nbformat": 4,
+            "nbformat_minor": 5,
+        }
+        (self.root / name).write_text(json.dumps(notebook, indent=1))
+        return name
+
+    def read_notebook(self, name: str) -> dict[str, Any]:
+        return json.loads((self.root / name).read_text())
+
+
+class Notebook:
+    """One notebook open in a JupyterLab tab, driven through its menus."""
+
+    def __init__(self, lab: JupyterLab, page: Any, name: str) -> None:
+        self.lab, self.page, self.name = lab, page, name
+
+    def open(self, timeout_ms: float = 60_000) -> Notebook:
+        # A workspace of its own, so tabs another test left open are not restored here.
+        workspace = Path(self.name).stem
+        self.page.goto(self.lab.url(f"lab/workspaces/{workspace}/tree/{self.name}"))
+        self.panel.locator(".jp-Cell").first.wait_for(timeout=timeout_ms)
+        self.wait_until_idle(timeout_ms)
+        return self
+
+    def wait_until_idle(self, timeout_ms: float = 60_000) -> None:
+        """Until the notebook's kernel has started, and both it and the page say it is idle."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            if self.kernel_state() == "idle" and self.page.evaluate(
+                """() => {
+                    if (document.querySelector('.jp-Dialog')) return false;
+                    const ind = document.querySelector(
+                        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator');
+                    return !!ind && ind.getAttribute('data-status') === 'idle';
+                }"""
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name}'s kernel was not idle within {timeout_ms / 1000:g} s "
+                    f"(the server says {self.kernel_state()!r}); the server's log:\n"
+                    f"{self.lab.log()[-3000:]}"
+                )
+            time.sleep(0.2)
+
+    def kernel_state(self) -> str | None:
+        """What the server says this notebook's kernel is doing; None before it has one."""
+        for session in self.lab.api("GET", "api/sessions"):
+            if session.get("path") == self.name and session.get("kernel"):
+                return session["kernel"].get("execution_state")
+        return None
+
+    def menu(self, menu: str, command: str) -> None:
+        """Click a top menu, then the item that runs ``command`` (a JupyterLab command id)."""
+        self.page.locator("#jp-menu-panel .lm-MenuBar-itemLabel", has_text=menu).first.click()
+        self.page.locator(f'.lm-Menu-item[data-command="{command}"]').first.click()
+
+    def run_all(self) -> None:
+        self.menu("Run", "runmenu:run-all")
+
+    def save(self) -> None:
+        self.menu("File", "docmanager:save")
+
+    @property
+    def panel(self) -> Any:
+        """The notebook on show: other notebooks' panels stay in the page, hidden."""
+        return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+
+    def output_of(self, index: int) -> Any:
+        """The output area of the ``index``-th cell."""
+        return self.panel.locator(".jp-Cell").nth(index).locator(".jp-OutputArea")
+
+    def wait_for(self, index: int, selector: str, timeout_ms: float = 60_000) -> Any:
+        """The element matching ``selector`` in cell ``index``'s output, once there.
+
+        A cell that fails instead says so at once, with its output, rather than
+        leaving the test to time out.
+        """
+        output = self.output_of(index)
+        error = output.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+        found = output.locator(selector)
+        found.or_(error).first.wait_for(timeout=timeout_ms)
+        if not found.count() and error.count():
+            raise AssertionError(f"cell {index} failed:\n{output.inner_text()}")
+        return found
+
+    def screenshot(self, name: str) -> Path:
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        path = OUTPUT / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path

@@ -1,0 +1,140 @@
+"""The status-bar item and the side panel in a real JupyterLab, as a user sees them.
+
+The failures guarded against are the ones only a browser shows: an extension
+that does not load, a status bar that does not follow the machine, a panel
+that cannot say which notebook holds a share, a cancel button that does
+nothing, and a label that is run as HTML instead of shown as text.
+
+One notebook is open in the page. A second notebook's kernel is started
+through the server's sessions API and driven directly, as another tab or
+another user would drive it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from tests.browser.lab import OUTPUT
+from tests.test_server import run_in
+
+pytestmark = pytest.mark.timeout(240)
+
+HOSTILE = "<img src=x onerror=alert(1)><b>waits</b>"
+
+
+def status_text(page: Any) -> str:
+    return page.locator(".fluksio-lab-status").inner_text(timeout=30_000)
+
+
+def wait_for_status(page: Any, expected: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        text = status_text(page)
+        if not seen or seen[-1] != text:
+            seen.append(text)
+        if text == expected:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the status bar never showed {expected!r}; it showed {seen}")
+
+
+def second_notebook(lab: Any, path: str) -> BlockingKernelClient:
+    """A client on the kernel of a notebook session started through the server."""
+    (lab.root / Path(path).parent).mkdir(parents=True, exist_ok=True)
+    lab.write_notebook(path, [])
+    session = lab.api(
+        "POST",
+        "api/sessions",
+        {"path": path, "name": Path(path).name, "type": "notebook", "kernel": {"name": "python3"}},
+    )
+    runtime = Path(lab.env["JUPYTER_RUNTIME_DIR"])
+    client = BlockingKernelClient(
+        connection_file=str(runtime / f"kernel-{session['kernel']['id']}.json")
+    )
+    client.load_connection_file()
+    client.start_channels()
+    client.wait_for_ready(timeout=60)
+    run_in(client, "%load_ext fluksio_nb")
+    return client
+
+
+def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, page):
+    """The status bar must follow a claim from start to end; the panel must name the
+    notebook holding a share, cancel a waiting claim, and show labels as text."""
+    released = lab.home / "release-first"
+    first = notebook(
+        "first.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            "%%claim cpus=1 gpus=1 --label first\n"
+            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
+            "    time.sleep(0.1)",
+        ],
+    )
+    ui = page.page
+    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+    first.run_all()
+    wait_for_status(ui, "CPU 1/2 · GPU 1/2")
+    released.touch()
+    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+
+    holder_released = lab.home / "release-holder"
+    client = second_notebook(lab, "work/second.ipynb")
+    try:
+        run_in(
+            client,
+            "%%claim gpus=2 --background --label holder\n"
+            f"import os, time\nblock = bytearray(40_000_000)\n"
+            f"while not os.path.exists({str(holder_released)!r}):\n    time.sleep(0.1)",
+        )
+        run_in(client, "holder = _")
+        run_in(client, f"%%claim gpus=1 --background --label '{HOSTILE}'\nprint('ran')")
+        run_in(client, "waiting = _")
+        wait_for_status(ui, "CPU 1/2 · GPU 2/2 · 1 waiting")
+
+        ui.locator(".fluksio-lab-status").click()
+        panel = ui.locator("#fluksio-nb-panel")
+        panel.wait_for(state="visible", timeout=10_000)
+        running = panel.locator(".fluksio-lab-list-running .fluksio-lab-claim")
+        waiting = panel.locator(".fluksio-lab-list-waiting .fluksio-lab-claim")
+        waiting.first.wait_for(timeout=10_000)
+
+        assert running.count() == 1 and waiting.count() == 1
+        assert running.locator(".fluksio-lab-claim-label").inner_text() == "holder"
+        assert running.locator(".fluksio-lab-claim-where").inner_text() == "work/second.ipynb"
+        assert "GPU 0,1" in running.locator(".fluksio-lab-claim-share").inner_text()
+        readings = running.locator(".fluksio-lab-claim-readings")
+        deadline = time.monotonic() + 15
+        while "RSS" not in readings.inner_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert readings.inner_text().startswith("RSS "), readings.inner_text()
+        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == f"1. {HOSTILE}"
+        time.sleep(1)  # an onerror handler would have fired by now
+        assert panel.locator("img, b").count() == 0
+        assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        ui.screenshot(path=str(OUTPUT / "lab-panel.png"))
+
+        waiting.locator(".fluksio-lab-cancel").click()
+        waiting.first.wait_for(state="detached", timeout=10_000)
+        ended = run_in(
+            client,
+            "try:\n    waiting.result(30)\nexcept Exception as error:\n"
+            "    print(type(error).__name__, error)",
+        )
+        assert ended.startswith("ClaimCancelled") and "from JupyterLab" in ended, ended
+        assert running.count() == 1, "cancelling the waiting claim must not stop the holder"
+        assert json.loads(run_in(client, "import json; print(json.dumps(holder.status))")) == (
+            "running"
+        )
+        assert page.errors == [], page.errors
+    finally:
+        holder_released.touch()
+        client.stop_channels()

@@ -1,0 +1,101 @@
+"""The live widgets in a real JupyterLab, in headless Chromium, as a user sees them.
+
+The failures guarded against are the ones only a browser shows: a front-end
+module that does not load (no widget at all, or "Error displaying widget"), a
+status that never leaves "running", readings that never arrive, a monitor
+that does not show the queue, and a label that is run as HTML instead of
+shown as text.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def phases_until_done(claim, timeout_s: float = 60) -> list[str]:
+    """Every phase the claim widget showed, in order, until done."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        phase = claim.get_attribute("data-phase")
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
+        if phase == "done":
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"the claim never showed done; it showed {seen}")
+
+
+def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
+    """The status must follow the claim to its end, with a peak RSS that matches the cell."""
+    nb = notebook(
+        "memory.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            # The block is local to a function: a name the cell binds is sent
+            # back to the kernel, which would itself take memory in the worker.
+            "%%claim cpus=1 ram=2G --label 'memory hog'\n"
+            "import time\n"
+            "def hog():\n"
+            "    block = bytearray(300 * 2**20)\n"
+            "    for i in range(0, len(block), 4096):\n"
+            "        block[i] = 1\n"
+            "    time.sleep(4)\n"
+            "hog()",
+        ],
+    )
+    nb.run_all()
+    claim = nb.wait_for(1, ".fluksio-claim")
+    running = claim.locator("[data-field=rss]")
+    running.wait_for(timeout=30_000)
+    nb.screenshot("claim-running")
+
+    seen = phases_until_done(claim)
+    assert seen[0] in ("waiting", "running") and seen[-1] == "done", seen
+    assert claim.get_attribute("data-ending") == "ok"
+    peak = int(claim.locator("[data-field=peak-rss]").get_attribute("data-value"))
+    assert 300 * 2**20 <= peak < 1500 * 2**20, f"peak RSS {peak} is not what a 300 MiB cell uses"
+    assert "memory hog" in claim.locator(".fluksio-label").inner_text()
+    assert "Error displaying widget" not in nb.output_of(1).inner_text()
+    nb.screenshot("claim-done")
+    assert page.errors == [], page.errors
+
+
+def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
+    """%claims must show the queue, and a label that is HTML must be shown, never run."""
+    nb = notebook(
+        "queue.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            "%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(20)",
+            f'%%claim cpus=2 --background --label "{HOSTILE}"\nprint("ran")',
+            "%claims",
+        ],
+    )
+    nb.run_all()
+    monitor = nb.wait_for(3, ".fluksio-monitor")
+    waiting = monitor.locator("[data-list=waiting] .fluksio-item")
+    waiting.first.wait_for(timeout=60_000)
+    running = monitor.locator("[data-list=running] .fluksio-item")
+    running.first.wait_for(timeout=30_000)
+
+    assert waiting.count() == 1
+    assert waiting.first.locator(".fluksio-label").inner_text() == HOSTILE
+    assert "holder" in running.first.locator(".fluksio-label").inner_text()
+    assert monitor.locator("[data-field=cpus]").get_attribute("data-value") == "0"
+    # The waiting claim's own status says the same, as text.
+    own = nb.output_of(2).locator(".fluksio-claim")
+    assert own.get_attribute("data-phase") == "waiting"
+    assert own.locator(".fluksio-label").inner_text() == HOSTILE
+
+    time.sleep(1)  # an onerror handler would have fired by now
+    assert page.page.locator(".fluksio img").count() == 0
+    assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
+    nb.screenshot("monitor-with-queue")
+    assert page.errors == [], page.errors

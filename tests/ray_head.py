@@ -1,0 +1,40 @@
+"""A Ray cluster of one node with a Ray Client server, for tests that connect with ray://.
+
+Run as ``python -m tests.ray_head STATE_DIR PORT``: starts Ray (2 CPUs, one
+declared GPU, a 256 MB object store, its state in STATE_DIR, listening on the
+loopback only), serves Ray Client on 127.0.0.1:PORT, prints ``ready``, and
+stops both when its standard input closes, so the test that started it
+cannot leave it behind.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ray
+from ray.util.client.server import server as client_server
+
+
+def main() -> int:
+    state, port = sys.argv[1], int(sys.argv[2])
+    ray.init(
+        num_cpus=2,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=state,
+        object_store_memory=256 * 2**20,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    # This process is already a driver of the cluster, so a client's session
+    # needs no ray.init of its own: its tasks run in this driver's job.
+    server = client_server.serve("127.0.0.1", port, ray_connect_handler=lambda *a, **k: None)
+    print("ready", flush=True)
+    sys.stdin.read()
+    server.stop(0)
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""Claims on a Ray cluster: the same cell, the same share, run as a Ray task.
+
+The cluster is a local Ray that the kernel itself starts in its first cell
+(2 CPUs, 2 declared GPUs, a 256 MB object store), its state in a temporary
+directory and its token in the environment, so that nothing lands in the home
+directory. Everything else runs in a real kernel, driven as a notebook drives it.
+
+The failures guarded against are the ones a user would meet moving a notebook
+to a cluster: a share that never reached the task's libraries, two tasks on
+one card, variables that do not come back, output that only appears at the
+end, a claim that waits forever for a node that does not exist, a memory
+overrun nobody stops, a stop button that leaves the task running, and Ray's
+files left behind in the home directory.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fluksio_nb.claim_line import parse_claim_line
+from fluksio_nb.env import THREAD_VARS
+from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
+from fluksio_nb.resources import BadClaim, ask
+from tests.kernels import Kernel
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _listing(path: Path) -> dict[str, float] | None:
+    if not path.exists():
+        return None
+    return {str(p): p.stat().st_mtime for p in path.rglob("*")}
+
+
+def _processes_using(directory: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(directory in part for part in process.info["cmdline"] or ()):
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_state():
+    """Ray's temporary directory, and what the home directory held before Ray started."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
+    # Short, because Ray puts Unix sockets under it and a socket's path is
+    # limited to about a hundred bytes.
+    state = tempfile.mkdtemp(prefix="fluksio-ray-")
+    before = {
+        "home": _listing(Path.home() / ".ray"),
+        "tmp": _listing(Path(tempfile.gettempdir()) / "ray"),
+    }
+    yield state, before
+    shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_state, tmp_path_factory):
+    state, _ = ray_state
+    k = Kernel(
+        RAY_TMPDIR=state,
+        # A token of its own: without one, Ray writes a new one to ~/.ray.
+        RAY_AUTH_TOKEN=secrets.token_hex(16),
+        RAY_USAGE_STATS_ENABLED="0",
+        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
+    )
+    k.run(
+        "import ray\n"
+        f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+        "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
+        check=True,
+    )
+    yield k
+    k.run("ray.shutdown()", timeout=60)
+    k.shutdown()
+    deadline = time.monotonic() + 15
+    while _processes_using(state) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for straggler in _processes_using(state):
+        straggler.kill()
+
+
+def ray_resources(kernel) -> dict[str, float]:
+    return kernel.facts(
+        "{k: v for k, v in ray.available_resources().items() if k in ('CPU', 'GPU')}"
+    )
+
+
+def assert_cluster_idle(kernel, within: float = 10.0) -> None:
+    """Every CPU and card handed back to Ray: no task of ours still holds a share."""
+    deadline = time.monotonic() + within
+    while (free := ray_resources(kernel)) != {"CPU": 2.0, "GPU": 2.0}:
+        assert time.monotonic() < deadline, f"Ray still has a share out: {free}"
+        time.sleep(0.2)
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# -----------------------------------------------------------------------------
+# What is asked of Ray (no cluster needed)
+# -----------------------------------------------------------------------------
+
+
+def test_the_claim_line_says_where_the_cell_runs():
+    assert parse_claim_line("cpus=2 --on ray").on == "ray"
+    assert parse_claim_line("--on ray://head:10001").on == "ray://head:10001"
+    assert parse_claim_line("cpus=2").on is None
+
+
+def test_a_target_that_is_not_ray_is_refused_with_what_to_write():
+    assert parse_target("ray") is None
+    assert parse_target("ray://10.0.0.5:10001") == "ray://10.0.0.5:10001"
+    with pytest.raises(BadClaim, match="--on ray for the cluster"):
+        parse_target("slurm")
+
+
+def test_the_task_asks_ray_for_the_claim_and_never_runs_twice():
+    """A cell is not idempotent: Ray's default of retrying a dead task would run it again."""
+    options = task_options(ask(cpus=2, gpus=1, ram="8G", env={"FOO": "1"}), "fit")
+    assert (options["num_cpus"], options["num_gpus"], options["memory"]) == (2, 1, 8 * 10**9)
+    assert options["max_retries"] == 0
+    env = options["runtime_env"]["env_vars"]
+    assert {var: env[var] for var in THREAD_VARS} == dict.fromkeys(THREAD_VARS, "2")
+    assert env["FOO"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env, "the cards are Ray's to name"
+
+
+def test_a_claim_no_node_can_hold_is_refused_with_the_largest_node():
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 0.0, "memory": 32e9}},
+        {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 2.0, "memory": 16e9}},
+        {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0, "memory": 512e9}},
+    ]
+    check_fits(ask(cpus=4, gpus=2, ram="16G"), nodes)
+    with pytest.raises(ClaimTooBigForCluster) as refused:
+        # Each resource exists somewhere, but no one node has all three.
+        check_fits(ask(cpus=8, gpus=1), nodes)
+    assert "largest node of 2 has cpus=8 gpus=0 memory=32.0GB" in str(refused.value)
+
+
+# -----------------------------------------------------------------------------
+# Without Ray
+# -----------------------------------------------------------------------------
+
+
+def test_without_ray_on_ray_says_how_to_install_it(tmp_path):
+    """No Ray in the kernel's environment: one line that says what to pip install."""
+    k = Kernel(FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"), FLUKSIO_LEDGER=str(tmp_path))
+    try:
+        # What `import ray` does where Ray is not installed: ImportError.
+        k.run("import sys\nsys.modules['ray'] = None", check=True)
+        ran = k.run("%%claim cpus=1 --on ray\n1")
+        shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+        assert ran.status == "error"
+        assert "pip install 'fluksio_nb[ray]'" in shown
+        assert shown.strip().count("\n") == 0, shown
+        assert k.facts("'ray' in sys.modules and sys.modules['ray'] is None")
+    finally:
+        k.shutdown()
+
+
+# -----------------------------------------------------------------------------
+# The share reaches the task's libraries
+# -----------------------------------------------------------------------------
+
+
+def test_the_task_sees_the_whole_derived_env(kernel):
+    ran = kernel.run(
+        "%%claim cpus=1 gpus=1 ram=1G FOO=bar --on ray\n"
+        "import json, os, threadpoolctl, numpy\n"
+        "pools = {p['internal_api']: p['num_threads'] for p in threadpoolctl.threadpool_info()}\n"
+        f"names = {[*THREAD_VARS, 'CUDA_DEVICE_ORDER', 'CUDA_VISIBLE_DEVICES', 'FOO']!r}\n"
+        "print(json.dumps([{n: os.environ.get(n) for n in names}, pools]))",
+        check=True,
+    )
+    env, pools = ran.json()
+    assert {var: env[var] for var in THREAD_VARS} == dict.fromkeys(THREAD_VARS, "1")
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["CUDA_VISIBLE_DEVICES"] in ("0", "1"), "Ray's card should be the one the cell sees"
+    assert env["FOO"] == "bar"
+    assert pools.get("openblas") == 1, "numpy in the task should have one thread, not every core"
+
+
+def test_a_task_without_cards_sees_none(kernel):
+    """A CPU claim importing torch must not open a context on a card another task holds."""
+    ran = kernel.run(
+        "%%claim --on ray\nimport os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))",
+        check=True,
+    )
+    assert ran.stdout.strip() == "''"
+
+
+def test_two_gpu_claims_at_once_get_different_cards(kernel):
+    ran = kernel.run(
+        "import json, threading\n"
+        "from fluksio_nb import claim\n"
+        "def card():\n"
+        "    import os, time\n"
+        "    start = time.time()\n"
+        "    time.sleep(2)\n"
+        "    return os.environ['CUDA_VISIBLE_DEVICES'], start, time.time()\n"
+        "seen = []\n"
+        "def one():\n"
+        "    with claim(gpus=1, on='ray') as c:\n"
+        "        seen.append(c.run(card))\n"
+        "threads = [threading.Thread(target=one) for _ in range(2)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(json.dumps(seen))",
+        check=True,
+    )
+    (card_a, start_a, end_a), (card_b, start_b, end_b) = ran.json()
+    assert start_a < end_b and start_b < end_a, "the two claims should have run at once"
+    assert {card_a, card_b} == {"0", "1"}
+    assert_cluster_idle(kernel)
+
+
+# -----------------------------------------------------------------------------
+# It behaves like a cell
+# -----------------------------------------------------------------------------
+
+
+def test_variables_travel_in_and_out_through_the_object_store(kernel):
+    kernel.run(
+        "import numpy as np\nbig = np.ones(2_000_000)\nscale = 3\ndef double(x):\n    return 2 * x",
+        check=True,
+    )
+    kernel.run(
+        "%%claim --on ray\ntotal = float((big * scale).sum())\nbig[0] = 7\nbigger = double(big)",
+        check=True,
+    )
+    facts = kernel.facts(
+        "[total, float(bigger[0]), float(bigger[1]), bigger.nbytes, float(big[0]), "
+        "bigger.flags.writeable, big.flags.writeable]"
+    )
+    assert facts == [6_000_000.0, 14.0, 2.0, 16_000_000, 7.0, True, True]
+
+
+def test_stdout_arrives_while_the_task_is_still_running(kernel):
+    ran = kernel.run(
+        "%%claim --on ray\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')",
+        check=True,
+    )
+    early = next(
+        when
+        for when, m in zip(ran.arrived, ran.messages, strict=True)
+        if m["msg_type"] == "stream" and "early" in m["content"]["text"]
+    )
+    assert ran.finished_at - early > 1.5, "the first line only arrived when the task ended"
+    assert ran.stdout.split() == ["early", "late"]
+
+
+def test_the_last_expression_and_displays_are_shown(kernel):
+    ran = kernel.run(
+        "%%claim --on ray\nfrom IPython.display import display, HTML\n"
+        "display(HTML('<b>hi</b>'))\n40 + 2",
+        check=True,
+    )
+    assert "42" in ran.texts
+    assert any(
+        "<b>hi</b>" in m["content"]["data"].get("text/html", "") for m in ran.of("display_data")
+    )
+
+
+def test_an_exception_shows_the_tasks_traceback(kernel):
+    ran = kernel.run("%%claim --on ray\ndef inner():\n    raise ValueError('boom')\ninner()")
+    assert ran.status == "error"
+    assert ran.error["ename"] == "ValueError"
+    assert "boom" in ran.error["evalue"]
+    assert any("inner" in line for line in ran.error["traceback"])
+    assert kernel.facts("1 + 1") == 2
+
+
+def test_a_cell_that_kills_its_process_says_how_it_died(kernel):
+    ran = kernel.run("%%claim --on ray\nimport os\nos._exit(3)")
+    assert ran.error["ename"] == "WorkerDied"
+    assert "exited with code 3" in "".join(ran.error["traceback"])
+    assert kernel.facts("1 + 1") == 2
+
+
+# -----------------------------------------------------------------------------
+# Claims that cannot, or must not, go on
+# -----------------------------------------------------------------------------
+
+
+def test_a_claim_no_node_can_hold_fails_at_once_with_the_clusters_capacity(kernel):
+    """Ray itself would keep such a task pending forever."""
+    started = time.monotonic()
+    ran = kernel.run("%%claim cpus=64 --on ray\nprint('never')")
+    assert time.monotonic() - started < 5
+    assert ran.status == "error"
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "cpus=64 cannot run on this Ray cluster: its largest node has cpus=2 gpus=2" in shown
+    assert "never" not in ran.stdout
+    assert_cluster_idle(kernel)
+
+
+def test_a_task_over_its_memory_budget_is_halted_with_the_numbers(kernel):
+    ran = kernel.run(
+        "%%claim ram=300M --on ray\nimport time\nblock = bytearray(600 * 2**20)\n"
+        "for i in range(0, len(block), 4096): block[i] = 1\ntime.sleep(60)",
+        timeout=60,
+    )
+    assert ran.error["ename"] == "ClaimHalted"
+    assert "over its memory budget of 300.0MB" in "".join(ran.error["traceback"])
+    assert_cluster_idle(kernel)
+
+
+def test_a_task_past_its_timeout_is_stopped(kernel):
+    started = time.monotonic()
+    ran = kernel.run("%%claim --on ray --timeout 2\nimport time\ntime.sleep(60)")
+    assert time.monotonic() - started < 10
+    assert ran.error["ename"] == "ClaimTimeout"
+    assert_cluster_idle(kernel)
+
+
+def test_the_stop_button_cancels_the_task(kernel):
+    msg_id = kernel.client.execute(
+        "%%claim cpus=2 --on ray\nimport os, subprocess, time\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
+    )
+    pids = None
+    while pids is None:
+        msg = kernel.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            pids = [int(pid) for pid in msg["content"]["text"].split()]
+    started = time.monotonic()
+    kernel.interrupt()
+    ename = None
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            ename = msg["content"]["ename"]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert time.monotonic() - started < 3
+    assert ename == "KeyboardInterrupt"
+    assert all(gone(pid) for pid in pids), "the cell's process, or its child, outlived the task"
+    assert_cluster_idle(kernel)
+    assert kernel.facts("'still here'") == "still here"
+
+
+# -----------------------------------------------------------------------------
+# The monitor, and what is left behind
+# -----------------------------------------------------------------------------
+
+
+def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
+    kernel.run(
+        "import threading\nfrom fluksio_nb import claim\n"
+        "def _hold():\n"
+        "    with claim(cpus=1, gpus=1, ram='100M', label='held', on='ray') as c:\n"
+        "        c.run(__import__('time').sleep, 4)\n"
+        "holder = threading.Thread(target=_hold)\nholder.start()",
+        check=True,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        snapshot = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()")
+        held = [c for c in snapshot["claims"] if c["label"] == "held"]
+        if held and held[0]["phase"] == "running":
+            break
+        assert time.monotonic() < deadline, snapshot
+        time.sleep(0.2)
+    assert snapshot["nodes"] == 1
+    assert snapshot["total"]["cpus"] == 2 and snapshot["total"]["gpus"] == 2
+    assert snapshot["available"]["cpus"] == 1 and snapshot["available"]["gpus"] == 1
+    assert held[0]["asked"] == {"cpus": 1, "gpus": 1, "ram_bytes": 100_000_000}
+    assert held[0]["gpus"] in ([0], [1])
+    kernel.run("holder.join()", check=True)
+    after = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['claims']")
+    assert after == [], "a claim that ended should leave the monitor"
+
+
+def test_ray_keeps_its_state_out_of_the_home_directory(kernel, ray_state):
+    state, before = ray_state
+    assert any(name.startswith("session_") for name in os.listdir(state)), (
+        "Ray's session should be in the test's temporary directory"
+    )
+    assert _listing(Path.home() / ".ray") == before["home"], "Ray wrote to ~/.ray"
+    assert _listing(Path(tempfile.gettempdir()) / "ray") == before["tmp"], "Ray wrote to /tmp/ray"
+
+
+def test_the_snapshot_is_none_where_ray_is_not_connected():
+    """The monitor may ask every second; asking must never start or join a cluster."""
+    import sys
+
+    from fluksio_nb.on_ray import ray_snapshot
+
+    assert ray_snapshot() is None
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized()

@@ -1,0 +1,124 @@
+"""``%%claim --on ray://host:port``: a kernel that is not part of the cluster reaches it.
+
+A notebook on a laptop talks to a cluster through Ray Client, which cannot do
+everything a driver on the cluster can (no streaming generators, for one).
+The cluster here is a one-node Ray with a Ray Client server, started by the
+test in a process of its own (``tests/ray_head.py``); the kernel connects to it
+only through the ``ray://`` address on its ``%%claim`` line.
+
+The failures guarded against: a claim that only works from a driver on the
+cluster, output or variables lost on the way through Ray Client, and a
+feasibility check that does not reach the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.kernels import Kernel
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The ``ray://`` address of a running one-node cluster, and the environment to reach it."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
+    pytest.importorskip("grpc", reason="Ray Client needs grpcio: pip install 'ray[client]'")
+    state = tempfile.mkdtemp(prefix="fluksio-ray-")
+    port = _free_port()
+    env = {
+        "RAY_TMPDIR": state,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    head = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("ray_head.py")), state, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, **env},
+        text=True,
+    )
+    try:
+        assert head.stdout.readline().strip() == "ready", "the Ray head did not start"
+        yield f"ray://127.0.0.1:{port}", env
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for process in psutil.process_iter(["cmdline"]):
+            if any(state in part for part in process.info["cmdline"] or ()):
+                process.kill()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kernel(cluster, tmp_path_factory):
+    _, env = cluster
+    k = Kernel(
+        **env,
+        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
+    )
+    yield k
+    k.shutdown()
+
+
+def test_a_claim_on_a_ray_address_runs_there_with_its_share(kernel, cluster):
+    address, _ = cluster
+    kernel.run("import numpy as np\nv = np.arange(1_000_000.0)", check=True)
+    ran = kernel.run(
+        f"%%claim cpus=1 gpus=1 --on {address}\n"
+        "import os, time\n"
+        "print(os.environ['OPENBLAS_NUM_THREADS'], flush=True)\n"
+        "print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n"
+        "time.sleep(2)\n"
+        "w = v * 2",
+        check=True,
+    )
+    assert ran.stdout.split() == ["1", "0"]
+    printed = next(
+        when for when, m in zip(ran.arrived, ran.messages, strict=True) if m["msg_type"] == "stream"
+    )
+    assert ran.finished_at - printed > 1.5, "the output only arrived when the task ended"
+    assert kernel.facts("[float(w[1]), bool(w.flags.writeable)]") == [2.0, True]
+    assert (
+        kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['total']['gpus']") == 1
+    )
+
+
+def test_a_claim_the_cluster_cannot_hold_is_refused_through_the_client(kernel, cluster):
+    address, _ = cluster
+    started = time.monotonic()
+    ran = kernel.run(f"%%claim cpus=16 --on {address}\n1")
+    assert time.monotonic() - started < 5
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "cpus=16 cannot run on this Ray cluster: its largest node has cpus=2 gpus=1" in shown
+
+
+def test_a_second_address_is_refused_while_connected_to_the_first(kernel):
+    """Ray lets a process talk to one cluster; a silent switch would run the cell elsewhere."""
+    ran = kernel.run("%%claim --on ray://127.0.0.1:1\n1")
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "already connected to the Ray cluster at ray://127.0.0.1:" in shown
+    assert shown.strip().count("\n") == 0, shown

@@ -1,0 +1,315 @@
+"""The server extension, over real HTTP, in a real Jupyter server.
+
+Each test talks to a JupyterLab server started as a subprocess with this
+venv's extensions enabled, the way JupyterLab's panel talks to it. The server
+gets a declared inventory, its own ledger, and config and runtime directories
+of its own. Claims are made by separate processes, as kernels make them.
+Some of those processes run under another user name, since the server must
+refuse to cancel another user's claim.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from tests.browser.lab import JupyterLab
+
+pytestmark = pytest.mark.timeout(180)
+
+INVENTORY = {
+    "FLUKSIO_CPUS": "4",
+    "FLUKSIO_GPUS": "2",
+    "FLUKSIO_RAM": "8G",
+    "FLUKSIO_RESERVE_CPUS": "0",
+}
+
+#: A process that makes one claim in the server's ledger and holds it until
+#: its stdin closes. With "wait", it waits for the claim and says how that
+#: ended, so a test can see what the claim's owner was told.
+HOLDER = """
+import json, sys
+from fluksio_nb import Resources, accountant
+queue = accountant()
+ticket = queue.enqueue(Resources(**json.loads(sys.argv[1])), label=sys.argv[2])
+print(json.dumps({"ticket": ticket.number, "state": ticket.state}), flush=True)
+if sys.argv[3] == "wait":
+    try:
+        queue.wait(ticket, timeout=60)
+        print("granted", flush=True)
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}", flush=True)
+sys.stdin.read()
+"""
+
+
+class Holder:
+    def __init__(self, process: subprocess.Popen, ticket: int, state: str) -> None:
+        self.process, self.ticket, self.state = process, ticket, state
+
+    def told(self) -> str:
+        """The next line the claim's owner printed: how its wait ended (it waits 60 s at most)."""
+        return self.process.stdout.readline().strip()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    lab = JupyterLab(tmp_path_factory.mktemp("server"), INVENTORY).start()
+    yield lab
+    lab.stop()
+
+
+@pytest.fixture
+def claims(server: JupyterLab) -> Iterator[Callable[..., Holder]]:
+    """``claims(label, gpus=1, user="mallory", wait=True)``: a claim held by its own process."""
+    started: list[subprocess.Popen] = []
+
+    def make(label: str, user: str | None = None, wait: bool = False, **asked: Any) -> Holder:
+        env = dict(server.env)
+        if user is not None:
+            # getpass.getuser() reads LOGNAME first, then USER.
+            env.update(USER=user, LOGNAME=user)
+        process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, json.dumps(asked), label, "wait" if wait else "hold"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        started.append(process)
+        first = process.stdout.readline()
+        assert first, f"the claim {label!r} could not be made (exit {process.wait()})"
+        made = json.loads(first)
+        return Holder(process, made["ticket"], made["state"])
+
+    yield make
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+def call(
+    server: JupyterLab, method: str, path: str, token: str | None = "", body: Any = None
+) -> tuple[int, Any, Any]:
+    """One request as a client makes it: status, headers, JSON body. ``token=None`` sends none."""
+    headers = {} if token is None else {"Authorization": f"token {token or server.token}"}
+    request = urllib.request.Request(
+        f"{server.base_url}/{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers=headers,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            status, answer, text = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        status, answer, text = error.code, error.headers, error.read()
+    return status, answer, json.loads(text) if text else None
+
+
+def snapshot(server: JupyterLab) -> dict[str, Any]:
+    status, _, body = call(server, "GET", "fluksio/api/snapshot")
+    assert status == 200, body
+    return body
+
+
+def labels(claims: list[dict[str, Any]]) -> list[str]:
+    return [claim["label"] for claim in claims]
+
+
+def test_the_snapshot_shows_every_claim_on_the_machine_and_whose_it_is(server, claims):
+    """Guards against a panel that shows one kernel's claims, or none, or the wrong machine."""
+    claims("holds-both-cards", gpus=2)
+    claims("wants-a-card", gpus=1)
+    claims("mallorys", user="mallory", cpus=1)
+
+    machine = snapshot(server)
+
+    assert machine["ledger"] == server.env["FLUKSIO_LEDGER"]
+    assert machine["cpus"] == {"total": 4, "free": 2}
+    assert machine["gpus"]["total"] == 2 and machine["gpus"]["free"] == 0
+    assert machine["ram_bytes"]["total"] == 8_000_000_000
+    assert labels(machine["running"]) == ["holds-both-cards", "mallorys"]
+    assert labels(machine["waiting"]) == ["wants-a-card"]
+    assert machine["waiting"][0]["position"] == 1
+    assert machine["waiting"][0]["asked"]["gpus"] == 1
+    mine, theirs = machine["running"]
+    assert mine["allocation"]["gpus"] == [0, 1]
+    assert mine["mine"] is True and mine["user"] == machine["user"]
+    assert theirs["mine"] is False and theirs["user"] == "mallory"
+
+
+def test_without_the_token_the_api_answers_401_and_does_nothing(server, claims):
+    """Guards against an open API, and against the 403 that a client reads as 'not allowed'."""
+    claims("holder", gpus=2)
+    waiting = claims("stays-waiting", gpus=1)
+
+    for token in (None, "not-the-token"):
+        status, headers, body = call(server, "GET", "fluksio/api/snapshot", token=token)
+        assert status == 401, body
+        assert "token" in body["message"]
+        assert headers.get("WWW-Authenticate") == "token"
+        status, _, body = call(
+            server, "POST", f"fluksio/api/claims/{waiting.ticket}/cancel", token=token
+        )
+        assert status == 401, body
+
+    assert waiting.ticket in [c["ticket"] for c in snapshot(server)["waiting"]]
+
+
+def test_cancelling_a_waiting_claim_takes_it_out_of_the_queue_and_tells_its_owner(server, claims):
+    """Guards against a cancel button that leaves the claim queued, or its cell waiting forever."""
+    claims("holder", gpus=2)
+    waiting = claims("to-cancel", gpus=1, wait=True)
+    assert waiting.state == "waiting"
+
+    status, _, body = call(server, "POST", f"fluksio/api/claims/{waiting.ticket}/cancel")
+
+    assert status == 200, body
+    assert body == {"ticket": waiting.ticket, "cancelled": True}
+    assert snapshot(server)["waiting"] == []
+    told = waiting.told()
+    assert told.startswith("ClaimCancelled"), told
+    assert "from JupyterLab" in told
+
+
+def test_another_users_claim_cannot_be_cancelled(server, claims):
+    """Guards against one user on a shared ledger stopping another user's work."""
+    claims("holder", gpus=2)
+    theirs = claims("mallorys-turn", user="mallory", gpus=1, wait=True)
+
+    status, _, body = call(server, "POST", f"fluksio/api/claims/{theirs.ticket}/cancel")
+
+    assert status == 403, body
+    assert "mallory" in body["message"]
+    waiting = snapshot(server)["waiting"]
+    assert [(c["ticket"], c["user"], c["mine"]) for c in waiting] == [
+        (theirs.ticket, "mallory", False)
+    ]
+
+
+def test_an_unknown_claim_is_404_with_a_way_forward(server):
+    """Guards against a cancel of a claim that already ended looking like it worked."""
+    status, _, body = call(server, "POST", "fluksio/api/claims/987654/cancel")
+
+    assert status == 404, body
+    assert "987654" in body["message"] and "snapshot" in body["message"]
+
+
+def run_in(client: BlockingKernelClient, code: str) -> str:
+    out: list[str] = []
+
+    def keep(message: dict[str, Any]) -> None:
+        if message["msg_type"] == "stream":
+            out.append(message["content"]["text"])
+        elif message["msg_type"] == "error":
+            out.append("\n".join(message["content"]["traceback"]))
+
+    reply = client.execute_interactive(code, timeout=60, output_hook=keep)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)
+
+
+def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = find()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(server):
+    """Guards against a panel that cannot say which notebook holds a card, or cannot stop it."""
+    (server.root / "work").mkdir(exist_ok=True)
+    server.write_notebook("work/train.ipynb", [])
+    status, _, session = call(
+        server,
+        "POST",
+        "api/sessions",
+        body={
+            "path": "work/train.ipynb",
+            "name": "train.ipynb",
+            "type": "notebook",
+            "kernel": {"name": "python3"},
+        },
+    )
+    assert status == 201, session
+    kernel_id = session["kernel"]["id"]
+    client = BlockingKernelClient(
+        connection_file=str(Path(server.env["JUPYTER_RUNTIME_DIR"]) / f"kernel-{kernel_id}.json")
+    )
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        run_in(client, "%load_ext fluksio_nb")
+        run_in(
+            client,
+            "%%claim cpus=1 gpus=1 --background --label in-a-notebook\n"
+            "import time\nblock = bytearray(50_000_000)\ntime.sleep(60)",
+        )
+
+        def the_claim() -> dict[str, Any] | None:
+            running = snapshot(server)["running"]
+            return next((c for c in running if c["label"] == "in-a-notebook"), None)
+
+        claim = wait_for(
+            lambda: (c := the_claim()) and c["readings"] and c, "the worker's first readings"
+        )
+        assert claim["path"] == "work/train.ipynb"
+        assert claim["kernel_id"] == kernel_id
+        assert claim["notebook"].endswith("work/train.ipynb")
+        assert claim["allocation"]["gpus"] in ([0], [1])
+        assert claim["readings"]["rss_bytes"] > 50_000_000
+
+        status, _, body = call(server, "POST", f"fluksio/api/claims/{claim['ticket']}/cancel")
+        assert status == 200, body
+        wait_for(lambda: the_claim() is None, "the stopped claim leaving the ledger")
+        ended = run_in(
+            client,
+            "job = _\ntry:\n    job.result(30)\nexcept Exception as error:\n"
+            "    print(job.status, type(error).__name__, error)",
+        )
+        assert "from JupyterLab" in ended, ended
+    finally:
+        client.stop_channels()
+        call(server, "DELETE", f"api/sessions/{session['id']}")
+
+
+AUTHORIZER = """
+from jupyter_server.auth import Authorizer
+
+class ReadOnlyFluksio(Authorizer):
+    def is_authorized(self, handler, user, action, resource):
+        return not (resource == "fluksio" and action == "write")
+"""
+
+
+def test_the_servers_authorizer_decides_who_may_cancel(tmp_path):
+    """Guards against handlers that skip the authorizer a JupyterHub deployment configures."""
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "read_only_fluksio.py").write_text(AUTHORIZER)
+    lab = JupyterLab(tmp_path / "lab", INVENTORY, PYTHONPATH=str(tmp_path / "modules"))
+    (Path(lab.env["JUPYTER_CONFIG_DIR"]) / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"authorizer_class": "read_only_fluksio.ReadOnlyFluksio"}})
+    )
+    lab.start()
+    try:
+        assert call(lab, "GET", "fluksio/api/snapshot")[0] == 200
+        status, _, body = call(lab, "POST", "fluksio/api/claims/1/cancel")
+        assert status == 403, body
+        assert "write on resource: fluksio" in body["message"]
+    finally:
+        lab.stop()

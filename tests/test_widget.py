@@ -1,0 +1,574 @@
+"""The widgets' Python side: what they send, when they stop, and the text they leave behind.
+
+The failures guarded against: a fallback that nbval cannot compare (text that
+is not exactly :func:`describe`), a label that reaches HTML unescaped, a
+monitor thread that runs with nobody watching (or never stops, or stops while
+someone is), a monitor that pushes the same machine over and over, a closed
+widget that keeps sending, and a monitor that cannot say who holds which card
+or how a running claim is doing.
+
+The widgets are real; what stands in for the front end is the wire: the
+``comm`` package's hook for making comms, recording every message a front
+end would receive, and delivering the messages a front end would send.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import comm
+import ipykernel.ipkernel  # noqa: F401  (it replaces comm's hooks when first imported)
+import pytest
+from comm.base_comm import BaseComm, CommManager
+
+from fluksio_nb.__main__ import describe_snapshot
+from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.budget import Budget
+from fluksio_nb.queue import ClaimQueue
+from fluksio_nb.resources import ask
+from fluksio_nb.sampler import Sample
+from fluksio_nb.status import ClaimStatus, running_statuses
+from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
+from fluksio_nb.widget.facts import Nvml, claim_html, machine_facts, monitor_html
+from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
+
+pytestmark = pytest.mark.timeout(60)
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+# -----------------------------------------------------------------------------
+# The wire
+# -----------------------------------------------------------------------------
+
+
+class WireComm(BaseComm):
+    """A comm whose messages are kept, in order, instead of sent to a front end."""
+
+    def __init__(self, wire: Wire, **kwargs: Any) -> None:
+        self.wire = wire
+        super().__init__(**kwargs)
+
+    def publish_msg(self, msg_type: str, data: Any = None, metadata: Any = None, **keys: Any):
+        self.wire.sent.append((self.comm_id, msg_type, data or {}))
+
+
+class Wire:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+
+    def updates(self, widget: Any) -> list[dict[str, Any]]:
+        """The state changes sent for ``widget``, in order."""
+        return [
+            data["state"]
+            for comm_id, kind, data in list(self.sent)
+            if comm_id == widget.model_id and kind == "comm_msg" and data.get("method") == "update"
+        ]
+
+    def say(self, widget: Any, content: dict[str, Any]) -> None:
+        """Deliver a message from the front end's view, as the kernel would."""
+        widget.comm.handle_msg(
+            {"content": {"data": {"method": "custom", "content": content}}, "buffers": []}
+        )
+
+
+@pytest.fixture
+def wire(monkeypatch) -> Wire:
+    wire = Wire()
+    manager = CommManager()
+    monkeypatch.setattr(comm, "create_comm", lambda **kwargs: WireComm(wire, **kwargs))
+    monkeypatch.setattr(comm, "get_comm_manager", lambda: manager)
+    return wire
+
+
+@pytest.fixture
+def declared_machine(monkeypatch):
+    monkeypatch.setenv("FLUKSIO_CPUS", "4")
+    monkeypatch.setenv("FLUKSIO_GPUS", "2")
+    monkeypatch.setenv("FLUKSIO_RAM", "8G")
+    monkeypatch.setenv("FLUKSIO_RESERVE_CPUS", "0")
+
+
+def until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def sample(rss: int, cpu: float = 12.5) -> Sample:
+    return Sample(
+        rss_bytes=rss,
+        cpu_percent=cpu,
+        cpu_cores=0.5,
+        processes=1,
+        host_total_bytes=16_000_000_000,
+        host_available_bytes=12_000_000_000,
+        at=time.monotonic(),
+    )
+
+
+def waiting_status(label: str = "fit") -> ClaimStatus:
+    status = ClaimStatus(label=label, asked=ask(cpus=2, gpus=1, ram="1G"), ticket=3)
+    status.position, status.holders = 2, ["'prep' (#1)"]
+    return status
+
+
+def running_status(label: str = "fit") -> ClaimStatus:
+    status = waiting_status(label)
+    status.phase, status.position, status.holders = "running", None, []
+    status.allocation = Allocation(cpus=2, gpus=(1,), ram_bytes=1_000_000_000)
+    status.budget = Budget(1_000_000_000, 900_000_000)
+    status.started_at = time.monotonic() - 3
+    for rss in (100_000_000, 300_000_000, 200_000_000):
+        status.readings.add(sample(rss))
+    return status
+
+
+def done_status(ending: str = "ok", message: str = "", label: str = "fit") -> ClaimStatus:
+    status = running_status(label)
+    status.phase, status.ending, status.message = "done", ending, message
+    status.ended_at = time.monotonic()
+    return status
+
+
+# -----------------------------------------------------------------------------
+# The claim widget
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status",
+    [waiting_status(), running_status(), done_status()],
+    ids=["waiting", "running", "ok"],
+)
+def test_the_text_fallback_never_changes_with_the_phase(wire, status):
+    """nbval reads a display as first drawn, a saved notebook as last redrawn: they must agree."""
+    data, _ = ClaimWidget(status)._repr_mimebundle_()
+    assert data["text/plain"] == f"{status.label}: live status (how it went follows below)"
+    assert WIDGET_VIEW in data
+    assert data == ClaimWidget(waiting_status(label=status.label))._repr_mimebundle_()[0] | {
+        WIDGET_VIEW: data[WIDGET_VIEW]
+    }
+
+
+def test_labels_and_messages_are_escaped_in_every_html_fallback(wire, declared_machine):
+    """A label is user text: as HTML it would run in every page that shows the notebook."""
+    status = done_status("error", f"ValueError: {HOSTILE}", label=HOSTILE)
+    data, _ = ClaimWidget(status)._repr_mimebundle_()
+    assert "<img" not in data["text/html"]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in data["text/html"]
+    assert "<img" not in claim_html(HOSTILE, "done", "ok")
+    assert "<script" not in monitor_html("<script>alert(1)</script> waiting")
+
+
+def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
+    """Each phase must reach the front end with what that phase shows, nothing stale."""
+    widget = ClaimWidget(waiting_status())
+    assert (widget.phase, widget.position, widget.holders) == ("waiting", 2, ["'prep' (#1)"])
+    assert widget.asked == "cpus=2 gpus=1 ram=1.0GB" and widget.share is None
+
+    running = running_status()
+    widget.follow(running)
+    assert widget.phase == "running"
+    assert widget.share == {
+        "cpus": 2,
+        "gpus": [1],
+        "ram_bytes": 1_000_000_000,
+        "budget_bytes": 900_000_000,
+        "granted_bytes": 1_000_000_000,
+    }
+    assert widget.reading["rss_bytes"] == 200_000_000
+    assert widget.elapsed_s >= 3
+    running.readings.add(sample(400_000_000, cpu=50.0))
+    widget.follow(running)
+    assert widget.reading["rss_bytes"] == 400_000_000
+
+    widget.follow(done_status("halted", "halted: over its memory budget"))
+    assert (widget.phase, widget.ending) == ("done", "halted")
+    assert widget.peak_rss_bytes == 300_000_000 and widget.mean_cpu_percent == 12.5
+    assert widget.message == "halted: over its memory budget"
+
+
+def test_a_new_reading_sends_the_reading_and_little_else(wire):
+    """Eight claims pushing twice a second: every byte of a push is paid 16 times a second."""
+    status = running_status()
+    widget = ClaimWidget(status)
+    before = len(wire.updates(widget))
+    status.readings.add(sample(250_000_000))
+    widget.follow(status)
+    sent = wire.updates(widget)[before:]
+    assert len(sent) == 1, "one reading should be one message"
+    assert sent[0]["reading"]["rss_bytes"] == 250_000_000
+    assert set(sent[0]) <= {"reading", "elapsed_s", "peak_rss_bytes", "mean_cpu_percent"}
+
+
+def test_the_sparklines_are_the_readings_pushed_sent_whole_now_and_then(wire):
+    """A page reloaded mid-claim starts from the kernel's state: its sparklines must heal,
+    and the final state must hold the whole series."""
+    widget = ClaimWidget(waiting_status())
+    running = running_status()
+    widget.follow(running)
+    assert wire.updates(widget)[-1]["rss_history"] == [200_000_000]
+
+    running.readings.add(sample(400_000_000))
+    widget.follow(running)
+    assert "rss_history" not in wire.updates(widget)[-1], "the series went with a reading"
+
+    widget.HISTORY_EVERY_S = 0.0
+    running.readings.add(sample(500_000_000, cpu=50.0))
+    widget.follow(running)
+    widget.follow(running)  # the same reading again is not a new point
+    last = wire.updates(widget)[-1]
+    assert last["rss_history"] == [200_000_000, 400_000_000, 500_000_000]
+    assert last["cpu_history"] == [12.5, 12.5, 50.0]
+
+    widget.HISTORY_EVERY_S = 3600.0
+    running.readings.add(sample(600_000_000))
+    running.phase, running.ending, running.ended_at = "done", "ok", time.monotonic()
+    widget.follow(running)
+    last = wire.updates(widget)[-1]
+    assert last["phase"] == "done" and last["rss_history"][-1] == 600_000_000
+
+
+def test_a_closed_claim_widget_sends_nothing_more(wire):
+    """After close() the front end has no model; messages to it are errors in the browser."""
+    status = running_status()
+    widget = ClaimWidget(status)
+    widget.close()
+    sent = len(wire.sent)
+    status.readings.add(sample(500_000_000))
+    assert widget.follow(status) is False
+    assert len(wire.sent) == sent
+
+
+# -----------------------------------------------------------------------------
+# The monitor's thread
+# -----------------------------------------------------------------------------
+
+
+class FixedMachine:
+    """A machine whose facts change only when a test says so."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, Any] = {"cpus": {"total": 4, "free": 4}, "running": [], "n": 0}
+        self.reads = 0
+        self.closed = 0
+
+    def __call__(self) -> dict[str, Any]:
+        self.reads += 1
+        return dict(self.facts)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def monitor_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "fluksio-monitor" and t.is_alive())
+
+
+@pytest.fixture
+def fixed():
+    return FixedMachine()
+
+
+@pytest.fixture
+def ticker(fixed):
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=fixed)
+    yield watch
+    for monitor_widget in list(watch._monitors):
+        watch.unwatch(monitor_widget)
+    until(lambda: not watch.running)
+
+
+def test_the_monitor_thread_starts_when_shown_and_stops_when_closed(wire, ticker, fixed):
+    """A monitor must cost nothing until it is drawn, and nothing once it is closed."""
+    widget = MonitorWidget(watch=ticker)
+    time.sleep(0.1)
+    assert not ticker.running, "made but not shown, and already refreshing"
+    widget._repr_mimebundle_()
+    assert until(lambda: ticker.running)
+    reads = fixed.reads
+    assert until(lambda: fixed.reads > reads + 3), "shown, and not refreshed"
+    widget.close()
+    assert until(lambda: not ticker.running), "closed, and still refreshing"
+    assert fixed.closed >= 1, "the reader (and NVML with it) was not let go"
+    sent = len(wire.sent)
+    fixed.facts["n"] = 1
+    time.sleep(0.1)
+    assert len(wire.sent) == sent
+
+
+def test_a_monitor_nobody_answers_for_is_let_go(wire, fixed):
+    """A monitor in a closed tab says no goodbye; its lease must run out."""
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=fixed)
+    widget = MonitorWidget(watch=watch, lease_s=0.3)
+    widget._repr_mimebundle_()
+    assert until(lambda: watch.running)
+    assert until(lambda: not watch.running, timeout=2), "nobody is looking, and it goes on"
+
+
+def test_a_front_end_that_pings_keeps_it_going_and_goodbye_stops_it(wire, ticker):
+    """A view that is still there must keep getting updates; one that left must not."""
+    widget = MonitorWidget(watch=ticker, lease_s=0.3)
+    widget._repr_mimebundle_()
+    wire.say(widget, {"type": "hello", "view": "a"})
+    for _ in range(8):
+        time.sleep(0.1)
+        wire.say(widget, {"type": "ping", "view": "a"})
+    assert ticker.running, "a view pinging every 0.1 s was taken for gone"
+    wire.say(widget, {"type": "gone", "view": "a"})
+    assert until(lambda: not ticker.running, timeout=1)
+
+
+def test_a_front_end_that_comes_back_gets_updates_again(wire, ticker, fixed):
+    """A tab shown again after its lease ran out must not stay frozen."""
+    widget = MonitorWidget(watch=ticker, lease_s=0.2)
+    widget._repr_mimebundle_()
+    assert until(lambda: not ticker.running, timeout=2)
+    wire.say(widget, {"type": "ping", "view": "b"})
+    assert until(lambda: ticker.running)
+    before = len(wire.updates(widget))
+    fixed.facts["n"] = 2
+    assert until(lambda: len(wire.updates(widget)) > before)
+    assert wire.updates(widget)[-1]["machine"]["n"] == 2
+
+
+def test_silence_while_a_cell_runs_is_not_taken_for_a_closed_tab(wire, fixed):
+    """Front-end pings are only heard between cells: a long cell must not stop the monitor."""
+    activity = KernelActivity()
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=fixed, activity=activity)
+    widget = MonitorWidget(watch=watch, lease_s=0.2)
+    widget._repr_mimebundle_()
+    activity.cell_started()
+    time.sleep(0.6)
+    assert watch.running, "stopped during a cell, when no ping could have been heard"
+    activity.cell_finished()
+    assert until(lambda: not watch.running, timeout=2)
+
+
+def test_every_open_monitor_shares_one_thread(wire, ticker):
+    """Ten %claims outputs must not mean ten threads reading the machine."""
+    widgets = [MonitorWidget(watch=ticker) for _ in range(5)]
+    for widget in widgets:
+        widget._repr_mimebundle_()
+    assert until(lambda: ticker.running)
+    assert monitor_threads() == 1
+    for widget in widgets:
+        widget.close()
+    assert until(lambda: monitor_threads() == 0)
+
+
+def test_an_unchanged_machine_is_not_pushed_again(wire, ticker, fixed):
+    """An idle machine must cost next to nothing: no message unless something changed."""
+    widget = MonitorWidget(watch=ticker)
+    widget._repr_mimebundle_()
+    reads = fixed.reads
+    assert until(lambda: fixed.reads > reads + 10)
+    assert wire.updates(widget) == [], "the same facts were pushed again"
+    fixed.facts["n"] = 3
+    assert until(lambda: len(wire.updates(widget)) == 1)
+    time.sleep(0.1)
+    assert len(wire.updates(widget)) == 1
+    widget.close()
+
+
+def test_an_idle_machine_is_read_less_often(wire, fixed):
+    """Nothing waiting or running: reading twice a second would be cost for nothing."""
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.2, reader=fixed)
+    widget = MonitorWidget(watch=watch)
+    widget._repr_mimebundle_()
+    start = fixed.reads
+    time.sleep(1)
+    idle_reads = fixed.reads - start
+    fixed.facts["running"] = [{"ticket": 1}]
+    time.sleep(0.25)
+    start = fixed.reads
+    time.sleep(1)
+    busy_reads = fixed.reads - start
+    widget.close()
+    assert idle_reads <= 7 and busy_reads >= 20, (idle_reads, busy_reads)
+
+
+def test_host_memory_that_drifts_a_little_is_not_news(declared_machine, monkeypatch):
+    """Free memory moves by a few kB all the time; each move must not be a push."""
+    import fluksio_nb.inventory as inventory
+
+    readings = iter([(10_000_000_000, 6_000_000_000), (10_000_000_000, 6_010_000_000)])
+    readings = iter([*readings, (10_000_000_000, 6_100_000_000)])
+    monkeypatch.setattr(inventory, "host_memory", lambda *a: next(readings))
+    read = MachineReader()
+    first, drifted, moved = read(), read(), read()
+    assert first == drifted
+    assert moved["host"]["available"] == 6_100_000_000
+
+
+# -----------------------------------------------------------------------------
+# What the monitor says
+# -----------------------------------------------------------------------------
+
+
+def test_the_monitor_says_who_holds_each_card_and_who_waits():
+    """Who holds what, and who is next, is the monitor's whole point."""
+    queue = ClaimQueue(ResourceAccountant(cpus=4, gpus=2, ram_bytes=8_000_000_000))
+    holder = queue.enqueue(ask(cpus=2, gpus=1, ram="2G", label=HOSTILE))
+    queue.wait(holder, 1)
+    queue.enqueue(ask(cpus=4, label="big"))
+    queue.enqueue(ask(cpus=1, gpus=2, label="cards"))
+    facts = machine_facts(queue.snapshot(), {}, (16_000_000_000, 9_000_000_000))
+
+    assert facts["cpus"] == {"total": 4, "free": 2}
+    assert facts["ram"] == {"total": 8_000_000_000, "free": 6_000_000_000}
+    assert facts["gpus"] == [
+        {"id": 0, "holder": {"ticket": holder.number, "label": HOSTILE}, "nvml": None},
+        {"id": 1, "holder": None, "nvml": None},
+    ]
+    assert [(w["position"], w["label"], w["asked"]) for w in facts["waiting"]] == [
+        (1, "big", "cpus=4"),
+        (2, "cards", "cpus=1 gpus=2"),
+    ]
+    assert [r["allocation"] for r in facts["running"]] == [
+        {"cpus": 2, "gpus": [0], "ram_bytes": 2_000_000_000}
+    ]
+    assert facts["host"] == {
+        "total": 16_000_000_000,
+        "available": 9_000_000_000,
+        "headroom": 1_600_000_000,
+    }
+
+
+def test_a_running_claims_readings_reach_the_monitor(declared_machine, wire):
+    """The monitor must show how each running claim is doing, not just that it runs."""
+    from fluksio_nb import claim
+
+    with claim(cpus=1, ram="500M", label="sleeper") as c:
+        c.popen(["sleep", "5"])
+        assert until(lambda: c.readings.count >= 2)
+        facts = MachineReader()()
+        (entry,) = facts["running"]
+        assert entry["label"] == "sleeper" and entry["mine"]
+        assert entry["reading"]["rss_bytes"] > 0
+        assert entry["budget_bytes"] and entry["budget_bytes"] <= 500_000_000
+        assert entry["peak_rss_bytes"] >= entry["reading"]["rss_bytes"]
+        assert abs(entry["started"] - time.time()) < 60
+    assert running_statuses() == {}, "an ended claim stayed registered"
+    assert MachineReader()()["running"] == []
+
+
+class FakeNvmlError(Exception):
+    pass
+
+
+def fake_pynvml(start_fails: bool = False) -> types.ModuleType:
+    """A stand-in for the NVIDIA library, which this machine has no driver for."""
+    lib = types.ModuleType("pynvml")
+    lib.NVMLError = FakeNvmlError
+    lib.shutdowns = 0
+
+    def init():
+        if start_fails:
+            raise FakeNvmlError("Driver Not Loaded")
+
+    def shutdown():
+        lib.shutdowns += 1
+
+    lib.nvmlInit, lib.nvmlShutdown = init, shutdown
+    lib.nvmlDeviceGetHandleByIndex = lambda index: index
+    lib.nvmlDeviceGetMemoryInfo = lambda handle: types.SimpleNamespace(
+        used=1_234_567_890 * (handle + 1), total=16_000_000_000
+    )
+    lib.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=40 + handle)
+    return lib
+
+
+def test_card_memory_and_utilisation_appear_when_nvml_answers(monkeypatch):
+    """With a driver, each card's memory and load must show beside who holds it."""
+    lib = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", lib)
+    nvml = Nvml()
+    cards = nvml.read([0, 1])
+    assert cards == {
+        0: {"memory_used": 1_235_000_000, "memory_total": 16_000_000_000, "utilisation": 40},
+        1: {"memory_used": 2_469_000_000, "memory_total": 16_000_000_000, "utilisation": 41},
+    }
+    snapshot = ClaimQueue(ResourceAccountant(cpus=1, gpus=2)).snapshot()
+    facts = machine_facts(snapshot, {}, (1, 1), cards)
+    assert facts["nvml"] and facts["gpus"][1]["nvml"]["utilisation"] == 41
+    nvml.close()
+    assert lib.shutdowns == 1
+
+
+@pytest.mark.parametrize("nvml_module", ["absent", "driver missing"])
+def test_a_machine_without_nvml_shows_cards_without_figures(monkeypatch, nvml_module):
+    """No driver is the common case (and this machine's): it must be quiet, not an error."""
+    lib = None if nvml_module == "absent" else fake_pynvml(start_fails=True)
+    monkeypatch.setitem(sys.modules, "pynvml", lib)
+    assert Nvml().read([0, 1]) is None
+
+
+def test_monitor_is_public_and_its_text_is_the_snapshot(wire, declared_machine):
+    """`from fluksio_nb import monitor` is the documented way in; its text is what the CLI says."""
+    import fluksio_nb
+    from fluksio_nb.kernel import accountant
+
+    assert fluksio_nb.monitor is monitor
+    widget = monitor()
+    data, _ = widget._repr_mimebundle_()
+    assert data["text/plain"] == describe_snapshot(accountant().snapshot())
+    assert WIDGET_VIEW in data
+    assert widget.machine["cpus"] == {"total": 4, "free": 4}
+    widget.close()
+
+
+# -----------------------------------------------------------------------------
+# In a kernel
+# -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    from tests.kernels import Kernel
+
+    k = Kernel(
+        FLUKSIO_CPUS="2",
+        FLUKSIO_GPUS="0",
+        FLUKSIO_RAM="4G",
+        FLUKSIO_RESERVE_CPUS="0",
+        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
+    )
+    yield k
+    k.shutdown()
+
+
+def test_a_claimed_cell_shows_the_widget_and_ends_with_its_summary(kernel):
+    """The cell must get the live widget, updated at most twice a second, and the ending as text."""
+    started = time.monotonic()
+    ran = kernel.run("%%claim cpus=1 --label slow\nimport time\ntime.sleep(3)", check=True)
+    took = time.monotonic() - started
+    (shown,) = [m for m in ran.of("display_data") if WIDGET_VIEW in m["content"]["data"]]
+    model = shown["content"]["data"][WIDGET_VIEW]["model_id"]
+    assert shown["content"]["data"]["text/plain"] == "slow: live status (how it went follows below)"
+    assert not ran.of("update_display_data"), "the fallback is never redrawn"
+    (summary,) = [m for m in ran.of("display_data") if WIDGET_VIEW not in m["content"]["data"]]
+    assert summary["content"]["data"]["text/plain"].startswith("slow: ok after 3.")
+    updates = [
+        m for m in kernel.seen if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model
+    ]
+    assert 3 <= len(updates) <= 2 * took + 2, f"{len(updates)} updates in {took:.1f} s"
+
+
+def test_claims_shows_the_live_monitor(kernel):
+    """%claims must show the widget, with the machine as text beside it."""
+    ran = kernel.run("%claims", check=True)
+    (result,) = ran.of("execute_result")
+    data = result["content"]["data"]
+    assert WIDGET_VIEW in data
+    assert data["text/plain"].splitlines()[0] == "cpus  2/2 free"
