@@ -60,8 +60,8 @@ from fluksio_nb.queue import (
     ClaimCancelled,
     ClaimTimeout,
     Ticket,
-    _held,
     fit_to_capacity,
+    timeout_message,
     who_goes_next,
 )
 from fluksio_nb.resources import Resources
@@ -621,12 +621,7 @@ class MachineQueue:
         return holders
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
-        held = ", ".join(f"{t.label!r} ({_held(t.allocation)})" for t in self.holders())
-        return (
-            f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
-            f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
-            "Raise --timeout, or free the share from `%claims`."
-        )
+        return timeout_message(ticket, timeout, self.holders())
 
 
 def machine_snapshot(state: dict[str, Any], inventory: dict[str, Any]) -> dict[str, Any]:

@@ -233,16 +233,7 @@ class ClaimQueue:
             return sorted(self._running.values(), key=lambda t: t.number)
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
-        held = ", ".join(
-            f"{t.label!r} ({_held(t.allocation)})"
-            for t in self._running.values()
-            if t.allocation is not None
-        )
-        return (
-            f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
-            f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
-            "Raise --timeout, or free the share from `%claims`."
-        )
+        return timeout_message(ticket, timeout, self.holders())
 
 
 Need = tuple[int, int, int]
@@ -297,6 +288,18 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
         stacklevel=4,
     )
     return shrunk
+
+
+def timeout_message(ticket: Ticket, timeout: float | None, holders: list[Ticket]) -> str:
+    """Why a claim gave up waiting, naming who held what it waited for."""
+    held = ", ".join(
+        f"{t.label!r} ({_held(t.allocation)})" for t in holders if t.allocation is not None
+    )
+    return (
+        f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
+        f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
+        "Raise --timeout, or free the share from `%claims`."
+    )
 
 
 def _describe(ticket: Ticket) -> dict[str, object]:

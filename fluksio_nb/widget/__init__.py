@@ -17,11 +17,12 @@ What is decided here:
   loop, running ones by the kernel's one sampling thread
   (:mod:`fluksio_nb.watch`). It pushes about once a second, and always the
   last state.
-- **Every bundle carries a text fallback.** Next to the widget view go
-  ``text/plain``, exactly :func:`~fluksio_nb.status.describe` so nbval can
-  compare it, and escaped HTML. The display is replaced at each change of
-  phase, so a notebook saved after a claim ended holds the ending in text,
-  for nbval, nbconvert and anything else that has no live kernel to ask.
+- **Every bundle carries a text fallback, and it never changes.** Next to
+  the widget view go ``text/plain`` and escaped HTML. nbval reads a display
+  as it was first drawn and a saved notebook keeps it as it was last
+  redrawn, so live text there could never match; how a claim went is left
+  as a text line of its own when it ends (``Claim._end``), which is what a
+  notebook opened without its kernel, nbconvert and nbval all read.
 - **The monitor is refreshed by one thread for all monitors**
   (:mod:`fluksio_nb.widget.ticker`), only while one is watched, and pushes
   only what changed (:mod:`fluksio_nb.widget.facts`).

@@ -6,7 +6,7 @@ that the text fallback says the same thing the widget does.
 
 Decisions made here:
 
-- **Only a change is news.** The monitor is read twice a second but pushed
+- **Only a change is news.** The monitor is read every second or two but pushed
   only when what it would draw differs, so readings that drift without
   meaning anything are held steady first: the host's available memory until
   it moves by half a percent of the host (a pixel or two of the bar; see
@@ -248,7 +248,7 @@ class Nvml:
     NVML is initialised on the first read and shut down by :meth:`close`, so
     it is held only while a monitor is being refreshed. A failed start is
     remembered until :meth:`close`, so a machine without a driver pays for
-    the attempt once, not twice a second.
+    the attempt once, not on every read.
     """
 
     def __init__(self) -> None:

@@ -4,7 +4,7 @@ A monitor left open in a notebook nobody is looking at must cost the kernel
 next to nothing, and a closed one nothing at all. So:
 
 - **One thread for every monitor**, reading the machine once per tick for
-  all of them: twice a second while claims wait or run, every two seconds
+  all of them: every second while claims wait or run, every two seconds
   when none do. It starts when a monitor is shown and ends
   when no monitor is watched, so a kernel with no monitor open runs no
   thread for it. (Running claims are sampled by :mod:`fluksio_nb.watch`;
@@ -33,8 +33,8 @@ from fluksio_nb.widget.facts import HOST_MEMORY_STEP, Nvml, card_ids, machine_fa
 log = logging.getLogger(__name__)
 
 #: How often open monitors are refreshed while claims wait or run, and so the
-#: most often they are pushed.
-TICK_S = 0.5
+#: most often they are pushed: once a second, as a claim's own status is.
+TICK_S = 1.0
 
 #: How often when nothing waits or runs: only the host's memory and claims
 #: appearing can change then, and a monitor left open on an idle machine

@@ -89,8 +89,17 @@ def _free_port() -> int:
 class JupyterLab:
     """One JupyterLab server, private to a test session, with this venv's kernel."""
 
-    def __init__(self, home: Path, inventory: dict[str, str] | None = None, **env: str) -> None:
+    def __init__(
+        self,
+        home: Path,
+        inventory: dict[str, str] | None = None,
+        app: str = "jupyter-lab",
+        **env: str,
+    ) -> None:
+        """``app`` is the venv's server executable: ``jupyter-lab``, or ``jupyter-notebook``
+        for Notebook 7, which takes the same options and serves notebooks at ``notebooks/``."""
         self.home = home
+        self.app = app
         self.root = home / "notebooks"
         self.port = _free_port()
         self.token = secrets.token_hex(16)
@@ -157,7 +166,7 @@ class JupyterLab:
 
     def start(self, timeout: float = 60) -> JupyterLab:
         argv = [
-            str(Path(sys.executable).parent / "jupyter-lab"),
+            str(Path(sys.executable).parent / self.app),
             "--no-browser",
             f"--ServerApp.token={self.token}",
             "--ServerApp.ip=127.0.0.1",
