@@ -118,6 +118,19 @@ class Kernel:
     def interrupt(self) -> None:
         self.manager.interrupt_kernel()
 
+    def error_when_idle(self, msg_id: str, timeout: float = 30) -> str | None:
+        """Read a started cell's messages until it is idle; the name of its error, if any."""
+        ename = None
+        while True:
+            msg = self.client.get_iopub_msg(timeout=timeout)
+            self.seen.append(msg)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "error":
+                ename = msg["content"]["ename"]
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                return ename
+
     def shutdown(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)

@@ -186,15 +186,7 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
             worker_pid = int(msg["content"]["text"].split()[0])
     started = time.monotonic()
     kernel.interrupt()
-    ename = None
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "error":
-            ename = msg["content"]["ename"]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    ename = kernel.error_when_idle(msg_id)
     # Far short of the cell's 60 s sleep, with room for a loaded machine.
     assert time.monotonic() - started < 10
     assert ename == "KeyboardInterrupt"
@@ -377,15 +369,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
         assert time.monotonic() < deadline, "the claim never joined the queue"
         time.sleep(0.05)
     kernel.interrupt()
-    ename = None
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=20)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "error":
-            ename = msg["content"]["ename"]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    ename = kernel.error_when_idle(msg_id)
     assert ename == "KeyboardInterrupt"
     books = kernel.books()
     assert [w["label"] for w in books["waiting"]] == []
