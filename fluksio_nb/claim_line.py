@@ -19,6 +19,7 @@ inside a kernel that would look like the cell died.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 from dataclasses import dataclass
 from typing import NoReturn
@@ -138,8 +139,12 @@ def claim_parser() -> argparse.ArgumentParser:
 _PARSER = claim_parser()
 
 
+@functools.lru_cache(maxsize=256)
 def parse_claim_line(line: str) -> ClaimLine:
     """Turn ``cpus=2 ram=8G OMP_NUM_THREADS=1 --label fit`` into a :class:`ClaimLine`."""
+    # Cached: a notebook runs the same few lines again and again, the result
+    # is frozen, and argparse plus validation were a tenth of a millisecond of
+    # a warm trivial cell. A line that fails raises again every time.
     try:
         words = shlex.split(line)
     except ValueError as error:

@@ -33,8 +33,8 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, HaltDecision, resolve_budget
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.flavors import resolve_flavor
-from fluksio_nb.inventory import host_memory
-from fluksio_nb.kernel import accountant, settings
+from fluksio_nb.inventory import confine, host_memory
+from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources, ask
@@ -131,7 +131,10 @@ class Claim:
         self._summary = TextView(CellOutput())
         self.status.label, self.status.ticket = ticket.label, ticket.number
         self.status.asked = ticket.resources
-        self._refresh_queue_position()
+        # A claim granted on the spot has no place in the queue to show, and
+        # reading the ledger for one cost a warm trivial cell two more reads.
+        if ticket.allocation is None:
+            self._refresh_queue_position()
         if self._show_after is None:
             self._show()
         return ticket
@@ -281,6 +284,7 @@ class Claim:
         extra = kwargs.pop("env", None) or {}
         kwargs.setdefault("start_new_session", True)
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
+        confine(process.pid, inventory().worker_cores)
         self._processes.append(process)
         self._watch_process(process.pid, stop=lambda: _end_process_group(process))
         return process

@@ -28,6 +28,7 @@ on which card "1" is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -80,6 +81,9 @@ class Inventory:
     gpus: tuple[Gpu, ...] = ()
     #: Where each number came from, for ``%claims`` and bug reports.
     sources: dict[str, str] = field(default_factory=dict)
+    #: The cores claimed work runs on: this process's, less the reserved ones.
+    #: ``None`` when nothing is left over to keep back.
+    worker_cores: frozenset[int] | None = None
 
     @property
     def gpu_ids(self) -> tuple[GpuId, ...]:
@@ -165,6 +169,36 @@ def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) 
     if quota is not None:
         candidates.append(max(1, math.ceil(quota)))
     return max(1, min(candidates))
+
+
+def cores_past_reserve(reserve: int) -> frozenset[int] | None:
+    """This process's cores less the ``reserve`` lowest-numbered; ``None`` if none remain.
+
+    Claimed work is confined to these, so that the reserve is a real core the
+    kernel, the server and the browser can always run on. A thread count in
+    the environment only keeps well-behaved libraries in their share; the
+    kernel stayed slow to answer while four one-core claims ran beside it,
+    because every worker was still free to run on the kernel's core. The
+    lowest numbers are kept back because core 0 is where Linux tends to steer
+    interrupts, which the claimed work is better off without.
+    """
+    if reserve <= 0 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= reserve:
+        return None
+    return frozenset(cores[reserve:])
+
+
+def confine(pid: int, cores: frozenset[int] | None) -> None:
+    """Run ``pid`` (and what it starts from now on) only on ``cores``.
+
+    A process that has already gone needs no confining.
+    """
+    if cores is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.sched_setaffinity(pid, cores)
 
 
 # -----------------------------------------------------------------------------
@@ -361,4 +395,5 @@ def take_inventory(settings: Settings) -> Inventory:
         machine_ram_bytes=machine_ram,
         gpus=tuple(gpus),
         sources=sources,
+        worker_cores=cores_past_reserve(settings.reserve_cpus),
     )

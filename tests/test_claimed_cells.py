@@ -8,6 +8,7 @@ button, a dead worker, a timeout, a memory overrun) that leaves a share
 taken, a process running, or a kernel that no longer answers.
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -69,6 +70,36 @@ def test_a_one_core_claim_gives_openblas_one_thread(kernel):
     )
     pools = dict(ran.json())
     assert pools.get("openblas") == 1, pools
+
+
+def test_claimed_work_runs_off_the_reserved_core(tmp_path):
+    """The reserve keeps the kernel answering only if workers cannot run on it."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one to keep back and one to claim")
+    reserved = Kernel(
+        FLUKSIO_RESERVE_CPUS="1",
+        FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path / "ledger"),
+    )
+    try:
+        in_worker = reserved.run(
+            "%%claim cpus=1\nimport json, os\nprint(json.dumps(sorted(os.sched_getaffinity(0))))",
+            check=True,
+        ).json()
+        in_popen = reserved.run(
+            "import json, subprocess, sys\nfrom fluksio_nb import claim\n"
+            "SHOW = 'import os; print(sorted(os.sched_getaffinity(0)))'\n"
+            "with claim(cpus=1) as c:\n"
+            "    p = c.popen([sys.executable, '-c', SHOW], stdout=subprocess.PIPE, text=True)\n"
+            "    print(json.dumps(eval(p.communicate()[0])))",
+            check=True,
+        ).json()
+        in_kernel = reserved.facts("sorted(__import__('os').sched_getaffinity(0))")
+    finally:
+        reserved.shutdown()
+    assert in_worker == in_popen == cores[1:]
+    assert in_kernel == cores, "the kernel itself is not confined"
 
 
 def test_a_plain_cell_still_runs_in_the_kernel(kernel):

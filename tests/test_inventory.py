@@ -15,6 +15,7 @@ from fluksio_nb.inventory import (
     Gpu,
     cgroup_cpu_limit,
     cgroup_memory_limit,
+    cores_past_reserve,
     detect_gpus,
     gpus_from_nvml,
     system_headroom_bytes,
@@ -84,6 +85,16 @@ def test_the_affinity_mask_limits_the_cores():
         assert usable_cpus() == 1
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_claimed_work_is_kept_off_the_reserved_cores():
+    """The reserve is a real core only if claimed work cannot run on it."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one to keep back and one to claim")
+    assert cores_past_reserve(1) == frozenset(cores[1:])
+    assert cores_past_reserve(0) is None, "no reserve: nothing to keep work off"
+    assert cores_past_reserve(len(cores)) is None, "a reserve of every core pins nothing"
 
 
 def test_the_reserve_is_kept_back_but_one_core_is_always_claimable():

@@ -57,6 +57,7 @@ from typing import Any, Literal
 import psutil
 
 from fluksio_nb import transfer
+from fluksio_nb.inventory import confine
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -256,13 +257,19 @@ class Worker:
     it importing IPython). ``env`` is the worker's whole environment — the
     caller merges ``os.environ`` with what the share implies —
     plus ``PYTHONUNBUFFERED=1``, so that a ``print`` reaches the notebook while
-    the cell is still running.
+    the cell is still running. ``cores``, when given, are the only cores it
+    and everything it starts may run on.
 
     :meth:`run` is for one thread at a time; :meth:`interrupt`, :meth:`kill`
     and :attr:`alive` are for any thread.
     """
 
-    def __init__(self, env: Mapping[str, str], cwd: str | os.PathLike[str] | None = None):
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str] | None = None,
+        cores: frozenset[int] | None = None,
+    ):
         for name, value in env.items():
             if not isinstance(value, str):
                 raise TypeError(
@@ -300,6 +307,9 @@ class Worker:
             worker_end.close()
             os.close(lifeline_read)
         self.pid: int = self._process.pid
+        # Before the worker has started a thread of its own: threads inherit
+        # the mask of the thread that starts them, and this sets the main one's.
+        confine(self.pid, cores)
         self._lifeline = lifeline_write
         self._channel = Channel(kernel_end)
         self._streams = [

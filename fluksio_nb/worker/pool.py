@@ -142,6 +142,8 @@ def kernel_pool() -> WorkerPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = WorkerPool()
+            from fluksio_nb.kernel import inventory
+
+            _pool = WorkerPool(lambda env: Worker(env, cores=inventory().worker_cores))
             atexit.register(_pool.close)
         return _pool
