@@ -63,7 +63,7 @@ class ClaimMagics(Magics):
         # Packed now, before the claim waits: an input that cannot travel is
         # refused before it takes a place in the queue, and a background cell
         # ships its inputs as they were when it was started.
-        parcel = transfer.pack({name: self.shell.user_ns[name] for name in inputs})
+        parcel = transfer.pack({name: self.shell.user_ns[name] for name in inputs}, reuse=True)
         if parcel.failures:
             parcel.discard()
             raise UsageError(_unsendable_message(parcel.failures))

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 def no_leftovers_carried_over():
     """One test's leftover segments must not fail the next test's count."""
     yield
+    transfer.clear_shelf()
     for path in segments_of(os.getpid()):
         path.unlink(missing_ok=True)
 
@@ -254,6 +255,109 @@ def test_the_mapping_goes_away_with_the_last_array_on_it():
     del view
     gc.collect()
     assert segment not in Path("/proc/self/maps").read_text()
+
+
+# -- warm files, and values sent back on what they came in on ------------------------
+
+
+def kept_path(parcel: transfer.Parcel, name: str) -> str:
+    (segment,) = parcel.values[name].segments
+    assert segment.kept
+    return segment.path
+
+
+def test_a_kept_file_is_written_again_once_nothing_is_mapped_on_it():
+    """Guards against every parcel paying for fresh pages when a warm file is free."""
+    first = pack({"a": np.ones(BIG)}, reuse=True)
+    path = kept_path(first, "a")
+    unpack(first)[0]["a"].sum()  # mapped, read, and gone again
+    first.discard()
+    second = pack({"a": np.full(BIG, 2.0)}, reuse=True)
+    assert kept_path(second, "a") == path
+    assert unpack(second)[0]["a"][-1] == 2.0
+    second.discard()
+    assert segments_of(os.getpid()) == [Path(path)], "one warm file, not one per parcel"
+
+
+def test_a_kept_file_is_never_written_under_a_live_array():
+    """Guards against reusing memory an array in another process still stands on."""
+    first = pack({"a": np.ones(BIG)}, reuse=True)
+    held = unpack(first)[0]["a"]
+    first.discard()
+    second = pack({"a": np.full(BIG, 2.0)}, reuse=True)
+    assert kept_path(second, "a") != kept_path(first, "a")
+    assert held.min() == held.max() == 1.0
+    second.discard()
+
+
+def test_a_receiver_that_died_frees_the_file_it_had_mapped():
+    """Guards against a killed worker's lock keeping a warm file from ever being reused."""
+    first = pack({"array": np.arange(BIG, dtype=np.float64)}, reuse=True)
+    arrived = json.loads(python(RECEIVER, parcel=first))  # maps it, then exits
+    assert arrived["digest"] == hashlib.sha256(np.arange(BIG, dtype=np.float64)).hexdigest()
+    segment = mapped_segment(arrived["address"], arrived["nbytes"], arrived["maps"])
+    assert segment == kept_path(first, "array"), "a kept file is not removed by its receiver"
+    first.discard()
+    again = pack({"array": np.zeros(BIG)}, reuse=True)
+    assert kept_path(again, "array") == kept_path(first, "array")
+    again.discard()
+
+
+def test_a_value_bound_to_its_input_goes_back_as_a_reference_to_the_senders_file():
+    """Guards against `b = a` in a claimed cell copying the array back."""
+    sent = pack({"a": np.arange(BIG, dtype=np.float64)}, reuse=True)
+    a = unpack(sent, remember=True)[0]["a"]
+    a *= 2  # in place: what goes back is the changed array
+    back = pack({"b": a, "tail": a[BIG // 4 :]}, refer_back=True)
+    (reference,) = back.values["b"].segments
+    assert (reference.path, reference.offset, reference.kept) == (kept_path(sent, "a"), 0, True)
+    (tail,) = back.values["tail"].segments
+    assert (tail.path, tail.offset) == (reference.path, BIG // 4 * 8)
+    del a
+    values, failures = unpack(back)
+    assert failures == {}
+    assert values["b"][3] == 6.0 and values["tail"][0] == BIG // 4 * 2
+    assert segment_under(values["b"]) == kept_path(sent, "a")
+    sent.discard()
+
+
+def test_a_claimed_cells_unchanged_input_comes_back_on_the_kernels_own_file():
+    """Guards against a real worker copying back what it was sent, when it could refer to it."""
+    from fluksio_nb.env import worker_environ
+    from fluksio_nb.worker.client import Worker
+
+    with Worker(worker_environ({})) as worker:
+        original = np.arange(BIG, dtype=np.float64)
+        outcome = worker.run("a *= 2\nb = a", inputs={"a": original}, outputs=["b"])
+        assert outcome.ok, outcome
+        b = outcome.outputs["b"]
+        assert b[5] == 10.0 and original[5] == 5.0, "the kernel's own array stays as it was"
+        segment = segment_under(b)
+        assert segment is not None
+        assert Path(segment).name.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")
+
+
+def test_a_small_slice_of_an_input_is_copied_back_rather_than_pinning_the_file():
+    """Guards against a few rows sent back keeping a whole big input in memory."""
+    sent = pack({"a": np.ones(BIG)}, reuse=True)
+    a = unpack(sent, remember=True)[0]["a"]
+    back = pack({"part": a[: BIG // 3]}, refer_back=True)
+    (copied,) = back.values["part"].segments
+    assert not copied.kept and copied.path != kept_path(sent, "a")
+    back.discard()
+    sent.discard()
+
+
+def test_an_idle_kept_file_is_removed(monkeypatch):
+    """Guards against a notebook that stopped sending holding shared memory forever."""
+    monkeypatch.setattr(transfer, "SHELF_IDLE_S", 0.2)
+    parcel = pack({"a": np.ones(BIG)}, reuse=True)
+    parcel.discard()
+    assert segments_of(os.getpid()) != []
+    deadline = time.monotonic() + 10
+    while segments_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert segments_of(os.getpid()) == []
 
 
 def test_the_parcel_stays_small_whatever_it_carries():

@@ -19,11 +19,13 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
+from fluksio_nb import transfer
 from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
@@ -438,6 +440,45 @@ def test_ending_a_worker_ends_the_processes_its_cells_started(ending):
     assert not started.alive
     assert wait_until(lambda: all(has_ended(pid) for pid in children), timeout=2)
     assert has_ended(started.pid)
+
+
+@pytest.mark.timeout(20)
+def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
+    """Guards against the files a kernel keeps for reuse outliving a kill -9 of it."""
+    kernel = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            cell(
+                """
+                import os, sys
+                import numpy as np
+                from fluksio_nb.worker.client import Worker
+
+                worker = Worker(dict(os.environ))
+                worker.run("b = a", inputs={"a": np.ones(2**20)}, outputs=["b"])
+                print(worker.pid, flush=True)
+                sys.stdin.read()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    kept = Path(transfer.SEGMENT_DIR).glob
+    pattern = f"{transfer.SEGMENT_PREFIX}{kernel.pid}-*"
+    try:
+        worker_pid = int(kernel.stdout.readline())
+        assert list(kept(pattern)), "the kernel keeps the file it sent, to reuse it"
+        kernel.kill()
+        kernel.wait()
+        assert wait_until(lambda: has_ended(worker_pid), timeout=5)
+        assert list(kept(pattern)) == []
+    finally:
+        kernel.kill()
+        for path in kept(pattern):
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(20)

@@ -101,7 +101,7 @@ def pack_inputs(values: Mapping[str, Any]) -> Any:
     """What the worker is sent for ``values``; refuses before the cell runs if one won't go."""
     if isinstance(values, transfer.Parcel):
         return values  # packed by the caller, before it waited for a share
-    parcel = transfer.pack(values)
+    parcel = transfer.pack(values, reuse=True)
     if parcel.failures:
         parcel.discard()
         name, reason = next(iter(parcel.failures.items()))

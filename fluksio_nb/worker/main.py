@@ -49,6 +49,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -83,7 +84,8 @@ def unpack_inputs(parcel: Any) -> dict[str, Any]:
     """The cell's inputs, name to value, from what the kernel packed."""
     if parcel is None:
         return {}
-    values, failed = transfer.unpack(parcel)
+    # Remembered, so that a value bound to what came in goes back without a copy.
+    values, failed = transfer.unpack(parcel, remember=True)
     if failed:
         name, reason = next(iter(failed.items()))
         raise UnreadableInput(
@@ -98,7 +100,7 @@ def pack_outputs(namespace: dict[str, Any], names: list[str]) -> tuple[Any, dict
     """What goes back for ``names``, and why each one that cannot go back can't."""
     present = {name: namespace[name] for name in names if name in namespace}
     failed = {name: "the cell did not define it" for name in names if name not in namespace}
-    parcel = transfer.pack(present)
+    parcel = transfer.pack(present, refer_back=True)
     failed.update(parcel.failures)
     return parcel, failed
 
@@ -412,7 +414,6 @@ def flush_c_streams() -> None:
 
 def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interrupts) -> None:
     """Run one cell and answer with exactly one ``done`` frame, however it ends."""
-    start_fresh(shell)
     ok = False
     inputs: dict[str, Any] = {}
     try:
@@ -435,6 +436,11 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     outputs, failed = pack_outputs(shell.user_ns, names)
     flush_c_streams()
     shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed})
+    # Emptied now rather than when the next cell comes: an idle worker then
+    # holds none of the last cell's data, the arrays it was sent stop
+    # pinning the kernel's shared memory, and the next cell does not wait
+    # for the reset (a few milliseconds, most of it a garbage collection).
+    start_fresh(shell)
 
 
 def follow_the_kernel(path: list[str] | None, cwd: str | None) -> None:
@@ -461,6 +467,24 @@ def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
 # -----------------------------------------------------------------------------
 
 
+def sweep_after(kernel_pid: int) -> None:
+    """Remove the shared memory a kernel that died kept for reuse.
+
+    It would otherwise stay until some kernel next loads the extension. Its
+    workers are the ones who notice the death. A dying process closes its
+    descriptors, which is what wakes the worker, a moment before its children
+    are handed to another parent, so the worker waits that moment out: a
+    kernel that is merely done with the worker keeps its files.
+    """
+    deadline = time.monotonic() + 0.5
+    while os.getppid() == kernel_pid:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    with contextlib.suppress(Exception):
+        transfer.sweep_orphans(gone=kernel_pid)
+
+
 def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     """Take the worker and everything it started down as soon as the kernel is gone.
 
@@ -478,6 +502,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
             readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
             if readable or os.getppid() != kernel_pid:
                 break
+        sweep_after(kernel_pid)
         # Only a group this worker leads is its own to end; started by hand
         # from a terminal, the group is the terminal's.
         if os.getpgrp() == os.getpid():
@@ -538,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     # The kernel closing the channel is how a conversation ends, not an error.
     with contextlib.suppress(ChannelClosed):
         serve(channel, shell, interrupts)
+    sweep_after(arguments.kernel_pid)
     # Whatever atexit handlers print is for the pipe: nobody reads frames now.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     return 0
