@@ -34,11 +34,15 @@ class Job:
         code: str,
         inputs: Parcel,
         outputs: Sequence[str] | None,
+        by_hand: bool = False,
     ) -> None:
         # Shown at once, from this thread: a background job's status belongs
         # in the cell that started it, which is only the executing one now.
         self._claim = Claim(wanted, view=new_view(), show_after=None)
         self._code, self._inputs, self._outputs = code, inputs, outputs
+        #: Whether the user named ``outputs`` with ``--out``: only then is a
+        #: name the cell ended without worth a warning.
+        self._by_hand = by_hand
         self._output = CellOutput()
         self._finished = threading.Event()
         self._values: dict[str, object] = {}
@@ -87,8 +91,9 @@ class Job:
             with self._claim as claimed:
                 outcome = claimed.run_code(self._code, self._inputs, self._outputs, self._output)
             self._values = outcome.outputs
-            if outcome.failed:
-                lines = "".join(f"  {n}: {r}\n" for n, r in sorted(outcome.failed.items()))
+            failed = outcome.not_brought_back(self._by_hand)
+            if failed:
+                lines = "".join(f"  {n}: {r}\n" for n, r in sorted(failed.items()))
                 self._output.stderr(f"fluksio_nb: these names could not be brought back:\n{lines}")
         except RemoteError as error:
             self._error = error
@@ -104,5 +109,12 @@ class Job:
         return f"<Job {self.label!r}: {describe(self._claim.status).splitlines()[0]}>"
 
 
-def start_job(wanted: Resources, code: str, inputs: Parcel, outputs: Sequence[str] | None) -> Job:
-    return Job(wanted, code, inputs, outputs)
+def start_job(
+    wanted: Resources,
+    code: str,
+    inputs: Parcel,
+    outputs: Sequence[str] | None,
+    by_hand: bool = False,
+) -> Job:
+    """Start a background claim; ``by_hand`` says the user chose ``outputs`` with ``--out``."""
+    return Job(wanted, code, inputs, outputs, by_hand)

@@ -26,7 +26,7 @@ from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
 from fluksio_nb.status import new_view
-from fluksio_nb.variables import choose_inputs, choose_outputs
+from fluksio_nb.variables import choose_inputs, choose_outputs, names_deleted
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
@@ -54,6 +54,10 @@ class ClaimMagics(Magics):
             parsed = parse_claim_line(line)
             inputs = choose_inputs(cell, self.shell.user_ns, parsed.inputs)
             outputs = choose_outputs(cell, parsed.outputs)
+            deleted = names_deleted(cell) if parsed.outputs is None else set()
+            # Asked for too, so that the worker says whether each is gone:
+            # a `del` on a branch not taken leaves the name where it was.
+            outputs += sorted(deleted.difference(outputs))
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
         if parsed.on is not None:
@@ -71,7 +75,9 @@ class ClaimMagics(Magics):
             if parsed.background:
                 from fluksio_nb.jobs import start_job
 
-                return start_job(parsed.resources, cell, parcel, outputs)
+                return start_job(
+                    parsed.resources, cell, parcel, outputs, by_hand=parsed.outputs is not None
+                )
             claimed = Claim(parsed.resources, view=new_view())
         except BadClaim as error:
             parcel.discard()
@@ -82,7 +88,10 @@ class ClaimMagics(Magics):
         finally:
             parcel.discard()
         self.shell.user_ns.update(outcome.outputs)
-        _report_failed(outcome.failed)
+        # A name the cell deleted is gone after it, as after a normal cell.
+        for name in deleted.intersection(outcome.absent):
+            self.shell.user_ns.pop(name, None)
+        _report_failed(outcome.not_brought_back(by_hand=parsed.outputs is not None))
         return None
 
     @line_magic

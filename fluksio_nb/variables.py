@@ -85,6 +85,21 @@ def names_written(source: str) -> set[str]:
     return _module_writes(_parse(source).body)
 
 
+def names_deleted(source: str) -> set[str]:
+    """Names a ``del`` at the cell's top level may remove from its namespace.
+
+    A name the cell deleted and did not bind again is gone from the kernel
+    too when the cell ends, as it would be after a normal cell.
+    """
+    return {
+        target.id
+        for node in _scope_nodes(_parse(source).body)
+        if isinstance(node, ast.Delete)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
 def choose_inputs(
     source: str,
     namespace: Mapping[str, object],

@@ -152,6 +152,27 @@ def test_in_and_out_override_the_automatic_choice(kernel):
     assert kernel.facts("[c, 'd' in dir()]") == [11, False]
 
 
+def test_a_name_the_cell_deletes_is_gone_from_the_kernel_too(kernel):
+    """Guards against `del` in a claimed cell warning, or leaving the name behind."""
+    kernel.run("scratch, keep = 5, 1", check=True)
+    ran = kernel.run("%%claim\ntwice = scratch * 2\ndel scratch", check=True)
+    assert ran.stderr == ""
+    assert kernel.facts("[twice, 'scratch' in dir(), keep]") == [10, False, 1]
+
+
+def test_a_name_bound_only_on_a_branch_not_taken_is_no_warning(kernel):
+    ran = kernel.run("%%claim\nif False:\n    never = 1\nlater = 2", check=True)
+    assert ran.stderr == ""
+    assert kernel.facts("[later, 'never' in dir()]") == [2, False]
+
+
+def test_an_out_name_the_cell_never_defined_is_reported_by_name(kernel):
+    """--out is the user's word: a name it promises and the cell lacks is worth saying."""
+    ran = kernel.run("%%claim --out promised,given\ngiven = 1", check=True)
+    assert "promised: the cell did not define it" in ran.stderr
+    assert kernel.facts("given") == 1
+
+
 def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
     kernel.run("%%claim --out y\nsecret = 1\ny = 2", check=True)
     ran = kernel.run("%%claim\nprint('secret' in dir())", check=True)

@@ -146,7 +146,9 @@ def test_inputs_arrive_and_outputs_come_back(worker):
     assert outcome.ok
     np.testing.assert_array_equal(outcome.outputs["scaled"], array * 2.0)
     assert set(outcome.outputs) == {"scaled"}
-    assert "never_made" in outcome.failed
+    assert outcome.absent == ("never_made",) and outcome.failed == {}
+    assert outcome.not_brought_back(by_hand=True) == {"never_made": "the cell did not define it"}
+    assert outcome.not_brought_back(by_hand=False) == {}
 
 
 def test_without_named_outputs_only_what_the_cell_bound_comes_back(worker):

@@ -172,6 +172,10 @@ class Outcome:
     outputs: dict[str, Any] = field(default_factory=dict)
     #: Output names that did not come back, with the reason for each.
     failed: dict[str, str] = field(default_factory=dict)
+    #: Output names the cell ended without, such as a name it deleted or only
+    #: binds on a branch it did not take. Whether that is a failure is the
+    #: caller's to say: it is if the user asked for the name by hand.
+    absent: tuple[str, ...] = ()
     #: The first exception the cell raised, when it raised one.
     error: CellError | None = None
     #: How the worker died, as a sentence, when it did; None while it lives.
@@ -185,6 +189,14 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def not_brought_back(self, by_hand: bool) -> dict[str, str]:
+        """The names worth a warning, with why: those that could not travel,
+        and those the cell ended without if the user named them by hand."""
+        failed = dict(self.failed)
+        if by_hand:
+            failed.update({name: "the cell did not define it" for name in self.absent})
+        return failed
 
     @property
     def signal_name(self) -> str | None:
@@ -491,8 +503,11 @@ class Worker:
     def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
         values, unreadable = unpack_outputs(done.get("outputs"))
         failed = {**done.get("failed", {}), **unreadable}
+        absent = tuple(done.get("absent", ()))
         if done.get("ok"):
-            return Outcome("ok", "the cell finished", values, failed, interrupted=cell.interrupted)
+            return Outcome(
+                "ok", "the cell finished", values, failed, absent, interrupted=cell.interrupted
+            )
         error = cell.error
         if error is None:
             description = "the cell failed without saying why"
@@ -501,7 +516,7 @@ class Worker:
         else:
             description = f"the cell raised {error.ename}: {error.evalue}"
         return Outcome(
-            "error", description, values, failed, error=error, interrupted=cell.interrupted
+            "error", description, values, failed, absent, error=error, interrupted=cell.interrupted
         )
 
     def _died(self, cell: _Cell) -> Outcome:

@@ -96,13 +96,14 @@ def unpack_inputs(parcel: Any) -> dict[str, Any]:
     return values
 
 
-def pack_outputs(namespace: dict[str, Any], names: list[str]) -> tuple[Any, dict[str, str]]:
-    """What goes back for ``names``, and why each one that cannot go back can't."""
+def pack_outputs(
+    namespace: dict[str, Any], names: list[str]
+) -> tuple[Any, dict[str, str], list[str]]:
+    """What goes back for ``names``, why each one that cannot go back can't, and the absent."""
     present = {name: namespace[name] for name in names if name in namespace}
-    failed = {name: "the cell did not define it" for name in names if name not in namespace}
+    absent = [name for name in names if name not in namespace]
     parcel = transfer.pack(present, refer_back=True)
-    failed.update(parcel.failures)
-    return parcel, failed
+    return parcel, dict(parcel.failures), absent
 
 
 def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list[str]:
@@ -433,9 +434,9 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             report_exception_only(shell, escaped)
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
-    outputs, failed = pack_outputs(shell.user_ns, names)
+    outputs, failed, absent = pack_outputs(shell.user_ns, names)
     flush_c_streams()
-    shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed})
+    shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed, "absent": absent})
     # Emptied now rather than when the next cell comes: an idle worker then
     # holds none of the last cell's data, the arrays it was sent stop
     # pinning the kernel's shared memory, and the next cell does not wait
