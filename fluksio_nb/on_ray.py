@@ -973,6 +973,10 @@ def _resources(resources: Mapping[str, float]) -> dict[str, float | int]:
 def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
     status = claimed.status
     latest = status.readings.latest
+    # Start times as the wall clock has them, for a monitor that counts the
+    # seconds itself: an age would change on every read.
+    now_wall, now_mono = time.time(), time.monotonic()
+    started = status.started_at
     return {
         "label": status.label,
         "phase": status.phase,
@@ -989,4 +993,33 @@ def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
         "peak_rss_bytes": status.readings.peak_rss_bytes,
         "cpu_percent": latest.cpu_percent if latest else None,
         "budget_bytes": status.budget.applied_bytes if status.budget else None,
+        "since": round(now_wall - (now_mono - status.asked_at), 1),
+        "started": None if started is None else round(now_wall - (now_mono - started), 1),
     }
+
+
+def describe_ray(snapshot: Mapping[str, Any]) -> str:
+    """:func:`ray_snapshot` as a few lines of text, the monitor's fallback beside the machine's."""
+    total, free = snapshot["total"], snapshot["available"]
+    nodes = snapshot["nodes"]
+    lines = [
+        f"ray   {snapshot['address'] or 'a cluster'}, {nodes} node{'s' if nodes != 1 else ''}",
+        f"ray cpus    {free['cpus']:g}/{total['cpus']:g} free",
+        f"ray gpus    {free['gpus']:g}/{total['gpus']:g} free",
+        f"ray memory  {human(free['memory_bytes'])}/{human(total['memory_bytes'])} free",
+    ]
+    for claim in snapshot["claims"]:
+        asked = claim["asked"]
+        words = [f"cpus={asked['cpus']}", f"gpus={asked['gpus']}"]
+        if asked["ram_bytes"]:
+            words.append(f"ram={human(asked['ram_bytes'])}")
+        line = f"ray {claim['phase']:<8} {claim['label']!s}: {' '.join(words)}"
+        if claim["gpus"]:
+            line += f", cards {','.join(map(str, claim['gpus']))}"
+        if claim["rss_bytes"] is not None:
+            budget = claim["budget_bytes"]
+            line += f", RSS {human(claim['rss_bytes'])}"
+            line += f" of {human(budget)}" if budget else ""
+            line += f", CPU {claim['cpu_percent']:.0f}%"
+        lines.append(line)
+    return "\n".join(lines)
