@@ -63,10 +63,12 @@ import cloudpickle
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, human
+from fluksio_nb.context import SHOW_AFTER_S
 from fluksio_nb.env import THREAD_VARS, derive_env
+from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, StatusView
+from fluksio_nb.status import ClaimStatus, StatusView, TextView
 from fluksio_nb.transfer import INLINE_LIMIT
 from fluksio_nb.worker.client import Outcome, Sink
 
@@ -78,6 +80,10 @@ INSTALL_HINT = (
 #: The least time between two sends of the task's output: a loop printing
 #: thousands of lines costs fifty actor calls a second, not thousands.
 SEND_EVERY_S = 0.02
+
+#: How long the task holds its first output before sending it. A cell over
+#: by then sends everything with its result: no actor call at all.
+FIRST_SEND_AFTER_S = 0.05
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
 #: button: Python only runs signal handlers between calls into Ray.
@@ -284,14 +290,24 @@ class Mailboxes:
         arrived.clear()
         return self._boxes.pop(box, [])
 
-    async def forget(self, box: str) -> None:
+    async def forget(self, box: str) -> list[Any]:
+        """Drop the box and wake whoever waits on it; what was still in it."""
         self._forgotten.append(box)
-        self._boxes.pop(box, None)
-        self._arrived.pop(box, None)
+        left = self._boxes.pop(box, [])
+        arrived = self._arrived.pop(box, None)
+        if arrived is not None:
+            arrived.set()
+        return left
 
 
 class _Outbox:
-    """Sends the task's output to its mailbox in batches, from a thread of its own."""
+    """Sends the task's output to its mailbox in batches, from a thread of its own.
+
+    What is still unsent when the cell ends goes back with the task's result
+    instead (:meth:`close`), with the count of what was sent, so that the
+    kernel knows when it has shown everything without another round trip.
+    A cell that is over within :data:`FIRST_SEND_AFTER_S` sends nothing at all.
+    """
 
     def __init__(self, mailboxes: Any, box: str) -> None:
         self._mailboxes, self._box = mailboxes, box
@@ -299,6 +315,8 @@ class _Outbox:
         self._lock = threading.Condition()
         self._closed = False
         self._last: Any = None
+        #: How many items have gone to the mailbox.
+        self.sent = 0
         self._thread = threading.Thread(target=self._send_loop, name="fluksio-outbox", daemon=True)
         self._thread.start()
 
@@ -307,19 +325,31 @@ class _Outbox:
             self._pending.append(item)
             self._lock.notify()
 
-    def close(self) -> None:
-        """Send what is left and wait until the mailbox has it."""
+    def close(self) -> list[Any]:
+        """Stop sending; what was never sent, for the task's result."""
         with self._lock:
             self._closed = True
             self._lock.notify()
         self._thread.join()
+        with self._lock:
+            unsent, self._pending = self._pending, []
+        return unsent
+
+    def flush(self) -> None:
+        """Send what is left and wait until the mailbox has it: for a task about to fail."""
+        unsent = self.close()
+        if unsent:
+            self._last = self._mailboxes.put.remote(self._box, unsent)
+            self.sent += len(unsent)
         if self._last is not None:
             import ray
 
             ray.get(self._last)
 
     def _send_loop(self) -> None:
-        sent_at = 0.0
+        # The first send waits a little: the output of a cell that is over
+        # by then goes back with its result, and costs no actor call.
+        sent_at = time.monotonic() - SEND_EVERY_S + FIRST_SEND_AFTER_S
         while True:
             with self._lock:
                 while not self._pending and not self._closed:
@@ -328,13 +358,14 @@ class _Outbox:
                 # since the last send and goes as one batch.
                 while not self._closed and time.monotonic() - sent_at < SEND_EVERY_S:
                     self._lock.wait(SEND_EVERY_S - (time.monotonic() - sent_at))
+                if self._closed:
+                    return  # what is pending goes with the task's result
                 items, self._pending = self._pending, []
-                closed = self._closed
-            if items:
-                self._last = self._mailboxes.put.remote(self._box, items)
-                sent_at = time.monotonic()
-            if closed:
-                return
+                # Counted before it goes: close() waits for this thread, so
+                # the call is made before the count is read.
+                self.sent += len(items)
+            self._last = self._mailboxes.put.remote(self._box, items)
+            sent_at = time.monotonic()
 
 
 class _OutboxSink(Sink):
@@ -423,12 +454,20 @@ def run_claimed_cell(
         finally:
             kernel_watch().discard(watched)
             pool.checkin(worker, derived)
-        return _task_result(outcome, halted[0] if halted else None, through_client)
+        result = _task_result(outcome, halted[0] if halted else None, through_client)
+    except BaseException:
+        # The kernel reads the mailbox once more when the task fails, so
+        # everything must be in it first.
+        outbox.flush()
+        raise
     finally:
         if parcel is not None:
             parcel.discard()
-        outbox.put(("end",))
-        outbox.close()
+    # The rest of the output goes back with the result, and the count of what
+    # went through the mailbox, which the kernel shows first.
+    result["unsent"] = outbox.close()
+    result["sent"] = outbox.sent
+    return result
 
 
 def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
@@ -570,7 +609,14 @@ class RayClaim:
     and ``env`` say what the last task was given.
     """
 
-    def __init__(self, wanted: Resources, on: str = "ray", *, view: StatusView | None = None):
+    def __init__(
+        self,
+        wanted: Resources,
+        on: str = "ray",
+        *,
+        view: StatusView | None = None,
+        show_after: float | None = SHOW_AFTER_S,
+    ):
         from fluksio_nb.flavors import resolve_flavor
         from fluksio_nb.settings import load_settings
 
@@ -591,6 +637,12 @@ class RayClaim:
         #: The Ray node the last task ran on.
         self.node: str | None = None
         self._view = view
+        #: As a local claim's (:data:`~fluksio_nb.context.SHOW_AFTER_S`): the
+        #: live view only for a claim still waiting by then, or at its first
+        #: reading; how it went is left as text of its own at the end.
+        self._show_after = show_after
+        self._shown = False
+        self._summary: TextView | None = None
         self._ray: Any = None
         #: Why the last task was stopped for running out of time, if it was.
         self._timed_out: str | None = None
@@ -610,7 +662,10 @@ class RayClaim:
         with _lock:
             _live[id(self)] = self
         if self._view is not None:
-            self._view.show(self.status)
+            # Made now, in the cell that asked, as a local claim's.
+            self._summary = TextView(CellOutput())
+            if self._show_after is None:
+                self._show()
         return self
 
     def release(self, error: BaseException | None = None) -> None:
@@ -699,9 +754,7 @@ class RayClaim:
             through_client,
         )
         try:
-            self._follow(ray, mailboxes, box, running, sink, deadline)
-            if self._timed_out is None:
-                result = ray.get(running)
+            result = self._follow(ray, mailboxes, box, running, sink, deadline)
         except KeyboardInterrupt:
             mailboxes.forget.remote(box)
             stop_task(ray, running)
@@ -735,10 +788,16 @@ class RayClaim:
 
     def _follow(
         self, ray: Any, mailboxes: Any, box: str, running: Any, sink: Any, deadline: float | None
-    ) -> None:
-        """Relay the task's output until it says it has ended, or is gone without saying."""
+    ) -> dict[str, Any] | None:
+        """Relay the task's output while it runs; its result once all of it is shown.
+
+        ``None`` when the task ran out of time. The task's last output comes
+        with its result, with the count of what went through the mailbox, so
+        a task that has ended costs no wait on the mailbox unless some of
+        that is still on its way.
+        """
         taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
-        task_over = False
+        shown = 0
         while True:
             ready, _ = ray.wait([taking, running], num_returns=1, timeout=_SIGNAL_CHECK_S)
             if deadline is not None and time.monotonic() >= deadline:
@@ -748,26 +807,37 @@ class RayClaim:
                 )
                 mailboxes.forget.remote(box)
                 stop_task(ray, running)
-                return
-            if running in ready:
-                task_over = True
-            if taking not in ready:
-                if task_over:
-                    # Its last words are on their way: the task waits for the
-                    # mailbox to have them before it returns.
-                    ray.wait([taking], timeout=_TAKE_WAIT_S)
-                    if not ray.wait([taking], timeout=0)[0]:
-                        return
-                else:
-                    continue
-            items = ray.get(taking)
-            if self._take(items, sink) or (task_over and not items):
-                mailboxes.forget.remote(box)
-                return
-            taking = mailboxes.take.remote(box, 0 if task_over else _TAKE_WAIT_S)
+                return None
+            if taking in ready:
+                items = ray.get(taking)
+                shown += len(items)
+                self._take(items, sink)
+                taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+            elif running in ready:
+                break
+            elif self._due_to_show():
+                self._show()
+        try:
+            result = ray.get(running)
+        except ray.exceptions.RayError:
+            # The task put all it had in the mailbox before it failed.
+            leaving = mailboxes.forget.remote(box)
+            self._take(ray.get(taking), sink)
+            self._take(ray.get(leaving), sink)
+            raise
+        while shown < result["sent"]:
+            # Sent before the task ended, and not here yet: it is on its way.
+            if ray.wait([taking], timeout=_SIGNAL_CHECK_S)[0]:
+                items = ray.get(taking)
+                shown += len(items)
+                self._take(items, sink)
+                taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+        mailboxes.forget.remote(box)
+        self._take(result["unsent"], sink)
+        return result
 
-    def _take(self, items: list[Any], sink: Any) -> bool:
-        """Show what the task sent; True once it has said it ended."""
+    def _take(self, items: list[Any], sink: Any) -> None:
+        """Show what the task sent."""
         for item in items:
             kind = item[0]
             if kind == "stdout":
@@ -786,12 +856,11 @@ class RayClaim:
                     clear_output(item[1])
             elif kind == "sample":
                 self.status.readings.add(Sample(**item[1]))
+                # A running claim is shown at its first reading, as a local one is.
+                self._show()
                 self._update_view()
             elif kind == "started":
                 self._started(item[1])
-            elif kind == "end":
-                return True
-        return False
 
     def _started(self, facts: dict[str, Any]) -> None:
         self.node = facts["node"]
@@ -828,8 +897,19 @@ class RayClaim:
 
     # -- showing ---------------------------------------------------------------
 
+    def _due_to_show(self) -> bool:
+        """Whether the claim has waited in Ray's queue long enough to be shown waiting."""
+        if self._show_after is None or self.status.phase != "waiting":
+            return False
+        return time.monotonic() - self.status.asked_at >= self._show_after
+
+    def _show(self) -> None:
+        if self._view is not None and not self._shown:
+            self._shown = True
+            self._view.show(self.status)
+
     def _update_view(self) -> None:
-        if self._view is not None:
+        if self._view is not None and self._shown:
             self._view.update(self.status)
 
     def _end(self, ending: Any, message: str) -> None:
@@ -838,6 +918,11 @@ class RayClaim:
         if self.status.started_at is None:
             self.status.started_at = self.status.ended_at
         self._update_view()
+        if self._summary is not None:
+            # What a saved notebook and nbval read, after the live view if
+            # there was one (see Claim._end).
+            self._shown = True
+            self._summary.show(self.status)
 
 
 def stop_task(ray: Any, running: Any) -> None:
