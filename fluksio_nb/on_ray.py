@@ -394,7 +394,7 @@ class _OutboxSink(Sink):
 
 
 def run_claimed_cell(
-    mailboxes: Any,
+    mailboxes_name: str,
     box: str,
     code: str,
     inputs: dict[str, Any],
@@ -416,7 +416,7 @@ def run_claimed_cell(
     from fluksio_nb.watch import Watched, kernel_watch
     from fluksio_nb.worker.pool import kernel_pool
 
-    outbox = _Outbox(mailboxes, box)
+    outbox = _Outbox(_mailboxes_named(ray, mailboxes_name), box)
     parcel = None
     try:
         parcel = _inputs_as_parcel(ray, inputs)
@@ -528,8 +528,16 @@ _lock = threading.Lock()
 #: the monitor's snapshot never waits for it.
 _connecting = threading.Lock()
 _remote: dict[str, Any] = {}
-#: The mailbox actor of this kernel's current Ray connection, keyed by its job.
-_mailboxes: tuple[str, Any] | None = None
+#: The mailbox actor of this kernel's current Ray connection: its job, name and handle.
+_mailboxes: tuple[str, str, Any] | None = None
+#: The task with each claim's options.
+_shaped: dict[str, Any] = {}
+#: The cluster's nodes as last read, with the job and the time they were read in.
+_nodes_seen: tuple[str, float, list[Any]] | None = None
+#: How long the nodes last read are trusted to say that a claim fits: a claim
+#: refused by them is checked again at once, so only a node that went away
+#: can make a claim wait in Ray's queue, as it can after any check.
+_NODES_FRESH_S = 10.0
 #: The address this module connected to, when it made the connection itself.
 _connected_to: str | None = None
 #: This kernel's claims on Ray that have not ended, for the monitor.
@@ -568,6 +576,11 @@ def _through_client(ray: Any) -> bool:
         return False
 
 
+def _job_of(ray: Any) -> str:
+    """The job this kernel is in on its cluster: a new one after each ``ray.init``."""
+    return str(ray.get_runtime_context().get_job_id())
+
+
 def _gcs_address(ray: Any) -> str | None:
     try:
         return ray.get_runtime_context().gcs_address
@@ -583,22 +596,74 @@ def _remote_functions(ray: Any) -> tuple[Any, Any]:
         return _remote["task"], _remote["mailboxes"]
 
 
-def _kernel_mailboxes(ray: Any) -> Any:
-    """This kernel's mailbox actor, made on first use for each Ray connection."""
+def _task_for(ray: Any, wanted: Resources, label: str) -> Any:
+    """The task with a claim's options, made once per shape: making it costs more than the call."""
+    options = task_options(wanted, label)
+    key = repr(sorted(options.items()))
+    task, _ = _remote_functions(ray)
+    with _lock:
+        shaped = _shaped.get(key)
+        if shaped is None:
+            if len(_shaped) >= 64:
+                _shaped.clear()
+            shaped = _shaped[key] = task.options(**options)
+        return shaped
+
+
+def _kernel_mailboxes(ray: Any, job: str) -> tuple[str, Any]:
+    """This kernel's mailbox actor, by name and handle, made on first use for each job.
+
+    Tasks are given its name, not its handle: a handle passed to a task costs
+    the call about half a millisecond, and the task's process keeps the handle
+    it looked up for the next claim (:func:`_mailboxes_named`).
+    """
     global _mailboxes
     _, actor_class = _remote_functions(ray)
-    job = str(ray.get_runtime_context().get_job_id())
     with _lock:
         if _mailboxes is None or _mailboxes[0] != job:
+            name = f"fluksio-mailboxes-{uuid.uuid4().hex}"
             # No CPU: it only holds text, and must never wait behind the claims it serves.
-            _mailboxes = (job, actor_class.options(num_cpus=0).remote())
-        return _mailboxes[1]
+            handle = actor_class.options(num_cpus=0, name=name).remote()
+            _mailboxes = (job, name, handle)
+        return _mailboxes[1], _mailboxes[2]
 
 
 def _forget_mailboxes() -> None:
     global _mailboxes
     with _lock:
         _mailboxes = None
+
+
+#: The mailbox actors a task's process has looked up, by name.
+_named: dict[str, Any] = {}
+
+
+def _mailboxes_named(ray: Any, name: str) -> Any:
+    """A kernel's mailbox actor, as a task finds it: looked up once per process."""
+    handle = _named.get(name)
+    if handle is None:
+        if len(_named) >= 64:
+            _named.clear()
+        handle = _named[name] = ray.get_actor(name)
+    return handle
+
+
+def _check_fits(ray: Any, job: str, wanted: Resources) -> None:
+    """:func:`check_fits` against the cluster's nodes, read at most every few seconds.
+
+    A claim that does not fit the nodes last read is checked again against
+    the nodes as they are now, so a node that joined since is counted.
+    """
+    global _nodes_seen
+    now = time.monotonic()
+    seen = _nodes_seen
+    if seen is not None and seen[0] == job and now - seen[1] < _NODES_FRESH_S:
+        with contextlib.suppress(ClaimTooBigForCluster):
+            check_fits(wanted, seen[2])
+            return
+    nodes = ray.nodes()
+    _nodes_seen = (job, now, nodes)
+    check_fits(wanted, nodes)
 
 
 class RayClaim:
@@ -657,7 +722,7 @@ class RayClaim:
         if self._ray is not None:
             return self
         ray = connect(self.target)
-        check_fits(self.wanted, ray.nodes())
+        _check_fits(ray, _job_of(ray), self.wanted)
         self._ray = ray
         with _lock:
             _live[id(self)] = self
@@ -730,8 +795,8 @@ class RayClaim:
                 f"input '{name}' cannot be sent to the Ray cluster ({reason}) — "
                 f"leave '{name}' out of the cell's inputs and create it inside the cell"
             )
-        task, _ = _remote_functions(ray)
-        mailboxes = _kernel_mailboxes(ray)
+        task = _task_for(ray, self.wanted, self.status.label)
+        mailboxes_name, mailboxes = _kernel_mailboxes(ray, _job_of(ray))
         box = uuid.uuid4().hex
         through_client = _through_client(ray)
         refs = {
@@ -744,8 +809,8 @@ class RayClaim:
         self.status.phase, self.status.asked_at = "waiting", time.monotonic()
         self.status.started_at = self.status.ended_at = None
         self._update_view()
-        running = task.options(**task_options(self.wanted, label)).remote(
-            mailboxes,
+        running = task.remote(
+            mailboxes_name,
             box,
             code,
             refs,
