@@ -471,22 +471,26 @@ def run_claimed_cell(
 
 
 def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
-    """The cell's inputs, from the object store to shared memory for the worker."""
+    """The cell's inputs, from the object store to shared memory for the worker.
+
+    Each pickle goes on as the kernel made it, and its big buffers straight
+    from the object store to shared memory: one copy, nothing unpickled here.
+    The kernel pickled its own values, so the worker's arrays are writable
+    exactly where the kernel's were, as a local claim's are.
+    """
     from fluksio_nb import transfer
 
     names = list(inputs)
-    # Copied out of the object store, whose memory is read-only: a pickle of
-    # a read-only array says so, and the cell would get read-only arrays.
-    values = {
-        name: thaw(frozen, writable=True)
-        for name, frozen in zip(names, ray.get([inputs[name] for name in names]), strict=True)
-    }
-    parcel = transfer.pack(values)
-    if parcel.failures:
-        parcel.discard()
-        name, reason = next(iter(parcel.failures.items()))
-        raise ValueError(f"input '{name}' arrived but could not be handed to the worker: {reason}")
-    return parcel
+    values: dict[str, Any] = {}
+    try:
+        for name, (data, buffers) in zip(
+            names, ray.get([inputs[name] for name in names]), strict=True
+        ):
+            values[name] = transfer.pack_pickled(data, buffers)
+    except BaseException:
+        transfer.Parcel(values).discard()
+        raise
+    return transfer.Parcel(values)
 
 
 def _worker_env(gpus: list[str]) -> dict[str, str]:
