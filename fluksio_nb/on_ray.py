@@ -27,7 +27,9 @@ What this module decides:
 - **Output goes through a mailbox actor**, one per kernel, which the task
   writes to and the kernel reads from while it waits for the task. Ray's
   streaming generators would be lighter, but Ray Client (``ray://``) does not
-  support them, and a mailbox works the same both ways.
+  support them, and a mailbox works the same both ways. What the task has
+  not sent when the cell ends comes back with its result, with the count of
+  what it did send, so a short cell costs no actor call for its output.
 - **Variables travel through Ray's object store**, each name pickled on its
   own, so that one value that cannot travel is reported by name, big buffers
   out of band. Arrays arrive writable, as they do from a local claim: the
