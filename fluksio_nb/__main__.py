@@ -39,6 +39,29 @@ def describe_snapshot(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
+def ray_now() -> dict | None:
+    """This kernel's Ray cluster and its claims on it; ``None`` while Ray is not connected.
+
+    Ray is looked for in ``sys.modules`` first, and never imported just to
+    look: a kernel that has not imported Ray pays one dictionary lookup.
+    """
+    if sys.modules.get("ray") is None:
+        return None
+    from fluksio_nb.on_ray import ray_snapshot
+
+    return ray_snapshot()
+
+
+def describe_monitor(snapshot: dict, ray: dict | None = None) -> str:
+    """What ``%claims`` says as text: the machine's books, then the Ray cluster if connected."""
+    text = describe_snapshot(snapshot)
+    if ray is None:
+        return text
+    from fluksio_nb.on_ray import describe_ray
+
+    return f"{text}\n{describe_ray(ray)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fluksio-nb", description="Show this machine's shares, or the flavors."

@@ -103,10 +103,10 @@ class ClaimMagics(Magics):
             from fluksio_nb.widget import monitor
 
             return monitor()
-        from fluksio_nb.__main__ import describe_snapshot
+        from fluksio_nb.__main__ import describe_monitor, ray_now
         from fluksio_nb.kernel import accountant
 
-        print(describe_snapshot(accountant().snapshot()))
+        print(describe_monitor(accountant().snapshot(), ray_now()))
         return None
 
 

@@ -27,7 +27,9 @@ What this module decides:
 - **Output goes through a mailbox actor**, one per kernel, which the task
   writes to and the kernel reads from while it waits for the task. Ray's
   streaming generators would be lighter, but Ray Client (``ray://``) does not
-  support them, and a mailbox works the same both ways.
+  support them, and a mailbox works the same both ways. What the task has
+  not sent when the cell ends comes back with its result, with the count of
+  what it did send, so a short cell costs no actor call for its output.
 - **Variables travel through Ray's object store**, each name pickled on its
   own, so that one value that cannot travel is reported by name, big buffers
   out of band. Arrays arrive writable, as they do from a local claim: the
@@ -63,10 +65,12 @@ import cloudpickle
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, human
+from fluksio_nb.context import SHOW_AFTER_S
 from fluksio_nb.env import THREAD_VARS, derive_env
+from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, StatusView
+from fluksio_nb.status import ClaimStatus, StatusView, TextView
 from fluksio_nb.transfer import INLINE_LIMIT
 from fluksio_nb.worker.client import Outcome, Sink
 
@@ -78,6 +82,10 @@ INSTALL_HINT = (
 #: The least time between two sends of the task's output: a loop printing
 #: thousands of lines costs fifty actor calls a second, not thousands.
 SEND_EVERY_S = 0.02
+
+#: How long the task holds its first output before sending it. A cell over
+#: by then sends everything with its result: no actor call at all.
+FIRST_SEND_AFTER_S = 0.05
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
 #: button: Python only runs signal handlers between calls into Ray.
@@ -284,14 +292,24 @@ class Mailboxes:
         arrived.clear()
         return self._boxes.pop(box, [])
 
-    async def forget(self, box: str) -> None:
+    async def forget(self, box: str) -> list[Any]:
+        """Drop the box and wake whoever waits on it; what was still in it."""
         self._forgotten.append(box)
-        self._boxes.pop(box, None)
-        self._arrived.pop(box, None)
+        left = self._boxes.pop(box, [])
+        arrived = self._arrived.pop(box, None)
+        if arrived is not None:
+            arrived.set()
+        return left
 
 
 class _Outbox:
-    """Sends the task's output to its mailbox in batches, from a thread of its own."""
+    """Sends the task's output to its mailbox in batches, from a thread of its own.
+
+    What is still unsent when the cell ends goes back with the task's result
+    instead (:meth:`close`), with the count of what was sent, so that the
+    kernel knows when it has shown everything without another round trip.
+    A cell that is over within :data:`FIRST_SEND_AFTER_S` sends nothing at all.
+    """
 
     def __init__(self, mailboxes: Any, box: str) -> None:
         self._mailboxes, self._box = mailboxes, box
@@ -299,6 +317,8 @@ class _Outbox:
         self._lock = threading.Condition()
         self._closed = False
         self._last: Any = None
+        #: How many items have gone to the mailbox.
+        self.sent = 0
         self._thread = threading.Thread(target=self._send_loop, name="fluksio-outbox", daemon=True)
         self._thread.start()
 
@@ -307,19 +327,31 @@ class _Outbox:
             self._pending.append(item)
             self._lock.notify()
 
-    def close(self) -> None:
-        """Send what is left and wait until the mailbox has it."""
+    def close(self) -> list[Any]:
+        """Stop sending; what was never sent, for the task's result."""
         with self._lock:
             self._closed = True
             self._lock.notify()
         self._thread.join()
+        with self._lock:
+            unsent, self._pending = self._pending, []
+        return unsent
+
+    def flush(self) -> None:
+        """Send what is left and wait until the mailbox has it: for a task about to fail."""
+        unsent = self.close()
+        if unsent:
+            self._last = self._mailboxes.put.remote(self._box, unsent)
+            self.sent += len(unsent)
         if self._last is not None:
             import ray
 
             ray.get(self._last)
 
     def _send_loop(self) -> None:
-        sent_at = 0.0
+        # The first send waits a little: the output of a cell that is over
+        # by then goes back with its result, and costs no actor call.
+        sent_at = time.monotonic() - SEND_EVERY_S + FIRST_SEND_AFTER_S
         while True:
             with self._lock:
                 while not self._pending and not self._closed:
@@ -328,13 +360,14 @@ class _Outbox:
                 # since the last send and goes as one batch.
                 while not self._closed and time.monotonic() - sent_at < SEND_EVERY_S:
                     self._lock.wait(SEND_EVERY_S - (time.monotonic() - sent_at))
+                if self._closed:
+                    return  # what is pending goes with the task's result
                 items, self._pending = self._pending, []
-                closed = self._closed
-            if items:
-                self._last = self._mailboxes.put.remote(self._box, items)
-                sent_at = time.monotonic()
-            if closed:
-                return
+                # Counted before it goes: close() waits for this thread, so
+                # the call is made before the count is read.
+                self.sent += len(items)
+            self._last = self._mailboxes.put.remote(self._box, items)
+            sent_at = time.monotonic()
 
 
 class _OutboxSink(Sink):
@@ -363,7 +396,7 @@ class _OutboxSink(Sink):
 
 
 def run_claimed_cell(
-    mailboxes: Any,
+    mailboxes_name: str,
     box: str,
     code: str,
     inputs: dict[str, Any],
@@ -385,7 +418,7 @@ def run_claimed_cell(
     from fluksio_nb.watch import Watched, kernel_watch
     from fluksio_nb.worker.pool import kernel_pool
 
-    outbox = _Outbox(mailboxes, box)
+    outbox = _Outbox(_mailboxes_named(ray, mailboxes_name), box)
     parcel = None
     try:
         parcel = _inputs_as_parcel(ray, inputs)
@@ -423,31 +456,43 @@ def run_claimed_cell(
         finally:
             kernel_watch().discard(watched)
             pool.checkin(worker, derived)
-        return _task_result(outcome, halted[0] if halted else None, through_client)
+        result = _task_result(outcome, halted[0] if halted else None, through_client)
+    except BaseException:
+        # The kernel reads the mailbox once more when the task fails, so
+        # everything must be in it first.
+        outbox.flush()
+        raise
     finally:
         if parcel is not None:
             parcel.discard()
-        outbox.put(("end",))
-        outbox.close()
+    # The rest of the output goes back with the result, and the count of what
+    # went through the mailbox, which the kernel shows first.
+    result["unsent"] = outbox.close()
+    result["sent"] = outbox.sent
+    return result
 
 
 def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
-    """The cell's inputs, from the object store to shared memory for the worker."""
+    """The cell's inputs, from the object store to shared memory for the worker.
+
+    Each pickle goes on as the kernel made it, and its big buffers straight
+    from the object store to shared memory: one copy, nothing unpickled here.
+    The kernel pickled its own values, so the worker's arrays are writable
+    exactly where the kernel's were, as a local claim's are.
+    """
     from fluksio_nb import transfer
 
     names = list(inputs)
-    # Copied out of the object store, whose memory is read-only: a pickle of
-    # a read-only array says so, and the cell would get read-only arrays.
-    values = {
-        name: thaw(frozen, writable=True)
-        for name, frozen in zip(names, ray.get([inputs[name] for name in names]), strict=True)
-    }
-    parcel = transfer.pack(values)
-    if parcel.failures:
-        parcel.discard()
-        name, reason = next(iter(parcel.failures.items()))
-        raise ValueError(f"input '{name}' arrived but could not be handed to the worker: {reason}")
-    return parcel
+    values: dict[str, Any] = {}
+    try:
+        for name, (data, buffers) in zip(
+            names, ray.get([inputs[name] for name in names]), strict=True
+        ):
+            values[name] = transfer.pack_pickled(data, buffers)
+    except BaseException:
+        transfer.Parcel(values).discard()
+        raise
+    return transfer.Parcel(values)
 
 
 def _worker_env(gpus: list[str]) -> dict[str, str]:
@@ -489,8 +534,16 @@ _lock = threading.Lock()
 #: the monitor's snapshot never waits for it.
 _connecting = threading.Lock()
 _remote: dict[str, Any] = {}
-#: The mailbox actor of this kernel's current Ray connection, keyed by its job.
-_mailboxes: tuple[str, Any] | None = None
+#: The mailbox actor of this kernel's current Ray connection: its job, name and handle.
+_mailboxes: tuple[str, str, Any] | None = None
+#: The task with each claim's options.
+_shaped: dict[str, Any] = {}
+#: The cluster's nodes as last read, with the job and the time they were read in.
+_nodes_seen: tuple[str, float, list[Any]] | None = None
+#: How long the nodes last read are trusted to say that a claim fits: a claim
+#: refused by them is checked again at once, so only a node that went away
+#: can make a claim wait in Ray's queue, as it can after any check.
+_NODES_FRESH_S = 10.0
 #: The address this module connected to, when it made the connection itself.
 _connected_to: str | None = None
 #: This kernel's claims on Ray that have not ended, for the monitor.
@@ -529,6 +582,11 @@ def _through_client(ray: Any) -> bool:
         return False
 
 
+def _job_of(ray: Any) -> str:
+    """The job this kernel is in on its cluster: a new one after each ``ray.init``."""
+    return str(ray.get_runtime_context().get_job_id())
+
+
 def _gcs_address(ray: Any) -> str | None:
     try:
         return ray.get_runtime_context().gcs_address
@@ -544,22 +602,74 @@ def _remote_functions(ray: Any) -> tuple[Any, Any]:
         return _remote["task"], _remote["mailboxes"]
 
 
-def _kernel_mailboxes(ray: Any) -> Any:
-    """This kernel's mailbox actor, made on first use for each Ray connection."""
+def _task_for(ray: Any, wanted: Resources, label: str) -> Any:
+    """The task with a claim's options, made once per shape: making it costs more than the call."""
+    options = task_options(wanted, label)
+    key = repr(sorted(options.items()))
+    task, _ = _remote_functions(ray)
+    with _lock:
+        shaped = _shaped.get(key)
+        if shaped is None:
+            if len(_shaped) >= 64:
+                _shaped.clear()
+            shaped = _shaped[key] = task.options(**options)
+        return shaped
+
+
+def _kernel_mailboxes(ray: Any, job: str) -> tuple[str, Any]:
+    """This kernel's mailbox actor, by name and handle, made on first use for each job.
+
+    Tasks are given its name, not its handle: a handle passed to a task costs
+    the call about half a millisecond, and the task's process keeps the handle
+    it looked up for the next claim (:func:`_mailboxes_named`).
+    """
     global _mailboxes
     _, actor_class = _remote_functions(ray)
-    job = str(ray.get_runtime_context().get_job_id())
     with _lock:
         if _mailboxes is None or _mailboxes[0] != job:
+            name = f"fluksio-mailboxes-{uuid.uuid4().hex}"
             # No CPU: it only holds text, and must never wait behind the claims it serves.
-            _mailboxes = (job, actor_class.options(num_cpus=0).remote())
-        return _mailboxes[1]
+            handle = actor_class.options(num_cpus=0, name=name).remote()
+            _mailboxes = (job, name, handle)
+        return _mailboxes[1], _mailboxes[2]
 
 
 def _forget_mailboxes() -> None:
     global _mailboxes
     with _lock:
         _mailboxes = None
+
+
+#: The mailbox actors a task's process has looked up, by name.
+_named: dict[str, Any] = {}
+
+
+def _mailboxes_named(ray: Any, name: str) -> Any:
+    """A kernel's mailbox actor, as a task finds it: looked up once per process."""
+    handle = _named.get(name)
+    if handle is None:
+        if len(_named) >= 64:
+            _named.clear()
+        handle = _named[name] = ray.get_actor(name)
+    return handle
+
+
+def _check_fits(ray: Any, job: str, wanted: Resources) -> None:
+    """:func:`check_fits` against the cluster's nodes, read at most every few seconds.
+
+    A claim that does not fit the nodes last read is checked again against
+    the nodes as they are now, so a node that joined since is counted.
+    """
+    global _nodes_seen
+    now = time.monotonic()
+    seen = _nodes_seen
+    if seen is not None and seen[0] == job and now - seen[1] < _NODES_FRESH_S:
+        with contextlib.suppress(ClaimTooBigForCluster):
+            check_fits(wanted, seen[2])
+            return
+    nodes = ray.nodes()
+    _nodes_seen = (job, now, nodes)
+    check_fits(wanted, nodes)
 
 
 class RayClaim:
@@ -570,7 +680,14 @@ class RayClaim:
     and ``env`` say what the last task was given.
     """
 
-    def __init__(self, wanted: Resources, on: str = "ray", *, view: StatusView | None = None):
+    def __init__(
+        self,
+        wanted: Resources,
+        on: str = "ray",
+        *,
+        view: StatusView | None = None,
+        show_after: float | None = SHOW_AFTER_S,
+    ):
         from fluksio_nb.flavors import resolve_flavor
         from fluksio_nb.settings import load_settings
 
@@ -591,6 +708,12 @@ class RayClaim:
         #: The Ray node the last task ran on.
         self.node: str | None = None
         self._view = view
+        #: As a local claim's (:data:`~fluksio_nb.context.SHOW_AFTER_S`): the
+        #: live view only for a claim still waiting by then, or at its first
+        #: reading; how it went is left as text of its own at the end.
+        self._show_after = show_after
+        self._shown = False
+        self._summary: TextView | None = None
         self._ray: Any = None
         #: Why the last task was stopped for running out of time, if it was.
         self._timed_out: str | None = None
@@ -605,12 +728,15 @@ class RayClaim:
         if self._ray is not None:
             return self
         ray = connect(self.target)
-        check_fits(self.wanted, ray.nodes())
+        _check_fits(ray, _job_of(ray), self.wanted)
         self._ray = ray
         with _lock:
             _live[id(self)] = self
         if self._view is not None:
-            self._view.show(self.status)
+            # Made now, in the cell that asked, as a local claim's.
+            self._summary = TextView(CellOutput())
+            if self._show_after is None:
+                self._show()
         return self
 
     def release(self, error: BaseException | None = None) -> None:
@@ -675,8 +801,8 @@ class RayClaim:
                 f"input '{name}' cannot be sent to the Ray cluster ({reason}) — "
                 f"leave '{name}' out of the cell's inputs and create it inside the cell"
             )
-        task, _ = _remote_functions(ray)
-        mailboxes = _kernel_mailboxes(ray)
+        task = _task_for(ray, self.wanted, self.status.label)
+        mailboxes_name, mailboxes = _kernel_mailboxes(ray, _job_of(ray))
         box = uuid.uuid4().hex
         through_client = _through_client(ray)
         refs = {
@@ -689,8 +815,8 @@ class RayClaim:
         self.status.phase, self.status.asked_at = "waiting", time.monotonic()
         self.status.started_at = self.status.ended_at = None
         self._update_view()
-        running = task.options(**task_options(self.wanted, label)).remote(
-            mailboxes,
+        running = task.remote(
+            mailboxes_name,
             box,
             code,
             refs,
@@ -699,9 +825,7 @@ class RayClaim:
             through_client,
         )
         try:
-            self._follow(ray, mailboxes, box, running, sink, deadline)
-            if self._timed_out is None:
-                result = ray.get(running)
+            result = self._follow(ray, mailboxes, box, running, sink, deadline)
         except KeyboardInterrupt:
             mailboxes.forget.remote(box)
             stop_task(ray, running)
@@ -735,10 +859,16 @@ class RayClaim:
 
     def _follow(
         self, ray: Any, mailboxes: Any, box: str, running: Any, sink: Any, deadline: float | None
-    ) -> None:
-        """Relay the task's output until it says it has ended, or is gone without saying."""
+    ) -> dict[str, Any] | None:
+        """Relay the task's output while it runs; its result once all of it is shown.
+
+        ``None`` when the task ran out of time. The task's last output comes
+        with its result, with the count of what went through the mailbox, so
+        a task that has ended costs no wait on the mailbox unless some of
+        that is still on its way.
+        """
         taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
-        task_over = False
+        shown = 0
         while True:
             ready, _ = ray.wait([taking, running], num_returns=1, timeout=_SIGNAL_CHECK_S)
             if deadline is not None and time.monotonic() >= deadline:
@@ -748,26 +878,37 @@ class RayClaim:
                 )
                 mailboxes.forget.remote(box)
                 stop_task(ray, running)
-                return
-            if running in ready:
-                task_over = True
-            if taking not in ready:
-                if task_over:
-                    # Its last words are on their way: the task waits for the
-                    # mailbox to have them before it returns.
-                    ray.wait([taking], timeout=_TAKE_WAIT_S)
-                    if not ray.wait([taking], timeout=0)[0]:
-                        return
-                else:
-                    continue
-            items = ray.get(taking)
-            if self._take(items, sink) or (task_over and not items):
-                mailboxes.forget.remote(box)
-                return
-            taking = mailboxes.take.remote(box, 0 if task_over else _TAKE_WAIT_S)
+                return None
+            if taking in ready:
+                items = ray.get(taking)
+                shown += len(items)
+                self._take(items, sink)
+                taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+            elif running in ready:
+                break
+            elif self._due_to_show():
+                self._show()
+        try:
+            result = ray.get(running)
+        except ray.exceptions.RayError:
+            # The task put all it had in the mailbox before it failed.
+            leaving = mailboxes.forget.remote(box)
+            self._take(ray.get(taking), sink)
+            self._take(ray.get(leaving), sink)
+            raise
+        while shown < result["sent"]:
+            # Sent before the task ended, and not here yet: it is on its way.
+            if ray.wait([taking], timeout=_SIGNAL_CHECK_S)[0]:
+                items = ray.get(taking)
+                shown += len(items)
+                self._take(items, sink)
+                taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+        mailboxes.forget.remote(box)
+        self._take(result["unsent"], sink)
+        return result
 
-    def _take(self, items: list[Any], sink: Any) -> bool:
-        """Show what the task sent; True once it has said it ended."""
+    def _take(self, items: list[Any], sink: Any) -> None:
+        """Show what the task sent."""
         for item in items:
             kind = item[0]
             if kind == "stdout":
@@ -786,12 +927,11 @@ class RayClaim:
                     clear_output(item[1])
             elif kind == "sample":
                 self.status.readings.add(Sample(**item[1]))
+                # A running claim is shown at its first reading, as a local one is.
+                self._show()
                 self._update_view()
             elif kind == "started":
                 self._started(item[1])
-            elif kind == "end":
-                return True
-        return False
 
     def _started(self, facts: dict[str, Any]) -> None:
         self.node = facts["node"]
@@ -828,8 +968,19 @@ class RayClaim:
 
     # -- showing ---------------------------------------------------------------
 
+    def _due_to_show(self) -> bool:
+        """Whether the claim has waited in Ray's queue long enough to be shown waiting."""
+        if self._show_after is None or self.status.phase != "waiting":
+            return False
+        return time.monotonic() - self.status.asked_at >= self._show_after
+
+    def _show(self) -> None:
+        if self._view is not None and not self._shown:
+            self._shown = True
+            self._view.show(self.status)
+
     def _update_view(self) -> None:
-        if self._view is not None:
+        if self._view is not None and self._shown:
             self._view.update(self.status)
 
     def _end(self, ending: Any, message: str) -> None:
@@ -838,6 +989,11 @@ class RayClaim:
         if self.status.started_at is None:
             self.status.started_at = self.status.ended_at
         self._update_view()
+        if self._summary is not None:
+            # What a saved notebook and nbval read, after the live view if
+            # there was one (see Claim._end).
+            self._shown = True
+            self._summary.show(self.status)
 
 
 def stop_task(ray: Any, running: Any) -> None:
@@ -973,6 +1129,10 @@ def _resources(resources: Mapping[str, float]) -> dict[str, float | int]:
 def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
     status = claimed.status
     latest = status.readings.latest
+    # Start times as the wall clock has them, for a monitor that counts the
+    # seconds itself: an age would change on every read.
+    now_wall, now_mono = time.time(), time.monotonic()
+    started = status.started_at
     return {
         "label": status.label,
         "phase": status.phase,
@@ -989,4 +1149,33 @@ def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
         "peak_rss_bytes": status.readings.peak_rss_bytes,
         "cpu_percent": latest.cpu_percent if latest else None,
         "budget_bytes": status.budget.applied_bytes if status.budget else None,
+        "since": round(now_wall - (now_mono - status.asked_at), 1),
+        "started": None if started is None else round(now_wall - (now_mono - started), 1),
     }
+
+
+def describe_ray(snapshot: Mapping[str, Any]) -> str:
+    """:func:`ray_snapshot` as a few lines of text, the monitor's fallback beside the machine's."""
+    total, free = snapshot["total"], snapshot["available"]
+    nodes = snapshot["nodes"]
+    lines = [
+        f"ray   {snapshot['address'] or 'a cluster'}, {nodes} node{'s' if nodes != 1 else ''}",
+        f"ray cpus    {free['cpus']:g}/{total['cpus']:g} free",
+        f"ray gpus    {free['gpus']:g}/{total['gpus']:g} free",
+        f"ray memory  {human(free['memory_bytes'])}/{human(total['memory_bytes'])} free",
+    ]
+    for claim in snapshot["claims"]:
+        asked = claim["asked"]
+        words = [f"cpus={asked['cpus']}", f"gpus={asked['gpus']}"]
+        if asked["ram_bytes"]:
+            words.append(f"ram={human(asked['ram_bytes'])}")
+        line = f"ray {claim['phase']:<8} {claim['label']!s}: {' '.join(words)}"
+        if claim["gpus"]:
+            line += f", cards {','.join(map(str, claim['gpus']))}"
+        if claim["rss_bytes"] is not None:
+            budget = claim["budget_bytes"]
+            line += f", RSS {human(claim['rss_bytes'])}"
+            line += f" of {human(budget)}" if budget else ""
+            line += f", CPU {claim['cpu_percent']:.0f}%"
+        lines.append(line)
+    return "\n".join(lines)

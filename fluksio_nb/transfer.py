@@ -67,9 +67,10 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import cloudpickle
 import psutil
@@ -183,6 +184,22 @@ def pack(values: Mapping[str, object], *, reuse: bool = False, refer_back: bool 
         except Exception as error:
             failures[name] = _reason(error)
     return Parcel(packed, failures)
+
+
+def pack_pickled(data: bytes, buffers: Sequence[Any]) -> PackedValue:
+    """A value pickled elsewhere with its big buffers out of band, those put in shared memory.
+
+    For values that arrive already pickled (a Ray task's inputs): unpickling
+    and pickling them again would copy every buffer twice.
+    """
+    segments: list[Segment] = []
+    try:
+        for buffer in buffers:
+            segments.append(_write_segment(memoryview(buffer).cast("B")))
+    except BaseException:
+        _let_go(segments)
+        raise
+    return PackedValue(data, tuple(segments))
 
 
 def unpack(parcel: Parcel, *, remember: bool = False) -> tuple[dict[str, object], dict[str, str]]:

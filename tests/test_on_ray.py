@@ -395,6 +395,60 @@ def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
     assert after == [], "a claim that ended should leave the monitor"
 
 
+def test_claims_shows_the_cluster_and_a_running_claim_of_this_kernel(kernel):
+    """%claims, widget and text alike, must show the cluster and this kernel's claim on it."""
+    hostile = "<img src=x onerror=alert(1)>"
+    kernel.run(
+        "import threading\nfrom fluksio_nb import claim\n"
+        "def _hold():\n"
+        f"    with claim(cpus=1, gpus=1, ram='100M', label={hostile!r}, on='ray') as c:\n"
+        "        c.run(__import__('time').sleep, 6)\n"
+        "holder = threading.Thread(target=_hold)\nholder.start()",
+        check=True,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        # Running, with a reading: what the monitor should then show of it.
+        claims = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['claims']")
+        if claims and claims[0]["phase"] == "running" and claims[0]["rss_bytes"]:
+            break
+        assert time.monotonic() < deadline, claims
+        time.sleep(0.2)
+
+    ran = kernel.run("%claims", check=True)
+    (result,) = ran.of("execute_result")
+    data = result["content"]["data"]
+    model_id = data["application/vnd.jupyter.widget-view+json"]["model_id"]
+    (opened,) = [m for m in ran.of("comm_open") if m["content"]["comm_id"] == model_id]
+    ray = opened["content"]["data"]["state"]["machine"]["ray"]
+    assert ray["nodes"] == 1
+    assert (ray["total"]["cpus"], ray["total"]["gpus"]) == (2, 2)
+    assert (ray["available"]["cpus"], ray["available"]["gpus"]) == (1, 1)
+    assert 0 < ray["available"]["memory_bytes"] < ray["total"]["memory_bytes"]
+    (held,) = ray["claims"]
+    assert (held["label"], held["phase"], held["asked"]) == (
+        hostile,
+        "running",
+        "cpus=1 gpus=1 ram=100.0MB",
+    )
+    assert held["gpus"] in ([0], [1])
+    assert held["rss_bytes"] > 0 and held["budget_bytes"] <= 100_000_000
+    assert abs(held["started"] - time.time()) < 60
+
+    text = data["text/plain"].splitlines()
+    assert "ray cpus    1/2 free" in text and "ray gpus    1/2 free" in text
+    (line,) = [line for line in text if line.startswith("ray running")]
+    card = held["gpus"][0]
+    assert line.startswith(f"ray running  {hostile}: cpus=1 gpus=1 ram=100.0MB, cards {card}, RSS ")
+    assert hostile not in data["text/html"], "a label reached the HTML fallback unescaped"
+
+    kernel.run("holder.join()", check=True)
+    assert_cluster_idle(kernel)  # Ray's own books catch up a moment after the task ends
+    after = kernel.run("%claims", check=True).of("execute_result")[0]["content"]["data"]
+    assert "ray running" not in after["text/plain"]
+    assert "ray cpus    2/2 free" in after["text/plain"]
+
+
 def test_ray_keeps_its_state_out_of_the_home_directory(kernel, ray_state):
     state, before = ray_state
     assert any(name.startswith("session_") for name in os.listdir(state)), (

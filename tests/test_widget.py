@@ -572,3 +572,15 @@ def test_claims_shows_the_live_monitor(kernel):
     data = result["content"]["data"]
     assert WIDGET_VIEW in data
     assert data["text/plain"].splitlines()[0] == "cpus  2/2 free"
+
+
+def test_without_ray_the_monitor_has_no_ray_section_and_imports_no_ray(kernel):
+    """A kernel that never used Ray must see nothing of it, and pay nothing for it."""
+    ran = kernel.run("%claims", check=True)
+    (result,) = ran.of("execute_result")
+    data = result["content"]["data"]
+    model_id = data[WIDGET_VIEW]["model_id"]
+    (opened,) = [m for m in ran.of("comm_open") if m["content"]["comm_id"] == model_id]
+    assert "ray" not in opened["content"]["data"]["state"]["machine"]
+    assert not any(line.startswith("ray") for line in data["text/plain"].splitlines())
+    assert kernel.facts("'ray' in __import__('sys').modules") is False

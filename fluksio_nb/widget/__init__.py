@@ -199,7 +199,11 @@ class WidgetView:
 
 
 class MonitorWidget(_Widget):
-    """The machine: what each resource holds and for whom, the queue, the running claims."""
+    """The machine: what each resource holds and for whom, the queue, the running claims.
+
+    While this kernel is connected to Ray, also the cluster's total and
+    available resources and this kernel's claims on it (``machine["ray"]``).
+    """
 
     kind = t.Unicode("monitor").tag(sync=True)
     #: What :func:`~fluksio_nb.widget.facts.machine_facts` says, plus ``clock``:
@@ -269,11 +273,11 @@ class MonitorWidget(_Widget):
                 self._watch.unwatch(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from fluksio_nb.__main__ import describe_snapshot
+        from fluksio_nb.__main__ import describe_monitor, ray_now
         from fluksio_nb.kernel import accountant
 
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = describe_snapshot(accountant().snapshot())
+        text = describe_monitor(accountant().snapshot(), ray_now())
         data["text/plain"] = text
         data["text/html"] = monitor_html(text)
         # Being drawn is what starts the refreshing.

@@ -129,10 +129,13 @@ def machine_facts(
     cards: Mapping[int, Mapping[str, int]] | None = None,
     *,
     pid: int | None = None,
+    ray: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the monitor shows, from one reading of the books, the host and the cards.
 
     ``cards`` is what NVML says of each card by index, or ``None`` without NVML.
+    ``ray`` is :func:`fluksio_nb.on_ray.ray_snapshot`, or ``None`` when this
+    kernel is not connected to Ray, which leaves ``"ray"`` out of the facts.
     """
     pid = os.getpid() if pid is None else pid
     now_wall, now_mono = time.time(), time.monotonic()
@@ -192,7 +195,7 @@ def machine_facts(
         for card in card_ids(snapshot)
     ]
     total, available = host
-    return {
+    facts = {
         "cpus": {"total": snapshot["cpus"]["total"], "free": snapshot["cpus"]["free"]},
         "ram": {"total": snapshot["ram_bytes"]["total"], "free": snapshot["ram_bytes"]["free"]},
         "gpus": gpus,
@@ -204,6 +207,31 @@ def machine_facts(
         },
         "running": running,
         "waiting": waiting,
+    }
+    if ray is not None:
+        facts["ray"] = ray_facts(ray)
+    return facts
+
+
+def ray_facts(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """The Ray cluster as the monitor draws it: the snapshot without its ages.
+
+    Waiting and running times go as start times (``since``, ``started``), which
+    the front end counts from, so a claim's entry changes only with its readings.
+    """
+    claims = [
+        {key: value for key, value in claim.items() if key not in ("waited_s", "elapsed_s")}
+        for claim in snapshot["claims"]
+    ]
+    for claim in claims:
+        asked = claim["asked"]
+        claim["asked"] = _asked(asked)
+    return {
+        "address": snapshot["address"],
+        "nodes": snapshot["nodes"],
+        "total": dict(snapshot["total"]),
+        "available": dict(snapshot["available"]),
+        "claims": claims,
     }
 
 

@@ -8,7 +8,8 @@ next to nothing, and a closed one nothing at all. So:
   when none do. It starts when a monitor is shown and ends
   when no monitor is watched, so a kernel with no monitor open runs no
   thread for it. (Running claims are sampled by :mod:`fluksio_nb.watch`;
-  this thread only reads what is already known, plus the host and the cards.)
+  this thread only reads what is already known, plus the host, the cards,
+  and the Ray cluster while this kernel is connected to one.)
 - **Watched means shown, not closed, and not abandoned.** Each view in a
   front end says hello when drawn, pings every 30 s and says goodbye when
   removed. A monitor whose views all said goodbye, or that no view has
@@ -107,6 +108,7 @@ class MachineReader:
         self._available: int | None = None
 
     def __call__(self) -> dict[str, Any]:
+        from fluksio_nb.__main__ import ray_now
         from fluksio_nb.kernel import accountant
         from fluksio_nb.status import running_statuses
 
@@ -117,7 +119,7 @@ class MachineReader:
         if last is None or abs(available - last) >= total * HOST_MEMORY_STEP:
             self._available = last = available
         cards = self.nvml.read(card_ids(snapshot))
-        return machine_facts(snapshot, statuses, (total, last), cards)
+        return machine_facts(snapshot, statuses, (total, last), cards, ray=ray_now())
 
     def close(self) -> None:
         """Let go of NVML until the next read."""
@@ -223,7 +225,8 @@ class MonitorWatch:
                 monitor.show_facts(facts)
             except Exception:
                 log.exception("fluksio_nb: updating a monitor failed")
-        return bool(facts.get("running") or facts.get("waiting"))
+        ray = facts.get("ray") or {}
+        return bool(facts.get("running") or facts.get("waiting") or ray.get("claims"))
 
 
 _watch: MonitorWatch | None = None

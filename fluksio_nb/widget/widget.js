@@ -353,6 +353,102 @@ function who(claim) {
   return `${claim.label} (#${claim.ticket})`;
 }
 
+// Ray counts in fractions of a CPU or card; whole numbers are shown whole.
+function amount(n) {
+  const x = Number(n) || 0;
+  return Number.isInteger(x) ? String(x) : x.toFixed(2).replace(/0+$/, "");
+}
+
+// The Ray cluster this kernel is connected to, and this kernel's claims on
+// it. Present only while connected: the kernel leaves `ray` out otherwise.
+function rayCluster(ray, kernelNow) {
+  const section = h("div", "fluksio-ray");
+  section.dataset.section = "ray";
+  const nodes = `${ray.nodes} node${ray.nodes === 1 ? "" : "s"}`;
+  put(
+    section,
+    put(
+      h("div", "fluksio-title"),
+      "Ray cluster ",
+      h("span", "fluksio-muted", `${ray.address || ""} · ${nodes}`),
+    ),
+  );
+  const rows = h("div", "fluksio-grid");
+  const resources = [
+    ["cpus", "CPUs", amount],
+    ["gpus", "GPUs", amount],
+    ["memory_bytes", "Memory", human],
+  ];
+  for (const [key, name, show] of resources) {
+    const total = Number(ray.total[key]) || 0;
+    const free = Number(ray.available[key]) || 0;
+    put(
+      rows,
+      h("span", "fluksio-name", name),
+      bar(total ? (total - free) / total : 0, "ok", `${show(total - free)} in use`),
+      field(`ray-${key}`, free, `${show(free)} of ${show(total)} free`),
+    );
+  }
+  section.append(rows);
+
+  const claims = ray.claims || [];
+  const list = h("div", "fluksio-list");
+  list.dataset.list = "ray";
+  put(list, h("div", "fluksio-title", `This kernel's claims on Ray (${claims.length})`));
+  if (!claims.length) list.append(h("div", "fluksio-muted", "None."));
+  for (const c of claims) {
+    const item = h("div", "fluksio-item");
+    item.dataset.phase = c.phase;
+    const cards = c.gpus && c.gpus.length ? ` · GPU ${c.gpus.join(", ")}` : "";
+    const since = c.phase === "running" && c.started ? c.started : c.since;
+    put(
+      item,
+      put(
+        h("div", "fluksio-row"),
+        h("span", "fluksio-label", c.label),
+        h("span", "fluksio-muted", ` · ${c.phase}`),
+        ` · asks ${c.asked}${cards}`,
+        c.node ? h("span", "fluksio-muted", ` · node ${String(c.node).slice(0, 8)}`) : null,
+        since
+          ? h(
+              "span",
+              "fluksio-clock",
+              `${c.phase === "running" ? "" : "waiting "}${clock(kernelNow() - since)}`,
+            )
+          : null,
+      ),
+    );
+    if (c.rss_bytes !== null && c.rss_bytes !== undefined) {
+      const ceiling = c.budget_bytes;
+      const fraction = ceiling ? c.rss_bytes / ceiling : 0;
+      put(
+        item,
+        put(
+          h("div", "fluksio-meter"),
+          h("span", "fluksio-name", "RSS"),
+          bar(fraction, ceiling ? budgetState(fraction) : "ok"),
+          field(
+            "rss",
+            c.rss_bytes,
+            ceiling ? `${human(c.rss_bytes)} of ${human(ceiling)}` : human(c.rss_bytes),
+          ),
+        ),
+        put(
+          h("div", "fluksio-meter"),
+          h("span", "fluksio-name", "CPU"),
+          bar((c.cpu_percent || 0) / 100, "cpu"),
+          field("cpu", c.cpu_percent, `${percent(c.cpu_percent)} of its node`),
+        ),
+      );
+    } else if (c.phase === "running") {
+      item.append(h("div", "fluksio-muted", "no readings yet"));
+    }
+    list.append(item);
+  }
+  section.append(list);
+  return section;
+}
+
 function renderMonitor(model, el) {
   const root = h("div", "fluksio fluksio-monitor");
   el.append(root);
@@ -501,7 +597,13 @@ function renderMonitor(model, el) {
       waitingList.append(item);
     }
 
-    root.replaceChildren(put(h("div", "fluksio-title", "Machine")), rows, runningList, waitingList);
+    root.replaceChildren(
+      put(h("div", "fluksio-title", "Machine")),
+      rows,
+      runningList,
+      waitingList,
+      m.ray ? rayCluster(m.ray, kernelNow) : null,
+    );
   };
 
   const redraw = scheduler(draw);

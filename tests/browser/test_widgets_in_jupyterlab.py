@@ -99,3 +99,74 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
     nb.screenshot("monitor-with-queue")
     assert page.errors == [], page.errors
+
+
+def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, notebook, page):
+    """While connected, %claims draws the cluster and this kernel's claim on it, label as text."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
+    import shutil
+    import tempfile
+
+    import psutil
+
+    # Short, because Ray puts Unix sockets under it; nothing goes to ~/.ray.
+    state = tempfile.mkdtemp(prefix="fluksio-ray-")
+    try:
+        nb = notebook(
+            "ray_monitor.ipynb",
+            [
+                "%load_ext fluksio_nb",
+                "import os, secrets\n"
+                f"os.environ['RAY_TMPDIR'] = {state!r}\n"
+                "os.environ['RAY_AUTH_TOKEN'] = secrets.token_hex(16)\n"
+                "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+                "import ray\n"
+                "_ = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, "
+                f"_temp_dir={state!r}, object_store_memory=256 * 2**20, "
+                "_node_ip_address='127.0.0.1', log_to_driver=False)",
+                "import threading, time\nfrom fluksio_nb import claim\nfrom fluksio_nb.on_ray "
+                "import ray_snapshot\n"
+                "def _hold():\n"
+                f"    with claim(cpus=1, gpus=1, ram='100M', label={HOSTILE!r}, on='ray') as c:\n"
+                "        c.run(time.sleep, 30)\n"
+                "threading.Thread(target=_hold, daemon=True).start()\n"
+                "while not [c for c in ray_snapshot()['claims'] if c['rss_bytes']]:\n"
+                "    time.sleep(0.2)",
+                "%claims",
+            ],
+        )
+        nb.run_all()
+        monitor = nb.wait_for(3, ".fluksio-monitor", timeout_ms=120_000)
+        section = monitor.locator("[data-section=ray]")
+        section.wait_for(timeout=30_000)
+        claim = section.locator("[data-list=ray] .fluksio-item")
+        claim.first.wait_for(timeout=30_000)
+
+        assert section.locator("[data-field=ray-cpus]").inner_text() == "1 of 2 free"
+        assert section.locator("[data-field=ray-gpus]").inner_text() == "1 of 2 free"
+        assert claim.count() == 1
+        assert claim.first.get_attribute("data-phase") == "running"
+        assert claim.first.locator(".fluksio-label").inner_text() == HOSTILE
+        assert "asks cpus=1 gpus=1 ram=100.0MB" in claim.first.inner_text()
+        assert int(claim.first.locator("[data-field=rss]").get_attribute("data-value")) > 0
+
+        time.sleep(1)  # an onerror handler would have fired by now
+        assert page.page.locator(".fluksio img").count() == 0
+        assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
+        nb.screenshot("monitor-with-ray")
+        assert page.errors == [], page.errors
+    finally:
+        lab.shutdown_kernels()  # and with the kernel, the Ray it started
+        deadline = time.monotonic() + 20
+        while True:
+            left = [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if any(state in part for part in p.info["cmdline"] or ())
+            ]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        for straggler in left:
+            straggler.kill()
+        shutil.rmtree(state, ignore_errors=True)
