@@ -27,6 +27,7 @@ from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
 from fluksio_nb.status import new_view
 from fluksio_nb.variables import choose_inputs, choose_outputs, names_deleted
+from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
@@ -63,7 +64,9 @@ class ClaimMagics(Magics):
         if parsed.on is not None:
             from fluksio_nb.on_ray import run_cell
 
-            return run_cell(self.shell, parsed, cell, inputs, outputs, ForegroundOutput())
+            outcome = run_cell(self.shell, parsed, cell, inputs, outputs, ForegroundOutput())
+            self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
+            return None
         # Packed now, before the claim waits: an input that cannot travel is
         # refused before it takes a place in the queue, and a background cell
         # ships its inputs as they were when it was started.
@@ -87,12 +90,16 @@ class ClaimMagics(Magics):
                 outcome = claimed.run_code(cell, parcel, outputs, ForegroundOutput())
         finally:
             parcel.discard()
+        self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
+        return None
+
+    def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> None:
+        """Bind what the cell made, drop what it deleted, and say what did not come back."""
         self.shell.user_ns.update(outcome.outputs)
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):
             self.shell.user_ns.pop(name, None)
-        _report_failed(outcome.not_brought_back(by_hand=parsed.outputs is not None))
-        return None
+        _report_failed(outcome.not_brought_back(by_hand))
 
     @line_magic
     def claims(self, line: str = "") -> Any:

@@ -522,6 +522,7 @@ def _task_result(
         "halted": halted,
         "outputs": shipped,
         "failed": failed,
+        "absent": list(outcome.absent),
     }
 
 
@@ -964,7 +965,7 @@ class RayClaim:
             if ename == "KeyboardInterrupt":
                 raise KeyboardInterrupt
             raise RemoteError(ename, evalue, traceback)
-        return Outcome("ok", "the cell finished", values, failed)
+        return Outcome("ok", "the cell finished", values, failed, tuple(result.get("absent", ())))
 
     # -- showing ---------------------------------------------------------------
 
@@ -1048,10 +1049,11 @@ def run_cell(
     inputs: Sequence[str],
     outputs: Sequence[str] | None,
     sink: Any,
-) -> None:
-    """``%%claim ... --on ray``: run the cell as a Ray task and bring its names back.
+) -> Outcome:
+    """``%%claim ... --on ray``: run the cell as a Ray task; how it went, names included.
 
-    ``parsed`` is the cell's :class:`~fluksio_nb.claim_line.ClaimLine`.
+    ``parsed`` is the cell's :class:`~fluksio_nb.claim_line.ClaimLine`. The
+    caller binds the names that came back, as for a local claim.
     """
     from IPython.core.error import UsageError
 
@@ -1080,10 +1082,7 @@ def run_cell(
         claimed.release(error)
         raise
     claimed.release()
-    shell.user_ns.update(outcome.outputs)
-    if outcome.failed:
-        lines = "\n".join(f"  {name}: {reason}" for name, reason in sorted(outcome.failed.items()))
-        sys.stderr.write(f"fluksio_nb: these names could not be brought back:\n{lines}\n")
+    return outcome
 
 
 # -----------------------------------------------------------------------------
