@@ -444,29 +444,30 @@ def test_ending_a_worker_ends_the_processes_its_cells_started(ending):
     assert has_ended(started.pid)
 
 
-@pytest.mark.timeout(20)
-def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
-    """Guards against the files a kernel keeps for reuse outliving a kill -9 of it."""
-    kernel = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            cell(
-                """
-                import os, sys
-                import numpy as np
-                from fluksio_nb.worker.client import Worker
-
-                worker = Worker(dict(os.environ))
-                worker.run("b = a", inputs={"a": np.ones(2**20)}, outputs=["b"])
-                print(worker.pid, flush=True)
-                sys.stdin.read()
-                """
-            ),
-        ],
+def stand_in_kernel(script: str) -> subprocess.Popen:
+    """A process playing a kernel: runs ``script``, whose stdout the test reads."""
+    return subprocess.Popen(
+        [sys.executable, "-c", cell(script)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+    )
+
+
+@pytest.mark.timeout(20)
+def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
+    """Guards against the files a kernel keeps for reuse outliving a kill -9 of it."""
+    kernel = stand_in_kernel(
+        """
+        import os, sys
+        import numpy as np
+        from fluksio_nb.worker.client import Worker
+
+        worker = Worker(dict(os.environ))
+        worker.run("b = a", inputs={"a": np.ones(2**20)}, outputs=["b"])
+        print(worker.pid, flush=True)
+        sys.stdin.read()
+        """
     )
     kept = Path(transfer.SEGMENT_DIR).glob
     pattern = f"{transfer.SEGMENT_PREFIX}{kernel.pid}-*"
@@ -479,6 +480,8 @@ def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
         assert list(kept(pattern)) == []
     finally:
         kernel.kill()
+        kernel.wait()
+        kernel.stdout.close()
         for path in kept(pattern):
             path.unlink(missing_ok=True)
 
@@ -486,33 +489,25 @@ def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
 @pytest.mark.timeout(20)
 def test_the_worker_ends_when_its_kernel_dies():
     """A kernel killed by the OOM killer must not leave a worker holding its share."""
-    kernel = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            cell(
-                """
-                import os, sys
-                from fluksio_nb.worker.client import Sink, Worker
+    kernel = stand_in_kernel(
+        """
+        import os, sys
+        from fluksio_nb.worker.client import Sink, Worker
 
-                class Relay(Sink):
-                    def stdout(self, text):
-                        sys.stdout.write(text)
-                        sys.stdout.flush()
+        class Relay(Sink):
+            def stdout(self, text):
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
-                worker = Worker(dict(os.environ))
-                worker.run(
-                    "import os, subprocess, time\\n"
-                    "child = subprocess.Popen(['sleep', '60'])\\n"
-                    "print(os.getpid(), child.pid)\\n"
-                    "time.sleep(60)",
-                    sink=Relay(),
-                )
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+        worker = Worker(dict(os.environ))
+        worker.run(
+            "import os, subprocess, time\\n"
+            "child = subprocess.Popen(['sleep', '60'])\\n"
+            "print(os.getpid(), child.pid)\\n"
+            "time.sleep(60)",
+            sink=Relay(),
+        )
+        """
     )
     try:
         worker_pid, child_pid = map(int, kernel.stdout.readline().split())
