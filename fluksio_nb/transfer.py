@@ -283,12 +283,8 @@ def _pack_one(value: object, reuse: bool, refer_back: bool) -> PackedValue:
     return PackedValue(data, tuple(segments))
 
 
-def _new_segment_path() -> str:
-    return os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-
-
-def _write_segment(raw: memoryview, path: str | None = None) -> Segment:
-    path = path or _new_segment_path()
+def _write_segment(raw: memoryview) -> Segment:
+    path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         _write_all(fd, raw)
