@@ -247,6 +247,7 @@ class Claim:
                 last = watched.sampler.sample()
                 if last is not None:
                     self.status.readings.add(last)
+            watched.sampler.close()
             self._stoppers.remove(worker.kill)
             self._pool.checkin(worker, self.env)
         self._raise_for(outcome)
