@@ -37,6 +37,7 @@ because being killed is the normal end of a halted or interrupted cell.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -242,7 +243,9 @@ class _ProcessFiles:
             os.close(fd)
 
     def __del__(self) -> None:
-        self.close()
+        # At interpreter exit the modules this needs may be gone already.
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _read_with_psutil(pid: int) -> Reading | None:
