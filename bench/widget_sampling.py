@@ -15,8 +15,9 @@ in the same run and alternated in rounds:
 - the same, sampled, each with its live status widget;
 - the same, with a monitor open as well;
 - the same again with children whose memory moves every half second, so
-  that every reading is news and the monitor is pushed on every tick (a
-  ``sleep`` never changes, and an unchanged machine is never pushed).
+  that every reading is news: each status widget is pushed once a second and
+  the monitor on every tick. (A ``sleep`` never changes: its widget is
+  pushed once in five seconds, and an unchanged machine is never pushed.)
 
 Costs are the difference from the baseline, as a percentage of one core,
 taken from each configuration's least disturbed window: on a shared machine

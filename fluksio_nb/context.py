@@ -38,7 +38,7 @@ from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources, ask
-from fluksio_nb.sampler import Readings, Sample, Sampler
+from fluksio_nb.sampler import Readings, Sample, Sampler, is_news
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.watch import Watch, Watched, kernel_watch
@@ -106,6 +106,8 @@ class Claim:
         self._stop_reason: tuple[Ending, str, HaltDecision | None] | None = None
         self._stoppers: list[Callable[[], None]] = []
         self._processes: list[subprocess.Popen] = []
+        #: The reading last written to the machine's ledger.
+        self._told: Sample | None = None
         self.status = ClaimStatus(label=self.wanted.label or "claim", asked=self.wanted)
         self.allocation: Allocation | None = None
         self.env: dict[str, str] = {}
@@ -250,6 +252,7 @@ class Claim:
                 last = watched.sampler.sample()
                 if last is not None:
                     self.status.readings.add(last)
+            watched.sampler.close()
             self._stoppers.remove(worker.kill)
             self._pool.checkin(worker, self.env)
         self._raise_for(outcome)
@@ -309,7 +312,11 @@ class Claim:
         # The first reading comes one interval after the work started: a cell
         # still running then is worth a live status.
         self._show()
-        if self._ticket is not None:
+        # Written to the machine's ledger only when it changed by more than
+        # drift: each report rewrites the file every other kernel and the
+        # server read, and a steady claim's readings are the same every tick.
+        if self._ticket is not None and is_news(self._told, sample):
+            self._told = sample
             self._queue.report(
                 self._ticket,
                 {

@@ -503,7 +503,12 @@ class MachineQueue:
         wake(woken)
 
     def report(self, ticket: Ticket, readings: dict[str, Any]) -> None:
-        """The latest readings of a running claim, written on the next look."""
+        """The latest readings of a running claim, written on the next look.
+
+        A claim reports a reading only when it is news (:func:`~fluksio_nb.sampler.is_news`),
+        so a steady claim leaves the document alone and ``at`` is when its
+        figures last moved.
+        """
         self._readings[ticket.number] = readings
 
     def _adopt(self, state: dict[str, Any]) -> None:

@@ -15,7 +15,9 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from fluksio_nb import ClaimHalted, RemoteError, accountant, claim
-from fluksio_nb.resources import BadClaim
+from fluksio_nb.context import Claim
+from fluksio_nb.resources import BadClaim, ask
+from fluksio_nb.watch import Watch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,6 +77,18 @@ def test_a_subprocess_still_running_when_the_block_ends_is_ended():
     with claim() as c:
         process = c.popen(["sleep", "60"])
     assert process.poll() is not None
+
+
+def test_a_claims_ended_subprocess_no_longer_keeps_the_sampling_thread():
+    """The thread runs while something it samples runs, and not for good after."""
+    watch = Watch(linger_s=0)
+    with Claim(ask(cpus=1), watch=watch) as held:
+        held.popen(["sleep", "60"])
+        assert watch.running
+    deadline = time.monotonic() + 30
+    while watch.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not watch.running, "a subprocess that was ended is still being watched"
 
 
 def test_a_subprocess_over_the_budget_is_halted():

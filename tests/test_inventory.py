@@ -13,11 +13,13 @@ import pytest
 
 from fluksio_nb.inventory import (
     Gpu,
+    _OwnMemory,
     cgroup_cpu_limit,
     cgroup_memory_limit,
     cores_past_reserve,
     detect_gpus,
     gpus_from_nvml,
+    host_memory,
     system_headroom_bytes,
     take_inventory,
     usable_cpus,
@@ -65,6 +67,24 @@ def test_a_v1_quota_and_memory_limit_are_read(tmp_path):
     assert cgroup_cpu_limit(root, proc) == 1.0
     assert usable_cpus(root, proc) == 1
     assert cgroup_memory_limit(root, proc) == 2 * 2**30
+
+
+def test_the_kept_open_memory_reader_agrees_with_the_one_that_looks_each_time(v2_tree, tmp_path):
+    """The sampling thread's reader finds its files once, but reads what they say every time."""
+    root, proc = v2_tree
+    current = root / "user.slice" / "jupyter" / "memory.current"
+    kept = _OwnMemory(root, proc)
+    assert kept.read() == host_memory(root, proc) == (3 * 2**30, 2 * 2**30)
+    current.write_text(str(int(2.5 * 2**30)))
+    assert kept.read() == host_memory(root, proc) == (3 * 2**30, 2**29)
+
+    v1_root = tmp_path / "v1"
+    v1_proc = write(tmp_path / "v1-cgroup", "4:memory:/pod\n")
+    write(v1_root / "memory" / "pod" / "memory.limit_in_bytes", str(2 * 2**30))
+    write(v1_root / "memory" / "pod" / "memory.usage_in_bytes", str(2**30))
+    assert (
+        _OwnMemory(v1_root, v1_proc).read() == host_memory(v1_root, v1_proc) == (2 * 2**30, 2**30)
+    )
 
 
 def test_no_limits_means_none(tmp_path):

@@ -210,6 +210,38 @@ def test_a_new_reading_sends_the_reading_and_little_else(wire):
     assert set(sent[0]) <= {"reading", "elapsed_s", "peak_rss_bytes", "mean_cpu_percent"}
 
 
+def test_a_reading_that_did_not_move_waits_for_the_quiet_push(wire):
+    """A steady claim is news only now and then; its clock is counted by the front end."""
+    status = running_status()
+    widget = ClaimWidget(status)
+    before = len(wire.updates(widget))
+    status.readings.add(sample(200_000_000 + 4096))  # a page more: drift, not news
+    widget.follow(status)
+    assert len(wire.updates(widget)) == before, "a reading that did not move was pushed"
+
+    widget.QUIET_EVERY_S = 0.0
+    widget.follow(status)
+    (sent,) = wire.updates(widget)[before:]
+    assert sent["reading"]["rss_bytes"] == 200_000_000 + 4096
+
+    widget.QUIET_EVERY_S = 3600.0
+    status.readings.add(sample(200_000_000 + 4096, cpu=40.0))
+    widget.follow(status)
+    assert wire.updates(widget)[-1]["reading"]["cpu_percent"] == 40.0, "a CPU jump is news"
+
+
+def test_a_waiting_claim_is_pushed_when_its_place_changes_not_its_clock(wire):
+    status = waiting_status()
+    widget = ClaimWidget(status)
+    before = len(wire.updates(widget))
+    status.asked_at -= 5
+    widget.follow(status)
+    assert len(wire.updates(widget)) == before
+    status.position, status.holders = 1, []
+    widget.follow(status)
+    assert wire.updates(widget)[-1]["position"] == 1
+
+
 def test_the_sparklines_are_the_readings_pushed_sent_whole_now_and_then(wire):
     """A page reloaded mid-claim starts from the kernel's state: its sparklines must heal,
     and the final state must hold the whole series."""

@@ -15,7 +15,9 @@ What is decided here:
   what changed, exactly as it tells the plain :class:`~fluksio_nb.status.TextView`.
   It runs no thread of its own: waiting claims are refreshed by their own wait
   loop, running ones by the kernel's one sampling thread
-  (:mod:`fluksio_nb.watch`). It pushes about once a second, and always the
+  (:mod:`fluksio_nb.watch`). It pushes at most once a second, only when a
+  reading moved by more than drift (:func:`~fluksio_nb.sampler.is_news`)
+  or the phase or place changed, or else every few seconds; and always the
   last state.
 - **Every bundle carries a text fallback, and it never changes.** Next to
   the widget view go ``text/plain`` and escaped HTML. nbval reads a display
@@ -42,6 +44,7 @@ from typing import Any
 import anywidget
 import traitlets as t
 
+from fluksio_nb.sampler import Sample, is_news
 from fluksio_nb.status import ClaimStatus
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, claim_html, monitor_html
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
@@ -65,7 +68,8 @@ class ClaimWidget(_Widget):
 
     A push while running carries the new reading and little else, because
     eight claims pushing is the kernel's largest cost of being watched (see
-    ``bench/widget_sampling.py``). The sparklines are the readings that were
+    ``bench/widget_sampling.py``), and a reading that did not move is not
+    pushed at all (:attr:`QUIET_EVERY_S`). The sparklines are the readings that were
     pushed: the front end appends each one as it comes, and the whole series
     is sent only when the phase changes and every :attr:`HISTORY_EVERY_S`, so
     that a page reloaded mid-claim, which starts from the kernel's state, is
@@ -74,6 +78,13 @@ class ClaimWidget(_Widget):
 
     #: How often, at most, the whole series goes with a push while running.
     HISTORY_EVERY_S = 10.0
+
+    #: How long a claim whose only news is its clock goes without a push. A
+    #: ``sleep``, a cell waiting on the network, a claim waiting its turn: the
+    #: front end counts their seconds itself, from the last push, and one
+    #: push in this long keeps their sparklines moving. Pushing them every
+    #: second was most of what eight claims' widgets cost the kernel.
+    QUIET_EVERY_S = 5.0
 
     kind = t.Unicode("claim").tag(sync=True)
     label = t.Unicode("").tag(sync=True)
@@ -101,23 +112,33 @@ class ClaimWidget(_Widget):
 
     def __init__(self, status: ClaimStatus | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        #: :func:`~fluksio_nb.status.describe` of the status: the text fallback.
-        #: Not sent to the front end, which draws the same facts its own way.
-        self.summary = ""
         self._follow_lock = threading.Lock()
         self._points: deque[tuple[int, float]] = deque(maxlen=SPARK_POINTS)
         self._history_at = 0.0
+        self._pushed_at = -self.QUIET_EVERY_S
+        self._told: Sample | None = None
         if status is not None:
             self.follow(status)
 
     def follow(self, status: ClaimStatus) -> bool:
         """Show ``status``, sending only what changed. False once the widget is closed."""
-        facts = claim_facts(status)
         now = time.monotonic()
+        latest = status.readings.latest
         with self._follow_lock:
             if self.closed:
                 return False
-            self.summary = facts.pop("summary")
+            quiet = (
+                status.phase == self.phase
+                and now - self._pushed_at < self.QUIET_EVERY_S
+                and (latest is None or not is_news(self._told, latest))
+                and (status.position or 0) == self.position
+                and status.holders == self.holders
+                and status.label == self.label
+            )
+            if quiet:
+                return True
+            facts = claim_facts(status)
+            self._pushed_at, self._told = now, latest
             reading = facts["reading"]
             if reading is not None and reading["n"] != (self.reading or {}).get("n"):
                 self._points.append((reading["rss_bytes"], reading["cpu_percent"]))
@@ -127,7 +148,10 @@ class ClaimWidget(_Widget):
                 facts["cpu_history"] = [cpu for _, cpu in self._points]
             with self.hold_sync():
                 for name, value in facts.items():
-                    setattr(self, name, value)
+                    # Compared here: a trait set to what it holds sends nothing
+                    # anyway, but validating it first was a third of a push.
+                    if getattr(self, name) != value:
+                        setattr(self, name, value)
         return True
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:

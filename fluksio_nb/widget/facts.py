@@ -37,7 +37,7 @@ from typing import Any
 from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, describe
+from fluksio_nb.status import ClaimStatus
 
 #: Points in a claim's sparklines: a minute at one push a second. The monitor
 #: has none: it carries every running claim in each push, and each claim's
@@ -83,7 +83,6 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "mean_cpu_percent": readings.mean_cpu_percent,
         "ending": status.ending or "",
         "message": status.message,
-        "summary": describe(status),
     }
 
 
