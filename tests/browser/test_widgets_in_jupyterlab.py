@@ -13,23 +13,11 @@ import time
 
 import pytest
 
+from tests.browser.lab import phases_until_done
+
 pytestmark = pytest.mark.timeout(180)
 
 HOSTILE = "<img src=x onerror=alert(1)>"
-
-
-def phases_until_done(claim, timeout_s: float = 60) -> list[str]:
-    """Every phase the claim widget showed, in order, until done."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        phase = claim.get_attribute("data-phase")
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        if phase == "done":
-            return seen
-        time.sleep(0.1)
-    raise AssertionError(f"the claim never showed done; it showed {seen}")
 
 
 def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
