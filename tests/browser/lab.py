@@ -379,3 +379,14 @@ def phases_until_done(claim: Any, timeout_s: float = 60) -> list[str]:
             return seen
         time.sleep(0.1)
     raise AssertionError(f"the claim never showed done; it showed {seen}")
+
+
+def stray_text(element: Any) -> list[str]:
+    """The bare text nodes directly inside ``element``, a locator on a widget's root.
+
+    The widgets build their sections as elements, so text there is something
+    drawn by mistake: the monitor once showed an absent section as "null".
+    """
+    return element.evaluate(
+        "e => [...e.childNodes].filter(n => n.nodeType === Node.TEXT_NODE).map(n => n.textContent)"
+    )

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.browser.lab import phases_until_done
+from tests.browser.lab import phases_until_done, stray_text
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,6 +77,7 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     assert waiting.first.locator(".fluksio-label").inner_text() == HOSTILE
     assert "holder" in running.first.locator(".fluksio-label").inner_text()
     assert monitor.locator("[data-field=cpus]").get_attribute("data-value") == "0"
+    assert stray_text(monitor) == [], "the monitor drew text that is no section of it"
     # The waiting claim's own status says the same, as text.
     own = nb.output_of(2).locator(".fluksio-claim")
     assert own.get_attribute("data-phase") == "waiting"
