@@ -597,8 +597,12 @@ function renderMonitor(model, el) {
       waitingList.append(item);
     }
 
-    root.replaceChildren(
-      put(h("div", "fluksio-title", "Machine")),
+    // Through put(), which skips an absent section: replaceChildren itself
+    // would draw a null as the text "null".
+    root.replaceChildren();
+    put(
+      root,
+      h("div", "fluksio-title", "Machine"),
       rows,
       runningList,
       waitingList,

@@ -1,11 +1,14 @@
 """Fixtures for browser tests: one JupyterLab per session, one fresh page per test.
 
 ``lab`` is a running :class:`~tests.browser.lab.JupyterLab` with a declared
-inventory (2 cpus, 2 GPUs, 4 GB, no reserve) and a ledger of its own. Every
-test's kernels are shut down after it, so a claim one test leaves running
-never holds the share the next test asks for. ``page`` is a new Chromium page
-that records every JavaScript dialog (none should ever open) and every error
-the page logs. ``notebook`` writes a notebook and opens it in that page.
+inventory (2 cpus, 2 GPUs, 4 GB, no reserve) and a ledger of its own;
+``notebook7`` is the same for Notebook 7, started only if a test asks for it.
+``server`` is the one of them that ``page`` and ``notebook`` use: JupyterLab,
+unless a test module overrides ``server``. Every test's kernels are shut down
+after it, so a claim one test leaves running never holds the share the next
+test asks for. ``page`` is a new Chromium page that records every JavaScript
+dialog (none should ever open) and every error the page logs. ``notebook``
+writes a notebook and opens it in that page.
 
 The whole directory is skipped, with the reason, when Debian's Chromium or the
 playwright package is missing: those, and nothing else, are what a machine
@@ -32,7 +35,7 @@ MISSING = missing_for_browser_tests()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "browser: drives a real JupyterLab in headless Chromium (about a minute)"
+        "markers", "browser: drives a real JupyterLab or Notebook 7 in headless Chromium"
     )
 
 
@@ -49,6 +52,19 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
     server = JupyterLab(tmp_path_factory.mktemp("jupyterlab")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def notebook7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    server = JupyterLab(tmp_path_factory.mktemp("notebook7"), app="jupyter-notebook").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(lab: JupyterLab) -> JupyterLab:
+    """The server ``page`` and ``notebook`` drive; a module overrides this to drive another."""
+    return lab
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +85,8 @@ class Page:
         self.dialogs: list[str] = []
         self.errors: list[str] = []
         page.on("dialog", self._dialog)
-        page.on("pageerror", lambda error: self.errors.append(str(error)))
+        # With its stack, which says whose code threw.
+        page.on("pageerror", lambda error: self.errors.append(error.stack or str(error)))
 
     def _dialog(self, dialog: Any) -> None:
         self.dialogs.append(f"{dialog.type}: {dialog.message}")
@@ -88,7 +105,7 @@ _FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture
-def page(request: pytest.FixtureRequest, lab: JupyterLab, chromium: Any) -> Iterator[Page]:
+def page(request: pytest.FixtureRequest, server: JupyterLab, chromium: Any) -> Iterator[Page]:
     """A fresh page; a failing test leaves a screenshot of it, and the server's log, behind."""
     context = chromium.new_context(viewport={"width": 1280, "height": 1000})
     watched = Page(context.new_page())
@@ -96,17 +113,17 @@ def page(request: pytest.FixtureRequest, lab: JupyterLab, chromium: Any) -> Iter
     if request.node.stash.get(_FAILED, False):
         OUTPUT.mkdir(parents=True, exist_ok=True)
         watched.page.screenshot(path=str(OUTPUT / f"FAILED-{request.node.name}.png"))
-        (OUTPUT / f"FAILED-{request.node.name}.log").write_text(lab.log())
+        (OUTPUT / f"FAILED-{request.node.name}.log").write_text(server.log())
     context.close()
-    lab.shutdown_kernels()
+    server.shutdown_kernels()
 
 
 @pytest.fixture
-def notebook(lab: JupyterLab, page: Page) -> Callable[[str, list[str]], Notebook]:
+def notebook(server: JupyterLab, page: Page) -> Callable[[str, list[str]], Notebook]:
     """``notebook(name, cells)``: the notebook written, opened, and its kernel idle."""
 
     def open_notebook(name: str, cells: list[str]) -> Notebook:
-        lab.write_notebook(name, cells)
-        return Notebook(lab, page.page, name).open()
+        server.write_notebook(name, cells)
+        return Notebook(server, page.page, name).open()
 
     return open_notebook

@@ -1,4 +1,5 @@
-"""A real JupyterLab in a real headless Chromium, for tests that look at what a user sees.
+"""A real JupyterLab (or Notebook 7) in a real headless Chromium, for tests that look at
+what a user sees.
 
 Everything here is meant to be reused by any browser test of fluksio_nb (the
 in-notebook widgets now; the status bar and side panel later):
@@ -13,6 +14,14 @@ in-notebook widgets now; the status bar and side panel later):
   kernels on the machine change what a test sees.
 - :class:`Notebook` drives one notebook tab the way a person does: open it,
   wait until its kernel is idle, Run > Run All Cells, save.
+
+The same two classes drive Notebook 7 (``JupyterLab(home, app="jupyter-notebook")``).
+Notebook 7 is built from JupyterLab's own components: the notebook panel, its
+cells, outputs, execution indicator, the main menu and its command ids are
+the same. What differs is where a notebook is opened (``notebooks/<path>``, one
+document per page, against JupyterLab's ``lab/.../tree/<path>``), and which
+application class reads the settings options; :meth:`JupyterLab.notebook_url`
+and :meth:`JupyterLab.start` hold those differences, and nothing else does.
 - :func:`launch_chromium` starts Debian's Chromium through Playwright with the
   flags that work on this kind of machine. ``playwright install`` is never
   needed (nor possible here: it downloads its own browser).
@@ -98,12 +107,14 @@ class JupyterLab:
     ) -> None:
         """``app`` is the venv's server executable: ``jupyter-lab``, or ``jupyter-notebook``
         for Notebook 7, which takes the same options and serves notebooks at ``notebooks/``."""
+        if app not in ("jupyter-lab", "jupyter-notebook"):
+            raise ValueError(f"app is jupyter-lab or jupyter-notebook, not {app!r}")
         self.home = home
         self.app = app
         self.root = home / "notebooks"
         self.port = _free_port()
         self.token = secrets.token_hex(16)
-        self.log_path = home / "jupyter-lab.log"
+        self.log_path = home / f"{app}.log"
         self.env = self._environment({**DEFAULT_INVENTORY, **(inventory or {}), **env})
         self.process: subprocess.Popen | None = None
 
@@ -113,6 +124,14 @@ class JupyterLab:
 
     def url(self, path: str) -> str:
         return f"{self.base_url}/{path.lstrip('/')}?token={self.token}"
+
+    def notebook_url(self, name: str) -> str:
+        """Where this app opens the notebook ``name`` on its own."""
+        if self.app == "jupyter-notebook":
+            # One document per page: there are no other tabs to restore.
+            return self.url(f"notebooks/{name}")
+        # A workspace of its own, so tabs another test left open are not restored here.
+        return self.url(f"lab/workspaces/{Path(name).stem}/tree/{name}")
 
     def _environment(self, extra: dict[str, str]) -> dict[str, str]:
         dirs = {
@@ -173,9 +192,15 @@ class JupyterLab:
             f"--ServerApp.port={self.port}",
             "--ServerApp.port_retries=0",
             f"--ServerApp.root_dir={self.root}",
-            f"--LabApp.user_settings_dir={self.settings_dir}",
-            f"--LabApp.workspaces_dir={self.workspaces_dir}",
         ]
+        # Either server loads both apps as extensions, and both answer at the
+        # same settings URL, so which one reads the settings depends on load
+        # order: both are pointed at the test's own directories.
+        for app_class in ("LabApp", "JupyterNotebookApp"):
+            argv += [
+                f"--{app_class}.user_settings_dir={self.settings_dir}",
+                f"--{app_class}.workspaces_dir={self.workspaces_dir}",
+            ]
         if os.geteuid() == 0:
             argv.append("--allow-root")
         with self.log_path.open("wb") as log:
@@ -186,14 +211,14 @@ class JupyterLab:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"jupyter-lab exited with {self.process.returncode}; its log:\n{self.log()}"
+                    f"{self.app} exited with {self.process.returncode}; its log:\n{self.log()}"
                 )
             with contextlib.suppress(OSError, urllib.error.URLError):
                 self.api("GET", "api/status")
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"jupyter-lab did not answer within {timeout} s; its log:\n{self.log()}")
+        raise TimeoutError(f"{self.app} did not answer within {timeout} s; its log:\n{self.log()}")
 
     def stop(self) -> None:
         """End the server by its PID, and its kernels with it."""
@@ -260,15 +285,13 @@ class JupyterLab:
 
 
 class Notebook:
-    """One notebook open in a JupyterLab tab, driven through its menus."""
+    """One notebook open in a JupyterLab tab or a Notebook 7 page, driven through its menus."""
 
     def __init__(self, lab: JupyterLab, page: Any, name: str) -> None:
         self.lab, self.page, self.name = lab, page, name
 
     def open(self, timeout_ms: float = 60_000) -> Notebook:
-        # A workspace of its own, so tabs another test left open are not restored here.
-        workspace = Path(self.name).stem
-        self.page.goto(self.lab.url(f"lab/workspaces/{workspace}/tree/{self.name}"))
+        self.page.goto(self.lab.notebook_url(self.name))
         self.panel.locator(".jp-Cell").first.wait_for(timeout=timeout_ms)
         self.wait_until_idle(timeout_ms)
         return self
@@ -303,7 +326,9 @@ class Notebook:
 
     def menu(self, menu: str, command: str) -> None:
         """Click a top menu, then the item that runs ``command`` (a JupyterLab command id)."""
-        self.page.locator("#jp-menu-panel .lm-MenuBar-itemLabel", has_text=menu).first.click()
+        # The menu bar's own id: the panel holding it is #jp-menu-panel in
+        # JupyterLab and #menu-panel in Notebook 7.
+        self.page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=menu).first.click()
         self.page.locator(f'.lm-Menu-item[data-command="{command}"]').first.click()
 
     def run_all(self) -> None:
@@ -340,3 +365,28 @@ class Notebook:
         path = OUTPUT / f"{name}.png"
         self.page.screenshot(path=str(path), full_page=True)
         return path
+
+
+def phases_until_done(claim: Any, timeout_s: float = 60) -> list[str]:
+    """Every phase the claim widget ``claim`` (a locator) showed, in order, until done."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        phase = claim.get_attribute("data-phase")
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
+        if phase == "done":
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"the claim never showed done; it showed {seen}")
+
+
+def stray_text(element: Any) -> list[str]:
+    """The bare text nodes directly inside ``element``, a locator on a widget's root.
+
+    The widgets build their sections as elements, so text there is something
+    drawn by mistake: the monitor once showed an absent section as "null".
+    """
+    return element.evaluate(
+        "e => [...e.childNodes].filter(n => n.nodeType === Node.TEXT_NODE).map(n => n.textContent)"
+    )

@@ -13,23 +13,11 @@ import time
 
 import pytest
 
+from tests.browser.lab import phases_until_done, stray_text
+
 pytestmark = pytest.mark.timeout(180)
 
 HOSTILE = "<img src=x onerror=alert(1)>"
-
-
-def phases_until_done(claim, timeout_s: float = 60) -> list[str]:
-    """Every phase the claim widget showed, in order, until done."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        phase = claim.get_attribute("data-phase")
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        if phase == "done":
-            return seen
-        time.sleep(0.1)
-    raise AssertionError(f"the claim never showed done; it showed {seen}")
 
 
 def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
@@ -89,6 +77,7 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     assert waiting.first.locator(".fluksio-label").inner_text() == HOSTILE
     assert "holder" in running.first.locator(".fluksio-label").inner_text()
     assert monitor.locator("[data-field=cpus]").get_attribute("data-value") == "0"
+    assert stray_text(monitor) == [], "the monitor drew text that is no section of it"
     # The waiting claim's own status says the same, as text.
     own = nb.output_of(2).locator(".fluksio-claim")
     assert own.get_attribute("data-phase") == "waiting"
