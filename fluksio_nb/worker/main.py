@@ -513,17 +513,17 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     threading.Thread(target=watch, name="fluksio-lifeline", daemon=True).start()
 
 
-def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> None:
-    """Answer requests until the kernel says exit or stops listening."""
+def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
+    """Answer requests until the kernel says exit (True) or stops listening (False)."""
     shell.report({"type": "ready", "pid": os.getpid()})
     while True:
         try:
             request = channel.receive()
         except ChannelClosed:
-            return
+            return False
         kind = request.get("type")
         if kind == "exit":
-            return
+            return True
         if kind == "run":
             run_one_cell(shell, request, interrupts)
         else:
@@ -562,9 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     default_to_inline_figures()
     shell = make_shell(Reporter(channel, interrupts))
     # The kernel closing the channel is how a conversation ends, not an error.
+    told_to_exit = False
     with contextlib.suppress(ChannelClosed):
-        serve(channel, shell, interrupts)
-    sweep_after(arguments.kernel_pid)
+        told_to_exit = serve(channel, shell, interrupts)
+    if not told_to_exit:
+        sweep_after(arguments.kernel_pid)
     # Whatever atexit handlers print is for the pipe: nobody reads frames now.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     return 0
