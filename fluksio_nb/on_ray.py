@@ -454,16 +454,19 @@ def run_claimed_cell(
     mailboxes_name: str,
     box: str,
     code: str,
-    inputs: dict[str, Any],
     outputs: list[str] | None,
     ram_bytes: int | None,
-    through_client: bool = False,
+    through_client: bool,
+    names: list[str],
+    *inputs: Frozen,
 ) -> dict[str, Any]:
     """The Ray task: run one cell in a worker holding the task's share, watched for memory.
 
     Runs inside a Ray worker process, which Ray started with the claim's
     ``runtime_env`` and, for a claim with cards, the ``CUDA_VISIBLE_DEVICES``
-    of the cards it granted.
+    of the cards it granted. The inputs are the task's own arguments, one per
+    name in ``names``, so Ray has them on the node before the task starts,
+    as it has a bare task's.
     """
     import ray
 
@@ -476,7 +479,7 @@ def run_claimed_cell(
     outbox = _Outbox(_mailboxes_named(ray, mailboxes_name), box)
     parcel = None
     try:
-        parcel = _inputs_as_parcel(ray, inputs)
+        parcel = _inputs_as_parcel(names, inputs)
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
         derived = _worker_env(gpus)
         if ram_bytes is None:
@@ -534,7 +537,7 @@ def run_claimed_cell(
     return result
 
 
-def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
+def _inputs_as_parcel(names: list[str], inputs: Sequence[Frozen]) -> Any:
     """The cell's inputs, from the object store to shared memory for the worker.
 
     Each pickle goes on as the kernel made it, and its big buffers straight
@@ -547,12 +550,9 @@ def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
     """
     from fluksio_nb import transfer
 
-    names = list(inputs)
     values: dict[str, Any] = {}
     try:
-        for name, (data, buffers) in zip(
-            names, ray.get([inputs[name] for name in names]), strict=True
-        ):
+        for name, (data, buffers) in zip(names, inputs, strict=True):
             values[name] = transfer.pack_pickled(data, buffers, reuse=True)
     except BaseException:
         transfer.Parcel(values).discard()
@@ -875,10 +875,13 @@ class RayClaim:
         mailboxes_name, mailboxes = _kernel_mailboxes(ray, _job_of(ray))
         box = uuid.uuid4().hex
         through_client = _through_client(ray)
-        refs = {
-            name: ray.put(portable(frozen) if through_client else frozen)
-            for name, frozen in packed.values.items()
-        }
+        # Handed to the task as arguments, not put first and referred to: Ray
+        # keeps a small one in the task's own message, and puts a big one in
+        # the object store as it does a bare task's, with no reference to
+        # lend the task and have it give back.
+        values = [
+            portable(frozen) if through_client else frozen for frozen in packed.values.values()
+        ]
         label = self.status.label
         deadline = None if self.wanted.timeout is None else time.monotonic() + self.wanted.timeout
         self._timed_out = None
@@ -889,10 +892,11 @@ class RayClaim:
             mailboxes_name,
             box,
             code,
-            refs,
             None if outputs is None else list(outputs),
             self.wanted.ram_bytes or None,
             through_client,
+            list(packed.values),
+            *values,
         )
         try:
             result = self._follow(ray, mailboxes, box, running, sink, deadline)
@@ -919,8 +923,6 @@ class RayClaim:
                 f"the Ray worker running the cell ended: {_first_line(error)}. "
                 "Its share was given back; run the cell again."
             ) from None
-        finally:
-            del refs
         if self._timed_out is not None:
             from fluksio_nb.queue import ClaimTimeout
 
