@@ -303,7 +303,7 @@ class Mailboxes:
 
 
 class _Outbox:
-    """Sends the task's output to its mailbox in batches, from a thread of its own.
+    """Sends the task's output to its mailbox in batches, from the process's sending thread.
 
     What is still unsent when the cell ends goes back with the task's result
     instead (:meth:`close`), with the count of what was sent, so that the
@@ -314,26 +314,30 @@ class _Outbox:
     def __init__(self, mailboxes: Any, box: str) -> None:
         self._mailboxes, self._box = mailboxes, box
         self._pending: list[Any] = []
-        self._lock = threading.Condition()
         self._closed = False
+        #: A batch taken from ``_pending`` whose actor call is not made yet.
+        self._sending = False
         self._last: Any = None
+        # The first send waits a little: the output of a cell that is over
+        # by then goes back with its result, and costs no actor call.
+        self._sent_at = time.monotonic() - SEND_EVERY_S + FIRST_SEND_AFTER_S
         #: How many items have gone to the mailbox.
         self.sent = 0
-        self._thread = threading.Thread(target=self._send_loop, name="fluksio-outbox", daemon=True)
-        self._thread.start()
+        _sender.open(self)
 
     def put(self, item: Any) -> None:
-        with self._lock:
+        with _sender.changed:
             self._pending.append(item)
-            self._lock.notify()
+            _sender.changed.notify_all()
 
     def close(self) -> list[Any]:
         """Stop sending; what was never sent, for the task's result."""
-        with self._lock:
+        with _sender.changed:
             self._closed = True
-            self._lock.notify()
-        self._thread.join()
-        with self._lock:
+            _sender.shut(self)
+            # A batch already taken is sent before the count is read.
+            while self._sending:
+                _sender.changed.wait()
             unsent, self._pending = self._pending, []
         return unsent
 
@@ -348,26 +352,77 @@ class _Outbox:
 
             ray.get(self._last)
 
-    def _send_loop(self) -> None:
-        # The first send waits a little: the output of a cell that is over
-        # by then goes back with its result, and costs no actor call.
-        sent_at = time.monotonic() - SEND_EVERY_S + FIRST_SEND_AFTER_S
-        while True:
-            with self._lock:
-                while not self._pending and not self._closed:
-                    self._lock.wait()
-                # A lone line goes at once; a burst waits out the interval
-                # since the last send and goes as one batch.
-                while not self._closed and time.monotonic() - sent_at < SEND_EVERY_S:
-                    self._lock.wait(SEND_EVERY_S - (time.monotonic() - sent_at))
-                if self._closed:
-                    return  # what is pending goes with the task's result
-                items, self._pending = self._pending, []
-                # Counted before it goes: close() waits for this thread, so
-                # the call is made before the count is read.
-                self.sent += len(items)
+    def _due_in(self, now: float) -> float | None:
+        """Seconds until this outbox's next batch may go; ``None`` with nothing to send."""
+        if self._closed or self._sending or not self._pending:
+            return None
+        # A lone line goes at once; a burst waits out the interval since the
+        # last send and goes as one batch.
+        return self._sent_at + SEND_EVERY_S - now
+
+    def _send(self, items: list[Any]) -> None:
+        try:
             self._last = self._mailboxes.put.remote(self._box, items)
-            sent_at = time.monotonic()
+        finally:
+            with _sender.changed:
+                self._sent_at = time.monotonic()
+                self._sending = False
+                _sender.changed.notify_all()
+
+
+class _Sender:
+    """The one thread of a Ray worker process that sends its tasks' output.
+
+    Started with the first task and kept for the next ones, as the cell's
+    worker is: starting and joining a thread per task cost about a tenth of
+    a millisecond of every claimed cell, and a thread asleep costs nothing.
+    """
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self._open: set[_Outbox] = set()
+        self._thread: threading.Thread | None = None
+
+    def open(self, outbox: _Outbox) -> None:
+        with self.changed:
+            self._open.add(outbox)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="fluksio-outbox", daemon=True
+                )
+                self._thread.start()
+
+    def shut(self, outbox: _Outbox) -> None:
+        """Called with :attr:`changed` held."""
+        self._open.discard(outbox)
+        self.changed.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.changed:
+                batch = None
+                while batch is None:
+                    now = time.monotonic()
+                    soonest: float | None = None
+                    for outbox in self._open:
+                        due_in = outbox._due_in(now)
+                        if due_in is None:
+                            continue
+                        if due_in <= 0:
+                            batch = outbox
+                            break
+                        soonest = due_in if soonest is None else min(soonest, due_in)
+                    if batch is None:
+                        self.changed.wait(soonest)
+                items, batch._pending = batch._pending, []
+                # Counted before it goes: close() waits for the call to be
+                # made before it reads the count.
+                batch.sent += len(items)
+                batch._sending = True
+            batch._send(items)
+
+
+_sender = _Sender()
 
 
 class _OutboxSink(Sink):
@@ -399,20 +454,23 @@ def run_claimed_cell(
     mailboxes_name: str,
     box: str,
     code: str,
-    inputs: dict[str, Any],
     outputs: list[str] | None,
     ram_bytes: int | None,
-    through_client: bool = False,
+    through_client: bool,
+    names: list[str],
+    *inputs: Frozen,
 ) -> dict[str, Any]:
     """The Ray task: run one cell in a worker holding the task's share, watched for memory.
 
     Runs inside a Ray worker process, which Ray started with the claim's
     ``runtime_env`` and, for a claim with cards, the ``CUDA_VISIBLE_DEVICES``
-    of the cards it granted.
+    of the cards it granted. The inputs are the task's own arguments, one per
+    name in ``names``, so Ray has them on the node before the task starts,
+    as it has a bare task's.
     """
     import ray
 
-    from fluksio_nb.budget import resolve_budget
+    from fluksio_nb.budget import Budget, resolve_budget
     from fluksio_nb.inventory import host_memory
     from fluksio_nb.sampler import Sampler
     from fluksio_nb.watch import Watched, kernel_watch
@@ -421,11 +479,18 @@ def run_claimed_cell(
     outbox = _Outbox(_mailboxes_named(ray, mailboxes_name), box)
     parcel = None
     try:
-        parcel = _inputs_as_parcel(ray, inputs)
+        parcel = _inputs_as_parcel(names, inputs)
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
         derived = _worker_env(gpus)
-        total, available = host_memory()
-        budget = resolve_budget(ram_bytes, host_total_bytes=total, host_available_bytes=available)
+        if ram_bytes is None:
+            # Reading the host's and the cgroup's memory is a dozen files, a
+            # fifth of a millisecond: only a budget needs it.
+            budget = Budget(None, None)
+        else:
+            total, available = host_memory()
+            budget = resolve_budget(
+                ram_bytes, host_total_bytes=total, host_available_bytes=available
+            )
         pool = kernel_pool()
         worker = pool.checkout(derived)
         halted: list[HaltDecision] = []
@@ -472,7 +537,7 @@ def run_claimed_cell(
     return result
 
 
-def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
+def _inputs_as_parcel(names: list[str], inputs: Sequence[Frozen]) -> Any:
     """The cell's inputs, from the object store to shared memory for the worker.
 
     Each pickle goes on as the kernel made it, and its big buffers straight
@@ -482,12 +547,9 @@ def _inputs_as_parcel(ray: Any, inputs: dict[str, Any]) -> Any:
     """
     from fluksio_nb import transfer
 
-    names = list(inputs)
     values: dict[str, Any] = {}
     try:
-        for name, (data, buffers) in zip(
-            names, ray.get([inputs[name] for name in names]), strict=True
-        ):
+        for name, (data, buffers) in zip(names, inputs, strict=True):
             values[name] = transfer.pack_pickled(data, buffers)
     except BaseException:
         transfer.Parcel(values).discard()
@@ -695,8 +757,12 @@ class RayClaim:
         self.target = on
         parse_target(on)
         # The settings alone, for the flavors: the kernel's accountant, and the
-        # machine's ledger behind it, have no say over a cluster's share.
-        self.wanted = resolve_flavor(wanted, load_settings())
+        # machine's ledger behind it, have no say over a cluster's share. Read
+        # only for a claim that names a flavor: finding and reading the file
+        # was a twentieth of an empty cell's time.
+        if wanted.flavor is not None:
+            wanted = resolve_flavor(wanted, load_settings())
+        self.wanted = wanted
         if "CUDA_VISIBLE_DEVICES" in self.wanted.env:
             raise BadClaim(
                 "CUDA_VISIBLE_DEVICES is Ray's to set on a cluster: it names the cards Ray "
@@ -806,10 +872,13 @@ class RayClaim:
         mailboxes_name, mailboxes = _kernel_mailboxes(ray, _job_of(ray))
         box = uuid.uuid4().hex
         through_client = _through_client(ray)
-        refs = {
-            name: ray.put(portable(frozen) if through_client else frozen)
-            for name, frozen in packed.values.items()
-        }
+        # Handed to the task as arguments, not put first and referred to: Ray
+        # keeps a small one in the task's own message, and puts a big one in
+        # the object store as it does a bare task's, with no reference to
+        # lend the task and have it give back.
+        values = [
+            portable(frozen) if through_client else frozen for frozen in packed.values.values()
+        ]
         label = self.status.label
         deadline = None if self.wanted.timeout is None else time.monotonic() + self.wanted.timeout
         self._timed_out = None
@@ -820,10 +889,11 @@ class RayClaim:
             mailboxes_name,
             box,
             code,
-            refs,
             None if outputs is None else list(outputs),
             self.wanted.ram_bytes or None,
             through_client,
+            list(packed.values),
+            *values,
         )
         try:
             result = self._follow(ray, mailboxes, box, running, sink, deadline)
@@ -850,8 +920,6 @@ class RayClaim:
                 f"the Ray worker running the cell ended: {_first_line(error)}. "
                 "Its share was given back; run the cell again."
             ) from None
-        finally:
-            del refs
         if self._timed_out is not None:
             from fluksio_nb.queue import ClaimTimeout
 
@@ -866,12 +934,24 @@ class RayClaim:
         ``None`` when the task ran out of time. The task's last output comes
         with its result, with the count of what went through the mailbox, so
         a task that has ended costs no wait on the mailbox unless some of
-        that is still on its way.
+        that is still on its way. The mailbox is first read only once the
+        task could have written to it (:data:`FIRST_SEND_AFTER_S` after it was
+        sent): a cell over by then costs no actor call at all, where the read
+        and the goodbye to the box were two, and kept the actor's process
+        busy on a core the task needed.
         """
-        taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+        submitted = time.monotonic()
+        taking = None
         shown = 0
         while True:
-            ready, _ = ray.wait([taking, running], num_returns=1, timeout=_SIGNAL_CHECK_S)
+            if taking is None and time.monotonic() - submitted >= FIRST_SEND_AFTER_S:
+                taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
+            if taking is None:
+                waiting_on = [running]
+                wait_s = min(_SIGNAL_CHECK_S, submitted + FIRST_SEND_AFTER_S - time.monotonic())
+            else:
+                waiting_on, wait_s = [taking, running], _SIGNAL_CHECK_S
+            ready, _ = ray.wait(waiting_on, num_returns=1, timeout=max(wait_s, 0.0))
             if deadline is not None and time.monotonic() >= deadline:
                 self._timed_out = (
                     f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and "
@@ -880,7 +960,7 @@ class RayClaim:
                 mailboxes.forget.remote(box)
                 stop_task(ray, running)
                 return None
-            if taking in ready:
+            if taking is not None and taking in ready:
                 items = ray.get(taking)
                 shown += len(items)
                 self._take(items, sink)
@@ -894,9 +974,12 @@ class RayClaim:
         except ray.exceptions.RayError:
             # The task put all it had in the mailbox before it failed.
             leaving = mailboxes.forget.remote(box)
-            self._take(ray.get(taking), sink)
+            if taking is not None:
+                self._take(ray.get(taking), sink)
             self._take(ray.get(leaving), sink)
             raise
+        if taking is None and shown < result["sent"]:
+            taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
         while shown < result["sent"]:
             # Sent before the task ended, and not here yet: it is on its way.
             if ray.wait([taking], timeout=_SIGNAL_CHECK_S)[0]:
@@ -904,7 +987,10 @@ class RayClaim:
                 shown += len(items)
                 self._take(items, sink)
                 taking = mailboxes.take.remote(box, _TAKE_WAIT_S)
-        mailboxes.forget.remote(box)
+        if taking is not None:
+            # Wakes the read still waiting, and keeps a late write from
+            # making the box again. A box never read was never made.
+            mailboxes.forget.remote(box)
         self._take(result["unsent"], sink)
         return result
 
