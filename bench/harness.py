@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -32,11 +33,22 @@ def timed(action: Callable[[], object], repeat: int) -> list[float]:
 
 
 def interleaved(actions: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Each action once per round, in turn, so drift in the machine hits them all alike."""
+    """Each action once per round, so drift in the machine hits them all alike.
+
+    The order is shuffled every round (the same shuffles every run): in a
+    fixed order each action always follows the same one, and what ran just
+    before matters here. A cell timed right after ``%%script python3`` took
+    2-3 ms longer than one timed after a plain cell, whichever cell it was,
+    because the subprocess had just emptied the caches and the other core
+    had just gone idle.
+    """
     samples: dict[str, list[float]] = {name: [] for name in actions}
+    order = list(actions)
+    shuffles = random.Random(rounds)
     for _ in range(rounds):
-        for name, action in actions.items():
-            samples[name] += timed(action, 1)
+        shuffles.shuffle(order)
+        for name in order:
+            samples[name] += timed(actions[name], 1)
     return samples
 
 
