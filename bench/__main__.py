@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = []
     if options.smoke:
         runs = [
-            lambda: overload.main(n=100, k=2),
+            lambda: overload.main(n=100, k=2, repeats=1),
             lambda: cells.main(rounds=2, mib=8, others=False),
             lambda: books.main(cycles=40, rounds=3),
         ]
