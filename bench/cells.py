@@ -10,6 +10,7 @@ back, against numpy's own copy of it.
 from __future__ import annotations
 
 import itertools
+import secrets
 import tempfile
 
 from bench.harness import interleaved, median, ms, percentile, table
@@ -29,8 +30,9 @@ START_IPYPARALLEL = (
     "rc[:].activate()"
 )
 START_RAY = (
-    "import ray\n"
-    "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)\n"
+    "import os, ray\n"
+    "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, "
+    "_temp_dir=os.environ['RAY_TMPDIR'])\n"
     "@ray.remote\n"
     "def trivial():\n    x = 1\n"
     "@ray.remote\n"
@@ -163,8 +165,16 @@ def transfer(
 
 
 def main(rounds: int = 20, mib: int = 256, others: bool = True) -> str:
-    with tempfile.TemporaryDirectory() as ledger:
-        kernel = Kernel(FLUKSIO_LEDGER=ledger, FLUKSIO_CONFIG=f"{ledger}/none.json")
+    with tempfile.TemporaryDirectory() as ledger, tempfile.TemporaryDirectory() as ray_state:
+        # Ray's state, and the token it would otherwise write to ~/.ray, stay
+        # in a directory of the run's own.
+        kernel = Kernel(
+            FLUKSIO_LEDGER=ledger,
+            FLUKSIO_CONFIG=f"{ledger}/none.json",
+            RAY_TMPDIR=ray_state,
+            RAY_AUTH_TOKEN=secrets.token_hex(16),
+            RAY_USAGE_STATS_ENABLED="0",
+        )
         try:
             trips, _ = round_trips(kernel, rounds, others)
             moved, _ = transfer(kernel, max(3, rounds // 4), mib, others)
