@@ -419,27 +419,7 @@ function rayCluster(ray, kernelNow) {
       ),
     );
     if (c.rss_bytes !== null && c.rss_bytes !== undefined) {
-      const ceiling = c.budget_bytes;
-      const fraction = ceiling ? c.rss_bytes / ceiling : 0;
-      put(
-        item,
-        put(
-          h("div", "fluksio-meter"),
-          h("span", "fluksio-name", "RSS"),
-          bar(fraction, ceiling ? budgetState(fraction) : "ok"),
-          field(
-            "rss",
-            c.rss_bytes,
-            ceiling ? `${human(c.rss_bytes)} of ${human(ceiling)}` : human(c.rss_bytes),
-          ),
-        ),
-        put(
-          h("div", "fluksio-meter"),
-          h("span", "fluksio-name", "CPU"),
-          bar((c.cpu_percent || 0) / 100, "cpu"),
-          field("cpu", c.cpu_percent, `${percent(c.cpu_percent)} of its node`),
-        ),
-      );
+      put(item, ...readingMeters(c.rss_bytes, c.budget_bytes, c.cpu_percent || 0, "its node"));
     } else if (c.phase === "running") {
       item.append(h("div", "fluksio-muted", "no readings yet"));
     }
@@ -447,6 +427,26 @@ function rayCluster(ray, kernelNow) {
   }
   section.append(list);
   return section;
+}
+
+// A running claim's RSS against its budget (amber near it) and its CPU as a
+// share of ``where``, the same in a local claim's row and a Ray claim's.
+function readingMeters(rss, ceiling, cpu, where) {
+  const fraction = ceiling ? rss / ceiling : 0;
+  return [
+    put(
+      h("div", "fluksio-meter"),
+      h("span", "fluksio-name", "RSS"),
+      bar(fraction, ceiling ? budgetState(fraction) : "ok"),
+      field("rss", rss, ceiling ? `${human(rss)} of ${human(ceiling)}` : human(rss)),
+    ),
+    put(
+      h("div", "fluksio-meter"),
+      h("span", "fluksio-name", "CPU"),
+      bar(cpu / 100, "cpu"),
+      field("cpu", cpu, `${percent(cpu)} of ${where}`),
+    ),
+  ];
 }
 
 function renderMonitor(model, el) {
@@ -551,24 +551,8 @@ function renderMonitor(model, el) {
       );
       item.append(title);
       if (c.reading) {
-        const rss = c.reading.rss_bytes;
-        const ceiling = c.budget_bytes;
-        const fraction = ceiling ? rss / ceiling : 0;
-        put(
-          item,
-          put(
-            h("div", "fluksio-meter"),
-            h("span", "fluksio-name", "RSS"),
-            bar(fraction, ceiling ? budgetState(fraction) : "ok"),
-            field("rss", rss, ceiling ? `${human(rss)} of ${human(ceiling)}` : human(rss)),
-          ),
-          put(
-            h("div", "fluksio-meter"),
-            h("span", "fluksio-name", "CPU"),
-            bar(c.reading.cpu_percent / 100, "cpu"),
-            field("cpu", c.reading.cpu_percent, `${percent(c.reading.cpu_percent)} of the machine`),
-          ),
-        );
+        const { rss_bytes: rss, cpu_percent: cpu } = c.reading;
+        put(item, ...readingMeters(rss, c.budget_bytes, cpu, "the machine"));
       } else {
         item.append(h("div", "fluksio-muted", "no readings yet"));
       }

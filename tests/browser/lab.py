@@ -390,3 +390,23 @@ def stray_text(element: Any) -> list[str]:
     return element.evaluate(
         "e => [...e.childNodes].filter(n => n.nodeType === Node.TEXT_NODE).map(n => n.textContent)"
     )
+
+
+#: A label no front end may render as HTML: it would open a dialog.
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def memory_hog(label: str) -> str:
+    """A claimed cell that holds 300 MiB for 4 s, long enough to be seen live."""
+    # The block is local to a function: a name the cell binds is sent back to
+    # the kernel, which would itself take memory in the worker.
+    return (
+        f"%%claim cpus=1 ram=2G --label '{label}'\n"
+        "import time\n"
+        "def hog():\n"
+        "    block = bytearray(300 * 2**20)\n"
+        "    for i in range(0, len(block), 4096):\n"
+        "        block[i] = 1\n"
+        "    time.sleep(4)\n"
+        "hog()"
+    )

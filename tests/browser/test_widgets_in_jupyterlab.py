@@ -13,11 +13,9 @@ import time
 
 import pytest
 
-from tests.browser.lab import phases_until_done, stray_text
+from tests.browser.lab import HOSTILE, memory_hog, phases_until_done, stray_text
 
 pytestmark = pytest.mark.timeout(180)
-
-HOSTILE = "<img src=x onerror=alert(1)>"
 
 
 def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
@@ -26,16 +24,7 @@ def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
         "memory.ipynb",
         [
             "%load_ext fluksio_nb",
-            # The block is local to a function: a name the cell binds is sent
-            # back to the kernel, which would itself take memory in the worker.
-            "%%claim cpus=1 ram=2G --label 'memory hog'\n"
-            "import time\n"
-            "def hog():\n"
-            "    block = bytearray(300 * 2**20)\n"
-            "    for i in range(0, len(block), 4096):\n"
-            "        block[i] = 1\n"
-            "    time.sleep(4)\n"
-            "hog()",
+            memory_hog("memory hog"),
         ],
     )
     nb.run_all()

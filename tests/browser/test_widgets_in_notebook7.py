@@ -14,11 +14,9 @@ import time
 
 import pytest
 
-from tests.browser.lab import JupyterLab, phases_until_done, stray_text
+from tests.browser.lab import HOSTILE, JupyterLab, memory_hog, phases_until_done, stray_text
 
 pytestmark = pytest.mark.timeout(180)
-
-HOSTILE = "<img src=x onerror=alert(1)>"
 
 
 @pytest.fixture
@@ -56,16 +54,7 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
         "notebook7.ipynb",
         [
             "%load_ext fluksio_nb",
-            # The block is local to a function: a name the cell binds is sent
-            # back to the kernel, which would itself take memory in the worker.
-            f"%%claim cpus=1 ram=2G --label '{HOSTILE}'\n"
-            "import time\n"
-            "def hog():\n"
-            "    block = bytearray(300 * 2**20)\n"
-            "    for i in range(0, len(block), 4096):\n"
-            "        block[i] = 1\n"
-            "    time.sleep(4)\n"
-            "hog()",
+            memory_hog(HOSTILE),
             "%claims",
         ],
     )
