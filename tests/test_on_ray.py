@@ -368,15 +368,20 @@ def test_the_stop_button_cancels_the_task(kernel):
 # -----------------------------------------------------------------------------
 
 
-def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
+def hold_a_ray_claim(kernel, label: str, seconds: float) -> None:
+    """Start, in a thread of the kernel's, a Ray claim that sleeps ``seconds``; ``holder``."""
     kernel.run(
         "import threading\nfrom fluksio_nb import claim\n"
         "def _hold():\n"
-        "    with claim(cpus=1, gpus=1, ram='100M', label='held', on='ray') as c:\n"
-        "        c.run(__import__('time').sleep, 4)\n"
+        f"    with claim(cpus=1, gpus=1, ram='100M', label={label!r}, on='ray') as c:\n"
+        f"        c.run(__import__('time').sleep, {seconds})\n"
         "holder = threading.Thread(target=_hold)\nholder.start()",
         check=True,
     )
+
+
+def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
+    hold_a_ray_claim(kernel, "held", 4)
     deadline = time.monotonic() + 30
     while True:
         snapshot = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()")
@@ -398,14 +403,7 @@ def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
 def test_claims_shows_the_cluster_and_a_running_claim_of_this_kernel(kernel):
     """%claims, widget and text alike, must show the cluster and this kernel's claim on it."""
     hostile = "<img src=x onerror=alert(1)>"
-    kernel.run(
-        "import threading\nfrom fluksio_nb import claim\n"
-        "def _hold():\n"
-        f"    with claim(cpus=1, gpus=1, ram='100M', label={hostile!r}, on='ray') as c:\n"
-        "        c.run(__import__('time').sleep, 6)\n"
-        "holder = threading.Thread(target=_hold)\nholder.start()",
-        check=True,
-    )
+    hold_a_ray_claim(kernel, hostile, 6)
     deadline = time.monotonic() + 30
     while True:
         # Running, with a reading: what the monitor should then show of it.
