@@ -20,10 +20,10 @@ The files are the one thing here that can outlive both processes, so every way
 out removes them. :func:`unpack` unlinks each file as soon as it is mapped —
 from then on the memory lives exactly as long as the arrays on it — unless
 its sender keeps it (below). :meth:`Parcel.discard` removes the files of a
-parcel that will never be unpacked. A sender that died, between writing and
-the receiver mapping or with files kept, is covered by the file name, which
-records the creating process: :func:`sweep_orphans` removes the files whose
-creator is gone, and a worker runs it when its kernel dies.
+parcel that will never be unpacked. A sender that died between writing and
+the receiver mapping is covered by the file name, which records the
+creating process: :func:`sweep_orphans` removes the files whose creator is
+gone, and a worker runs it when its kernel dies.
 
 Measured with a 256 MiB float64 array on a 2-core machine, against 79–82 ms
 for ``arr.copy()``: packing into a new file takes 83–100 ms, its one copy;
@@ -41,7 +41,9 @@ cell after cell, which is what notebooks do:
   it (the lock belongs to the mapping's own descriptor, so it goes when the
   last array on it does, or when the process dies); the shelf only reuses a
   file it can lock exclusively. Kept files are few and short-lived
-  (:data:`SHELF_BYTES`, :data:`SHELF_IDLE_S`), and go when the process exits.
+  (:data:`SHELF_BYTES`, :data:`SHELF_IDLE_S`). They are memfd files, which
+  receivers open through ``/proc/<pid>/fd/<n>``: with no name anywhere, they
+  go with the last process holding them, however it ends.
 - **A value that comes back on the memory it was sent on goes back as a
   reference** (``pack(..., refer_back=True)`` in the worker): ``b = a``, or
   ``a *= 2`` then sending ``a`` back, costs no copy at all, and the kernel maps
@@ -416,11 +418,10 @@ class _Shelf:
             if path is not None:
                 self._files[path].lent = True
         if path is None:
-            segment = _write_segment(raw)
-            fd = os.open(segment.path, os.O_RDWR)
+            path, fd = _new_kept_file(raw)
             with self._lock:
-                self._files[segment.path] = _Kept(fd, raw.nbytes, True, time.monotonic())
-            return Segment(segment.path, raw.nbytes, kept=True)
+                self._files[path] = _Kept(fd, raw.nbytes, True, time.monotonic())
+            return Segment(path, raw.nbytes, kept=True)
         kept = self._files[path]
         try:
             if kept.mapping is None:
@@ -488,8 +489,9 @@ class _Shelf:
         if kept.mapping is not None:
             kept.mapping.close()
         os.close(kept.fd)
-        with suppress(FileNotFoundError):
-            os.unlink(path)
+        if not path.startswith("/proc/"):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _expire(self) -> None:
         with self._lock:
@@ -499,6 +501,26 @@ class _Shelf:
                 self._timer = threading.Timer(SHELF_IDLE_S, self._expire)
                 self._timer.daemon = True
                 self._timer.start()
+
+
+def _new_kept_file(raw: memoryview) -> tuple[str, int]:
+    """A new file holding ``raw``, to keep: its path for receivers, and our descriptor.
+
+    An anonymous ``memfd`` where there is one, which receivers open through
+    ``/proc/<pid>/fd/<n>``: it has no name to remove, so however this process
+    ends, even killed, the memory goes with the last mapping of it. Elsewhere
+    a named file, which :func:`sweep_orphans` removes after a kill.
+    """
+    if not hasattr(os, "memfd_create"):
+        segment = _write_segment(raw)
+        return segment.path, os.open(segment.path, os.O_RDWR)
+    fd = os.memfd_create(f"{SEGMENT_PREFIX}{os.getpid()}-kept", os.MFD_CLOEXEC)
+    try:
+        _write_all(fd, raw)
+    except BaseException:
+        os.close(fd)
+        raise
+    return f"/proc/{os.getpid()}/fd/{fd}", fd
 
 
 def _still_there(path: str, fd: int) -> bool:

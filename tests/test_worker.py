@@ -9,6 +9,7 @@ cell waiting forever, and processes that outlive the kernel holding a GPU.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 import re
@@ -454,9 +455,20 @@ def stand_in_kernel(script: str) -> subprocess.Popen:
     )
 
 
+def holding(name: str) -> list[int]:
+    """The processes that hold a descriptor or a mapping of a file called ``name``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            if any(name in link for link in links) or name in Path(f"/proc/{pid}/maps").read_text():
+                found.append(int(pid))
+    return found
+
+
 @pytest.mark.timeout(20)
-def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
-    """Guards against the files a kernel keeps for reuse outliving a kill -9 of it."""
+def test_a_killed_kernels_kept_shared_memory_goes_with_it():
+    """Guards against the memory a kernel keeps for reuse outliving a kill -9 of it."""
     kernel = stand_in_kernel(
         """
         import os, sys
@@ -469,20 +481,22 @@ def test_a_killed_kernels_kept_shared_memory_is_removed_by_its_worker():
         sys.stdin.read()
         """
     )
-    kept = Path(transfer.SEGMENT_DIR).glob
+    named = Path(transfer.SEGMENT_DIR).glob
     pattern = f"{transfer.SEGMENT_PREFIX}{kernel.pid}-*"
+    kept = f"memfd:{transfer.SEGMENT_PREFIX}{kernel.pid}-kept"
     try:
         worker_pid = int(kernel.stdout.readline())
-        assert list(kept(pattern)), "the kernel keeps the file it sent, to reuse it"
+        assert kernel.pid in holding(kept), "the kernel keeps the memory it sent, to reuse it"
         kernel.kill()
         kernel.wait()
         assert wait_until(lambda: has_ended(worker_pid), timeout=5)
-        assert list(kept(pattern)) == []
+        assert holding(kept) == [], "nobody holds the killed kernel's memory any more"
+        assert list(named(pattern)) == [], "and it left no file behind"
     finally:
         kernel.kill()
         kernel.wait()
         kernel.stdout.close()
-        for path in kept(pattern):
+        for path in named(pattern):
             path.unlink(missing_ok=True)
 
 
