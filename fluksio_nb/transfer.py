@@ -188,16 +188,18 @@ def pack(values: Mapping[str, object], *, reuse: bool = False, refer_back: bool 
     return Parcel(packed, failures)
 
 
-def pack_pickled(data: bytes, buffers: Sequence[Any]) -> PackedValue:
+def pack_pickled(data: bytes, buffers: Sequence[Any], *, reuse: bool = False) -> PackedValue:
     """A value pickled elsewhere with its big buffers out of band, those put in shared memory.
 
     For values that arrive already pickled (a Ray task's inputs): unpickling
-    and pickling them again would copy every buffer twice.
+    and pickling them again would copy every buffer twice. ``reuse`` writes
+    into this process's kept files, as :func:`pack` does.
     """
     segments: list[Segment] = []
     try:
         for buffer in buffers:
-            segments.append(_write_segment(memoryview(buffer).cast("B")))
+            raw = memoryview(buffer).cast("B")
+            segments.append(_shelf.write(raw) if reuse else _write_segment(raw))
     except BaseException:
         _let_go(segments)
         raise
