@@ -365,6 +365,8 @@ class Worker:
         inputs: Mapping[str, Any] | None = None,
         outputs: list[str] | None = None,
         sink: Sink | None = None,
+        *,
+        keep_outputs: bool = False,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -374,7 +376,9 @@ class Worker:
         :class:`Outcome` with ``status="died"``. A ``KeyboardInterrupt`` in the
         calling thread stops the cell with :meth:`interrupt`'s ladder and is
         then re-raised. An exception raised by ``sink`` kills the worker — the
-        cell's output has nowhere to go — and is re-raised.
+        cell's output has nowhere to go — and is re-raised. ``keep_outputs``
+        lets the worker write big outputs into files it keeps for the next
+        cell's, for a caller done with them before it runs another cell.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -382,7 +386,7 @@ class Worker:
             cell = _Cell(sink)
             self._cell = cell
             try:
-                return self._run(cell, code, parcel, outputs)
+                return self._run(cell, code, parcel, outputs, keep_outputs)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
                 raise
@@ -411,7 +415,9 @@ class Worker:
             outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
             return self._ready and outcome is None
 
-    def _run(self, cell: _Cell, code: str, parcel: Any, outputs: list[str] | None) -> Outcome:
+    def _run(
+        self, cell: _Cell, code: str, parcel: Any, outputs: list[str] | None, keep: bool = False
+    ) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
@@ -421,6 +427,7 @@ class Worker:
             "code": code,
             "inputs": parcel,
             "outputs": outputs,
+            "keep_outputs": keep,
             "path": list(sys.path),
             "cwd": os.getcwd(),
         }

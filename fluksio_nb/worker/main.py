@@ -97,12 +97,17 @@ def unpack_inputs(parcel: Any) -> dict[str, Any]:
 
 
 def pack_outputs(
-    namespace: dict[str, Any], names: list[str]
+    namespace: dict[str, Any], names: list[str], keep: bool = False
 ) -> tuple[Any, dict[str, str], list[str]]:
-    """What goes back for ``names``, why each one that cannot go back can't, and the absent."""
+    """What goes back for ``names``, why each one that cannot go back can't, and the absent.
+
+    ``keep`` writes big values into files this worker keeps for the next
+    cell's, for a receiver that copies them elsewhere at once (a Ray task,
+    into the object store); a kernel that keeps the arrays gets files of its own.
+    """
     present = {name: namespace[name] for name in names if name in namespace}
     absent = [name for name in names if name not in namespace]
-    parcel = transfer.pack(present, refer_back=True)
+    parcel = transfer.pack(present, refer_back=True, reuse=keep, unmapped=keep)
     return parcel, dict(parcel.failures), absent
 
 
@@ -434,9 +439,15 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             report_exception_only(shell, escaped)
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
-    outputs, failed, absent = pack_outputs(shell.user_ns, names)
+    keep = bool(request.get("keep_outputs"))
+    outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()
     shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed, "absent": absent})
+    if keep:
+        # Every file in it is kept, and back on the shelf only for the next
+        # cell's outputs, which come after the receiver has mapped these:
+        # it holds a shared lock on each for as long as it has them mapped.
+        outputs.discard()
     # Emptied now rather than when the next cell comes: an idle worker then
     # holds none of the last cell's data, the arrays it was sent stop
     # pinning the kernel's shared memory, and the next cell does not wait
@@ -504,6 +515,10 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
             if readable or os.getppid() != kernel_pid:
                 break
         sweep_after(kernel_pid)
+        # os._exit runs no atexit: the files this worker kept for its next
+        # cell's outputs would otherwise stay until a kernel sweeps them.
+        with contextlib.suppress(Exception):
+            transfer.clear_shelf()
         # Only a group this worker leads is its own to end; started by hand
         # from a terminal, the group is the terminal's.
         if os.getpgrp() == os.getpid():
