@@ -482,9 +482,9 @@ def run_claimed_cell(
 
     global _swept
     if not _swept:
-        # Files kept by a Ray worker process, or its cell's worker, that Ray
-        # killed outright (ray.shutdown, a forced cancel): nobody else sweeps
-        # a node no kernel runs on. Once per process, a scan of /dev/shm.
+        # Parcels in flight when Ray killed their writer outright (ray.shutdown,
+        # a forced cancel): nobody else sweeps a node no kernel runs on. Kept
+        # files are memfds and go by themselves. Once per process, a scan.
         _swept = True
         from fluksio_nb import transfer
 
@@ -540,7 +540,7 @@ def run_claimed_cell(
         finally:
             kernel_watch().discard(watched)
             if not worker.alive:
-                # A halted or crashed worker cannot remove the files it kept.
+                # A halted or crashed worker cannot remove a parcel it was writing.
                 from fluksio_nb import transfer
 
                 with contextlib.suppress(Exception):

@@ -480,9 +480,10 @@ def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
 
 
 def sweep_after(kernel_pid: int) -> None:
-    """Remove the shared memory a kernel that died kept for reuse.
+    """Remove the shared-memory files a kernel that died was sending.
 
-    It would otherwise stay until some kernel next loads the extension. Its
+    They would otherwise stay until some kernel next loads the extension (the
+    memory a kernel keeps for reuse is a memfd, and goes with it). Its
     workers are the ones who notice the death. A dying process closes its
     descriptors, which is what wakes the worker, a moment before its children
     are handed to another parent, so the worker waits that moment out: a
@@ -515,8 +516,8 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
             if readable or os.getppid() != kernel_pid:
                 break
         sweep_after(kernel_pid)
-        # os._exit runs no atexit: the files this worker kept for its next
-        # cell's outputs would otherwise stay until a kernel sweeps them.
+        # os._exit runs no atexit: let go of the memory kept for the next
+        # cell's outputs now rather than with the process.
         with contextlib.suppress(Exception):
             transfer.clear_shelf()
         # Only a group this worker leads is its own to end; started by hand
