@@ -17,6 +17,7 @@ import pytest
 
 from fluksio_nb.ledger import read_snapshot
 from tests.kernels import Kernel
+from tests.processes import gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,18 +41,6 @@ def assert_books_balanced(kernel):
     assert books["cpus"] == {"total": 2, "free": 2}
     assert books["gpus"]["free"] == 2
     assert books["running"] == [] and books["waiting"] == []
-
-
-def gone(pid: int, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # -----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
 from fluksio_nb.resources import BadClaim, ask
 from tests.kernels import Kernel
+from tests.processes import gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,18 +103,6 @@ def assert_cluster_idle(kernel, within: float = 10.0) -> None:
     while (free := ray_resources(kernel)) != {"CPU": 2.0, "GPU": 2.0}:
         assert time.monotonic() < deadline, f"Ray still has a share out: {free}"
         time.sleep(0.2)
-
-
-def gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # -----------------------------------------------------------------------------
@@ -358,7 +347,9 @@ def test_the_stop_button_cancels_the_task(kernel):
             break
     assert time.monotonic() - started < 3
     assert ename == "KeyboardInterrupt"
-    assert all(gone(pid) for pid in pids), "the cell's process, or its child, outlived the task"
+    assert all(gone(pid, within=10) for pid in pids), (
+        "the cell's process, or its child, outlived the task"
+    )
     assert_cluster_idle(kernel)
     assert kernel.facts("'still here'") == "still here"
 

@@ -29,6 +29,7 @@ import pytest
 from fluksio_nb import transfer
 from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
+from tests.processes import has_ended, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,22 +78,6 @@ def living_members_of_group(pgid: int) -> list[int]:
         except (ProcessLookupError, psutil.Error):
             continue
     return living
-
-
-def has_ended(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def interrupt_once_it_prints(worker: Worker, recorder: Recorder, stop=None) -> None:

@@ -1,0 +1,34 @@
+"""Waiting for processes to end, as the tests that kill and stop things need to.
+
+A process counts as ended once it is a zombie: what it ran has stopped, and
+only its parent's reaping is left, which is not what any test is about.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def has_ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def gone(pid: int, within: float = 5.0) -> bool:
+    """Whether ``pid`` ended within ``within`` seconds."""
+    return wait_until(lambda: has_ended(pid), within)
