@@ -260,21 +260,7 @@ class Claim:
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` in a worker holding this share; return its result."""
-        from fluksio_nb.relay import CellOutput
-
-        outcome = self.run_code(
-            "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
-            {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": kwargs},
-            ["__fluksio_result__"],
-            CellOutput(),
-        )
-        if "__fluksio_result__" in outcome.failed:
-            raise RemoteError(
-                "TransferError",
-                f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
-                [],
-            )
-        return outcome.outputs["__fluksio_result__"]
+        return call_through(self.run_code, CellOutput(), fn, args, kwargs)
 
     def popen(self, args: Sequence[str] | str, **kwargs: Any) -> subprocess.Popen:
         """Start a subprocess with this share's environment, sampled and held to its budget.
@@ -395,6 +381,33 @@ class Claim:
             # was over before its live view was due shows only this.
             self._shown = True
             self._summary.show(self.status)
+
+
+def call_through(
+    run_code: Callable[..., Outcome],
+    sink: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``fn(*args, **kwargs)`` as a one-line claimed cell run by ``run_code``; its result.
+
+    A claim's ``run`` on this machine and on Ray alike: the function and its
+    arguments travel as the cell's inputs and the result as its one output.
+    """
+    outcome = run_code(
+        "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
+        {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": kwargs},
+        ["__fluksio_result__"],
+        sink,
+    )
+    if "__fluksio_result__" in outcome.failed:
+        raise RemoteError(
+            "TransferError",
+            f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
+            [],
+        )
+    return outcome.outputs["__fluksio_result__"]
 
 
 def _ending_of(error: BaseException) -> Ending:

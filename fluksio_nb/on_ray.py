@@ -72,6 +72,7 @@ from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, StatusView, TextView
 from fluksio_nb.transfer import INLINE_LIMIT
+from fluksio_nb.watch import ensure_running
 from fluksio_nb.worker.client import Outcome, Sink
 
 INSTALL_HINT = (
@@ -386,11 +387,7 @@ class _Sender:
     def open(self, outbox: _Outbox) -> None:
         with self.changed:
             self._open.add(outbox)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="fluksio-outbox", daemon=True
-                )
-                self._thread.start()
+            self._thread = ensure_running(self._thread, self._loop, "fluksio-outbox")
 
     def shut(self, outbox: _Outbox) -> None:
         """Called with :attr:`changed` held."""
@@ -862,21 +859,9 @@ class RayClaim:
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` in a Ray task holding this share; return its result."""
-        from fluksio_nb.context import RemoteError
+        from fluksio_nb.context import call_through
 
-        outcome = self.run_code(
-            "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
-            {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": kwargs},
-            ["__fluksio_result__"],
-            _relay_sink(),
-        )
-        if "__fluksio_result__" in outcome.failed:
-            raise RemoteError(
-                "TransferError",
-                f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
-                [],
-            )
-        return outcome.outputs["__fluksio_result__"]
+        return call_through(self.run_code, _relay_sink(), fn, args, kwargs)
 
     def run_code(
         self,

@@ -48,6 +48,20 @@ class Watched:
     halted: bool = field(default=False, init=False)
 
 
+def ensure_running(thread: threading.Thread | None, loop: Callable[[], None], name: str):
+    """``thread`` if it is still alive, else a new daemon thread running ``loop``, started.
+
+    For the kernel's threads that exist only while they have something to
+    do (this one, the monitor's, a Ray worker's output sender): call it with
+    the lock the loop takes when it decides to end.
+    """
+    if thread is not None and thread.is_alive():
+        return thread
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class Watch:
     """Samples what it is given, from one thread that exists only while needed."""
 
@@ -70,11 +84,7 @@ class Watch:
     def add(self, watched: Watched) -> Watched:
         with self._lock:
             self._watched.add(watched)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="fluksio-watch", daemon=True
-                )
-                self._thread.start()
+            self._thread = ensure_running(self._thread, self._loop, "fluksio-watch")
         self._wake.set()
         return watched
 

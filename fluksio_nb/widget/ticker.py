@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from fluksio_nb.watch import ensure_running
 from fluksio_nb.widget.facts import HOST_MEMORY_STEP, Nvml, card_ids, machine_facts
 
 log = logging.getLogger(__name__)
@@ -179,11 +180,7 @@ class MonitorWatch:
         """Keep ``monitor`` refreshed, starting the thread if it is not running."""
         with self._lock:
             self._monitors.add(monitor)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="fluksio-monitor", daemon=True
-                )
-                self._thread.start()
+            self._thread = ensure_running(self._thread, self._loop, "fluksio-monitor")
         self._wake.set()
 
     def unwatch(self, monitor: Watched) -> None:
