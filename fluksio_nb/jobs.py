@@ -91,10 +91,9 @@ class Job:
             with self._claim as claimed:
                 outcome = claimed.run_code(self._code, self._inputs, self._outputs, self._output)
             self._values = outcome.outputs
-            failed = outcome.not_brought_back(self._by_hand)
-            if failed:
-                lines = "".join(f"  {n}: {r}\n" for n, r in sorted(failed.items()))
-                self._output.stderr(f"fluksio_nb: these names could not be brought back:\n{lines}")
+            warning = outcome.warning(self._by_hand)
+            if warning:
+                self._output.stderr(warning)
         except RemoteError as error:
             self._error = error
             self._output.error(error.ename, error.evalue, error.traceback)

@@ -14,6 +14,7 @@ line, no traceback, no share taken, no worker started.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -99,7 +100,7 @@ class ClaimMagics(Magics):
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):
             self.shell.user_ns.pop(name, None)
-        _report_failed(outcome.not_brought_back(by_hand))
+        sys.stderr.write(outcome.warning(by_hand))
 
     @line_magic
     def claims(self, line: str = "") -> Any:
@@ -126,15 +127,6 @@ def _unsendable_message(failures: dict[str, str]) -> str:
         f"%%claim: cannot send {names} to the worker. Create it inside the cell, "
         "or leave it out with --in."
     )
-
-
-def _report_failed(failed: dict[str, str]) -> None:
-    if not failed:
-        return
-    import sys
-
-    lines = "\n".join(f"  {name}: {reason}" for name, reason in sorted(failed.items()))
-    sys.stderr.write(f"fluksio_nb: these names could not be brought back:\n{lines}\n")
 
 
 def _show_claim_error(shell, kind, error, traceback, tb_offset=None):

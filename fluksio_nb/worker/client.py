@@ -198,6 +198,14 @@ class Outcome:
             failed.update({name: "the cell did not define it" for name in self.absent})
         return failed
 
+    def warning(self, by_hand: bool) -> str:
+        """What to tell the user of :meth:`not_brought_back`; ``""`` when all came back."""
+        failed = self.not_brought_back(by_hand)
+        if not failed:
+            return ""
+        lines = "".join(f"  {name}: {reason}\n" for name, reason in sorted(failed.items()))
+        return f"fluksio_nb: these names could not be brought back:\n{lines}"
+
     @property
     def signal_name(self) -> str | None:
         """``"SIGSEGV"`` for a worker a signal ended, else None."""
