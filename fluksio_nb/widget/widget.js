@@ -449,6 +449,15 @@ function readingMeters(rss, ceiling, cpu, where) {
   ];
 }
 
+// The monitor's running and waiting lists: a titled list, or a line saying it is empty.
+function listOf(kind, title, count, empty) {
+  const list = h("div", "fluksio-list");
+  list.dataset.list = kind;
+  put(list, h("div", "fluksio-title", `${title} (${count})`));
+  if (!count) list.append(h("div", "fluksio-muted", empty));
+  return list;
+}
+
 function renderMonitor(model, el) {
   const root = h("div", "fluksio fluksio-monitor");
   el.append(root);
@@ -534,10 +543,7 @@ function renderMonitor(model, el) {
       ),
     );
 
-    const runningList = h("div", "fluksio-list");
-    runningList.dataset.list = "running";
-    put(runningList, h("div", "fluksio-title", `Running (${running.length})`));
-    if (!running.length) runningList.append(h("div", "fluksio-muted", "Nothing running."));
+    const runningList = listOf("running", "Running", running.length, "Nothing running.");
     for (const c of running) {
       const item = h("div", "fluksio-item");
       item.dataset.ticket = String(c.ticket);
@@ -559,10 +565,7 @@ function renderMonitor(model, el) {
       runningList.append(item);
     }
 
-    const waitingList = h("div", "fluksio-list");
-    waitingList.dataset.list = "waiting";
-    put(waitingList, h("div", "fluksio-title", `Waiting (${waiting.length})`));
-    if (!waiting.length) waitingList.append(h("div", "fluksio-muted", "Nobody waiting."));
+    const waitingList = listOf("waiting", "Waiting", waiting.length, "Nobody waiting.");
     for (const c of waiting) {
       const item = h("div", "fluksio-item");
       item.dataset.ticket = String(c.ticket);
