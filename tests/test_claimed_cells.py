@@ -17,7 +17,7 @@ import pytest
 
 from fluksio_nb.ledger import read_snapshot
 from tests.kernels import Kernel
-from tests.processes import gone
+from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,7 +30,7 @@ from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
 from fluksio_nb.resources import BadClaim, ask
 from tests.kernels import Kernel
-from tests.processes import gone
+from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -35,6 +35,7 @@ from fluksio_nb.status import ClaimStatus, running_statuses
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
 from fluksio_nb.widget.facts import Nvml, claim_html, machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,15 +93,6 @@ def declared_machine(monkeypatch):
     monkeypatch.setenv("FLUKSIO_GPUS", "2")
     monkeypatch.setenv("FLUKSIO_RAM", "8G")
     monkeypatch.setenv("FLUKSIO_RESERVE_CPUS", "0")
-
-
-def until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def sample(rss: int, cpu: float = 12.5) -> Sample:
@@ -317,7 +309,7 @@ def ticker(fixed):
     yield watch
     for monitor_widget in list(watch._monitors):
         watch.unwatch(monitor_widget)
-    until(lambda: not watch.running)
+    wait_until(lambda: not watch.running)
 
 
 def test_the_monitor_thread_starts_when_shown_and_stops_when_closed(wire, ticker, fixed):
@@ -326,11 +318,11 @@ def test_the_monitor_thread_starts_when_shown_and_stops_when_closed(wire, ticker
     time.sleep(0.1)
     assert not ticker.running, "made but not shown, and already refreshing"
     widget._repr_mimebundle_()
-    assert until(lambda: ticker.running)
+    assert wait_until(lambda: ticker.running)
     reads = fixed.reads
-    assert until(lambda: fixed.reads > reads + 3), "shown, and not refreshed"
+    assert wait_until(lambda: fixed.reads > reads + 3), "shown, and not refreshed"
     widget.close()
-    assert until(lambda: not ticker.running), "closed, and still refreshing"
+    assert wait_until(lambda: not ticker.running), "closed, and still refreshing"
     assert fixed.closed >= 1, "the reader (and NVML with it) was not let go"
     sent = len(wire.sent)
     fixed.facts["n"] = 1
@@ -343,8 +335,8 @@ def test_a_monitor_nobody_answers_for_is_let_go(wire, fixed):
     watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=fixed)
     widget = MonitorWidget(watch=watch, lease_s=0.3)
     widget._repr_mimebundle_()
-    assert until(lambda: watch.running)
-    assert until(lambda: not watch.running, timeout=2), "nobody is looking, and it goes on"
+    assert wait_until(lambda: watch.running)
+    assert wait_until(lambda: not watch.running, timeout=2), "nobody is looking, and it goes on"
 
 
 def test_a_front_end_that_pings_keeps_it_going_and_goodbye_stops_it(wire, ticker):
@@ -357,19 +349,19 @@ def test_a_front_end_that_pings_keeps_it_going_and_goodbye_stops_it(wire, ticker
         wire.say(widget, {"type": "ping", "view": "a"})
     assert ticker.running, "a view pinging every 0.1 s was taken for gone"
     wire.say(widget, {"type": "gone", "view": "a"})
-    assert until(lambda: not ticker.running, timeout=1)
+    assert wait_until(lambda: not ticker.running, timeout=1)
 
 
 def test_a_front_end_that_comes_back_gets_updates_again(wire, ticker, fixed):
     """A tab shown again after its lease ran out must not stay frozen."""
     widget = MonitorWidget(watch=ticker, lease_s=0.2)
     widget._repr_mimebundle_()
-    assert until(lambda: not ticker.running, timeout=2)
+    assert wait_until(lambda: not ticker.running, timeout=2)
     wire.say(widget, {"type": "ping", "view": "b"})
-    assert until(lambda: ticker.running)
+    assert wait_until(lambda: ticker.running)
     before = len(wire.updates(widget))
     fixed.facts["n"] = 2
-    assert until(lambda: len(wire.updates(widget)) > before)
+    assert wait_until(lambda: len(wire.updates(widget)) > before)
     assert wire.updates(widget)[-1]["machine"]["n"] == 2
 
 
@@ -383,7 +375,7 @@ def test_silence_while_a_cell_runs_is_not_taken_for_a_closed_tab(wire, fixed):
     time.sleep(0.6)
     assert watch.running, "stopped during a cell, when no ping could have been heard"
     activity.cell_finished()
-    assert until(lambda: not watch.running, timeout=2)
+    assert wait_until(lambda: not watch.running, timeout=2)
 
 
 def test_every_open_monitor_shares_one_thread(wire, ticker):
@@ -391,11 +383,11 @@ def test_every_open_monitor_shares_one_thread(wire, ticker):
     widgets = [MonitorWidget(watch=ticker) for _ in range(5)]
     for widget in widgets:
         widget._repr_mimebundle_()
-    assert until(lambda: ticker.running)
+    assert wait_until(lambda: ticker.running)
     assert monitor_threads() == 1
     for widget in widgets:
         widget.close()
-    assert until(lambda: monitor_threads() == 0)
+    assert wait_until(lambda: monitor_threads() == 0)
 
 
 def test_an_unchanged_machine_is_not_pushed_again(wire, ticker, fixed):
@@ -403,10 +395,10 @@ def test_an_unchanged_machine_is_not_pushed_again(wire, ticker, fixed):
     widget = MonitorWidget(watch=ticker)
     widget._repr_mimebundle_()
     reads = fixed.reads
-    assert until(lambda: fixed.reads > reads + 10)
+    assert wait_until(lambda: fixed.reads > reads + 10)
     assert wire.updates(widget) == [], "the same facts were pushed again"
     fixed.facts["n"] = 3
-    assert until(lambda: len(wire.updates(widget)) == 1)
+    assert wait_until(lambda: len(wire.updates(widget)) == 1)
     time.sleep(0.1)
     assert len(wire.updates(widget)) == 1
     widget.close()
@@ -482,7 +474,7 @@ def test_a_running_claims_readings_reach_the_monitor(declared_machine, wire):
 
     with claim(cpus=1, ram="500M", label="sleeper") as c:
         c.popen(["sleep", "5"])
-        assert until(lambda: c.readings.count >= 2)
+        assert wait_until(lambda: c.readings.count >= 2)
         facts = MachineReader()()
         (entry,) = facts["running"]
         assert entry["label"] == "sleeper" and entry["mine"]

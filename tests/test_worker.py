@@ -29,7 +29,7 @@ import pytest
 from fluksio_nb import transfer
 from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
-from tests.processes import has_ended, wait_until
+from tests.waiting import has_ended, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

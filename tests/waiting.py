@@ -1,5 +1,7 @@
-"""Waiting for processes to end, as the tests that kill and stop things need to.
+"""Waiting, in a test, for what happens in another thread or process.
 
+Polled with a deadline, never slept for a fixed time: the test goes on as
+soon as the thing has happened, and a slow machine only makes it wait longer.
 A process counts as ended once it is a zombie: what it ran has stopped, and
 only its parent's reaping is left, which is not what any test is about.
 """
@@ -19,13 +21,13 @@ def has_ended(pid: int) -> bool:
         return True
 
 
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     """Whether ``condition()`` came true within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return condition()
 
 
