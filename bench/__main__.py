@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import books, cells, overload
+from bench import books, cells, hop, overload
 from bench.harness import machine
 
 
@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = [
             lambda: overload.main(n=100, k=2, repeats=1),
             lambda: cells.main(rounds=2, mib=8, others=False),
+            lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
             lambda: books.main(cycles=40, rounds=3),
         ]
     else:
-        runs = [overload.main, cells.main, books.main]
+        runs = [overload.main, cells.main, hop.main, books.main]
     for run in runs:
         sections.append(run())
         print(sections[-1], flush=True)

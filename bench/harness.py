@@ -23,16 +23,20 @@ def percentile(samples: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def timed(action: Callable[[], object], repeat: int) -> list[float]:
+def timed(action: Callable[[], object], repeat: int, idle_s: float = 0.0) -> list[float]:
     samples = []
     for _ in range(repeat):
+        if idle_s:
+            time.sleep(idle_s)
         started = time.perf_counter()
         action()
         samples.append(time.perf_counter() - started)
     return samples
 
 
-def interleaved(actions: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    actions: dict[str, Callable[[], object]], rounds: int, idle_s: float = 0.0
+) -> dict[str, list[float]]:
     """Each action once per round, so drift in the machine hits them all alike.
 
     The order is shuffled every round (the same shuffles every run): in a
@@ -41,6 +45,9 @@ def interleaved(actions: dict[str, Callable[[], object]], rounds: int) -> dict[s
     2-3 ms longer than one timed after a plain cell, whichever cell it was,
     because the subprocess had just emptied the caches and the other core
     had just gone idle.
+
+    ``idle_s`` sleeps before each action, outside its time: what an action
+    costs after the machine sat idle is not what it costs back to back.
     """
     samples: dict[str, list[float]] = {name: [] for name in actions}
     order = list(actions)
@@ -48,7 +55,7 @@ def interleaved(actions: dict[str, Callable[[], object]], rounds: int) -> dict[s
     for _ in range(rounds):
         shuffles.shuffle(order)
         for name in order:
-            samples[name] += timed(actions[name], 1)
+            samples[name] += timed(actions[name], 1, idle_s)
     return samples
 
 

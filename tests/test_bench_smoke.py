@@ -24,7 +24,14 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
         timeout=280,
     )
     report = out.read_text()
-    for heading in ("The overload story", "Running a cell elsewhere", "Moving data", "The books"):
+    for heading in (
+        "The overload story",
+        "Running a cell elsewhere",
+        "Moving data",
+        "A hop to a process that sat idle",
+        "The books",
+    ):
         assert f"### {heading}" in report
     assert "%%claim, warm worker" in report
     assert "freed share reaches a waiter in another process" in report
+    assert "| 1 ms |" in report  # the hop after its shortest idle gap
