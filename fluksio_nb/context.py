@@ -236,14 +236,21 @@ class Claim:
         inputs: Mapping[str, object] | Parcel,
         outputs: Sequence[str] | None,
         sink: Any,
+        *,
+        if_changed: Sequence[str] = (),
     ) -> Outcome:
-        """Run notebook code in a worker that holds this share; raise how it failed."""
+        """Run notebook code in a worker that holds this share; raise how it failed.
+
+        ``if_changed`` names inputs to bring back too if the code changed them in place.
+        """
         if self.allocation is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         worker = self._pool.checkout(self.env)
         watched = self._watch_process(worker.pid, stop=worker.kill)
         try:
-            outcome = worker.run(code, inputs=inputs, outputs=outputs, sink=sink)
+            outcome = worker.run(
+                code, inputs=inputs, outputs=outputs, sink=sink, if_changed=if_changed
+            )
         finally:
             self._watch.discard(watched)
             if not self.status.readings.count:

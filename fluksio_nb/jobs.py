@@ -35,11 +35,13 @@ class Job:
         inputs: Parcel,
         outputs: Sequence[str] | None,
         by_hand: bool = False,
+        if_changed: Sequence[str] = (),
     ) -> None:
         # Shown at once, from this thread: a background job's status belongs
         # in the cell that started it, which is only the executing one now.
         self._claim = Claim(wanted, view=new_view(), show_after=None)
         self._code, self._inputs, self._outputs = code, inputs, outputs
+        self._if_changed = if_changed
         #: Whether the user named ``outputs`` with ``--out``: only then is a
         #: name the cell ended without worth a warning.
         self._by_hand = by_hand
@@ -89,7 +91,13 @@ class Job:
     def _run(self) -> None:
         try:
             with self._claim as claimed:
-                outcome = claimed.run_code(self._code, self._inputs, self._outputs, self._output)
+                outcome = claimed.run_code(
+                    self._code,
+                    self._inputs,
+                    self._outputs,
+                    self._output,
+                    if_changed=self._if_changed,
+                )
             self._values = outcome.outputs
             warning = outcome.warning(self._by_hand)
             if warning:
@@ -114,6 +122,10 @@ def start_job(
     inputs: Parcel,
     outputs: Sequence[str] | None,
     by_hand: bool = False,
+    if_changed: Sequence[str] = (),
 ) -> Job:
-    """Start a background claim; ``by_hand`` says the user chose ``outputs`` with ``--out``."""
-    return Job(wanted, code, inputs, outputs, by_hand)
+    """Start a background claim; ``by_hand`` says the user chose ``outputs`` with ``--out``.
+
+    ``if_changed`` names inputs whose changes in place the handle holds too.
+    """
+    return Job(wanted, code, inputs, outputs, by_hand, if_changed)

@@ -27,7 +27,12 @@ from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
 from fluksio_nb.status import new_view
-from fluksio_nb.variables import choose_inputs, choose_outputs, names_deleted
+from fluksio_nb.variables import (
+    choose_if_changed,
+    choose_inputs,
+    choose_outputs,
+    names_deleted,
+)
 from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
@@ -60,12 +65,15 @@ class ClaimMagics(Magics):
             # Asked for too, so that the worker says whether each is gone:
             # a `del` on a branch not taken leaves the name where it was.
             outputs += sorted(deleted.difference(outputs))
+            if_changed = choose_if_changed(cell, inputs, outputs) if parsed.outputs is None else []
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
         if parsed.on is not None:
             from fluksio_nb.on_ray import run_cell
 
-            outcome = run_cell(self.shell, parsed, cell, inputs, outputs, ForegroundOutput())
+            outcome = run_cell(
+                self.shell, parsed, cell, inputs, outputs, ForegroundOutput(), if_changed
+            )
             self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
             return None
         # Packed now, before the claim waits: an input that cannot travel is
@@ -80,7 +88,12 @@ class ClaimMagics(Magics):
                 from fluksio_nb.jobs import start_job
 
                 return start_job(
-                    parsed.resources, cell, parcel, outputs, by_hand=parsed.outputs is not None
+                    parsed.resources,
+                    cell,
+                    parcel,
+                    outputs,
+                    by_hand=parsed.outputs is not None,
+                    if_changed=if_changed,
                 )
             claimed = Claim(parsed.resources, view=new_view())
         except BadClaim as error:
@@ -88,7 +101,9 @@ class ClaimMagics(Magics):
             raise UsageError(str(error)) from None
         try:
             with claimed:
-                outcome = claimed.run_code(cell, parcel, outputs, ForegroundOutput())
+                outcome = claimed.run_code(
+                    cell, parcel, outputs, ForegroundOutput(), if_changed=if_changed
+                )
         finally:
             parcel.discard()
         self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)

@@ -458,6 +458,7 @@ def run_claimed_cell(
     outputs: list[str] | None,
     ram_bytes: int | None,
     through_client: bool,
+    if_changed: list[str],
     names: list[str],
     *inputs: Frozen,
 ) -> dict[str, Any]:
@@ -467,7 +468,8 @@ def run_claimed_cell(
     ``runtime_env`` and, for a claim with cards, the ``CUDA_VISIBLE_DEVICES``
     of the cards it granted. The inputs are the task's own arguments, one per
     name in ``names``, so Ray has them on the node before the task starts,
-    as it has a bare task's.
+    as it has a bare task's. Those in ``if_changed`` come back too if the
+    cell changed them in place.
     """
     import ray
 
@@ -532,7 +534,12 @@ def run_claimed_cell(
             # are here, so the worker may write the next cell's into the same
             # warm files: 8 MB into a new one took 2.2 ms, into a warm one 1.0.
             outcome = worker.run(
-                code, inputs=parcel, outputs=outputs, sink=_OutboxSink(outbox), keep_outputs=True
+                code,
+                inputs=parcel,
+                outputs=outputs,
+                sink=_OutboxSink(outbox),
+                keep_outputs=True,
+                if_changed=if_changed,
             )
         finally:
             kernel_watch().discard(watched)
@@ -869,8 +876,13 @@ class RayClaim:
         inputs: Mapping[str, object] | Packed,
         outputs: Sequence[str] | None,
         sink: Any,
+        *,
+        if_changed: Sequence[str] = (),
     ) -> Outcome:
-        """Run notebook code as a Ray task holding this share; raise how it failed."""
+        """Run notebook code as a Ray task holding this share; raise how it failed.
+
+        ``if_changed`` names inputs to bring back too if the code changed them in place.
+        """
         from fluksio_nb.worker.client import UnsendableInput
 
         ray = self.acquire()._ray
@@ -905,6 +917,7 @@ class RayClaim:
             None if outputs is None else list(outputs),
             self.wanted.ram_bytes or None,
             through_client,
+            list(if_changed),
             list(packed.values),
             *values,
         )
@@ -1148,6 +1161,7 @@ def run_cell(
     inputs: Sequence[str],
     outputs: Sequence[str] | None,
     sink: Any,
+    if_changed: Sequence[str] = (),
 ) -> Outcome:
     """``%%claim ... --on ray``: run the cell as a Ray task; how it went, names included.
 
@@ -1176,7 +1190,7 @@ def run_cell(
     except BadClaim as error:
         raise UsageError(str(error)) from None
     try:
-        outcome = claimed.run_code(cell, packed, outputs, sink)
+        outcome = claimed.run_code(cell, packed, outputs, sink, if_changed=if_changed)
     except BaseException as error:
         claimed.release(error)
         raise

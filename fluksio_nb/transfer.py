@@ -214,6 +214,33 @@ def pack_pickled(data: bytes, buffers: Sequence[Any], *, reuse: bool = False) ->
     return PackedValue(data, tuple(segments))
 
 
+def unchanged(value: object, sent: PackedValue) -> bool:
+    """Whether ``value`` still pickles to exactly what was sent for it.
+
+    Said only of a value sent without big buffers: those lay in shared memory
+    the receiver may have written to in place, with no copy left to compare
+    against, so such a value is never taken as unchanged. Pickling again
+    costs what sending the value did. A value that no longer pickles, or
+    pickles differently for any reason, counts as changed: taking a changed
+    value for unchanged loses the change, the other way round only costs a copy.
+    """
+    if sent.segments:
+        return False
+    grew = False
+
+    def spill(buffer: pickle.PickleBuffer) -> bool:
+        nonlocal grew
+        with suppress(BufferError):
+            grew = grew or buffer.raw().nbytes >= INLINE_LIMIT
+        return True
+
+    try:
+        again = cloudpickle.dumps(value, protocol=_PROTOCOL, buffer_callback=spill)
+    except Exception:
+        return False
+    return not grew and again == sent.pickle
+
+
 def unpack(parcel: Parcel, *, remember: bool = False) -> tuple[dict[str, object], dict[str, str]]:
     """The values that arrived, and for each that did not, why.
 

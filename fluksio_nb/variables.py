@@ -19,9 +19,13 @@ never shipped.
 
 Names stored into (``table[k] = v``, ``model.weights = w``) come back as well
 as names bound: either way the kernel's name means something else after the
-cell. What cannot be seen in the source is not guessed at — names bound by
-``from m import *`` or ``exec``, or changed through a method call
-(``rows.append(r)``) — and travels only when the user names it with
+cell. An input a statement calls a method on (``rows.append(r)``,
+``model.fit(X, y)``) may have been changed in place, which a normal cell
+would leave changed in the kernel: it comes back if it did change
+(:func:`choose_if_changed`). What cannot be seen in the source is not guessed
+at — names bound by ``from m import *`` or ``exec``, an input changed by a
+function it is passed to (``random.shuffle(rows)``), a call whose result is
+used (``last = rows.pop()``) — and travels only when the user names it with
 ``--in``/``--out``.
 
 The source is what the user typed, IPython syntax included, so it goes through
@@ -36,6 +40,7 @@ import ast
 import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
 
 from IPython.core.inputtransformer2 import TransformerManager
 
@@ -133,6 +138,32 @@ def choose_outputs(source: str, explicit: Iterable[str] | str | None = None) -> 
     if explicit is not None:
         return _explicit_names(explicit, "--out")
     return sorted(name for name in names_written(source) if not name.startswith("_"))
+
+
+def choose_if_changed(source: str, inputs: Iterable[str], outputs: Iterable[str]) -> list[str]:
+    """The inputs to bring back only if the cell changed them in place.
+
+    Those a statement of the cell calls a method on: ``rows.append(r)``
+    binds nothing, yet a normal cell leaves ``rows`` changed. Whether it did
+    change is the worker's to tell, after the cell; one that did not stays
+    the kernel's own object. Only a call whose result is thrown away counts,
+    which is how a method that changes its object is called; ``n =
+    rows.count(1)`` reads.
+    """
+    return sorted((names_changed_by_calls(source) & set(inputs)) - set(outputs))
+
+
+def names_changed_by_calls(source: str) -> set[str]:
+    """Names whose object a statement of the cell calls a method on, in any scope that sees them."""
+    body = _parse(source).body
+    changed: set[str] = set()
+    for node in _scope_nodes(body):
+        name = _called_on(node)
+        if name is not None:
+            changed.add(name)
+        if isinstance(node, _SCOPES):
+            changed |= _scope_effects(node, frozenset()).called_on
+    return changed
 
 
 def _is_bookkeeping(name: str) -> bool:
@@ -418,6 +449,20 @@ def _stored_into(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _called_on(node: ast.AST) -> str | None:
+    """The name a statement like ``name.method(...)`` or ``name[k].method(...)`` calls into."""
+    if not (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+    ):
+        return None
+    target: ast.AST = node.value.func
+    while isinstance(target, (ast.Subscript, ast.Attribute)):
+        target = target.value
+    return target.id if isinstance(target, ast.Name) else None
+
+
 def _name_read(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del)):
         return node.id
@@ -430,8 +475,15 @@ def _declared(body: list[ast.AST], kind: type) -> set[str]:
     return {name for node in _scope_nodes(body) if isinstance(node, kind) for name in node.names}
 
 
-def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> tuple[set[str], set[str]]:
-    """What a function, class or comprehension reads from and writes to the cell's namespace.
+class _Effects(NamedTuple):
+    reads: set[str]
+    writes: set[str]
+    #: Names whose object a statement calls a method on.
+    called_on: set[str]
+
+
+def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> _Effects:
+    """What a function, class or comprehension does with the cell's namespace.
 
     ``enclosing`` holds the names local to the functions around it, which its
     own free names resolve to before they reach the cell's namespace.
@@ -455,24 +507,24 @@ def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> tuple[set[str],
     visible = (enclosing | local) - declared_global
     # A function declaring ``global x`` may read x too, and shipping x in means
     # it still comes back unchanged if the function is never called.
-    reads = set(declared_global)
-    writes = bindings & declared_global
+    effects = _Effects(
+        reads=set(declared_global), writes=bindings & declared_global, called_on=set()
+    )
     for node in _scope_nodes(inside):
-        name = _name_read(node)
-        if name is not None and name not in visible:
-            reads.add(name)
-        name = _stored_into(node)
-        if name is not None and name not in visible:
-            writes.add(name)
+        for found, name in (
+            (effects.reads, _name_read(node)),
+            (effects.writes, _stored_into(node)),
+            (effects.called_on, _called_on(node)),
+        ):
+            if name is not None and name not in visible:
+                found.add(name)
         if isinstance(node, ast.Call):
-            reads |= _ipython_reads(node) - visible
+            effects.reads.update(_ipython_reads(node) - visible)
         if isinstance(node, _SCOPES):
-            nested_reads, nested_writes = _scope_effects(
-                node, enclosing if isinstance(scope, ast.ClassDef) else visible
-            )
-            reads |= nested_reads
-            writes |= nested_writes
-    return reads, writes
+            nested = _scope_effects(node, enclosing if isinstance(scope, ast.ClassDef) else visible)
+            for mine, theirs in zip(effects, nested, strict=True):
+                mine |= theirs
+    return effects
 
 
 def _free_reads(roots: Iterable[ast.AST]) -> set[str]:
@@ -485,7 +537,7 @@ def _free_reads(roots: Iterable[ast.AST]) -> set[str]:
         if isinstance(node, ast.Call):
             reads |= _ipython_reads(node)
         if isinstance(node, _SCOPES):
-            reads |= _scope_effects(node, frozenset())[0]
+            reads |= _scope_effects(node, frozenset()).reads
     return reads
 
 
@@ -504,7 +556,7 @@ def _module_writes(body: list[ast.stmt]) -> set[str]:
         if name is not None:
             writes.add(name)
         if isinstance(node, _SCOPES):
-            writes |= _scope_effects(node, frozenset())[1]
+            writes |= _scope_effects(node, frozenset()).writes
     return writes
 
 

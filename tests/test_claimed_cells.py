@@ -134,6 +134,31 @@ def test_variables_travel_in_and_out_including_a_large_array(kernel):
     assert facts == [75_000_000.0, 14.0, 2.0, 200_000_000, 7.0]
 
 
+def test_an_input_a_method_changed_in_place_comes_back_changed(kernel):
+    """Guards against `rows.append(r)` or `model.fit(X)` in a claimed cell changing nothing."""
+    kernel.run(
+        "import numpy as np\nrows, counts, field = [1, 2], {'a': 1}, np.zeros(1_000_000)\n"
+        "class Model:\n    fitted = False\n    def fit(self, data):\n"
+        "        self.fitted, self.size = True, len(data)\nmodel = Model()",
+        check=True,
+    )
+    ran = kernel.run(
+        "%%claim\nrows.append(3)\ncounts.update(b=2)\nfield.fill(7)\nmodel.fit(rows)",
+        check=True,
+    )
+    assert ran.stderr == ""
+    facts = kernel.facts("[rows, counts, float(field[-1]), model.fitted, model.size]")
+    assert facts == [[1, 2, 3], {"a": 1, "b": 2}, 7.0, True, 3]
+
+
+def test_an_input_a_method_only_read_stays_the_kernels_own_object(kernel):
+    """Guards against a read-only method call replacing the kernel's object with a copy."""
+    kernel.run("rows = [1, 2]\nsame_rows = rows", check=True)
+    ran = kernel.run("%%claim\nrows.count(1)\nrows.index(2)", check=True)
+    assert ran.stderr == ""
+    assert kernel.facts("rows is same_rows") is True
+
+
 def test_in_and_out_override_the_automatic_choice(kernel):
     kernel.run("a, b = 1, 2", check=True)
     ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)
@@ -383,6 +408,18 @@ def test_a_background_claims_output_stays_in_its_own_cell(kernel):
         and m["parent_header"].get("msg_id") == started.msg_id
         for m in kernel.seen
     )
+
+
+def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespace(kernel):
+    """A job's values arrive through its handle, changed inputs included, never by surprise."""
+    kernel.run("tally = [1]\nkept_tally = tally", check=True)
+    kernel.run("%%claim --background\ntally.append(2)", check=True)
+    kernel.run("job = _", check=True)
+    assert kernel.facts("[job.result(30)['tally'], tally is kept_tally, tally]") == [
+        [1, 2],
+        True,
+        [1],
+    ]
 
 
 def test_a_waiting_background_claim_can_be_cancelled(kernel):

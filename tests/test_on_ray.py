@@ -245,6 +245,14 @@ def test_variables_travel_in_and_out_through_the_object_store(kernel):
     assert facts == [6_000_000.0, 14.0, 2.0, 16_000_000, 7.0, True, True]
 
 
+def test_an_input_a_method_changed_in_place_comes_back_from_the_task(kernel):
+    """Guards against `rows.append(r)` on Ray changing only the task's copy."""
+    kernel.run("rows, same = [1, 2], [5]\nkept = same", check=True)
+    ran = kernel.run("%%claim --on ray\nrows.append(3)\nsame.count(5)", check=True)
+    assert ran.stderr == ""
+    assert kernel.facts("[rows, same is kept]") == [[1, 2, 3], True]
+
+
 def test_stdout_arrives_while_the_task_is_still_running(kernel):
     ran = kernel.run(
         "%%claim --on ray\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')",

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from fluksio_nb import transfer
-from fluksio_nb.transfer import SEGMENT_DIR, SEGMENT_PREFIX, pack, sweep_orphans, unpack
+from fluksio_nb.transfer import (
+    SEGMENT_DIR,
+    SEGMENT_PREFIX,
+    pack,
+    sweep_orphans,
+    unchanged,
+    unpack,
+)
 
 #: Big enough to go through shared memory, small enough to keep the suite fast.
 BIG = 16 * 2**20 // 8
@@ -353,6 +360,25 @@ def test_a_claimed_cells_unchanged_input_comes_back_on_the_kernels_own_file():
         segment = segment_under(b)
         assert segment is not None
         assert f"{SEGMENT_PREFIX}{os.getpid()}-kept" in segment, "b is the kernel's own memory"
+
+
+def test_a_value_that_pickles_as_it_was_sent_is_unchanged_and_any_change_shows():
+    rows, model = [1, 2], {"weights": [0.5]}
+    sent = pack({"rows": rows, "model": model})
+    assert unchanged(rows, sent.values["rows"]) and unchanged(model, sent.values["model"])
+    rows.append(3)
+    model["weights"][0] = 0.25
+    assert not unchanged(rows, sent.values["rows"])
+    assert not unchanged(model, sent.values["model"])
+    assert not unchanged(threading.Lock(), sent.values["rows"]), "unpicklable now: changed"
+
+
+def test_a_value_sent_with_big_buffers_is_never_taken_for_unchanged():
+    """Its buffers were shared memory the cell could write in place, with nothing to compare."""
+    big = np.zeros(BIG)
+    sent = pack({"big": big})
+    assert not unchanged(big, sent.values["big"])
+    sent.discard()
 
 
 def test_a_small_slice_of_an_input_is_copied_back_rather_than_pinning_the_file():

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from fluksio_nb.variables import (
     CellSyntaxError,
+    choose_if_changed,
     choose_inputs,
     choose_outputs,
     names_read,
@@ -288,6 +289,29 @@ def test_a_name_stored_into_comes_back():
         """
     )
     assert {"table", "model", "cache"} <= names_written(source)
+
+
+def test_an_input_a_statement_calls_a_method_on_may_have_changed():
+    """Guards against `rows.append(r)` or `model.fit(X, y)` changing only the worker's copy."""
+    source = cell(
+        """
+        rows.append(1)
+        model.fit(X, y)
+        for key in keys:
+            tables[key].clear()
+        def log(line):
+            logs.append(line)
+        def local(rows_too):
+            rows_too.append(1)
+        n = counts.count(1)
+        print(plain)
+        fresh = []
+        fresh.append(1)
+        """
+    )
+    inputs = ["rows", "model", "X", "y", "keys", "tables", "logs", "counts", "plain"]
+    outputs = choose_outputs(source)
+    assert choose_if_changed(source, inputs, outputs) == ["logs", "model", "rows", "tables"]
 
 
 def test_a_walrus_in_a_comprehension_binds_in_the_cell():

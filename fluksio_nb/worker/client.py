@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -375,6 +375,7 @@ class Worker:
         sink: Sink | None = None,
         *,
         keep_outputs: bool = False,
+        if_changed: Sequence[str] = (),
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -384,7 +385,9 @@ class Worker:
         :class:`Outcome` with ``status="died"``. A ``KeyboardInterrupt`` in the
         calling thread stops the cell with :meth:`interrupt`'s ladder and is
         then re-raised. An exception raised by ``sink`` kills the worker — the
-        cell's output has nowhere to go — and is re-raised. ``keep_outputs``
+        cell's output has nowhere to go — and is re-raised. ``if_changed``
+        names inputs to bring back too if the cell changed them in place
+        (:func:`fluksio_nb.variables.choose_if_changed`). ``keep_outputs``
         lets the worker write big outputs into files it keeps for the next
         cell's, for a caller done with them before it runs another cell.
         """
@@ -394,7 +397,7 @@ class Worker:
             cell = _Cell(sink)
             self._cell = cell
             try:
-                return self._run(cell, code, parcel, outputs, keep_outputs)
+                return self._run(cell, code, parcel, outputs, keep_outputs, if_changed)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
                 raise
@@ -424,7 +427,13 @@ class Worker:
             return self._ready and outcome is None
 
     def _run(
-        self, cell: _Cell, code: str, parcel: Any, outputs: list[str] | None, keep: bool = False
+        self,
+        cell: _Cell,
+        code: str,
+        parcel: Any,
+        outputs: list[str] | None,
+        keep: bool = False,
+        if_changed: Sequence[str] = (),
     ) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
@@ -436,6 +445,7 @@ class Worker:
             "inputs": parcel,
             "outputs": outputs,
             "keep_outputs": keep,
+            "if_changed": list(if_changed),
             "path": list(sys.path),
             "cwd": os.getcwd(),
         }

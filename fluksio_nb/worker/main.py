@@ -50,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -130,6 +130,30 @@ def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list
             continue
         bound.append(name)
     return bound
+
+
+def changed_in_place(
+    namespace: dict[str, Any],
+    candidates: Iterable[str],
+    request: dict[str, Any],
+    inputs: dict[str, Any],
+) -> list[str]:
+    """The inputs among ``candidates`` the cell changed without binding them again.
+
+    The kernel names the inputs the cell called a method on; one that still
+    pickles as it came in stays behind, so the kernel keeps its own object.
+    """
+    sent = request["inputs"].values if request.get("inputs") is not None else {}
+    changed = []
+    for name in candidates:
+        value = namespace.get(name)
+        # Rebound or deleted, it is an output or absent already; a module
+        # goes back by name, and is the same module either way.
+        if name not in sent or value is not inputs.get(name) or isinstance(value, ModuleType):
+            continue
+        if not transfer.unchanged(value, sent[name]):
+            changed.append(name)
+    return changed
 
 
 # -----------------------------------------------------------------------------
@@ -439,6 +463,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             report_exception_only(shell, escaped)
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
+    names += changed_in_place(shell.user_ns, request.get("if_changed") or (), request, inputs)
     keep = bool(request.get("keep_outputs"))
     outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()
