@@ -141,6 +141,17 @@ class Claim:
             self._show()
         return ticket
 
+    @property
+    def granted_at(self) -> float | None:
+        """When the queue granted the share (``time.time()``), if it has."""
+        return None if self._ticket is None else self._ticket.granted_at
+
+    def cancel(self, reason: str) -> bool:
+        """Leave the queue, or stop the work if it is running. False if it never queued."""
+        if self._ticket is None:
+            return False
+        return self._queue.cancel(self._ticket.number, reason)
+
     def acquire(self) -> Claim:
         """Wait for the share, showing where the claim stands while it waits."""
         ticket = self.enqueue()

@@ -3,7 +3,9 @@
 The cell joins the kernel's queue before the magic returns, in the main
 thread, so eight background cells started in order are granted in that order
 and never more at once than the inventory holds. It then waits and runs on a
-thread of its own while the user goes on working.
+thread of its own while the user goes on working. A cell ``--on ray`` has
+connected to its cluster by then, and been refused if no node can hold it;
+Ray's queue is its queue.
 
 Two things a background cell must not do. Its output must not land in
 whichever cell happens to be executing when it prints, so it is sent to the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from fluksio_nb.context import Claim, RemoteError
 from fluksio_nb.relay import CellOutput
@@ -24,22 +27,24 @@ from fluksio_nb.resources import Resources
 from fluksio_nb.status import describe, new_view
 from fluksio_nb.transfer import Parcel
 
+if TYPE_CHECKING:
+    from fluksio_nb.on_ray import Packed, RayClaim
+
 
 class Job:
     """A handle on a background claim: ``.result()``, ``.done()``, ``.cancel()``, ``.status``."""
 
     def __init__(
         self,
-        wanted: Resources,
+        claimed: Claim | RayClaim,
         code: str,
-        inputs: Parcel,
+        inputs: Parcel | Packed,
         outputs: Sequence[str] | None,
         by_hand: bool = False,
         if_changed: Sequence[str] = (),
     ) -> None:
-        # Shown at once, from this thread: a background job's status belongs
-        # in the cell that started it, which is only the executing one now.
-        self._claim = Claim(wanted, view=new_view(), show_after=None)
+        """Run ``code`` under ``claimed``, which has already taken its place."""
+        self._claim = claimed
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._if_changed = if_changed
         #: Whether the user named ``outputs`` with ``--out``: only then is a
@@ -49,7 +54,6 @@ class Job:
         self._finished = threading.Event()
         self._values: dict[str, object] = {}
         self._error: BaseException | None = None
-        self._claim.enqueue()
         self._thread = threading.Thread(
             target=self._run, name=f"fluksio-job-{self.label}", daemon=True
         )
@@ -68,7 +72,7 @@ class Job:
     @property
     def granted_at(self) -> float | None:
         """When the queue granted this job its share (``time.time()``), if it has."""
-        return self._claim.enqueue().granted_at
+        return self._claim.granted_at
 
     def done(self) -> bool:
         return self._finished.is_set()
@@ -85,8 +89,7 @@ class Job:
         """Leave the queue, or stop the worker if it is running. False once it has ended."""
         if self.done():
             return False
-        ticket = self._claim.enqueue()
-        return self._claim._queue.cancel(ticket.number, "cancelled from its job handle")
+        return self._claim.cancel("cancelled from its job handle")
 
     def _run(self) -> None:
         try:
@@ -128,4 +131,8 @@ def start_job(
 
     ``if_changed`` names inputs whose changes in place the handle holds too.
     """
-    return Job(wanted, code, inputs, outputs, by_hand, if_changed)
+    # Shown at once, from this thread: a background job's status belongs in
+    # the cell that started it, which is only the executing one now.
+    claimed = Claim(wanted, view=new_view(), show_after=None)
+    claimed.enqueue()
+    return Job(claimed, code, inputs, outputs, by_hand, if_changed)

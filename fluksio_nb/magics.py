@@ -69,9 +69,19 @@ class ClaimMagics(Magics):
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
         if parsed.on is not None:
-            from fluksio_nb.on_ray import run_cell
+            from fluksio_nb import on_ray
 
-            outcome = run_cell(
+            if parsed.background:
+                return on_ray.start_job(
+                    self.shell,
+                    parsed,
+                    cell,
+                    inputs,
+                    outputs,
+                    by_hand=parsed.outputs is not None,
+                    if_changed=if_changed,
+                )
+            outcome = on_ray.run_cell(
                 self.shell, parsed, cell, inputs, outputs, ForegroundOutput(), if_changed
             )
             self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)

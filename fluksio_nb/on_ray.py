@@ -41,7 +41,8 @@ What this module decides:
   has, because Ray would wait for such a node forever.
 - **The stop button cancels the task**, first as a local claim is stopped (the
   cell's whole process group, children included, ends), then by force if that
-  was not enough (:func:`stop_task`).
+  was not enough (:func:`stop_task`). A ``--background`` claim's handle
+  cancels it the same way.
 
 Ray is an optional extra. Without it, ``--on ray`` says how to install it.
 """
@@ -204,6 +205,9 @@ class Packed:
     values: dict[str, Frozen] = field(default_factory=dict)
     #: Names that cannot travel, and why.
     failures: dict[str, str] = field(default_factory=dict)
+
+    def discard(self) -> None:
+        """Nothing to give back: unlike a local parcel's, these pickles hold no shared memory."""
 
 
 def freeze(value: object) -> Frozen:
@@ -816,6 +820,10 @@ class RayClaim:
         self._ray: Any = None
         #: Why the last task was stopped for running out of time, if it was.
         self._timed_out: str | None = None
+        #: Why the claim was cancelled from outside its thread, if it was.
+        self._cancelled: str | None = None
+        #: When the last task started on the cluster (``time.time()``).
+        self.granted_at: float | None = None
 
     @property
     def readings(self):
@@ -855,6 +863,17 @@ class RayClaim:
 
     def __exit__(self, kind, error, traceback) -> None:
         self.release(error)
+
+    def cancel(self, reason: str) -> bool:
+        """Stop the running task, or keep the next from starting. False once the claim ended.
+
+        From any thread: the thread following the task notices within
+        :data:`_SIGNAL_CHECK_S` and stops it as the stop button would.
+        """
+        if self.status.phase == "done":
+            return False
+        self._cancelled = reason
+        return True
 
     def popen(self, *args: Any, **kwargs: Any) -> Any:
         raise BadClaim(
@@ -905,6 +924,7 @@ class RayClaim:
             portable(frozen) if through_client else frozen for frozen in packed.values.values()
         ]
         label = self.status.label
+        self._raise_if_cancelled()
         deadline = None if self.wanted.timeout is None else time.monotonic() + self.wanted.timeout
         self._timed_out = None
         self.status.phase, self.status.asked_at = "waiting", time.monotonic()
@@ -950,21 +970,29 @@ class RayClaim:
             from fluksio_nb.queue import ClaimTimeout
 
             raise ClaimTimeout(self._timed_out)
+        self._raise_if_cancelled()
         return self._outcome(result)
+
+    def _raise_if_cancelled(self) -> None:
+        if self._cancelled is not None:
+            from fluksio_nb.queue import ClaimCancelled
+
+            while_ = "while running" if self.status.phase == "running" else "while waiting"
+            raise ClaimCancelled(f"{self.status.label} was cancelled {while_}: {self._cancelled}")
 
     def _follow(
         self, ray: Any, mailboxes: Any, box: str, running: Any, sink: Any, deadline: float | None
     ) -> dict[str, Any] | None:
         """Relay the task's output while it runs; its result once all of it is shown.
 
-        ``None`` when the task ran out of time. The task's last output comes
-        with its result, with the count of what went through the mailbox, so
-        a task that has ended costs no wait on the mailbox unless some of
-        that is still on its way. The mailbox is first read only once the
-        task could have written to it (:data:`FIRST_SEND_AFTER_S` after it was
-        sent): a cell over by then costs no actor call at all, where the read
-        and the goodbye to the box were two, and kept the actor's process
-        busy on a core the task needed.
+        ``None`` when the task ran out of time or was cancelled. The task's
+        last output comes with its result, with the count of what went
+        through the mailbox, so a task that has ended costs no wait on the
+        mailbox unless some of that is still on its way. The mailbox is first
+        read only once the task could have written to it
+        (:data:`FIRST_SEND_AFTER_S` after it was sent): a cell over by then
+        costs no actor call at all, where the read and the goodbye to the box
+        were two, and kept the actor's process busy on a core the task needed.
         """
         submitted = time.monotonic()
         taking = None
@@ -983,6 +1011,7 @@ class RayClaim:
                     f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and "
                     "was stopped. Raise --timeout, or make the cell do less."
                 )
+            if self._timed_out is not None or self._cancelled is not None:
                 mailboxes.forget.remote(box)
                 stop_task(ray, running)
                 return None
@@ -1056,6 +1085,7 @@ class RayClaim:
         )
         self.status.phase, self.status.allocation = "running", self.allocation
         self.status.budget, self.status.started_at = facts["budget"], time.monotonic()
+        self.granted_at = time.time()
         self._update_view()
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:
@@ -1168,15 +1198,47 @@ def run_cell(
     ``parsed`` is the cell's :class:`~fluksio_nb.claim_line.ClaimLine`. The
     caller binds the names that came back, as for a local claim.
     """
+    claimed, packed = _prepare(shell, parsed, inputs)
+    try:
+        outcome = claimed.run_code(cell, packed, outputs, sink, if_changed=if_changed)
+    except BaseException as error:
+        claimed.release(error)
+        raise
+    claimed.release()
+    return outcome
+
+
+def start_job(
+    shell: Any,
+    parsed: Any,
+    cell: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str] | None,
+    *,
+    by_hand: bool,
+    if_changed: Sequence[str] = (),
+) -> Any:
+    """``%%claim ... --on ray --background``: the task runs while the user goes on; its handle.
+
+    The handle is a local background claim's (:class:`~fluksio_nb.jobs.Job`),
+    with the same promises: output in the cell that started it, names on the
+    handle. Connecting and refusing a claim no node can hold happen before it
+    returns, as they do for a cell that waits.
+    """
+    from fluksio_nb.jobs import Job
+
+    claimed, packed = _prepare(shell, parsed, inputs, show_at_once=True)
+    return Job(claimed, cell, packed, outputs, by_hand, if_changed)
+
+
+def _prepare(
+    shell: Any, parsed: Any, inputs: Sequence[str], show_at_once: bool = False
+) -> tuple[RayClaim, Packed]:
+    """A claim connected to its cluster and the cell's inputs packed; bad input a UsageError."""
     from IPython.core.error import UsageError
 
     from fluksio_nb.status import new_view
 
-    if parsed.background:
-        raise UsageError(
-            "%%claim: --background does not combine with --on yet. Run claims on Ray "
-            "side by side with claim(..., on='ray') from threads, or drop --background."
-        )
     packed = pack_inputs({name: shell.user_ns[name] for name in inputs})
     if packed.failures:
         names = ", ".join(f"'{n}' ({reason})" for n, reason in sorted(packed.failures.items()))
@@ -1185,17 +1247,18 @@ def run_cell(
             "or leave it out with --in."
         )
     try:
-        claimed = RayClaim(parsed.resources, parsed.on, view=new_view())
+        # A background claim's status is shown at once, from this thread: it
+        # belongs in the cell that started it, which is only the executing one now.
+        claimed = RayClaim(
+            parsed.resources,
+            parsed.on,
+            view=new_view(),
+            show_after=None if show_at_once else SHOW_AFTER_S,
+        )
         claimed.acquire()
     except BadClaim as error:
         raise UsageError(str(error)) from None
-    try:
-        outcome = claimed.run_code(cell, packed, outputs, sink, if_changed=if_changed)
-    except BaseException as error:
-        claimed.release(error)
-        raise
-    claimed.release()
-    return outcome
+    return claimed, packed
 
 
 # -----------------------------------------------------------------------------

@@ -362,6 +362,63 @@ def test_the_stop_button_cancels_the_task(kernel):
     assert kernel.facts("'still here'") == "still here"
 
 
+def stream_of(kernel, msg_id: str, within: float = 60) -> str:
+    """The first output a cell started by ``msg_id`` printed, whenever it printed it."""
+    deadline = time.monotonic() + within
+    while True:
+        for msg in kernel.seen:
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                return msg["content"]["text"]
+        assert time.monotonic() < deadline, "the background cell printed nothing"
+        kernel.seen.append(kernel.client.get_iopub_msg(timeout=within))
+
+
+def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(kernel):
+    started = kernel.run(
+        "%%claim --on ray --background --label bg\nimport time\ntime.sleep(3)\n"
+        "print('from the task')\nanswer = 42",
+        check=True,
+    )
+    kernel.run("bg = _", check=True)
+    assert kernel.facts("bg.done()") is False, "the magic waited for the task"
+    later = kernel.run("import time\ntime.sleep(5)\nprint('later cell')", check=True)
+    assert "from the task" not in later.stdout
+    facts = kernel.facts("[bg.result(60)['answer'], 'answer' in dir(), bg.status]")
+    assert facts == [42, False, "ok"]
+    assert stream_of(kernel, started.msg_id) == "from the task\n"
+    assert_cluster_idle(kernel)
+
+
+def test_a_background_claim_on_ray_can_be_cancelled_and_its_task_ends(kernel):
+    started = kernel.run(
+        "%%claim --on ray --background --label doomed\nimport os, time\n"
+        "print(os.getpid(), flush=True)\ntime.sleep(60)",
+        check=True,
+    )
+    kernel.run("doomed = _", check=True)
+    pid = int(stream_of(kernel, started.msg_id))
+    assert kernel.facts("doomed.cancel()") is True
+    kernel.run(
+        "try:\n    doomed.result(30)\nexcept Exception as error:\n"
+        "    ended = (type(error).__name__, str(error))",
+        check=True,
+    )
+    name, message = kernel.facts("ended")
+    assert name == "ClaimCancelled" and "cancelled from its job handle" in message
+    assert kernel.facts("[doomed.status, doomed.cancel()]") == ["cancelled", False]
+    assert gone(pid, within=10), "the cell's process outlived the cancelled task"
+    assert_cluster_idle(kernel)
+
+
+def test_a_background_claim_on_ray_with_an_unsendable_input_starts_nothing(kernel):
+    kernel.run("import threading\nlock = threading.Lock()", check=True)
+    ran = kernel.run("%%claim --on ray --background\nwith lock:\n    pass")
+    assert ran.status == "error"
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "cannot send 'lock'" in shown and shown.strip().count("\n") == 0, shown
+    assert kernel.facts("'still here'") == "still here"
+
+
 # -----------------------------------------------------------------------------
 # The monitor, and what is left behind
 # -----------------------------------------------------------------------------
