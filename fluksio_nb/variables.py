@@ -450,7 +450,11 @@ def _stored_into(node: ast.AST) -> str | None:
 
 
 def _called_on(node: ast.AST) -> str | None:
-    """The name a statement like ``name.method(...)`` or ``name[k].method(...)`` calls into."""
+    """The name a statement like ``name.method(...)`` calls into.
+
+    Also ``name[k].method(...)``, and a chain's first receiver:
+    ``model.fit(X, y).score(X, y)`` fits ``model``.
+    """
     if not (
         isinstance(node, ast.Expr)
         and isinstance(node.value, ast.Call)
@@ -458,8 +462,8 @@ def _called_on(node: ast.AST) -> str | None:
     ):
         return None
     target: ast.AST = node.value.func
-    while isinstance(target, (ast.Subscript, ast.Attribute)):
-        target = target.value
+    while isinstance(target, (ast.Subscript, ast.Attribute, ast.Call)):
+        target = target.func if isinstance(target, ast.Call) else target.value
     return target.id if isinstance(target, ast.Name) else None
 
 

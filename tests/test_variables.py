@@ -297,6 +297,7 @@ def test_an_input_a_statement_calls_a_method_on_may_have_changed():
         """
         rows.append(1)
         model.fit(X, y)
+        estimator.fit(X, y).score(X, y)
         for key in keys:
             tables[key].clear()
         def log(line):
@@ -309,9 +310,10 @@ def test_an_input_a_statement_calls_a_method_on_may_have_changed():
         fresh.append(1)
         """
     )
-    inputs = ["rows", "model", "X", "y", "keys", "tables", "logs", "counts", "plain"]
+    inputs = ["rows", "model", "estimator", "X", "y", "keys", "tables", "logs", "counts", "plain"]
     outputs = choose_outputs(source)
-    assert choose_if_changed(source, inputs, outputs) == ["logs", "model", "rows", "tables"]
+    changed = choose_if_changed(source, inputs, outputs)
+    assert changed == ["estimator", "logs", "model", "rows", "tables"]
 
 
 def test_a_walrus_in_a_comprehension_binds_in_the_cell():
