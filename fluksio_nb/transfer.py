@@ -217,7 +217,7 @@ def pack_pickled(data: bytes, buffers: Sequence[Any], *, reuse: bool = False) ->
 def unchanged(value: object, sent: PackedValue) -> bool:
     """Whether ``value`` still pickles to exactly what was sent for it.
 
-    Said only of a value sent without big buffers: those lay in shared memory
+    Said only of a value sent without big buffers: those lie in shared memory
     the receiver may have written to in place, with no copy left to compare
     against, so such a value is never taken as unchanged. Pickling again
     costs what sending the value did. A value that no longer pickles, or

@@ -146,12 +146,12 @@ def changed_in_place(
     sent = request["inputs"].values if request.get("inputs") is not None else {}
     changed = []
     for name in candidates:
-        value = namespace.get(name)
         # Rebound or deleted, it is an output or absent already; a module
         # goes back by name, and is the same module either way.
-        if name not in sent or value is not inputs.get(name) or isinstance(value, ModuleType):
+        if name not in sent or name not in inputs or namespace.get(name) is not inputs[name]:
             continue
-        if not transfer.unchanged(value, sent[name]):
+        value = inputs[name]
+        if not isinstance(value, ModuleType) and not transfer.unchanged(value, sent[name]):
             changed.append(name)
     return changed
 
