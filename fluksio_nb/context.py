@@ -486,8 +486,9 @@ def claim(
     and ``c.readings``. The kernel's own BLAS/OpenMP pools are limited to the
     share inside the block.
 
-    ``on="ray"`` (or a Ray address) runs each ``c.run`` as a Ray task holding
-    the share instead: see :class:`fluksio_nb.on_ray.RayClaim`.
+    ``on="ray"`` (or a Ray address) holds the share on one node of a Ray
+    cluster instead, and runs each ``c.run`` there as a Ray task: see
+    :class:`fluksio_nb.on_ray.RayClaim`.
     """
     fields: dict[str, Any] = {
         name: value
@@ -498,5 +499,5 @@ def claim(
     if on is not None:
         from fluksio_nb.on_ray import RayClaim
 
-        return RayClaim(wanted, on, view=view)  # type: ignore[return-value]
+        return RayClaim(wanted, on, view=view, hold=True)  # type: ignore[return-value]
     return Claim(wanted, view=view, limit_kernel_threads=True)

@@ -5,7 +5,9 @@ without a new vocabulary and without a scheduler of our own. Ray's resource
 model (``num_cpus``, ``num_gpus``, ``memory``) is the shape of a claim, and Ray
 already queues tasks, places them on nodes and hands out cards. So a claim
 ``--on ray`` is one Ray task with the matching resources, and Ray's queue is
-the queue: nothing here waits in the kernel's own books.
+the queue: nothing here waits in the kernel's own books. A ``with
+claim(..., on="ray")`` block holds its share for the block, as a local one
+does, in a Ray placement group of one bundle.
 
 What this module decides:
 
@@ -783,9 +785,15 @@ def _check_fits(ray: Any, job: str, wanted: Resources) -> None:
 class RayClaim:
     """A claim whose work runs as Ray tasks: ``--on ray``'s :class:`~fluksio_nb.context.Claim`.
 
-    Ray holds a share per task, not per block, so inside ``with claim(..., on="ray")``
-    each :meth:`run` waits in Ray's queue for its own share. ``allocation``
-    and ``env`` say what the last task was given.
+    A ``%%claim --on ray`` cell is one task, which Ray queues and gives its
+    share. A ``with claim(..., on="ray")`` block (``hold=True``) holds its
+    share from entry to exit, as a local block does: a placement group of one
+    bundle on one node, reserved when the block is entered, in which every
+    :meth:`run` starts without queueing again. Without it, each run would
+    wait in Ray's queue for a share of its own, and another user could take
+    the card between two runs of one block. ``allocation`` and ``env`` say
+    what the last task was given: which cards Ray hands out is only known
+    once a task has them.
     """
 
     def __init__(
@@ -795,6 +803,7 @@ class RayClaim:
         *,
         view: StatusView | None = None,
         show_after: float | None = SHOW_AFTER_S,
+        hold: bool = False,
     ):
         from fluksio_nb.flavors import resolve_flavor
         from fluksio_nb.settings import load_settings
@@ -831,8 +840,15 @@ class RayClaim:
         self._timed_out: str | None = None
         #: Why the claim was cancelled from outside its thread, if it was.
         self._cancelled: str | None = None
-        #: When the last task started on the cluster (``time.time()``).
+        #: When the block's share was reserved, or else when the last task
+        #: started on the cluster (``time.time()``).
         self.granted_at: float | None = None
+        self._hold = hold
+        #: The placement group holding a block's share, and the task shaped to run in it.
+        self._held: Any = None
+        self._held_task: Any = None
+        #: A held block's deadline: its timeout counts from entry, waiting included.
+        self._deadline: float | None = None
 
     @property
     def readings(self):
@@ -840,7 +856,7 @@ class RayClaim:
         return self.status.readings
 
     def acquire(self) -> RayClaim:
-        """Connect, and refuse at once a claim no node of the cluster can hold."""
+        """Connect, refuse a claim no node of the cluster can hold, and hold a block's share."""
         if self._ray is not None:
             return self
         ray = connect(self.target)
@@ -853,13 +869,68 @@ class RayClaim:
             self._summary = TextView(CellOutput())
             if self._show_after is None:
                 self._show()
+        if self._hold:
+            try:
+                self._hold_share(ray)
+            except BaseException as error:
+                # A `with` whose __enter__ raised never reaches __exit__.
+                self.release(error)
+                raise
         return self
+
+    def _hold_share(self, ray: Any) -> None:
+        """Reserve the claim's share on one node until :meth:`release`, waiting visibly."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from fluksio_nb.queue import ClaimTimeout
+
+        bundle = {"CPU": float(self.wanted.cpus)}
+        if self.wanted.gpus:
+            bundle["GPU"] = float(self.wanted.gpus)
+        if self.wanted.ram is not None:
+            bundle["memory"] = float(self.wanted.ram_bytes)
+        if self.wanted.timeout is not None:
+            self._deadline = time.monotonic() + self.wanted.timeout
+        self.status.phase, self.status.asked_at = "waiting", time.monotonic()
+        group = placement_group([bundle], strategy="STRICT_PACK")
+        # Resolved by Ray itself when the group is placed: no task, no worker.
+        ready = group.ready()
+        try:
+            while not ray.wait([ready], timeout=_SIGNAL_CHECK_S)[0]:
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise ClaimTimeout(
+                        f"{self.status.label} waited {self.wanted.timeout:g} s for its share "
+                        "on the Ray cluster and gave up: the cluster's nodes are busy. Raise "
+                        "timeout=, or ask for less."
+                    )
+                self._raise_if_cancelled()
+                if self._due_to_show():
+                    self._show()
+        except BaseException:
+            remove_placement_group(group)
+            raise
+        self._held = group
+        task, _ = _remote_functions(ray)
+        self._held_task = task.options(
+            **task_options(self.wanted, self.status.label),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
+        )
+        self.status.phase, self.status.started_at = "running", time.monotonic()
+        self.granted_at = time.time()
+        self._update_view()
 
     def release(self, error: BaseException | None = None) -> None:
         from fluksio_nb.context import _ending_of, _message_of
 
         with _lock:
             _live.pop(id(self), None)
+        if self._held is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):  # the cluster may be gone already
+                remove_placement_group(self._held)
+            self._held = self._held_task = None
         if self.status.phase == "done":
             return
         if error is None:
@@ -921,7 +992,7 @@ class RayClaim:
                 f"input '{name}' cannot be sent to the Ray cluster ({reason}) — "
                 f"leave '{name}' out of the cell's inputs and create it inside the cell"
             )
-        task = _task_for(ray, self.wanted, self.status.label)
+        task = self._held_task or _task_for(ray, self.wanted, self.status.label)
         mailboxes_name, mailboxes = _kernel_mailboxes(ray, _job_of(ray))
         box = uuid.uuid4().hex
         through_client = _through_client(ray)
@@ -934,11 +1005,15 @@ class RayClaim:
         ]
         label = self.status.label
         self._raise_if_cancelled()
-        deadline = None if self.wanted.timeout is None else time.monotonic() + self.wanted.timeout
+        deadline = self._deadline
+        if deadline is None and self.wanted.timeout is not None:
+            deadline = time.monotonic() + self.wanted.timeout
         self._timed_out = None
-        self.status.phase, self.status.asked_at = "waiting", time.monotonic()
-        self.status.started_at = self.status.ended_at = None
-        self._update_view()
+        if self._held is None:
+            # A held block runs in its own share, and has been running since entry.
+            self.status.phase, self.status.asked_at = "waiting", time.monotonic()
+            self.status.started_at = self.status.ended_at = None
+            self._update_view()
         cell = TaskCell(
             mailboxes=mailboxes_name,
             box=box,
@@ -1093,8 +1168,9 @@ class RayClaim:
             ram_bytes=self.wanted.ram_bytes,
         )
         self.status.phase, self.status.allocation = "running", self.allocation
-        self.status.budget, self.status.started_at = facts["budget"], time.monotonic()
-        self.granted_at = time.time()
+        self.status.budget = facts["budget"]
+        if self._held is None:
+            self.status.started_at, self.granted_at = time.monotonic(), time.time()
         self._update_view()
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:

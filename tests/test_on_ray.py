@@ -206,7 +206,7 @@ def test_two_gpu_claims_at_once_get_different_cards(kernel):
         "def card():\n"
         "    import os, time\n"
         "    start = time.time()\n"
-        "    time.sleep(2)\n"
+        "    time.sleep(5)\n"
         "    return os.environ['CUDA_VISIBLE_DEVICES'], start, time.time()\n"
         "seen = []\n"
         "def one():\n"
@@ -362,6 +362,50 @@ def test_the_stop_button_cancels_the_task(kernel):
     assert kernel.facts("'still here'") == "still here"
 
 
+def test_a_claim_block_on_ray_holds_its_share_from_entry_to_exit(kernel):
+    """Guards against another user taking the card between two runs of one block."""
+    kernel.run(
+        "import os, time\nfrom fluksio_nb import claim\n"
+        "def _free():\n"
+        "    return {k: ray.available_resources().get(k, 0.0) for k in ('CPU', 'GPU')}\n"
+        "with claim(cpus=1, gpus=1, on='ray') as c:\n"
+        "    _until = time.monotonic() + 10\n"
+        "    while _free() != {'CPU': 1.0, 'GPU': 1.0} and time.monotonic() < _until:\n"
+        "        time.sleep(0.1)\n"
+        "    held = _free()\n"
+        "    cards = [c.run(lambda: os.environ['CUDA_VISIBLE_DEVICES']) for _ in range(2)]\n",
+        check=True,
+    )
+    held, cards = kernel.facts("[held, cards]")
+    assert held == {"CPU": 1.0, "GPU": 1.0}, "the block did not hold its share before a run"
+    assert cards[0] == cards[1] and cards[0] in ("0", "1"), cards
+    assert_cluster_idle(kernel)
+
+
+def test_a_claim_block_on_ray_waits_for_its_share_and_gives_up_at_its_timeout(kernel):
+    kernel.run(
+        "import threading, time\nfrom fluksio_nb import claim\n"
+        "def _hog():\n    with claim(cpus=2, on='ray'):\n        time.sleep(4)\n"
+        "hog = threading.Thread(target=_hog)\nhog.start()\n"
+        "_until = time.monotonic() + 10\n"
+        "while ray.available_resources().get('CPU', 0.0) and time.monotonic() < _until:\n"
+        "    time.sleep(0.1)",
+        check=True,
+    )
+    kernel.run(
+        "from fluksio_nb import ClaimTimeout\n_started = time.monotonic()\n"
+        "try:\n    with claim(cpus=1, on='ray', timeout=1):\n        entered = True\n"
+        "except ClaimTimeout as error:\n"
+        "    refused, waited = str(error), time.monotonic() - _started\n"
+        "hog.join()",
+        check=True,
+    )
+    refused, waited, entered = kernel.facts("[refused, waited, 'entered' in dir()]")
+    assert "waited 1 s for its share on the Ray cluster" in refused
+    assert 1 <= waited < 4 and not entered
+    assert_cluster_idle(kernel)
+
+
 def stream_of(kernel, msg_id: str, within: float = 60) -> str:
     """The first output a cell started by ``msg_id`` printed, whenever it printed it."""
     deadline = time.monotonic() + within
@@ -442,7 +486,8 @@ def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
     while True:
         snapshot = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()")
         held = [c for c in snapshot["claims"] if c["label"] == "held"]
-        if held and held[0]["phase"] == "running":
+        # Its cards are Ray's to name once its task runs; the block holds its share before.
+        if held and held[0]["phase"] == "running" and held[0]["gpus"]:
             break
         assert time.monotonic() < deadline, snapshot
         time.sleep(0.2)
