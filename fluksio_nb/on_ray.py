@@ -74,7 +74,7 @@ from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, StatusView, TextView
-from fluksio_nb.transfer import INLINE_LIMIT
+from fluksio_nb.transfer import out_of_band
 from fluksio_nb.watch import ensure_running
 from fluksio_nb.worker.client import Outcome, Sink
 
@@ -164,10 +164,20 @@ def task_options(wanted: Resources, label: str) -> dict[str, Any]:
     return options
 
 
+def ray_resources(wanted: Resources) -> dict[str, float]:
+    """A claim in Ray's names: what a node must have, and what a placement group's bundle holds."""
+    resources = {"CPU": float(wanted.cpus)}
+    if wanted.gpus:
+        resources["GPU"] = float(wanted.gpus)
+    if wanted.ram is not None:
+        resources["memory"] = float(wanted.ram_bytes)
+    return resources
+
+
 def check_fits(wanted: Resources, nodes: Sequence[Mapping[str, Any]]) -> None:
     """Refuse a claim no live node could ever hold, naming what the largest one has."""
     alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
-    asked = {"CPU": wanted.cpus, "GPU": wanted.gpus, "memory": wanted.ram_bytes}
+    asked = ray_resources(wanted)
     if any(all(have.get(key, 0) >= need for key, need in asked.items()) for have in alive):
         return
     if not alive:
@@ -217,11 +227,7 @@ def freeze(value: object) -> Frozen:
     buffers: list[pickle.PickleBuffer] = []
 
     def spill(buffer: pickle.PickleBuffer) -> bool:
-        try:
-            nbytes = buffer.raw().nbytes
-        except BufferError:
-            return True  # not contiguous: it goes in the stream
-        if nbytes < INLINE_LIMIT:
+        if out_of_band(buffer) is None:
             return True
         buffers.append(buffer)
         return False
@@ -885,15 +891,10 @@ class RayClaim:
 
         from fluksio_nb.queue import ClaimTimeout
 
-        bundle = {"CPU": float(self.wanted.cpus)}
-        if self.wanted.gpus:
-            bundle["GPU"] = float(self.wanted.gpus)
-        if self.wanted.ram is not None:
-            bundle["memory"] = float(self.wanted.ram_bytes)
         if self.wanted.timeout is not None:
             self._deadline = time.monotonic() + self.wanted.timeout
         self.status.phase, self.status.asked_at = "waiting", time.monotonic()
-        group = placement_group([bundle], strategy="STRICT_PACK")
+        group = placement_group([ray_resources(self.wanted)], strategy="STRICT_PACK")
         # Resolved by Ray itself when the group is placed: no task, no worker.
         ready = group.ready()
         try:

@@ -230,8 +230,7 @@ def unchanged(value: object, sent: PackedValue) -> bool:
 
     def spill(buffer: pickle.PickleBuffer) -> bool:
         nonlocal grew
-        with suppress(BufferError):
-            grew = grew or buffer.raw().nbytes >= INLINE_LIMIT
+        grew = grew or out_of_band(buffer) is not None
         return True
 
     try:
@@ -299,16 +298,26 @@ def sweep_orphans(directory: str = SEGMENT_DIR, gone: int | None = None) -> list
     return removed
 
 
+def out_of_band(buffer: pickle.PickleBuffer) -> memoryview | None:
+    """The bytes of a buffer big enough to travel beside its pickle; ``None`` to keep it inside.
+
+    A buffer that is not contiguous cannot be handed out as one run of bytes,
+    and one under :data:`INLINE_LIMIT` costs less in the stream.
+    """
+    try:
+        raw = buffer.raw()
+    except BufferError:
+        return None
+    return raw if raw.nbytes >= INLINE_LIMIT else None
+
+
 def _pack_one(value: object, reuse: bool, refer_back: bool, unmapped: bool = False) -> PackedValue:
     segments: list[Segment] = []
 
     def spill(buffer: pickle.PickleBuffer) -> bool:
         # Returning True keeps the buffer in the stream.
-        try:
-            raw = buffer.raw()
-        except BufferError:
-            return True
-        if raw.nbytes < INLINE_LIMIT:
+        raw = out_of_band(buffer)
+        if raw is None:
             return True
         back = _where_received(raw) if refer_back else None
         segments.append(

@@ -135,15 +135,16 @@ def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list
 def changed_in_place(
     namespace: dict[str, Any],
     candidates: Iterable[str],
-    request: dict[str, Any],
+    parcel: Any,
     inputs: dict[str, Any],
 ) -> list[str]:
     """The inputs among ``candidates`` the cell changed without binding them again.
 
     The kernel names the inputs the cell called a method on; one that still
-    pickles as it came in stays behind, so the kernel keeps its own object.
+    pickles as it came in (``parcel``, unpacked into ``inputs``) stays
+    behind, so the kernel keeps its own object.
     """
-    sent = request["inputs"].values if request.get("inputs") is not None else {}
+    sent = parcel.values if parcel is not None else {}
     changed = []
     for name in candidates:
         # Rebound or deleted, it is an output or absent already; a module
@@ -463,7 +464,8 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             report_exception_only(shell, escaped)
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
-    names += changed_in_place(shell.user_ns, request.get("if_changed") or (), request, inputs)
+    candidates = request.get("if_changed") or ()
+    names += changed_in_place(shell.user_ns, candidates, request.get("inputs"), inputs)
     keep = bool(request.get("keep_outputs"))
     outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()

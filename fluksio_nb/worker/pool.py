@@ -90,10 +90,8 @@ class WorkerPool:
                 evicted.append(self._idle.pop(0)[2])
             self._schedule_reaper()
         for old in evicted:
-            # Off the cell's path, as an aged-out worker is: waiting for it to
-            # exit cost the cell that pushed it out about 60 ms. A GPU worker,
-            # above, is waited for, because its card is given back next.
-            threading.Thread(target=old.close, daemon=True).start()
+            # A GPU worker, above, is waited for: its card is given back next.
+            _close_later(old)
 
     def idle(self) -> int:
         with self._lock:
@@ -116,8 +114,7 @@ class WorkerPool:
             (old if now - entry[1] >= self.idle_ttl_s or not entry[2].alive else keep).append(entry)
         self._idle = keep
         for _, _, worker in old:
-            # Closing blocks for up to a moment; on a daemon timer, not a cell.
-            threading.Thread(target=worker.close, daemon=True).start()
+            _close_later(worker)
 
     def _schedule_reaper(self) -> None:
         if self._reaper is not None or not self._idle:
@@ -134,6 +131,11 @@ class WorkerPool:
         self._reaper = threading.Timer(delay, reap)
         self._reaper.daemon = True
         self._reaper.start()
+
+
+def _close_later(worker: Worker) -> None:
+    """End an idle worker off the cell's path: waiting for it to exit cost a cell about 60 ms."""
+    threading.Thread(target=worker.close, daemon=True).start()
 
 
 _pool: WorkerPool | None = None
