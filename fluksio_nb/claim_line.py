@@ -77,7 +77,7 @@ def claim_parser() -> argparse.ArgumentParser:
             "The cell waits its turn in a queue shared by every claim on the machine, "
             "then runs with OMP_NUM_THREADS and friends set to its cores and "
             "CUDA_VISIBLE_DEVICES set to its cards. Variables it reads come in; "
-            "variables it binds, or changes with a method call, come back."
+            "variables it binds, or changes in place through a call, come back."
         ),
         epilog=(
             "Example: %%claim cpus=2 gpus=1 ram=8G OMP_NUM_THREADS=1 --label fit. "

@@ -19,14 +19,14 @@ never shipped.
 
 Names stored into (``table[k] = v``, ``model.weights = w``) come back as well
 as names bound: either way the kernel's name means something else after the
-cell. An input a statement calls a method on (``rows.append(r)``,
-``model.fit(X, y)``) may have been changed in place, which a normal cell
-would leave changed in the kernel: it comes back if it did change
-(:func:`choose_if_changed`). What cannot be seen in the source is not guessed
-at — names bound by ``from m import *`` or ``exec``, an input changed by a
-function it is passed to (``random.shuffle(rows)``), a call whose result is
-used (``last = rows.pop()``) — and travels only when the user names it with
-``--in``/``--out``.
+cell. An input a call may have changed in place — one a method is called on
+(``rows.append(r)``, ``last = rows.pop()``, ``x = rng.random()``) or that is
+passed to a function (``random.shuffle(deck)``, ``model.fit(X, y)``) — is
+what a normal cell would leave changed in the kernel: it comes back if it did
+change (:func:`choose_if_changed`). What cannot be seen in the source is not
+guessed at — names bound by ``from m import *`` or ``exec``, an input changed
+through another name (``alias = rows; alias.append(r)``) — and travels only
+when the user names it with ``--in``/``--out``.
 
 The source is what the user typed, IPython syntax included, so it goes through
 IPython's own translation first. A magic that runs code (``%time x = f()``) is
@@ -61,6 +61,17 @@ _MAGICS_BINDING_NAMES = frozenset({"time", "prun"})
 #: IPython expands these in shell lines and most magics before running them.
 _DOLLAR_NAME = re.compile(r"(?<!\$)\$([A-Za-z_]\w*)")
 _BRACED_EXPRESSION = re.compile(r"(?<!\{)\{([^{}]+)\}(?!\})")
+
+#: Builtins that never change what they are handed: an input passed only to
+#: these is not worth pickling again to find out. ``next`` is not one.
+_READ_ONLY_BUILTINS = frozenset(
+    {
+        *("abs", "all", "any", "ascii", "bool", "callable", "dict", "dir", "divmod"),
+        *("enumerate", "filter", "float", "format", "frozenset", "hasattr", "hash", "id"),
+        *("int", "isinstance", "issubclass", "len", "list", "map", "max", "min", "print"),
+        *("repr", "reversed", "round", "set", "sorted", "str", "sum", "tuple", "type", "zip"),
+    }
+)
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
@@ -143,26 +154,24 @@ def choose_outputs(source: str, explicit: Iterable[str] | str | None = None) -> 
 def choose_if_changed(source: str, inputs: Iterable[str], outputs: Iterable[str]) -> list[str]:
     """The inputs to bring back only if the cell changed them in place.
 
-    Those a statement of the cell calls a method on: ``rows.append(r)``
-    binds nothing, yet a normal cell leaves ``rows`` changed. Whether it did
-    change is the worker's to tell, after the cell; one that did not stays
-    the kernel's own object. Only a call whose result is thrown away counts,
-    which is how a method that changes its object is called; ``n =
-    rows.count(1)`` reads.
+    Those a call may have changed: ``rows.append(r)`` or
+    ``random.shuffle(deck)`` binds nothing, yet a normal cell leaves the
+    list changed. Whether it did change is the worker's to tell, after the
+    cell, by pickling it again; one that did not stays the kernel's own
+    object. Erring wide costs that pickle, or for an array nothing (it comes
+    back by reference); erring narrow loses the user's change without a word.
     """
     return sorted((names_changed_by_calls(source) & set(inputs)) - set(outputs))
 
 
 def names_changed_by_calls(source: str) -> set[str]:
-    """Names whose object a statement of the cell calls a method on, in any scope that sees them."""
+    """Names whose object a call may change, in any scope of the cell that sees them."""
     body = _parse(source).body
     changed: set[str] = set()
     for node in _scope_nodes(body):
-        name = _called_on(node)
-        if name is not None:
-            changed.add(name)
+        changed |= _handed_to_call(node)
         if isinstance(node, _SCOPES):
-            changed |= _scope_effects(node, frozenset()).called_on
+            changed |= _scope_effects(node, frozenset()).handed_to_calls
     return changed
 
 
@@ -449,22 +458,29 @@ def _stored_into(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _called_on(node: ast.AST) -> str | None:
-    """The name a statement like ``name.method(...)`` calls into.
+def _handed_to_call(node: ast.AST) -> set[str]:
+    """The names whose object a call node could change.
 
-    Also ``name[k].method(...)``, and a chain's first receiver:
-    ``model.fit(X, y).score(X, y)`` fits ``model``.
+    The object a method is called on (``tables[k].clear()`` clears part of
+    ``tables``), and every argument's, unless the function is a builtin that
+    only reads (:data:`_READ_ONLY_BUILTINS`). A call's result is a new
+    object: in ``model.fit(X, y).score(X, y)`` it is the inner call, a node of
+    its own, that changes ``model``.
     """
-    if not (
-        isinstance(node, ast.Expr)
-        and isinstance(node.value, ast.Call)
-        and isinstance(node.value.func, ast.Attribute)
-    ):
-        return None
-    target: ast.AST = node.value.func
-    while isinstance(target, (ast.Subscript, ast.Attribute, ast.Call)):
-        target = target.func if isinstance(target, ast.Call) else target.value
-    return target.id if isinstance(target, ast.Name) else None
+    if not isinstance(node, ast.Call):
+        return set()
+    handed: list[ast.AST] = []
+    if isinstance(node.func, ast.Attribute):
+        handed.append(node.func.value)
+    if not (isinstance(node.func, ast.Name) and node.func.id in _READ_ONLY_BUILTINS):
+        handed += [*node.args, *(keyword.value for keyword in node.keywords)]
+    names = set()
+    for expression in handed:
+        while isinstance(expression, (ast.Subscript, ast.Attribute, ast.Starred)):
+            expression = expression.value
+        if isinstance(expression, ast.Name):
+            names.add(expression.id)
+    return names
 
 
 def _name_read(node: ast.AST) -> str | None:
@@ -482,8 +498,8 @@ def _declared(body: list[ast.AST], kind: type) -> set[str]:
 class _Effects(NamedTuple):
     reads: set[str]
     writes: set[str]
-    #: Names whose object a statement calls a method on.
-    called_on: set[str]
+    #: Names whose object a call may change.
+    handed_to_calls: set[str]
 
 
 def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> _Effects:
@@ -512,16 +528,16 @@ def _scope_effects(scope: ast.AST, enclosing: frozenset[str]) -> _Effects:
     # A function declaring ``global x`` may read x too, and shipping x in means
     # it still comes back unchanged if the function is never called.
     effects = _Effects(
-        reads=set(declared_global), writes=bindings & declared_global, called_on=set()
+        reads=set(declared_global), writes=bindings & declared_global, handed_to_calls=set()
     )
     for node in _scope_nodes(inside):
         for found, name in (
             (effects.reads, _name_read(node)),
             (effects.writes, _stored_into(node)),
-            (effects.called_on, _called_on(node)),
         ):
             if name is not None and name not in visible:
                 found.add(name)
+        effects.handed_to_calls.update(_handed_to_call(node) - visible)
         if isinstance(node, ast.Call):
             effects.reads.update(_ipython_reads(node) - visible)
         if isinstance(node, _SCOPES):

@@ -151,10 +151,30 @@ def test_an_input_a_method_changed_in_place_comes_back_changed(kernel):
     assert facts == [[1, 2, 3], {"a": 1, "b": 2}, 7.0, True, 3]
 
 
+def test_an_input_changed_through_a_call_result_or_argument_comes_back_changed(kernel):
+    """Guards against `last = stack.pop()`, `random.shuffle(deck)` or a drawn `rng` changing
+    only the worker's copy: the kernel must be left as the same cell run unclaimed leaves it."""
+    setup = (
+        "import random, numpy as np\n"
+        "deck, stack, rng = list(range(20)), [1, 2, 3], np.random.default_rng(0)"
+    )
+    body = "random.seed(1)\nrandom.shuffle(deck)\nlast = stack.pop()\ndraw = rng.random()"
+    after = "[deck, stack, last, draw, rng.random()]"
+    kernel.run(setup, check=True)
+    kernel.run(body, check=True)
+    unclaimed = kernel.facts(after)
+    kernel.run(setup, check=True)
+    ran = kernel.run(f"%%claim\n{body}", check=True)
+    assert ran.stderr == ""
+    claimed = kernel.facts(after)
+    assert claimed == unclaimed
+    assert claimed[0] != list(range(20)) and claimed[1] == [1, 2]
+
+
 def test_an_input_a_method_only_read_stays_the_kernels_own_object(kernel):
     """Guards against a read-only method call replacing the kernel's object with a copy."""
     kernel.run("rows = [1, 2]\nsame_rows = rows", check=True)
-    ran = kernel.run("%%claim\nrows.count(1)\nrows.index(2)", check=True)
+    ran = kernel.run("%%claim\nn = rows.count(1)\nrows.index(2)\nprint(len(rows))", check=True)
     assert ran.stderr == ""
     assert kernel.facts("rows is same_rows") is True
 

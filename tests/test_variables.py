@@ -291,12 +291,12 @@ def test_a_name_stored_into_comes_back():
     assert {"table", "model", "cache"} <= names_written(source)
 
 
-def test_an_input_a_statement_calls_a_method_on_may_have_changed():
-    """Guards against `rows.append(r)` or `model.fit(X, y)` changing only the worker's copy."""
+def test_an_input_a_call_may_change_is_a_candidate_to_come_back():
+    """Guards against `rows.append(r)` or `random.shuffle(deck)` changing only the worker's copy."""
     source = cell(
         """
         rows.append(1)
-        model.fit(X, y)
+        model.fit(X, y=y)
         estimator.fit(X, y).score(X, y)
         for key in keys:
             tables[key].clear()
@@ -304,16 +304,27 @@ def test_an_input_a_statement_calls_a_method_on_may_have_changed():
             logs.append(line)
         def local(rows_too):
             rows_too.append(1)
-        n = counts.count(1)
-        print(plain)
+        last = stack.pop()
+        draw = rng.random()
+        random.shuffle(deck)
+        heapq.heappush(heap[0], 3)
+        step(*states)
+        print(plain, len(sized), sorted(ordered))
         fresh = []
         fresh.append(1)
         """
     )
-    inputs = ["rows", "model", "estimator", "X", "y", "keys", "tables", "logs", "counts", "plain"]
+    inputs = [
+        *("rows", "model", "estimator", "X", "y", "keys", "tables", "logs", "stack", "rng"),
+        *("random", "deck", "heapq", "heap", "step", "states", "plain", "sized", "ordered"),
+    ]
     outputs = choose_outputs(source)
     changed = choose_if_changed(source, inputs, outputs)
-    assert changed == ["estimator", "logs", "model", "rows", "tables"]
+    # `random` and `heapq` are modules here, which the worker never sends back.
+    assert changed == [
+        *("X", "deck", "estimator", "heap", "heapq", "logs", "model", "random"),
+        *("rng", "rows", "stack", "states", "tables", "y"),
+    ]
 
 
 def test_a_walrus_in_a_comprehension_binds_in_the_cell():

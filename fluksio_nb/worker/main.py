@@ -140,7 +140,7 @@ def changed_in_place(
 ) -> list[str]:
     """The inputs among ``candidates`` the cell changed without binding them again.
 
-    The kernel names the inputs the cell called a method on; one that still
+    The kernel names the inputs a call in the cell may have changed; one that still
     pickles as it came in (``parcel``, unpacked into ``inputs``) stays
     behind, so the kernel keeps its own object.
     """
