@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fluksio_nb.context import Claim, RemoteError
+from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import describe, new_view
@@ -42,11 +43,17 @@ class Job:
         outputs: Sequence[str] | None,
         by_hand: bool = False,
         if_changed: Sequence[str] = (),
+        home: dict[str, object] | None = None,
     ) -> None:
-        """Run ``code`` under ``claimed``, which has already taken its place."""
+        """Run ``code`` under ``claimed``, which has already taken its place.
+
+        ``home`` is the namespace the job's names are for: the functions and
+        classes it makes read their globals from it, as if made there.
+        """
         self._claim = claimed
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._if_changed = if_changed
+        self._home = home
         #: Whether the user named ``outputs`` with ``--out``: only then is a
         #: name the cell ended without worth a warning.
         self._by_hand = by_hand
@@ -101,7 +108,8 @@ class Job:
                     self._output,
                     if_changed=self._if_changed,
                 )
-            self._values = outcome.outputs
+            home = self._home
+            self._values = outcome.outputs if home is None else each_at_home(outcome.outputs, home)
             warning = outcome.warning(self._by_hand)
             if warning:
                 self._output.stderr(warning)
@@ -126,6 +134,7 @@ def start_job(
     outputs: Sequence[str] | None,
     by_hand: bool = False,
     if_changed: Sequence[str] = (),
+    home: dict[str, object] | None = None,
 ) -> Job:
     """Start a background claim; ``by_hand`` says the user chose ``outputs`` with ``--out``.
 
@@ -135,4 +144,4 @@ def start_job(
     # the cell that started it, which is only the executing one now.
     claimed = Claim(wanted, view=new_view(), show_after=None)
     claimed.enqueue()
-    return Job(claimed, code, inputs, outputs, by_hand, if_changed)
+    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home)

@@ -23,6 +23,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from fluksio_nb import transfer
 from fluksio_nb.claim_line import claim_parser, parse_claim_line
 from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
+from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
@@ -104,6 +105,7 @@ class ClaimMagics(Magics):
                     outputs,
                     by_hand=parsed.outputs is not None,
                     if_changed=if_changed,
+                    home=self.shell.user_ns,
                 )
             claimed = Claim(parsed.resources, view=new_view())
         except BadClaim as error:
@@ -121,10 +123,11 @@ class ClaimMagics(Magics):
 
     def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> None:
         """Bind what the cell made, drop what it deleted, and say what did not come back."""
-        self.shell.user_ns.update(outcome.outputs)
+        namespace = self.shell.user_ns
+        namespace.update(each_at_home(outcome.outputs, namespace))
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):
-            self.shell.user_ns.pop(name, None)
+            namespace.pop(name, None)
         sys.stderr.write(outcome.warning(by_hand))
 
     @line_magic

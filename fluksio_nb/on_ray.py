@@ -1314,7 +1314,7 @@ def start_job(
     from fluksio_nb.jobs import Job
 
     claimed, packed = _prepare(shell, parsed, inputs, show_at_once=True)
-    return Job(claimed, cell, packed, outputs, by_hand, if_changed)
+    return Job(claimed, cell, packed, outputs, by_hand, if_changed, shell.user_ns)
 
 
 def _prepare(

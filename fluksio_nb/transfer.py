@@ -6,7 +6,8 @@ cannot import — is then reported by name with the reason, and every other
 name still arrives. The price is identity: two names for one list arrive as
 two lists. cloudpickle is what lets the notebook's own functions and classes
 (defined in ``__main__``) go by value while installed modules go by reference
-and are imported again on the other side.
+and are imported again on the other side; where they land, they are bound to
+the namespace they land in (:mod:`fluksio_nb.namespaces`).
 
 Big buffers do not go through the pickle stream. Pickle protocol 5 hands them
 out of band, and each one above :data:`INLINE_LIMIT` is copied once into a

@@ -179,6 +179,56 @@ def test_an_input_a_method_only_read_stays_the_kernels_own_object(kernel):
     assert kernel.facts("rows is same_rows") is True
 
 
+def test_a_function_made_in_a_claimed_cell_reads_the_kernels_globals_after_it(kernel):
+    """Guards against a helper defined in a claimed cell keeping the globals the cell saw:
+    `offset = 100` in a later cell must reach it, as it reaches one defined in a normal cell."""
+    kernel.run("offset, BASE, UNIT = 1, 1, 'cm'", check=True)
+    ran = kernel.run(
+        "%%claim\n"
+        "def shifted(x):\n    return x + offset\n"
+        "class Meter:\n"
+        "    def read(self):\n        return BASE + 1\n"
+        "    @staticmethod\n    def unit():\n        return UNIT\n"
+        "    @property\n    def level(self):\n        return BASE * 2\n"
+        "meter = Meter()",
+        check=True,
+    )
+    assert ran.stderr == ""
+    kernel.run("offset, BASE, UNIT = 100, 10, 'm'\nlater = 5", check=True)
+    facts = kernel.facts(
+        "[shifted(0), meter.read(), Meter.unit(), meter.level, isinstance(meter, Meter)]"
+    )
+    assert facts == [100, 11, "m", 20, True]
+
+
+def test_a_notebook_function_sent_in_reads_what_the_cell_assigns(kernel):
+    """Guards against a function sent by value reading the globals it was sent with, when
+    the claimed cell rebinds one before calling it, and against a function it calls in turn
+    doing the same."""
+    kernel.run(
+        "K = 1\ndef scaled(x):\n    return x * K\ndef twice(x):\n    return scaled(x) * 2",
+        check=True,
+    )
+    kernel.run("%%claim\nK = 5\ny = twice(1)", check=True)
+    assert kernel.facts("[y, K, twice(1)]") == [10, 5, 10]
+
+
+def test_an_input_function_passed_to_a_call_stays_the_kernels_own(kernel):
+    """Guards against `apply(f, x)` sending back a copy of `f` that replaces the kernel's."""
+    kernel.run(
+        "def f(x):\n    return x + 1\ndef apply(g, v):\n    return g(v)\nclass Model:\n"
+        "    pass\nsame_f, same_model = f, Model\nmodel = Model()",
+        check=True,
+    )
+    kernel.run("%%claim\ny = apply(f, 2)\nm = apply(type, model)", check=True)
+    assert kernel.facts("[y, f is same_f, Model is same_model, isinstance(model, Model)]") == [
+        3,
+        True,
+        True,
+        True,
+    ]
+
+
 def test_in_and_out_override_the_automatic_choice(kernel):
     kernel.run("a, b = 1, 2", check=True)
     ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)
@@ -440,6 +490,14 @@ def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespa
         True,
         [1],
     ]
+
+
+def test_a_function_a_background_claim_makes_reads_the_kernels_globals(kernel):
+    """Guards against a function taken from a job's handle keeping the globals it was made with."""
+    kernel.run("step = 1", check=True)
+    kernel.run("%%claim --background\ndef advance(x):\n    return x + step", check=True)
+    kernel.run("job = _\nadvance = job.result(30)['advance']\nstep = 7", check=True)
+    assert kernel.facts("advance(0)") == 7
 
 
 def test_a_waiting_background_claim_can_be_cancelled(kernel):

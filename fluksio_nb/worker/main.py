@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -60,7 +60,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from fluksio_nb import transfer
+from fluksio_nb import namespaces, transfer
 from fluksio_nb.worker.protocol import (
     Channel,
     ChannelClosed,
@@ -94,6 +94,25 @@ def unpack_inputs(parcel: Any) -> dict[str, Any]:
             f"or leave '{name}' out of the cell's inputs"
         )
     return values
+
+
+def settle_inputs(namespace: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Bind the inputs, with the notebook's functions and classes at home here; what was bound.
+
+    A function the kernel sent reads its globals from this namespace, as it
+    read them from the kernel's, and the globals it carried are bound here
+    too, unless an input is bound to the name already. What is returned is
+    everything bound before the cell ran, which the cell did not make.
+    """
+    settled = namespaces.each_at_home(inputs, namespace)
+    carried: dict[str, Any] = {}
+    for value in inputs.values():
+        for name, global_value in namespaces.globals_carried(value, namespace).items():
+            carried.setdefault(name, global_value)
+    missing = {name: value for name, value in carried.items() if name not in settled}
+    bound = {**namespaces.each_at_home(missing, namespace), **settled}
+    namespace.update(bound)
+    return bound
 
 
 def pack_outputs(
@@ -147,12 +166,17 @@ def changed_in_place(
     sent = parcel.values if parcel is not None else {}
     changed = []
     for name in candidates:
-        # Rebound or deleted, it is an output or absent already; a module
-        # goes back by name, and is the same module either way.
+        # Rebound or deleted, it is an output or absent already.
         if name not in sent or name not in inputs or namespace.get(name) is not inputs[name]:
             continue
         value = inputs[name]
-        if not isinstance(value, ModuleType) and not transfer.unchanged(value, sent[name]):
+        # A module goes back by name, and is the same module either way. A
+        # function or class is rebuilt on arrival, so it pickles differently
+        # unchanged, and a copy sent back would replace the kernel's own:
+        # the kernel's instances would stop being instances of its class.
+        if isinstance(value, (ModuleType, FunctionType, type)):
+            continue
+        if not transfer.unchanged(value, sent[name]):
             changed.append(name)
     return changed
 
@@ -453,7 +477,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     except Exception as error:
         report_exception_only(shell, error)
     else:
-        shell.user_ns.update(inputs)
+        inputs = settle_inputs(shell.user_ns, inputs)
         try:
             with interrupts.cell_running():
                 ok = shell.run_cell(request["code"], store_history=True).success

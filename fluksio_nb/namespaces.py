@@ -1,0 +1,114 @@
+"""Functions and classes a notebook made, arriving in another namespace.
+
+A function defined in a notebook reads its globals from the notebook's
+namespace, at the moment it is called: ``SCALE = 2`` in a later cell reaches
+it. cloudpickle sends such a function by value, with a dict of the globals it
+reads as they were, and rebuilds it around a copy of that dict. Left so, a
+helper defined in a claimed cell would read, for the rest of the session, the
+values its globals had when the cell ended, and raise ``NameError`` for a
+global defined after; and a function sent into a worker would not see a global
+the cell itself assigns before calling it.
+
+So a function or class that arrives by value is rebuilt around the namespace
+it arrives in (:func:`at_home`), as ipyparallel's uncanning rebuilds a
+function around its engine's namespace. What it decides:
+
+- **Only what a notebook defined.** A function whose ``__module__`` is the
+  namespace's own (``__main__``) and whose globals are not that namespace
+  already; anything imported from a module travelled by reference and is the
+  module's own.
+- **A class keeps its identity.** Its methods are rebuilt in place, so
+  instances made on the other side are still instances of it.
+- **A worker's namespace holds only the cell's inputs**, not the globals the
+  functions it was sent read. Those the function carried are put in it
+  (:func:`globals_carried`), unless the cell's inputs already bound them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import FunctionType
+from typing import Any
+
+
+def at_home(value: object, namespace: Mapping[str, Any]) -> object:
+    """``value``, with a function or a class's methods bound to ``namespace``'s globals."""
+    if isinstance(value, FunctionType):
+        return _rebuilt(value, namespace) if _from_elsewhere(value, namespace) else value
+    if isinstance(value, type) and value.__module__ == _module_of(namespace):
+        for name, member in list(vars(value).items()):
+            moved = _member_at_home(member, namespace)
+            if moved is not member:
+                setattr(value, name, moved)
+    return value
+
+
+def each_at_home(values: Mapping[str, object], namespace: Mapping[str, Any]) -> dict[str, object]:
+    """Each of ``values`` through :func:`at_home`."""
+    return {name: at_home(value, namespace) for name, value in values.items()}
+
+
+def globals_carried(value: object, namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The globals a function, or a class's methods, brought with it from elsewhere."""
+    carried: dict[str, Any] = {}
+    for function in _functions_of(value):
+        if _from_elsewhere(function, namespace):
+            for name, global_value in function.__globals__.items():
+                if not (name.startswith("__") and name.endswith("__")):
+                    carried.setdefault(name, global_value)
+    return carried
+
+
+def _module_of(namespace: Mapping[str, Any]) -> str:
+    return namespace.get("__name__", "__main__")
+
+
+def _from_elsewhere(function: FunctionType, namespace: Mapping[str, Any]) -> bool:
+    return function.__module__ == _module_of(namespace) and function.__globals__ is not namespace
+
+
+def _rebuilt(function: FunctionType, namespace: Mapping[str, Any]) -> FunctionType:
+    rebuilt = FunctionType(
+        function.__code__,
+        namespace,  # type: ignore[arg-type]
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    rebuilt.__kwdefaults__ = function.__kwdefaults__
+    rebuilt.__qualname__ = function.__qualname__
+    rebuilt.__module__ = function.__module__
+    rebuilt.__doc__ = function.__doc__
+    rebuilt.__annotations__ = function.__annotations__
+    rebuilt.__dict__.update(function.__dict__)
+    return rebuilt
+
+
+def _member_at_home(member: Any, namespace: Mapping[str, Any]) -> Any:
+    if isinstance(member, FunctionType):
+        return at_home(member, namespace)
+    if isinstance(member, (staticmethod, classmethod)):
+        inner = member.__func__
+        moved = at_home(inner, namespace)
+        return member if moved is inner else type(member)(moved)
+    if isinstance(member, property):
+        parts = [member.fget, member.fset, member.fdel]
+        moved = [None if part is None else at_home(part, namespace) for part in parts]
+        if all(new is old for new, old in zip(moved, parts, strict=True)):
+            return member
+        return property(*moved, member.__doc__)
+    return member
+
+
+def _functions_of(value: object) -> Iterator[FunctionType]:
+    if isinstance(value, FunctionType):
+        yield value
+    elif isinstance(value, type):
+        for member in vars(value).values():
+            if isinstance(member, FunctionType):
+                yield member
+            elif isinstance(member, (staticmethod, classmethod)):
+                yield from _functions_of(member.__func__)
+            elif isinstance(member, property):
+                for part in (member.fget, member.fset, member.fdel):
+                    yield from _functions_of(part)
