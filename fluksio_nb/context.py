@@ -249,10 +249,13 @@ class Claim:
         sink: Any,
         *,
         if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
     ) -> Outcome:
         """Run notebook code in a worker that holds this share; raise how it failed.
 
-        ``if_changed`` names inputs to bring back too if the code changed them in place.
+        ``if_changed`` names inputs to bring back too if the code changed them in
+        place; ``random_state`` is the global random streams the code draws from
+        (:mod:`fluksio_nb.random_streams`).
         """
         if self.allocation is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
@@ -260,7 +263,12 @@ class Claim:
         watched = self._watch_process(worker.pid, stop=worker.kill)
         try:
             outcome = worker.run(
-                code, inputs=inputs, outputs=outputs, sink=sink, if_changed=if_changed
+                code,
+                inputs=inputs,
+                outputs=outputs,
+                sink=sink,
+                if_changed=if_changed,
+                random_state=random_state,
             )
         finally:
             self._watch.discard(watched)

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from fluksio_nb import random_streams
 from fluksio_nb.context import Claim, RemoteError
 from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.relay import CellOutput
@@ -44,16 +45,20 @@ class Job:
         by_hand: bool = False,
         if_changed: Sequence[str] = (),
         home: dict[str, object] | None = None,
+        random_state: dict[str, object] | None = None,
     ) -> None:
         """Run ``code`` under ``claimed``, which has already taken its place.
 
         ``home`` is the namespace the job's names are for: the functions and
         classes it makes read their globals from it, as if made there.
+        ``random_state`` seeds the job's global random streams
+        (:func:`fluksio_nb.random_streams.spawn`); they do not come back.
         """
         self._claim = claimed
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._if_changed = if_changed
         self._home = home
+        self._random_state = random_state
         #: Whether the user named ``outputs`` with ``--out``: only then is a
         #: name the cell ended without worth a warning.
         self._by_hand = by_hand
@@ -107,6 +112,7 @@ class Job:
                     self._outputs,
                     self._output,
                     if_changed=self._if_changed,
+                    random_state=self._random_state,
                 )
             home = self._home
             self._values = outcome.outputs if home is None else each_at_home(outcome.outputs, home)
@@ -144,4 +150,4 @@ def start_job(
     # the cell that started it, which is only the executing one now.
     claimed = Claim(wanted, view=new_view(), show_after=None)
     claimed.enqueue()
-    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home)
+    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home, random_streams.spawn())

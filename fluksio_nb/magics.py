@@ -20,7 +20,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from fluksio_nb import transfer
+from fluksio_nb import random_streams, transfer
 from fluksio_nb.claim_line import claim_parser, parse_claim_line
 from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
 from fluksio_nb.namespaces import each_at_home
@@ -114,7 +114,12 @@ class ClaimMagics(Magics):
         try:
             with claimed:
                 outcome = claimed.run_code(
-                    cell, parcel, outputs, ForegroundOutput(), if_changed=if_changed
+                    cell,
+                    parcel,
+                    outputs,
+                    ForegroundOutput(),
+                    if_changed=if_changed,
+                    random_state=random_streams.capture(),
                 )
         finally:
             parcel.discard()
@@ -125,6 +130,7 @@ class ClaimMagics(Magics):
         """Bind what the cell made, drop what it deleted, and say what did not come back."""
         namespace = self.shell.user_ns
         namespace.update(each_at_home(outcome.outputs, namespace))
+        random_streams.restore(outcome.random_state)
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):
             namespace.pop(name, None)

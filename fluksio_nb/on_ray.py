@@ -66,6 +66,7 @@ from typing import Any
 
 import cloudpickle
 
+from fluksio_nb import random_streams
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, human
 from fluksio_nb.context import SHOW_AFTER_S
@@ -479,6 +480,8 @@ class TaskCell:
     through_client: bool
     #: Inputs that come back too if the cell changed them in place.
     if_changed: list[str]
+    #: The global random streams the cell draws from.
+    random_state: dict[str, Any] | None
     #: The name of each input that follows, in order.
     names: list[str]
 
@@ -561,6 +564,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
                 sink=_OutboxSink(outbox),
                 keep_outputs=True,
                 if_changed=cell.if_changed,
+                random_state=cell.random_state,
             )
         finally:
             kernel_watch().discard(watched)
@@ -638,6 +642,7 @@ def _task_result(
         "outputs": shipped,
         "failed": failed,
         "absent": list(outcome.absent),
+        "random_state": outcome.random_state,
     }
 
 
@@ -978,10 +983,12 @@ class RayClaim:
         sink: Any,
         *,
         if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
     ) -> Outcome:
         """Run notebook code as a Ray task holding this share; raise how it failed.
 
-        ``if_changed`` names inputs to bring back too if the code changed them in place.
+        ``if_changed`` names inputs to bring back too if the code changed them in
+        place; ``random_state`` is the global random streams the code draws from.
         """
         from fluksio_nb.worker.client import UnsendableInput
 
@@ -1023,6 +1030,7 @@ class RayClaim:
             ram_bytes=self.wanted.ram_bytes or None,
             through_client=through_client,
             if_changed=list(if_changed),
+            random_state=random_state,
             names=list(packed.values),
         )
         running = task.remote(cell, *values)
@@ -1193,7 +1201,14 @@ class RayClaim:
             if ename == "KeyboardInterrupt":
                 raise KeyboardInterrupt
             raise RemoteError(ename, evalue, traceback)
-        return Outcome("ok", "the cell finished", values, failed, tuple(result.get("absent", ())))
+        return Outcome(
+            "ok",
+            "the cell finished",
+            values,
+            failed,
+            tuple(result.get("absent", ())),
+            random_state=result.get("random_state"),
+        )
 
     # -- showing ---------------------------------------------------------------
 
@@ -1286,7 +1301,14 @@ def run_cell(
     """
     claimed, packed = _prepare(shell, parsed, inputs)
     try:
-        outcome = claimed.run_code(cell, packed, outputs, sink, if_changed=if_changed)
+        outcome = claimed.run_code(
+            cell,
+            packed,
+            outputs,
+            sink,
+            if_changed=if_changed,
+            random_state=random_streams.capture(),
+        )
     except BaseException as error:
         claimed.release(error)
         raise
@@ -1314,7 +1336,9 @@ def start_job(
     from fluksio_nb.jobs import Job
 
     claimed, packed = _prepare(shell, parsed, inputs, show_at_once=True)
-    return Job(claimed, cell, packed, outputs, by_hand, if_changed, shell.user_ns)
+    return Job(
+        claimed, cell, packed, outputs, by_hand, if_changed, shell.user_ns, random_streams.spawn()
+    )
 
 
 def _prepare(

@@ -229,6 +229,23 @@ def test_an_input_function_passed_to_a_call_stays_the_kernels_own(kernel):
     ]
 
 
+def test_a_claimed_cell_draws_from_the_kernels_seeded_random_streams(kernel):
+    """Guards against a notebook seeded at its top drawing different numbers once a cell is
+    claimed: the cell continues the kernel's streams, and the next cell continues the cell's."""
+    body = "a = random.random()\nb = np.random.rand(2).tolist()"
+    after = "[a, b, random.random(), np.random.rand()]"
+    kernel.run("import random, numpy as np\nrandom.seed(1); np.random.seed(1)", check=True)
+    kernel.run(body, check=True)
+    unclaimed = kernel.facts(after)
+    kernel.run("random.seed(1); np.random.seed(1)", check=True)
+    kernel.run(f"%%claim\n{body}", check=True)
+    assert kernel.facts(after) == unclaimed
+    # The warm worker's own streams, advanced by the cell above, must not leak into the next.
+    kernel.run("random.seed(1); np.random.seed(1)", check=True)
+    kernel.run(f"%%claim\n{body}", check=True)
+    assert kernel.facts(after) == unclaimed
+
+
 def test_in_and_out_override_the_automatic_choice(kernel):
     kernel.run("a, b = 1, 2", check=True)
     ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)
@@ -498,6 +515,23 @@ def test_a_function_a_background_claim_makes_reads_the_kernels_globals(kernel):
     kernel.run("%%claim --background\ndef advance(x):\n    return x + step", check=True)
     kernel.run("job = _\nadvance = job.result(30)['advance']\nstep = 7", check=True)
     assert kernel.facts("advance(0)") == 7
+
+
+def test_background_claims_draw_reproducible_and_distinct_random_numbers(kernel):
+    """Guards against every background job of a random search drawing the same numbers,
+    and against a seeded notebook's jobs drawing different ones on every run."""
+
+    def draws() -> list[float]:
+        kernel.run("random.seed(2)\njobs = []", check=True)
+        for _ in range(2):
+            kernel.run("%%claim --background\nx = random.random()", check=True)
+            kernel.run("jobs.append(_)", check=True)
+        return kernel.facts("[job.result(30)['x'] for job in jobs]")
+
+    kernel.run("import random", check=True)
+    first = draws()
+    assert first[0] != first[1]
+    assert draws() == first
 
 
 def test_a_waiting_background_claim_can_be_cancelled(kernel):

@@ -185,6 +185,9 @@ class Outcome:
     #: Whether :meth:`Worker.interrupt` (or a KeyboardInterrupt in ``run``) was
     #: applied to this cell.
     interrupted: bool = False
+    #: The worker's global random streams after the cell, for those it was
+    #: given (:mod:`fluksio_nb.random_streams`).
+    random_state: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -376,6 +379,7 @@ class Worker:
         *,
         keep_outputs: bool = False,
         if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -390,6 +394,8 @@ class Worker:
         (:func:`fluksio_nb.variables.choose_if_changed`). ``keep_outputs``
         lets the worker write big outputs into files it keeps for the next
         cell's, for a caller done with them before it runs another cell.
+        ``random_state`` is put in place of the worker's global random streams
+        before the cell, and what they are after it is in the outcome.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -397,7 +403,9 @@ class Worker:
             cell = _Cell(sink)
             self._cell = cell
             try:
-                return self._run(cell, code, parcel, outputs, keep_outputs, if_changed)
+                return self._run(
+                    cell, code, parcel, outputs, keep_outputs, if_changed, random_state
+                )
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
                 raise
@@ -434,6 +442,7 @@ class Worker:
         outputs: list[str] | None,
         keep: bool = False,
         if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
     ) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
@@ -446,6 +455,7 @@ class Worker:
             "outputs": outputs,
             "keep_outputs": keep,
             "if_changed": list(if_changed),
+            "random_state": random_state,
             "path": list(sys.path),
             "cwd": os.getcwd(),
         }
@@ -529,9 +539,16 @@ class Worker:
         values, unreadable = unpack_outputs(done.get("outputs"))
         failed = {**done.get("failed", {}), **unreadable}
         absent = tuple(done.get("absent", ()))
+        streams = done.get("random_state")
         if done.get("ok"):
             return Outcome(
-                "ok", "the cell finished", values, failed, absent, interrupted=cell.interrupted
+                "ok",
+                "the cell finished",
+                values,
+                failed,
+                absent,
+                interrupted=cell.interrupted,
+                random_state=streams,
             )
         error = cell.error
         if error is None:
@@ -541,7 +558,14 @@ class Worker:
         else:
             description = f"the cell raised {error.ename}: {error.evalue}"
         return Outcome(
-            "error", description, values, failed, absent, error=error, interrupted=cell.interrupted
+            "error",
+            description,
+            values,
+            failed,
+            absent,
+            error=error,
+            interrupted=cell.interrupted,
+            random_state=streams,
         )
 
     def _died(self, cell: _Cell) -> Outcome:

@@ -60,7 +60,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from fluksio_nb import namespaces, transfer
+from fluksio_nb import namespaces, random_streams, transfer
 from fluksio_nb.worker.protocol import (
     Channel,
     ChannelClosed,
@@ -478,6 +478,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
         report_exception_only(shell, error)
     else:
         inputs = settle_inputs(shell.user_ns, inputs)
+        random_streams.restore(request.get("random_state"))
         try:
             with interrupts.cell_running():
                 ok = shell.run_cell(request["code"], store_history=True).success
@@ -486,6 +487,9 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             # than in the code itself — typically an interrupt landing just
             # before or after it — so nothing has reported it yet.
             report_exception_only(shell, escaped)
+    given = request.get("random_state")
+    streams = None if given is None else random_streams.capture(given)
+    random_streams.forget_pending()
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
     candidates = request.get("if_changed") or ()
@@ -493,7 +497,16 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     keep = bool(request.get("keep_outputs"))
     outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()
-    shell.report({"type": "done", "ok": ok, "outputs": outputs, "failed": failed, "absent": absent})
+    shell.report(
+        {
+            "type": "done",
+            "ok": ok,
+            "outputs": outputs,
+            "failed": failed,
+            "absent": absent,
+            "random_state": streams,
+        }
+    )
     if keep:
         # Every file in it is kept, and back on the shelf only for the next
         # cell's outputs, which come after the receiver has mapped these:
