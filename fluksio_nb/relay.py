@@ -11,12 +11,25 @@ when it is made, and sends every output as a reply to that message, on the
 kernel's IOPub channel, from whichever thread the output arrives on. Outside
 ipykernel (a terminal IPython, a test shell) there is no such channel, and
 output goes to this process's own streams and display hook instead.
+
+A cell's ``input()`` goes the other way, and only from the cell the kernel is
+executing: ipykernel answers input requests for that cell alone.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+#: Why a claimed cell's ``input()`` found nobody to ask.
+BACKGROUND_CANNOT_ASK = (
+    "input() in a claimed cell asks the notebook only from a cell the kernel is waiting on, "
+    "not from a --background cell or a Ray task. Ask in a normal cell, and use the answer here."
+)
+
+
+class NoOneToAsk(Exception):
+    """A claimed cell asked for input where no one can answer it."""
 
 
 class CellOutput:
@@ -75,6 +88,22 @@ class CellOutput:
             sys.stderr.write("\n".join(traceback) + "\n")
             return
         self._send("error", {"ename": ename, "evalue": evalue, "traceback": traceback})
+
+    def input(self, prompt: str, password: bool) -> str:
+        """Ask the notebook, as ``input()`` or ``getpass()`` in the cell itself would.
+
+        Only the thread running the cell can: ipykernel answers input requests
+        for the cell it is executing, in its main thread, and a background
+        cell's thread asks long after that cell is over.
+        """
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
+        import builtins
+        import getpass
+
+        return getpass.getpass(prompt) if password else builtins.input(prompt)
 
     def _stream(self, name: str, text: str) -> None:
         if not text:

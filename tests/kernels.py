@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ class Ran:
     messages: list[dict[str, Any]] = field(default_factory=list)
     arrived: list[float] = field(default_factory=list)
     finished_at: float = 0.0
+    #: The input requests the cell made, when it was run answering them.
+    prompts: list[dict[str, Any]] = field(default_factory=list)
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
         return [m for m in self.messages if m["msg_type"] in kinds]
@@ -80,15 +83,29 @@ class Kernel:
         self.seen: list[dict[str, Any]] = []
         self.run("%load_ext fluksio_nb", check=True)
 
-    def run(self, code: str, timeout: float = 120, check: bool = False) -> Ran:
-        msg_id = self.client.execute(code, allow_stdin=False)
+    def run(
+        self, code: str, timeout: float = 120, check: bool = False, answers: list[str] | None = None
+    ) -> Ran:
+        """Run one cell; with ``answers``, as a front end that answers its input requests.
+
+        Each prompt the cell shows is answered with the next of ``answers``,
+        and recorded in the result's ``prompts``.
+        """
+        msg_id = self.client.execute(code, allow_stdin=answers is not None)
         ran = Ran(status="unknown", msg_id=msg_id)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"the cell did not finish in {timeout} s:\n{code}")
-            msg = self.client.get_iopub_msg(timeout=left)
+            if answers is not None:
+                self._answer(ran, answers)
+                try:
+                    msg = self.client.get_iopub_msg(timeout=min(left, 0.05))
+                except queue.Empty:
+                    continue
+            else:
+                msg = self.client.get_iopub_msg(timeout=left)
             self.seen.append(msg)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -107,6 +124,13 @@ class Kernel:
         if check and ran.status != "ok":
             raise AssertionError(f"cell failed: {ran.error}\n{ran.stderr}\n{code}")
         return ran
+
+    def _answer(self, ran: Ran, answers: list[str]) -> None:
+        while self.client.stdin_channel.msg_ready():
+            request = self.client.stdin_channel.get_msg(timeout=1)
+            if request["msg_type"] == "input_request":
+                ran.prompts.append(request["content"])
+                self.client.input(answers.pop(0))
 
     def facts(self, expression: str) -> Any:
         """Evaluate ``expression`` in the kernel and bring its JSON back."""

@@ -246,6 +246,36 @@ def test_a_claimed_cell_draws_from_the_kernels_seeded_random_streams(kernel):
     assert kernel.facts(after) == unclaimed
 
 
+def test_input_and_getpass_in_a_claimed_cell_ask_the_notebook(kernel):
+    """Guards against `input()` in a claimed cell failing at once on the worker's empty stdin,
+    where the same cell unclaimed would ask in the notebook."""
+    ran = kernel.run(
+        "%%claim\nimport getpass\nprint('before')\nname = input('who? ')\n"
+        "secret = getpass.getpass('key: ')",
+        check=True,
+        answers=["ada", "s3cret"],
+    )
+    assert [(p["prompt"], p["password"]) for p in ran.prompts] == [
+        ("who? ", False),
+        ("key: ", True),
+    ]
+    assert ran.stdout.strip() == "before"
+    assert kernel.facts("[name, secret]") == ["ada", "s3cret"]
+
+
+def test_input_where_nobody_can_answer_says_so_and_leaves_the_worker_usable(kernel):
+    """Guards against a front end without input, or a background cell, hanging on `input()`."""
+    ran = kernel.run("%%claim\nname = input('who? ')")
+    assert ran.error["ename"] == "StdinNotImplementedError"
+    assert "does not support input requests" in ran.error["evalue"]
+    kernel.run(
+        "%%claim --background\ntry:\n    input()\nexcept Exception as e:\n    why = str(e)",
+        check=True,
+    )
+    assert "not from a --background cell" in kernel.facts("_.result(30)['why']")
+    assert kernel.run("%%claim\nx = 2", check=True).status == "ok"
+
+
 def test_in_and_out_override_the_automatic_choice(kernel):
     kernel.run("a, b = 1, 2", check=True)
     ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)
@@ -345,6 +375,18 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     assert ename == "KeyboardInterrupt"
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"
+
+
+def test_the_stop_button_while_a_claimed_cell_waits_for_input_ends_it(kernel):
+    """Guards against a cell stopped at its prompt leaving the worker waiting for an answer."""
+    msg_id = kernel.client.execute("%%claim\nname = input('who? ')", allow_stdin=True)
+    request = kernel.client.stdin_channel.get_msg(timeout=30)
+    assert request["content"]["prompt"] == "who? "
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
+    assert_books_balanced(kernel)
+    assert kernel.run("%%claim\nx = 3", check=True).status == "ok"
+    assert kernel.facts("x") == 3
 
 
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):

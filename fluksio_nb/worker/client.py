@@ -150,6 +150,12 @@ class Sink:
     def clear_output(self, wait: bool) -> None:
         pass
 
+    def input(self, prompt: str, password: bool) -> str:
+        """What the user answers to the cell's ``input(prompt)``; raise to refuse."""
+        from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
+
+        raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
+
 
 @dataclass(frozen=True)
 class CellError:
@@ -527,6 +533,8 @@ class Worker:
             clear_output = getattr(sink, "clear_output", None)
             if clear_output is not None:
                 clear_output(frame.get("wait", False))
+        elif kind == "input_request":
+            self._answer(frame, sink)
         elif kind == "ready":
             self._ready = True
         elif kind == "done":
@@ -534,6 +542,17 @@ class Worker:
             self._drain_streams(sink)
             return self._finished(frame, cell)
         return None
+
+    def _answer(self, request: dict[str, Any], sink: Sink) -> None:
+        """Ask the sink what the cell's ``input()`` asks, and send the answer, or why none."""
+        ask = getattr(sink, "input", None) or Sink().input
+        try:
+            reply = {"type": "input_reply", "value": ask(request["prompt"], request["password"])}
+        except Exception as error:
+            # ipykernel's own refusal (a front end that takes no input) included.
+            reply = {"type": "input_reply", "refused": str(error) or type(error).__name__}
+        with contextlib.suppress(ChannelClosed):
+            self._channel.send(reply)
 
     def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
         values, unreadable = unpack_outputs(done.get("outputs"))

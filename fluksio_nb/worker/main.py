@@ -56,7 +56,7 @@ from typing import Any
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
@@ -446,6 +446,35 @@ def start_fresh(shell: WorkerShell) -> None:
         sys.last_exc = None
 
 
+def ask_the_notebook(channel: Channel, reporter: Reporter) -> None:
+    """``input()`` and ``getpass()`` in a cell ask the notebook, as in the kernel itself.
+
+    The worker's stdin is not a terminal nobody watches: a cell that asks
+    sends its prompt as a frame and waits for the kernel's answer on the same
+    channel, which carries nothing else while a cell runs. Where nobody can
+    answer (a background cell, a front end without input) the kernel says
+    so, and the cell gets the error ipykernel itself raises.
+    """
+    import builtins
+    import getpass
+
+    def ask(prompt: object = "", password: bool = False) -> str:
+        reporter({"type": "input_request", "prompt": str(prompt), "password": password})
+        while True:
+            reply = channel.receive()
+            if reply.get("type") == "input_reply":
+                break
+        if "refused" in reply:
+            raise StdinNotImplementedError(reply["refused"])
+        return reply["value"]
+
+    def ask_secretly(prompt: str = "Password: ", stream: object = None) -> str:
+        return ask(prompt, password=True)
+
+    builtins.input = ask
+    getpass.getpass = ask_secretly
+
+
 def default_to_inline_figures() -> None:
     """Figures appear under the cell, as in a kernel, unless the user chose a backend.
 
@@ -606,6 +635,9 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
             return True
         if kind == "run":
             run_one_cell(shell, request, interrupts)
+        elif kind == "input_reply":
+            # An answer that crossed the stop button on its way: its cell is over.
+            continue
         else:
             shell.report(
                 {
@@ -640,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     leave_with_the_kernel(arguments.lifeline_fd, arguments.kernel_pid)
     channel = Channel.from_fd(arguments.channel_fd)
     default_to_inline_figures()
-    shell = make_shell(Reporter(channel, interrupts))
+    reporter = Reporter(channel, interrupts)
+    shell = make_shell(reporter)
+    ask_the_notebook(channel, reporter)
     # The kernel closing the channel is how a conversation ends, not an error.
     told_to_exit = False
     with contextlib.suppress(ChannelClosed):
