@@ -269,6 +269,7 @@ class Claim:
                 sink=sink,
                 if_changed=if_changed,
                 random_state=random_state,
+                environ=worker_environ(self.env),
             )
         finally:
             self._watch.discard(watched)

@@ -70,7 +70,7 @@ from fluksio_nb import random_streams
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, human
 from fluksio_nb.context import SHOW_AFTER_S
-from fluksio_nb.env import THREAD_VARS, derive_env
+from fluksio_nb.env import THREAD_VARS, derive_env, worker_environ
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
@@ -565,6 +565,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
                 keep_outputs=True,
                 if_changed=cell.if_changed,
                 random_state=cell.random_state,
+                environ=worker_environ(derived),
             )
         finally:
             kernel_watch().discard(watched)

@@ -276,6 +276,20 @@ def test_input_where_nobody_can_answer_says_so_and_leaves_the_worker_usable(kern
     assert kernel.run("%%claim\nx = 2", check=True).status == "ok"
 
 
+def test_a_warm_worker_sees_the_kernels_environment_as_it_is_now(kernel):
+    """Guards against `os.environ["HF_TOKEN"] = ...` or `%env` in the kernel not reaching a
+    worker started before it, and against one claimed cell's variables leaking into the next."""
+    show = "%%claim cpus=1\nimport os, json\nprint(json.dumps([os.environ.get(n) for n in NAMES]))"
+    kernel.run("NAMES = ['MY_TOKEN', 'LEFT_BEHIND', 'OMP_NUM_THREADS', 'MPLBACKEND']", check=True)
+    before = kernel.run(show, check=True).json()
+    assert before[:3] == [None, None, "1"]
+    kernel.run("%env MY_TOKEN=abc", check=True)
+    kernel.run("%%claim cpus=1\nimport os\nos.environ['LEFT_BEHIND'] = '1'", check=True)
+    assert kernel.run(show, check=True).json() == ["abc", None, "1", before[3]]
+    kernel.run("import os\ndel os.environ['MY_TOKEN']", check=True)
+    assert kernel.run(show, check=True).json() == before
+
+
 def test_in_and_out_override_the_automatic_choice(kernel):
     kernel.run("a, b = 1, 2", check=True)
     ran = kernel.run("%%claim --in a --out c\nprint('b' in dir())\nc = a + 10\nd = 5", check=True)

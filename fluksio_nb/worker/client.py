@@ -386,6 +386,7 @@ class Worker:
         keep_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -402,6 +403,8 @@ class Worker:
         cell's, for a caller done with them before it runs another cell.
         ``random_state`` is put in place of the worker's global random streams
         before the cell, and what they are after it is in the outcome.
+        ``environ`` is the whole environment the cell runs with, for a worker
+        started before the kernel's environment last changed.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -410,7 +413,7 @@ class Worker:
             self._cell = cell
             try:
                 return self._run(
-                    cell, code, parcel, outputs, keep_outputs, if_changed, random_state
+                    cell, code, parcel, outputs, keep_outputs, if_changed, random_state, environ
                 )
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
@@ -449,6 +452,7 @@ class Worker:
         keep: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
@@ -462,6 +466,7 @@ class Worker:
             "keep_outputs": keep,
             "if_changed": list(if_changed),
             "random_state": random_state,
+            "environ": None if environ is None else {**environ, "PYTHONUNBUFFERED": "1"},
             "path": list(sys.path),
             "cwd": os.getcwd(),
         }

@@ -70,6 +70,10 @@ from fluksio_nb.worker.protocol import (
 #: cannot see: a process forked from the kernel that still holds its write end.
 PARENT_CHECK_SECONDS = 1.0
 
+#: The variables the worker set in its own environment as it started
+#: (``MPLBACKEND``), which the kernel's environment does not carry.
+OWN_ENVIRON: dict[str, str] = {}
+
 
 # -----------------------------------------------------------------------------
 # What travels: the one place on this side that knows how values are packed
@@ -501,7 +505,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     ok = False
     inputs: dict[str, Any] = {}
     try:
-        follow_the_kernel(request.get("path"), request.get("cwd"))
+        follow_the_kernel(request.get("path"), request.get("cwd"), request.get("environ"))
         inputs = unpack_inputs(request.get("inputs"))
     except Exception as error:
         report_exception_only(shell, error)
@@ -548,18 +552,35 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     start_fresh(shell)
 
 
-def follow_the_kernel(path: list[str] | None, cwd: str | None) -> None:
-    """Import from where the kernel imports, and open files where it opens them.
+def follow_the_kernel(
+    path: list[str] | None, cwd: str | None, environ: dict[str, str] | None = None
+) -> None:
+    """Import from where the kernel imports, open files where it opens them, see its variables.
 
     A function the kernel imported from ``mymodule`` travels by reference and
     is imported again here, which only works with the kernel's ``sys.path``;
     and ``open("data.csv")`` in a claimed cell means the kernel's ``%cd``, not
     wherever the worker happened to start.
+
+    ``environ`` is what the worker's environment should be now: the kernel's
+    as it is now, with the share's variables on top. A warm worker was
+    started long ago, and ``os.environ["HF_TOKEN"] = ...`` or ``%env`` in the
+    kernel since then must reach the cell, as it would reach a normal one.
+    What an earlier claimed cell set here goes, so that no cell depends on
+    which ran here before. The variables the worker set for itself at start
+    (:data:`OWN_ENVIRON`) stay, unless the kernel sets them too.
     """
     if path is not None:
         sys.path[:] = [*path, *(entry for entry in sys.path if entry not in path)]
     if cwd is not None and cwd != os.getcwd():
         os.chdir(cwd)
+    if environ is not None:
+        wanted = {**OWN_ENVIRON, **environ}
+        for name in [name for name in os.environ if name not in wanted]:
+            del os.environ[name]
+        for name, value in wanted.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
@@ -671,7 +692,11 @@ def main(argv: list[str] | None = None) -> int:
         os.set_inheritable(fd, False)
     leave_with_the_kernel(arguments.lifeline_fd, arguments.kernel_pid)
     channel = Channel.from_fd(arguments.channel_fd)
+    started_with = dict(os.environ)
     default_to_inline_figures()
+    OWN_ENVIRON.update(
+        {name: value for name, value in os.environ.items() if started_with.get(name) != value}
+    )
     reporter = Reporter(channel, interrupts)
     shell = make_shell(reporter)
     ask_the_notebook(channel, reporter)
