@@ -136,6 +136,23 @@ class Kernel:
         """Evaluate ``expression`` in the kernel and bring its JSON back."""
         return self.run(f"import json as _j\nprint(_j.dumps({expression}))", check=True).json()
 
+    def unclaimed_and_claimed(
+        self, setup: str, body: str, after: str, claim: str = "%%claim"
+    ) -> tuple[Any, Any]:
+        """What ``after`` says once ``body`` ran as a normal cell, and once as a claimed one.
+
+        ``setup`` runs before each, so both start from the same state: a claimed
+        cell should leave the kernel as the same cell unclaimed does, and warn
+        of nothing on the way.
+        """
+        results = []
+        for cell in (body, f"{claim}\n{body}"):
+            self.run(setup, check=True)
+            ran = self.run(cell, check=True)
+            assert ran.stderr == "", ran.stderr
+            results.append(self.facts(after))
+        return results[0], results[1]
+
     def books(self) -> dict[str, Any]:
         return self.facts("__import__('fluksio_nb').accountant().snapshot()")
 

@@ -154,19 +154,12 @@ def test_an_input_a_method_changed_in_place_comes_back_changed(kernel):
 def test_an_input_changed_through_a_call_result_or_argument_comes_back_changed(kernel):
     """Guards against `last = stack.pop()`, `random.shuffle(deck)` or a drawn `rng` changing
     only the worker's copy: the kernel must be left as the same cell run unclaimed leaves it."""
-    setup = (
-        "import random, numpy as np\n"
-        "deck, stack, rng = list(range(20)), [1, 2, 3], np.random.default_rng(0)"
+    unclaimed, claimed = kernel.unclaimed_and_claimed(
+        setup="import random, numpy as np\n"
+        "deck, stack, rng = list(range(20)), [1, 2, 3], np.random.default_rng(0)",
+        body="random.seed(1)\nrandom.shuffle(deck)\nlast = stack.pop()\ndraw = rng.random()",
+        after="[deck, stack, last, draw, rng.random()]",
     )
-    body = "random.seed(1)\nrandom.shuffle(deck)\nlast = stack.pop()\ndraw = rng.random()"
-    after = "[deck, stack, last, draw, rng.random()]"
-    kernel.run(setup, check=True)
-    kernel.run(body, check=True)
-    unclaimed = kernel.facts(after)
-    kernel.run(setup, check=True)
-    ran = kernel.run(f"%%claim\n{body}", check=True)
-    assert ran.stderr == ""
-    claimed = kernel.facts(after)
     assert claimed == unclaimed
     assert claimed[0] != list(range(20)) and claimed[1] == [1, 2]
 
@@ -232,18 +225,15 @@ def test_an_input_function_passed_to_a_call_stays_the_kernels_own(kernel):
 def test_a_claimed_cell_draws_from_the_kernels_seeded_random_streams(kernel):
     """Guards against a notebook seeded at its top drawing different numbers once a cell is
     claimed: the cell continues the kernel's streams, and the next cell continues the cell's."""
-    body = "a = random.random()\nb = np.random.rand(2).tolist()"
-    after = "[a, b, random.random(), np.random.rand()]"
-    kernel.run("import random, numpy as np\nrandom.seed(1); np.random.seed(1)", check=True)
-    kernel.run(body, check=True)
-    unclaimed = kernel.facts(after)
-    kernel.run("random.seed(1); np.random.seed(1)", check=True)
-    kernel.run(f"%%claim\n{body}", check=True)
-    assert kernel.facts(after) == unclaimed
+    seeded = {
+        "setup": "import random, numpy as np\nrandom.seed(1); np.random.seed(1)",
+        "body": "a = random.random()\nb = np.random.rand(2).tolist()",
+        "after": "[a, b, random.random(), np.random.rand()]",
+    }
+    unclaimed, claimed = kernel.unclaimed_and_claimed(**seeded)
+    assert claimed == unclaimed
     # The warm worker's own streams, advanced by the cell above, must not leak into the next.
-    kernel.run("random.seed(1); np.random.seed(1)", check=True)
-    kernel.run(f"%%claim\n{body}", check=True)
-    assert kernel.facts(after) == unclaimed
+    assert kernel.unclaimed_and_claimed(**seeded) == (unclaimed, unclaimed)
 
 
 def test_input_and_getpass_in_a_claimed_cell_ask_the_notebook(kernel):

@@ -255,14 +255,13 @@ def test_an_input_a_method_changed_in_place_comes_back_from_the_task(kernel):
 
 def test_a_task_draws_from_the_kernels_seeded_random_streams_and_hands_them_back(kernel):
     """Guards against a seeded notebook drawing different numbers once a cell runs on Ray."""
-    body = "a = random.random()\nb = np.random.rand(2).tolist()"
-    after = "[a, b, random.random(), np.random.rand()]"
-    kernel.run("import random, numpy as np\nrandom.seed(4); np.random.seed(4)", check=True)
-    kernel.run(body, check=True)
-    unclaimed = kernel.facts(after)
-    kernel.run("random.seed(4); np.random.seed(4)", check=True)
-    kernel.run(f"%%claim --on ray\n{body}", check=True)
-    assert kernel.facts(after) == unclaimed
+    unclaimed, claimed = kernel.unclaimed_and_claimed(
+        setup="import random, numpy as np\nrandom.seed(4); np.random.seed(4)",
+        body="a = random.random()\nb = np.random.rand(2).tolist()",
+        after="[a, b, random.random(), np.random.rand()]",
+        claim="%%claim --on ray",
+    )
+    assert claimed == unclaimed
 
 
 def test_stdout_arrives_while_the_task_is_still_running(kernel):
