@@ -150,4 +150,13 @@ def start_job(
     # the cell that started it, which is only the executing one now.
     claimed = Claim(wanted, view=new_view(), show_after=None)
     claimed.enqueue()
-    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home, random_streams.spawn())
+    return Job(
+        claimed,
+        code,
+        inputs,
+        outputs,
+        by_hand,
+        if_changed,
+        home=home,
+        random_state=random_streams.spawn(),
+    )

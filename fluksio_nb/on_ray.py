@@ -1338,7 +1338,14 @@ def start_job(
 
     claimed, packed = _prepare(shell, parsed, inputs, show_at_once=True)
     return Job(
-        claimed, cell, packed, outputs, by_hand, if_changed, shell.user_ns, random_streams.spawn()
+        claimed,
+        cell,
+        packed,
+        outputs,
+        by_hand,
+        if_changed,
+        home=shell.user_ns,
+        random_state=random_streams.spawn(),
     )
 
 

@@ -58,6 +58,7 @@ import psutil
 
 from fluksio_nb import transfer
 from fluksio_nb.inventory import confine
+from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -152,8 +153,6 @@ class Sink:
 
     def input(self, prompt: str, password: bool) -> str:
         """What the user answers to the cell's ``input(prompt)``; raise to refuse."""
-        from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
-
         raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
 
 
