@@ -105,15 +105,20 @@ def settle_inputs(namespace: dict[str, Any], inputs: dict[str, Any]) -> dict[str
 
     A function the kernel sent reads its globals from this namespace, as it
     read them from the kernel's, and the globals it carried are bound here
-    too, unless an input is bound to the name already. What is returned is
-    everything bound before the cell ran, which the cell did not make.
+    too, unless an input or IPython's own furniture (``In``, ``get_ipython``)
+    has the name already. What is returned is everything bound before the
+    cell ran, which the cell did not make.
     """
     settled = namespaces.each_at_home(inputs, namespace)
     carried: dict[str, Any] = {}
     for value in inputs.values():
         for name, global_value in namespaces.globals_carried(value, namespace).items():
             carried.setdefault(name, global_value)
-    missing = {name: value for name, value in carried.items() if name not in settled}
+    missing = {
+        name: value
+        for name, value in carried.items()
+        if name not in settled and name not in namespace
+    }
     bound = {**namespaces.each_at_home(missing, namespace), **settled}
     namespace.update(bound)
     return bound
