@@ -434,6 +434,17 @@ def test_a_dead_worker_says_how_it_died(kernel, death, words):
     assert_books_balanced(kernel)
 
 
+def test_exit_in_a_claimed_cell_ends_its_worker_not_the_kernel(kernel):
+    """Guards against `exit()` failing with an AttributeError, or ending the kernel."""
+    first = int(kernel.run("%%claim\nimport os\nprint(os.getpid())", check=True).stdout)
+    ran = kernel.run("%%claim\nprint('bye')\nexit()", check=True)
+    assert ran.stdout.strip() == "bye"
+    assert gone(first)
+    again = int(kernel.run("%%claim\nimport os\nprint(os.getpid())", check=True).stdout)
+    assert again != first
+    assert_books_balanced(kernel)
+
+
 def test_a_cell_past_its_timeout_is_stopped(kernel):
     started = time.monotonic()
     ran = kernel.run("%%claim --timeout 1\nimport time\ntime.sleep(60)")

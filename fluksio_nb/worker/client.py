@@ -352,6 +352,8 @@ class Worker:
         self._cell: _Cell | None = None
         self._ready = False
         self._released = False
+        #: Whether the worker said it ends after its cell (``exit()`` in the cell).
+        self._leaving = False
         #: Why this side is ending the worker, when it is, so its death is not
         #: reported as a crash.
         self._ending: str | None = None
@@ -371,7 +373,12 @@ class Worker:
     @property
     def alive(self) -> bool:
         """Whether the worker can still run a cell."""
-        return not self._released and not self._channel.broken and not self._has_exited()
+        return (
+            not self._released
+            and not self._leaving
+            and not self._channel.broken
+            and not self._has_exited()
+        )
 
     # -- running cells ---------------------------------------------------------
 
@@ -559,6 +566,7 @@ class Worker:
             self._channel.send(reply)
 
     def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
+        self._leaving = bool(done.get("exiting"))
         values, unreadable = unpack_outputs(done.get("outputs"))
         failed = {**done.get("failed", {}), **unreadable}
         absent = tuple(done.get("absent", ()))

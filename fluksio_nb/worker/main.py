@@ -389,6 +389,11 @@ class WorkerShell(InteractiveShell):
             deliver_held_back=False,
         )
 
+    def ask_exit(self):
+        # `exit()` in a kernel's cell ends the kernel; in a claimed cell, the
+        # worker: after this cell, and its claim gets a fresh one next time.
+        self.exit_now = True
+
     def show_usage_error(self, exc):
         # A mistyped magic is an error like any other, and a notebook should
         # show it as one, not as a stray line on stderr.
@@ -543,6 +548,8 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             "failed": failed,
             "absent": absent,
             "random_state": streams,
+            # Said here, so the kernel never hands the next cell to a worker on its way out.
+            "exiting": shell.exit_now,
         }
     )
     if keep:
@@ -661,6 +668,8 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
             return True
         if kind == "run":
             run_one_cell(shell, request, interrupts)
+            if shell.exit_now:
+                return True
         elif kind == "input_reply":
             # An answer that crossed the stop button on its way: its cell is over.
             continue
