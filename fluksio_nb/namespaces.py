@@ -67,7 +67,14 @@ def _from_elsewhere(function: FunctionType, namespace: Mapping[str, Any]) -> boo
     return function.__module__ == _module_of(namespace) and function.__globals__ is not namespace
 
 
-def _rebuilt(function: FunctionType, namespace: Mapping[str, Any]) -> FunctionType:
+def _rebuilt(
+    function: FunctionType,
+    namespace: Mapping[str, Any],
+    done: dict[int, FunctionType] | None = None,
+) -> FunctionType:
+    done = {} if done is None else done
+    if id(function) in done:  # a closure that holds itself: a recursive inner function
+        return done[id(function)]
     rebuilt = FunctionType(
         function.__code__,
         namespace,  # type: ignore[arg-type]
@@ -81,6 +88,17 @@ def _rebuilt(function: FunctionType, namespace: Mapping[str, Any]) -> FunctionTy
     rebuilt.__doc__ = function.__doc__
     rebuilt.__annotations__ = function.__annotations__
     rebuilt.__dict__.update(function.__dict__)
+    done[id(function)] = rebuilt
+    # A decorator's wrapper holds the function it wraps in a closure cell,
+    # and that one arrived by value too. The cells came with this copy, so
+    # they are this copy's to change.
+    for cell in function.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        if isinstance(held, FunctionType) and _from_elsewhere(held, namespace):
+            cell.cell_contents = _rebuilt(held, namespace, done)
     return rebuilt
 
 

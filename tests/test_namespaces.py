@@ -42,6 +42,37 @@ def test_a_function_sent_by_value_reads_the_namespace_it_arrives_in():
     assert arrived(2) == 2, "the function as cloudpickle rebuilt it keeps the globals it was sent"
 
 
+def test_a_decorated_function_reads_the_namespace_down_to_the_function_it_wraps():
+    kernel = notebook(
+        """
+        import functools
+        offset = 1
+        def logged(f):
+            @functools.wraps(f)
+            def inner(*args):
+                return f(*args)
+            return inner
+        @logged
+        def shifted(x):
+            return x + offset
+        def countdown(n):
+            return n if n <= 0 else countdown(n - offset)
+        def walker():
+            def walk(n):
+                return n if n <= 0 else walk(n - offset)
+            return walk
+        walk = walker()
+        """
+    )
+    home = {"__name__": "__main__", "offset": 100}
+    assert at_home(sent(kernel["shifted"]), home)(0) == 100
+    # Bound under its own name, as the kernel binds what comes back, it calls itself there.
+    home["countdown"] = at_home(sent(kernel["countdown"]), home)
+    assert home["countdown"](250) == -50
+    # An inner function that calls itself holds itself in its closure.
+    assert at_home(sent(kernel["walk"]), home)(250) == -50
+
+
 def test_a_class_keeps_its_identity_and_its_methods_read_the_namespace():
     kernel = notebook(
         """
