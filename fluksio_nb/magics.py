@@ -23,7 +23,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from fluksio_nb import random_streams, transfer
 from fluksio_nb.claim_line import claim_parser, parse_claim_line
 from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
-from fluksio_nb.namespaces import each_at_home
+from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim
@@ -62,6 +62,11 @@ class ClaimMagics(Magics):
             parsed = parse_claim_line(line)
             inputs = choose_inputs(cell, self.shell.user_ns, parsed.inputs)
             outputs = choose_outputs(cell, parsed.outputs)
+            if parsed.outputs is None:
+                # `bump()` binds nothing the source shows; a `global` in bump does.
+                namespace = self.shell.user_ns
+                assigned = globals_assigned((namespace[name] for name in inputs), namespace)
+                outputs += sorted(assigned.difference(outputs))
             deleted = names_deleted(cell) if parsed.outputs is None else set()
             # Asked for too, so that the worker says whether each is gone:
             # a `del` on a branch not taken leaves the name where it was.

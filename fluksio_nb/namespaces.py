@@ -22,12 +22,17 @@ function around its engine's namespace. What it decides:
 - **A worker's namespace holds only the cell's inputs**, not the globals the
   functions it was sent read. Those the function carried are put in it
   (:func:`globals_carried`), unless the cell's inputs already bound them.
+- **A ``global`` statement is a binding.** ``bump()`` binds nothing in the
+  cell's source, yet a ``bump`` that says ``global counter`` changes the
+  kernel's ``counter`` in a normal cell. The names the notebook's functions a
+  cell can reach assign that way come back too (:func:`globals_assigned`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from types import FunctionType
+import dis
+from collections.abc import Iterable, Iterator, Mapping
+from types import CodeType, FunctionType
 from typing import Any
 
 
@@ -59,12 +64,49 @@ def globals_carried(value: object, namespace: Mapping[str, Any]) -> dict[str, An
     return carried
 
 
+def globals_assigned(values: Iterable[object], namespace: Mapping[str, Any]) -> set[str]:
+    """The names the notebook's functions among ``values`` assign with ``global``.
+
+    Followed through the notebook functions they call by name, since a cell
+    calling ``train()`` reaches whatever ``train`` calls.
+    """
+    assigned: set[str] = set()
+    seen: set[int] = set()
+    pending = [f for value in values for f in _functions_of(value) if _made_in(f, namespace)]
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        for instruction in _instructions(function.__code__):
+            if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                assigned.add(instruction.argval)
+            elif instruction.opname == "LOAD_GLOBAL":
+                called = namespace.get(instruction.argval)
+                if isinstance(called, (FunctionType, type)):
+                    pending.extend(f for f in _functions_of(called) if _made_in(f, namespace))
+    return assigned
+
+
+def _instructions(code: CodeType) -> Iterator[dis.Instruction]:
+    """Every instruction of ``code`` and of the functions, classes and comprehensions in it."""
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        yield from dis.get_instructions(current)
+        stack.extend(const for const in current.co_consts if isinstance(const, CodeType))
+
+
+def _made_in(function: FunctionType, namespace: Mapping[str, Any]) -> bool:
+    return function.__module__ == _module_of(namespace)
+
+
 def _module_of(namespace: Mapping[str, Any]) -> str:
     return namespace.get("__name__", "__main__")
 
 
 def _from_elsewhere(function: FunctionType, namespace: Mapping[str, Any]) -> bool:
-    return function.__module__ == _module_of(namespace) and function.__globals__ is not namespace
+    return _made_in(function, namespace) and function.__globals__ is not namespace
 
 
 def _rebuilt(

@@ -206,6 +206,19 @@ def test_a_notebook_function_sent_in_reads_what_the_cell_assigns(kernel):
     assert kernel.facts("[y, K, twice(1)]") == [10, 5, 10]
 
 
+def test_a_global_a_notebook_function_assigns_comes_back(kernel):
+    """Guards against `bump()` changing `counter` only in the worker, when `bump`, or a
+    function it calls, says `global counter`, as a normal cell would leave it changed."""
+    unclaimed, claimed = kernel.unclaimed_and_claimed(
+        setup="counter, calls = 0, []\n"
+        "def note(x):\n    global calls\n    calls = calls + [x]\n"
+        "def bump():\n    global counter\n    counter += 1\n    note(counter)",
+        body="bump()\nbump()",
+        after="[counter, calls]",
+    )
+    assert claimed == unclaimed == [2, [1, 2]]
+
+
 def test_an_input_function_passed_to_a_call_stays_the_kernels_own(kernel):
     """Guards against `apply(f, x)` sending back a copy of `f` that replaces the kernel's."""
     kernel.run(

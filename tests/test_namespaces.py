@@ -9,7 +9,7 @@ import textwrap
 
 import cloudpickle
 
-from fluksio_nb.namespaces import at_home, globals_carried
+from fluksio_nb.namespaces import at_home, globals_assigned, globals_carried
 
 
 def notebook(source: str) -> dict:
@@ -104,3 +104,24 @@ def test_what_a_module_defined_or_the_namespace_owns_is_left_alone():
     assert at_home(textwrap.dedent, home) is textwrap.dedent
     assert globals_carried(textwrap.dedent, home) == {}
     assert at_home([1, 2], home) == [1, 2]
+
+
+def test_the_globals_a_function_assigns_are_found_through_what_it_calls():
+    home = notebook(
+        """
+        import textwrap
+        def note(x):
+            global calls
+            calls = [x]
+        def bump():
+            global counter
+            counter = 1
+            note(counter)
+            textwrap.dedent("")
+            return [total := n for n in range(3)]
+        def reads_only():
+            return counter
+        """
+    )
+    assert globals_assigned([home["bump"]], home) == {"counter", "calls"}
+    assert globals_assigned([home["reads_only"], 3, textwrap.dedent], home) == set()
