@@ -42,7 +42,7 @@ from fluksio_nb.sampler import Readings, Sample, Sampler, is_news
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.watch import Watch, Watched, kernel_watch
-from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.client import Interrupted, Outcome
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
@@ -71,9 +71,13 @@ class WorkerDied(RuntimeError):
 class RemoteError(Exception):
     """The claimed code raised; its traceback is the worker's, not the kernel's."""
 
-    def __init__(self, ename: str, evalue: str, traceback: list[str]) -> None:
+    def __init__(
+        self, ename: str, evalue: str, traceback: list[str], outcome: Outcome | None = None
+    ) -> None:
         super().__init__(f"{ename}: {evalue}")
         self.ename, self.evalue, self.traceback = ename, evalue, traceback
+        #: What the cell had bound before it raised, as a normal cell keeps it.
+        self.outcome = outcome
 
 
 class Claim:
@@ -377,8 +381,8 @@ class Claim:
         if outcome.error is not None:
             error = outcome.error
             if error.ename == "KeyboardInterrupt":
-                raise KeyboardInterrupt
-            raise RemoteError(error.ename, error.evalue, error.traceback)
+                raise Interrupted(outcome)
+            raise RemoteError(error.ename, error.evalue, error.traceback, outcome)
 
     # -- showing ----------------------------------------------------------------
 

@@ -14,7 +14,9 @@ line, no traceback, no share taken, no worker started.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -34,7 +36,7 @@ from fluksio_nb.variables import (
     choose_outputs,
     names_deleted,
 )
-from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.client import Interrupted, Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
@@ -87,9 +89,10 @@ class ClaimMagics(Magics):
                     by_hand=parsed.outputs is not None,
                     if_changed=if_changed,
                 )
-            outcome = on_ray.run_cell(
-                self.shell, parsed, cell, inputs, outputs, ForegroundOutput(), if_changed
-            )
+            with self._keeping_what_came_back(deleted):
+                outcome = on_ray.run_cell(
+                    self.shell, parsed, cell, inputs, outputs, ForegroundOutput(), if_changed
+                )
             self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
             return None
         # Packed now, before the claim waits: an input that cannot travel is
@@ -117,7 +120,7 @@ class ClaimMagics(Magics):
             parcel.discard()
             raise UsageError(str(error)) from None
         try:
-            with claimed:
+            with self._keeping_what_came_back(deleted), claimed:
                 outcome = claimed.run_code(
                     cell,
                     parcel,
@@ -130,6 +133,25 @@ class ClaimMagics(Magics):
             parcel.discard()
         self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
         return None
+
+    @contextlib.contextmanager
+    def _keeping_what_came_back(self, deleted: set[str]) -> Iterator[None]:
+        """On the cell's error or the stop button, bind what it had bound, then raise.
+
+        A normal cell that raises halfway through a training loop leaves the
+        losses it appended and the model it fitted so far; so does this one.
+        """
+        try:
+            yield
+        except RemoteError as error:
+            if error.outcome is not None:
+                self._bring_back(error.outcome, deleted, by_hand=False)
+            raise
+        except Interrupted as stopped:
+            if stopped.outcome is not None:
+                self._bring_back(stopped.outcome, deleted, by_hand=False)
+            # Shown as the interrupt it is, whatever carried it here.
+            raise KeyboardInterrupt from None
 
     def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> None:
         """Bind what the cell made, drop what it deleted, and say what did not come back."""

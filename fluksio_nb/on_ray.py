@@ -1197,19 +1197,22 @@ class RayClaim:
                 values[name] = thaw(frozen, writable=True)
             except Exception as error:
                 failed[name] = str(error) or type(error).__name__
-        if result["error"] is not None:
-            ename, evalue, traceback = result["error"]
-            if ename == "KeyboardInterrupt":
-                raise KeyboardInterrupt
-            raise RemoteError(ename, evalue, traceback)
-        return Outcome(
-            "ok",
+        outcome = Outcome(
+            "ok" if result["error"] is None else "error",
             "the cell finished",
             values,
             failed,
             tuple(result.get("absent", ())),
             random_state=result.get("random_state"),
         )
+        if result["error"] is not None:
+            from fluksio_nb.worker.client import Interrupted
+
+            ename, evalue, traceback = result["error"]
+            if ename == "KeyboardInterrupt":
+                raise Interrupted(outcome)
+            raise RemoteError(ename, evalue, traceback, outcome)
+        return outcome
 
     # -- showing ---------------------------------------------------------------
 

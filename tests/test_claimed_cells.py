@@ -406,6 +406,29 @@ def test_the_stop_button_while_a_claimed_cell_waits_for_input_ends_it(kernel):
     assert kernel.facts("x") == 3
 
 
+def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
+    """Guards against losing an hour of training to an exception at its end, or to the stop
+    button: a normal cell keeps what it bound before either, and so must a claimed one."""
+    ran = kernel.run(
+        "%%claim\nlosses = []\nfor epoch in range(5):\n    losses.append(epoch)\n"
+        "    if epoch == 3:\n        raise ValueError('diverged')"
+    )
+    assert (ran.error["ename"], ran.error["evalue"]) == ("ValueError", "diverged")
+    assert kernel.facts("losses") == [0, 1, 2, 3]
+    msg_id = kernel.client.execute(
+        "%%claim\nimport time\nsteps = 0\nprint('training', flush=True)\n"
+        "while True:\n    steps += 1\n    time.sleep(0.01)"
+    )
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            break
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
+    assert kernel.facts("steps") > 0
+    assert_books_balanced(kernel)
+
+
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):
     msg_id = kernel.client.execute(
         "%%claim\nimport os, signal, subprocess, time\n"

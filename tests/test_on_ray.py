@@ -264,6 +264,17 @@ def test_a_task_draws_from_the_kernels_seeded_random_streams_and_hands_them_back
     assert claimed == unclaimed
 
 
+def test_what_a_task_bound_before_it_raised_is_kept(kernel):
+    """Guards against a cell on Ray losing what it had bound when it raised, as a normal
+    cell would keep it."""
+    ran = kernel.run(
+        "%%claim --on ray\nlosses = []\nfor epoch in range(5):\n    losses.append(epoch)\n"
+        "    if epoch == 3:\n        raise ValueError('diverged')"
+    )
+    assert ran.error["ename"] == "ValueError"
+    assert kernel.facts("losses") == [0, 1, 2, 3]
+
+
 def test_stdout_arrives_while_the_task_is_still_running(kernel):
     ran = kernel.run(
         "%%claim --on ray\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')",

@@ -229,6 +229,18 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+class Interrupted(KeyboardInterrupt):
+    """The stop button ended the cell; ``outcome`` is what it had bound by then, if it said.
+
+    A cell stopped by SIGINT ends like any other: the worker sends back the
+    names it had bound, which a normal cell stopped halfway would also keep.
+    """
+
+    def __init__(self, outcome: Outcome | None = None) -> None:
+        super().__init__()
+        self.outcome = outcome
+
+
 @dataclass
 class _Cell:
     """What is known about the cell in flight, shared with :meth:`Worker.interrupt`."""
@@ -243,6 +255,8 @@ class _Cell:
     interrupted: bool = False
     #: The strongest signal the ladder had to use beyond SIGINT, if any.
     escalated_to: str | None = None
+    #: How the cell ended, when its end was heard after an interrupt.
+    outcome: Outcome | None = None
     error: CellError | None = None
 
 
@@ -423,7 +437,7 @@ class Worker:
                 )
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
-                raise
+                raise Interrupted(cell.outcome) from None
             except BaseException:
                 self.kill()
                 raise
@@ -722,7 +736,8 @@ class Worker:
                 return
 
             def cell_ended_within(seconds: float) -> bool:
-                return self._follow(cell, deadline=time.monotonic() + seconds) is not None
+                cell.outcome = self._follow(cell, deadline=time.monotonic() + seconds)
+                return cell.outcome is not None
 
             self._ladder(cell, cell_ended_within)
             if cell.escalated_to:
