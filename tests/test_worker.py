@@ -187,10 +187,12 @@ def test_a_mistyped_magic_is_reported_as_an_error(worker):
     assert "no_such_magic" in evalue
 
 
-def test_a_cell_asking_for_input_gets_an_error_instead_of_hanging(worker):
-    """Nobody can type into a worker; input() waiting on the kernel's stdin would hang."""
+def test_a_cell_asking_for_input_with_nobody_to_answer_gets_an_error_instead_of_hanging(worker):
+    """A sink that cannot ask anyone refuses; input() waiting for an answer would hang."""
     outcome = worker.run("input('name? ')")
-    assert outcome.error.ename == "EOFError"
+    assert outcome.error.ename == "StdinNotImplementedError"
+    assert "Ask in a normal cell" in outcome.error.evalue
+    assert worker.run("x = 1").ok
 
 
 # -----------------------------------------------------------------------------
