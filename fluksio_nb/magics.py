@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from fluksio_nb import random_streams, transfer
-from fluksio_nb.claim_line import claim_parser, parse_claim_line
+from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
 from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
 from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
@@ -62,18 +62,7 @@ class ClaimMagics(Magics):
     def claim(self, line: str, cell: str) -> Any:
         try:
             parsed = parse_claim_line(line)
-            inputs = choose_inputs(cell, self.shell.user_ns, parsed.inputs)
-            outputs = choose_outputs(cell, parsed.outputs)
-            if parsed.outputs is None:
-                # `bump()` binds nothing the source shows; a `global` in bump does.
-                namespace = self.shell.user_ns
-                assigned = globals_assigned((namespace[name] for name in inputs), namespace)
-                outputs += sorted(assigned.difference(outputs))
-            deleted = names_deleted(cell) if parsed.outputs is None else set()
-            # Asked for too, so that the worker says whether each is gone:
-            # a `del` on a branch not taken leaves the name where it was.
-            outputs += sorted(deleted.difference(outputs))
-            if_changed = choose_if_changed(cell, inputs, outputs) if parsed.outputs is None else []
+            inputs, outputs, deleted, if_changed = _names(cell, parsed, self.shell.user_ns)
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
         if parsed.on is not None:
@@ -180,6 +169,24 @@ class ClaimMagics(Magics):
 
 
 ClaimMagics.claim.__doc__ = claim_parser().format_help()
+
+
+def _names(
+    cell: str, parsed: ClaimLine, namespace: dict[str, Any]
+) -> tuple[list[str], list[str], set[str], list[str]]:
+    """What travels: the inputs, the outputs, the names it deletes, the inputs it may change."""
+    inputs = choose_inputs(cell, namespace, parsed.inputs)
+    outputs = choose_outputs(cell, parsed.outputs)
+    if parsed.outputs is not None:
+        return inputs, outputs, set(), []
+    # `bump()` binds nothing the source shows; a `global` in bump does.
+    assigned = globals_assigned((namespace[name] for name in inputs), namespace)
+    outputs += sorted(assigned.difference(outputs))
+    # Asked for too, so that the worker says whether each is gone: a `del`
+    # on a branch not taken leaves the name where it was.
+    deleted = names_deleted(cell)
+    outputs += sorted(deleted.difference(outputs))
+    return inputs, outputs, deleted, choose_if_changed(cell, inputs, outputs)
 
 
 def _unsendable_message(failures: dict[str, str]) -> str:
