@@ -58,6 +58,7 @@ import psutil
 
 from fluksio_nb import transfer
 from fluksio_nb.inventory import confine
+from fluksio_nb.random_streams import SAME
 from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
@@ -190,8 +191,8 @@ class Outcome:
     #: Whether :meth:`Worker.interrupt` (or a KeyboardInterrupt in ``run``) was
     #: applied to this cell.
     interrupted: bool = False
-    #: The worker's global random streams after the cell, for those it was
-    #: given (:mod:`fluksio_nb.random_streams`).
+    #: The worker's global random streams after the cell, those the cell drew
+    #: from (:mod:`fluksio_nb.random_streams`); None if it drew from none.
     random_state: dict[str, Any] | None = None
 
     @property
@@ -257,6 +258,8 @@ class _Cell:
     escalated_to: str | None = None
     #: How the cell ended, when its end was heard after an interrupt.
     outcome: Outcome | None = None
+    #: The kernel's random streams as they were when the cell was sent.
+    streams_sent: dict[str, Any] | None = None
     error: CellError | None = None
 
 
@@ -366,6 +369,11 @@ class Worker:
         self._cell: _Cell | None = None
         self._ready = False
         self._released = False
+        #: The environment the worker holds for every cell, as last sent: only
+        #: a change is sent again.
+        self._environ_there: dict[str, str] = dict(self.env)
+        #: The random streams the worker holds as the kernel had them, by name.
+        self._streams_there: dict[str, Any] = {}
         #: Whether the worker said it ends after its cell (``exit()`` in the cell).
         self._leaving = False
         #: Why this side is ending the worker, when it is, so its death is not
@@ -478,6 +486,19 @@ class Worker:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
         self._drain_streams(cell.sink)
+        environ_changed = None
+        if environ is not None:
+            wanted = {**environ, "PYTHONUNBUFFERED": "1"}
+            if wanted != self._environ_there:
+                environ_changed = self._environ_there = wanted
+        streams = None
+        if random_state is not None:
+            there = self._streams_there
+            streams = {
+                name: SAME if there.get(name) == state else state
+                for name, state in random_state.items()
+            }
+            cell.streams_sent = random_state
         request = {
             "type": "run",
             "code": code,
@@ -485,8 +506,8 @@ class Worker:
             "outputs": outputs,
             "keep_outputs": keep,
             "if_changed": list(if_changed),
-            "random_state": random_state,
-            "environ": None if environ is None else {**environ, "PYTHONUNBUFFERED": "1"},
+            "random_state": streams,
+            "environ": environ_changed,
             "path": list(sys.path),
             "cwd": os.getcwd(),
         }
@@ -581,10 +602,15 @@ class Worker:
 
     def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
         self._leaving = bool(done.get("exiting"))
+        streams = done.get("random_state") or None
+        if cell.streams_sent is not None:
+            # Known from now on: what was sent, as the cell left it, for each
+            # stream the worker holds; one it never took up is sent again.
+            held = {**cell.streams_sent, **(streams or {})}
+            self._streams_there = {name: held[name] for name in done.get("streams_held", ())}
         values, unreadable = unpack_outputs(done.get("outputs"))
         failed = {**done.get("failed", {}), **unreadable}
         absent = tuple(done.get("absent", ()))
-        streams = done.get("random_state")
         if done.get("ok"):
             return Outcome(
                 "ok",

@@ -74,6 +74,9 @@ PARENT_CHECK_SECONDS = 1.0
 #: (``MPLBACKEND``), which the kernel's environment does not carry.
 OWN_ENVIRON: dict[str, str] = {}
 
+#: The environment every cell starts with, as the kernel last sent it.
+_environ_wanted: dict[str, str] | None = None
+
 
 # -----------------------------------------------------------------------------
 # What travels: the one place on this side that knows how values are packed
@@ -514,14 +517,17 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
     """Run one cell and answer with exactly one ``done`` frame, however it ends."""
     ok = False
     inputs: dict[str, Any] = {}
+    given = request.get("random_state")
+    streams_before: dict[str, Any] = {}
     try:
         follow_the_kernel(request.get("path"), request.get("cwd"), request.get("environ"))
+        if given is not None:
+            streams_before = random_streams.arrive(given)
         inputs = unpack_inputs(request.get("inputs"))
     except Exception as error:
         report_exception_only(shell, error)
     else:
         inputs = settle_inputs(shell.user_ns, inputs)
-        random_streams.restore(request.get("random_state"))
         try:
             with interrupts.cell_running():
                 ok = shell.run_cell(request["code"], store_history=True).success
@@ -530,8 +536,7 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             # than in the code itself — typically an interrupt landing just
             # before or after it — so nothing has reported it yet.
             report_exception_only(shell, escaped)
-    given = request.get("random_state")
-    streams = None if given is None else random_streams.capture(given)
+    drawn, held = random_streams.drawn_since(streams_before, given) if given else ({}, [])
     random_streams.forget_pending()
     wanted = request.get("outputs")
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
@@ -547,7 +552,8 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             "outputs": outputs,
             "failed": failed,
             "absent": absent,
-            "random_state": streams,
+            "random_state": drawn,
+            "streams_held": held,
             # Said here, so the kernel never hands the next cell to a worker on its way out.
             "exiting": shell.exit_now,
         }
@@ -574,20 +580,24 @@ def follow_the_kernel(
     and ``open("data.csv")`` in a claimed cell means the kernel's ``%cd``, not
     wherever the worker happened to start.
 
-    ``environ`` is what the worker's environment should be now: the kernel's
-    as it is now, with the share's variables on top. A warm worker was
-    started long ago, and ``os.environ["HF_TOKEN"] = ...`` or ``%env`` in the
-    kernel since then must reach the cell, as it would reach a normal one.
-    What an earlier claimed cell set here goes, so that no cell depends on
-    which ran here before. The variables the worker set for itself at start
-    (:data:`OWN_ENVIRON`) stay, unless the kernel sets them too.
+    ``environ`` is what the worker's environment should be now, sent when it
+    changed: the kernel's as it is now, with the share's variables on top. A
+    warm worker was started long ago, and ``os.environ["HF_TOKEN"] = ...`` or
+    ``%env`` in the kernel since then must reach the cell, as it would reach a
+    normal one. What an earlier claimed cell set here goes, whether or not
+    the kernel's changed, so that no cell depends on which ran here before.
+    The variables the worker set for itself at start (:data:`OWN_ENVIRON`)
+    stay, unless the kernel sets them too.
     """
+    global _environ_wanted
     if path is not None:
         sys.path[:] = [*path, *(entry for entry in sys.path if entry not in path)]
     if cwd is not None and cwd != os.getcwd():
         os.chdir(cwd)
     if environ is not None:
-        wanted = {**OWN_ENVIRON, **environ}
+        _environ_wanted = {**OWN_ENVIRON, **environ}
+    wanted = _environ_wanted
+    if wanted is not None and os.environ != wanted:
         for name in [name for name in os.environ if name not in wanted]:
             del os.environ[name]
         for name, value in wanted.items():
