@@ -16,9 +16,9 @@ What it decides:
   against, and its CUDA generators cannot be read without the kernel opening
   a context on a card.
 - **A cell the kernel waits for continues the kernel's streams exactly**, and
-  its streams come back with the names it binds: the next cell draws what it
-  would have drawn had nothing been claimed. A cell that raised brings back
-  neither.
+  its streams come back with the names it binds, also when it raised or was
+  stopped: the next cell draws what it would have drawn had nothing been
+  claimed.
 - **A background cell runs beside others**, so it cannot continue the one
   stream: each is seeded from a draw of the kernel's streams when it is
   started. Background cells started in the same order draw the same numbers
