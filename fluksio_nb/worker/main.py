@@ -13,6 +13,11 @@ What it decides:
   ``%matplotlib inline`` behave as they do in the kernel. What a notebook would
   show is sent as frames instead of printed: display data, the last
   expression's value as the cell's result, an exception as IPython formats it.
+- **A cell sees the kernel as it is now**, not as it was when the worker
+  started: its ``sys.path``, working directory and environment
+  (:func:`follow_the_kernel`), its random streams
+  (:mod:`fluksio_nb.random_streams`), and the notebook for ``input()``
+  (:func:`ask_the_notebook`).
 - **Every cell starts from an empty namespace**; only its inputs are put in it.
   A claimed cell is a function of what it was given, so that what it hands back
   cannot depend on which claimed cell ran here before. Modules stay imported,
