@@ -286,6 +286,8 @@ def test_a_warm_worker_sees_the_kernels_environment_as_it_is_now(kernel):
     kernel.run("NAMES = ['MY_TOKEN', 'LEFT_BEHIND', 'OMP_NUM_THREADS', 'MPLBACKEND']", check=True)
     before = kernel.run(show, check=True).json()
     assert before[:3] == [None, None, "1"]
+    kernel.run("%%claim cpus=1\nimport os\nos.environ['LEFT_BEHIND'] = '1'", check=True)
+    assert kernel.run(show, check=True).json() == before
     kernel.run("%env MY_TOKEN=abc", check=True)
     kernel.run("%%claim cpus=1\nimport os\nos.environ['LEFT_BEHIND'] = '1'", check=True)
     assert kernel.run(show, check=True).json() == ["abc", None, "1", before[3]]

@@ -726,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     OWN_ENVIRON.update(
         {name: value for name, value in os.environ.items() if started_with.get(name) != value}
     )
+    # Until the kernel's environment changes, every cell starts with this one.
+    global _environ_wanted
+    _environ_wanted = dict(os.environ)
     reporter = Reporter(channel, interrupts)
     shell = make_shell(reporter)
     ask_the_notebook(channel, reporter)
