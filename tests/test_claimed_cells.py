@@ -612,6 +612,20 @@ def test_a_function_a_background_claim_makes_reads_the_kernels_globals(kernel):
     assert kernel.facts("advance(0)") == 7
 
 
+def test_a_function_run_in_the_same_worker_does_not_leave_the_next_cell_on_its_stream(kernel):
+    """Guards against a `c.run(...)` that drew from the worker's streams between two claimed
+    cells making the second continue the worker's stream instead of the kernel's."""
+    kernel.run(
+        "import random\nfrom fluksio_nb import claim\nrandom.seed(3)\n"
+        "def draw():\n    import random\n    return random.random()",
+        check=True,
+    )
+    kernel.run("%%claim cpus=1\nx = 1", check=True)
+    kernel.run("with claim(cpus=1) as c:\n    c.run(draw)", check=True)
+    kernel.run("%%claim cpus=1\na = random.random()", check=True)
+    assert kernel.facts("a == random.Random(3).random()") is True
+
+
 def test_background_claims_draw_reproducible_and_distinct_random_numbers(kernel):
     """Guards against every background job of a random search drawing the same numbers,
     and against a seeded notebook's jobs drawing different ones on every run."""

@@ -492,7 +492,10 @@ class Worker:
             if wanted != self._environ_there:
                 environ_changed = self._environ_there = wanted
         streams = None
-        if random_state is not None:
+        if random_state is None:
+            # A cell not told of the streams may draw from them: nothing is known after it.
+            self._streams_there = {}
+        else:
             there = self._streams_there
             streams = {
                 name: SAME if there.get(name) == state else state
