@@ -430,7 +430,8 @@ class Worker:
         lets the worker write big outputs into files it keeps for the next
         cell's, for a caller done with them before it runs another cell.
         ``random_state`` is put in place of the worker's global random streams
-        before the cell, and what they are after it is in the outcome.
+        before the cell (only where the worker's differ), and those the cell
+        drew from are in the outcome.
         ``environ`` is the whole environment the cell runs with, for a worker
         started before the kernel's environment last changed.
         """
