@@ -528,11 +528,10 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
         follow_the_kernel(request.get("path"), request.get("cwd"), request.get("environ"))
         if given is not None:
             streams_before = random_streams.arrive(given)
-        inputs = unpack_inputs(request.get("inputs"))
+        inputs = settle_inputs(shell.user_ns, unpack_inputs(request.get("inputs")))
     except Exception as error:
         report_exception_only(shell, error)
     else:
-        inputs = settle_inputs(shell.user_ns, inputs)
         try:
             with interrupts.cell_running():
                 ok = shell.run_cell(request["code"], store_history=True).success
