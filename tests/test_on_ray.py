@@ -275,6 +275,17 @@ def test_what_a_task_bound_before_it_raised_is_kept(kernel):
     assert kernel.facts("losses") == [0, 1, 2, 3]
 
 
+def test_input_in_a_task_is_refused_with_the_reason(kernel):
+    """Guards against `input()` in a Ray task hanging, or failing with a bare EOFError."""
+    kernel.run(
+        "%%claim --on ray\ntry:\n    input('who? ')\nexcept Exception as error:\n"
+        "    why = f'{type(error).__name__}: {error}'",
+        check=True,
+    )
+    why = kernel.facts("why")
+    assert why.startswith("StdinNotImplementedError") and "Ray task" in why
+
+
 def test_stdout_arrives_while_the_task_is_still_running(kernel):
     ran = kernel.run(
         "%%claim --on ray\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')",
