@@ -45,20 +45,20 @@ class Job:
         by_hand: bool = False,
         if_changed: Sequence[str] = (),
         home: dict[str, object] | None = None,
-        random_state: dict[str, object] | None = None,
     ) -> None:
         """Run ``code`` under ``claimed``, which has already taken its place.
 
         ``home`` is the namespace the job's names are for: the functions and
-        classes it makes read their globals from it, as if made there.
-        ``random_state`` seeds the job's global random streams
-        (:func:`fluksio_nb.random_streams.spawn`); they do not come back.
+        classes it makes read their globals from it, as if made there. Made
+        in the thread that starts the job, in order, so the random streams it
+        is seeded with (:func:`fluksio_nb.random_streams.spawn`) are the same
+        on every run of the notebook; they do not come back.
         """
         self._claim = claimed
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._if_changed = if_changed
         self._home = home
-        self._random_state = random_state
+        self._random_state = random_streams.spawn()
         #: Whether the user named ``outputs`` with ``--out``: only then is a
         #: name the cell ended without worth a warning.
         self._by_hand = by_hand
@@ -150,13 +150,4 @@ def start_job(
     # the cell that started it, which is only the executing one now.
     claimed = Claim(wanted, view=new_view(), show_after=None)
     claimed.enqueue()
-    return Job(
-        claimed,
-        code,
-        inputs,
-        outputs,
-        by_hand,
-        if_changed,
-        home=home,
-        random_state=random_streams.spawn(),
-    )
+    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home)

@@ -158,19 +158,26 @@ def _rebuilt(
 
 
 def _member_at_home(member: Any, namespace: Mapping[str, Any]) -> Any:
-    if isinstance(member, FunctionType):
-        return at_home(member, namespace)
-    if isinstance(member, (staticmethod, classmethod)):
-        inner = member.__func__
-        moved = at_home(inner, namespace)
-        return member if moved is inner else type(member)(moved)
+    parts = _parts(member)
+    moved = [None if part is None else at_home(part, namespace) for part in parts]
+    if all(new is old for new, old in zip(moved, parts, strict=True)):
+        return member
     if isinstance(member, property):
-        parts = [member.fget, member.fset, member.fdel]
-        moved = [None if part is None else at_home(part, namespace) for part in parts]
-        if all(new is old for new, old in zip(moved, parts, strict=True)):
-            return member
         return property(*moved, member.__doc__)
-    return member
+    if isinstance(member, (staticmethod, classmethod)):
+        return type(member)(moved[0])
+    return moved[0]
+
+
+def _parts(member: Any) -> list[Any]:
+    """The functions a class member is made of: itself, a wrapped method, a property's three."""
+    if isinstance(member, FunctionType):
+        return [member]
+    if isinstance(member, (staticmethod, classmethod)):
+        return [member.__func__]
+    if isinstance(member, property):
+        return [member.fget, member.fset, member.fdel]
+    return []
 
 
 def _functions_of(value: object) -> Iterator[FunctionType]:
@@ -178,10 +185,6 @@ def _functions_of(value: object) -> Iterator[FunctionType]:
         yield value
     elif isinstance(value, type):
         for member in vars(value).values():
-            if isinstance(member, FunctionType):
-                yield member
-            elif isinstance(member, (staticmethod, classmethod)):
-                yield from _functions_of(member.__func__)
-            elif isinstance(member, property):
-                for part in (member.fget, member.fset, member.fdel):
-                    yield from _functions_of(part)
+            for part in _parts(member):
+                if isinstance(part, FunctionType):
+                    yield part

@@ -1304,8 +1304,8 @@ def run_cell(
     caller binds the names that came back, as for a local claim.
     """
     claimed, packed = _prepare(shell, parsed, inputs)
-    try:
-        outcome = claimed.run_code(
+    with claimed:  # connected already: only the release is left to the block
+        return claimed.run_code(
             cell,
             packed,
             outputs,
@@ -1313,11 +1313,6 @@ def run_cell(
             if_changed=if_changed,
             random_state=random_streams.capture(),
         )
-    except BaseException as error:
-        claimed.release(error)
-        raise
-    claimed.release()
-    return outcome
 
 
 def start_job(
@@ -1340,16 +1335,7 @@ def start_job(
     from fluksio_nb.jobs import Job
 
     claimed, packed = _prepare(shell, parsed, inputs, show_at_once=True)
-    return Job(
-        claimed,
-        cell,
-        packed,
-        outputs,
-        by_hand,
-        if_changed,
-        home=shell.user_ns,
-        random_state=random_streams.spawn(),
-    )
+    return Job(claimed, cell, packed, outputs, by_hand, if_changed, shell.user_ns)
 
 
 def _prepare(

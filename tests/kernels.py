@@ -136,6 +136,12 @@ class Kernel:
         """Evaluate ``expression`` in the kernel and bring its JSON back."""
         return self.run(f"import json as _j\nprint(_j.dumps({expression}))", check=True).json()
 
+    def start_job(self, cell: str, name: str) -> Ran:
+        """Run a ``--background`` claimed cell and bind its job handle to ``name``."""
+        started = self.run(cell, check=True)
+        self.run(f"{name} = _", check=True)
+        return started
+
     def unclaimed_and_claimed(
         self, setup: str, body: str, after: str, claim: str = "%%claim"
     ) -> tuple[Any, Any]:

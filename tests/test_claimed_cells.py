@@ -97,18 +97,12 @@ def test_a_plain_cell_still_runs_in_the_kernel(kernel):
 
 
 def test_two_gpu_claims_at_once_get_different_cards(kernel):
-    kernel.run(
+    cell = (
         "%%claim gpus=1 --background --out card\nimport os, time\ntime.sleep(1)\n"
-        "card = os.environ['CUDA_VISIBLE_DEVICES']",
-        check=True,
+        "card = os.environ['CUDA_VISIBLE_DEVICES']"
     )
-    kernel.run("first = _", check=True)
-    kernel.run(
-        "%%claim gpus=1 --background --out card\nimport os, time\ntime.sleep(1)\n"
-        "card = os.environ['CUDA_VISIBLE_DEVICES']",
-        check=True,
-    )
-    kernel.run("second = _", check=True)
+    kernel.start_job(cell, "first")
+    kernel.start_job(cell, "second")
     cards = kernel.facts("[first.result(30)['card'], second.result(30)['card']]")
     assert sorted(cards) == ["0", "1"]
     assert_books_balanced(kernel)
@@ -595,8 +589,7 @@ def test_a_background_claims_output_stays_in_its_own_cell(kernel):
 def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespace(kernel):
     """A job's values arrive through its handle, changed inputs included, never by surprise."""
     kernel.run("tally = [1]\nkept_tally = tally", check=True)
-    kernel.run("%%claim --background\ntally.append(2)", check=True)
-    kernel.run("job = _", check=True)
+    kernel.start_job("%%claim --background\ntally.append(2)", "job")
     assert kernel.facts("[job.result(30)['tally'], tally is kept_tally, tally]") == [
         [1, 2],
         True,
@@ -644,10 +637,8 @@ def test_background_claims_draw_reproducible_and_distinct_random_numbers(kernel)
 
 
 def test_a_waiting_background_claim_can_be_cancelled(kernel):
-    kernel.run("%%claim cpus=2 --background\nimport time\ntime.sleep(3)", check=True)
-    kernel.run("holder = _", check=True)
-    kernel.run("%%claim cpus=2 --background\nprint('never')", check=True)
-    kernel.run("waiter = _", check=True)
+    kernel.start_job("%%claim cpus=2 --background\nimport time\ntime.sleep(3)", "holder")
+    kernel.start_job("%%claim cpus=2 --background\nprint('never')", "waiter")
     assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
     assert kernel.facts("[sorted(holder.result(30)), holder.status, waiter.done()]") == [
         ["time"],
@@ -659,8 +650,9 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel):
 
 
 def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
-    kernel.run("%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(4)", check=True)
-    kernel.run("holder = _", check=True)
+    kernel.start_job(
+        "%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(4)", "holder"
+    )
     msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
     ledger = Path(kernel.env["FLUKSIO_LEDGER"])
     deadline = time.monotonic() + 20

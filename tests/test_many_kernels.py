@@ -37,12 +37,11 @@ def kernels(tmp_path):
 
 
 def start_gpu_job(kernel: Kernel, seconds: float, label: str) -> None:
-    kernel.run(
+    kernel.start_job(
         f"%%claim gpus=1 --background --label {label}\n"
         f"import time\nstart = time.time()\ntime.sleep({seconds})\nend = time.time()",
-        check=True,
+        "job",
     )
-    kernel.run("job = _", check=True)
 
 
 def test_a_second_kernels_gpu_cell_waits_for_the_first(kernels):

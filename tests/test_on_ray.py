@@ -451,12 +451,11 @@ def stream_of(kernel, msg_id: str, within: float = 60) -> str:
 
 
 def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(kernel):
-    started = kernel.run(
+    started = kernel.start_job(
         "%%claim --on ray --background --label bg\nimport time\ntime.sleep(3)\n"
         "print('from the task')\nanswer = 42",
-        check=True,
+        "bg",
     )
-    kernel.run("bg = _", check=True)
     assert kernel.facts("bg.done()") is False, "the magic waited for the task"
     later = kernel.run("import time\ntime.sleep(5)\nprint('later cell')", check=True)
     assert "from the task" not in later.stdout
@@ -467,12 +466,11 @@ def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(
 
 
 def test_a_background_claim_on_ray_can_be_cancelled_and_its_task_ends(kernel):
-    started = kernel.run(
+    started = kernel.start_job(
         "%%claim --on ray --background --label doomed\nimport os, time\n"
         "print(os.getpid(), flush=True)\ntime.sleep(60)",
-        check=True,
+        "doomed",
     )
-    kernel.run("doomed = _", check=True)
     pid = int(stream_of(kernel, started.msg_id))
     assert kernel.facts("doomed.cancel()") is True
     kernel.run(

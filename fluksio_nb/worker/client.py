@@ -441,9 +441,19 @@ class Worker:
             cell = _Cell(sink)
             self._cell = cell
             try:
-                return self._run(
-                    cell, code, parcel, outputs, keep_outputs, if_changed, random_state, environ
-                )
+                request = {
+                    "type": "run",
+                    "code": code,
+                    "inputs": parcel,
+                    "outputs": outputs,
+                    "keep_outputs": keep_outputs,
+                    "if_changed": list(if_changed),
+                    "random_state": self._streams_to_send(cell, random_state),
+                    "environ": self._environ_to_send(environ),
+                    "path": list(sys.path),
+                    "cwd": os.getcwd(),
+                }
+                return self._run(cell, request)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
                 raise Interrupted(cell.outcome) from None
@@ -472,49 +482,36 @@ class Worker:
             outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
             return self._ready and outcome is None
 
-    def _run(
-        self,
-        cell: _Cell,
-        code: str,
-        parcel: Any,
-        outputs: list[str] | None,
-        keep: bool = False,
-        if_changed: Sequence[str] = (),
-        random_state: dict[str, Any] | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Outcome:
+    def _environ_to_send(self, environ: Mapping[str, str] | None) -> dict[str, str] | None:
+        """The whole environment for the worker to keep, if it differs from what it has."""
+        if environ is None:
+            return None
+        wanted = {**environ, "PYTHONUNBUFFERED": "1"}
+        if wanted == self._environ_there:
+            return None
+        self._environ_there = wanted
+        return wanted
+
+    def _streams_to_send(
+        self, cell: _Cell, random_state: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """Each random stream, or :data:`SAME` where the worker holds it as it is here."""
+        if random_state is None:
+            # A cell not told of the streams may draw from them: nothing is known after it.
+            self._streams_there = {}
+            return None
+        cell.streams_sent = random_state
+        there = self._streams_there
+        return {
+            name: SAME if there.get(name) == state else state
+            for name, state in random_state.items()
+        }
+
+    def _run(self, cell: _Cell, request: dict[str, Any]) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
         self._drain_streams(cell.sink)
-        environ_changed = None
-        if environ is not None:
-            wanted = {**environ, "PYTHONUNBUFFERED": "1"}
-            if wanted != self._environ_there:
-                environ_changed = self._environ_there = wanted
-        streams = None
-        if random_state is None:
-            # A cell not told of the streams may draw from them: nothing is known after it.
-            self._streams_there = {}
-        else:
-            there = self._streams_there
-            streams = {
-                name: SAME if there.get(name) == state else state
-                for name, state in random_state.items()
-            }
-            cell.streams_sent = random_state
-        request = {
-            "type": "run",
-            "code": code,
-            "inputs": parcel,
-            "outputs": outputs,
-            "keep_outputs": keep,
-            "if_changed": list(if_changed),
-            "random_state": streams,
-            "environ": environ_changed,
-            "path": list(sys.path),
-            "cwd": os.getcwd(),
-        }
         try:
             self._channel.send(request)
         except ChannelClosed:

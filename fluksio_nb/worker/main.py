@@ -117,17 +117,12 @@ def settle_inputs(namespace: dict[str, Any], inputs: dict[str, Any]) -> dict[str
     has the name already. What is returned is everything bound before the
     cell ran, which the cell did not make.
     """
-    settled = namespaces.each_at_home(inputs, namespace)
     carried: dict[str, Any] = {}
     for value in inputs.values():
         for name, global_value in namespaces.globals_carried(value, namespace).items():
-            carried.setdefault(name, global_value)
-    missing = {
-        name: value
-        for name, value in carried.items()
-        if name not in settled and name not in namespace
-    }
-    bound = {**namespaces.each_at_home(missing, namespace), **settled}
+            if name not in inputs and name not in namespace:
+                carried.setdefault(name, global_value)
+    bound = namespaces.each_at_home({**carried, **inputs}, namespace)
     namespace.update(bound)
     return bound
 
