@@ -177,6 +177,17 @@ def test_each_cell_starts_from_an_empty_namespace_but_imports_stay_warm(worker):
     assert second.outputs == {"warm": True, "leftover_gone": True}
 
 
+def test_a_cell_may_await_at_top_level_as_in_the_kernel(worker):
+    """Guards the worker's shortcut past IPython's async check: a cell with `await` still runs."""
+    outcome = worker.run(
+        "import asyncio\nasync def twice(x):\n    await asyncio.sleep(0.01)\n    return 2 * x\n"
+        "value = await twice(21)",
+        outputs=["value"],
+    )
+    assert outcome.ok, outcome.error
+    assert outcome.outputs["value"] == 42
+
+
 def test_a_mistyped_magic_is_reported_as_an_error(worker):
     """IPython prints usage errors instead of raising; the notebook would show no error."""
     recorder = Recorder()
