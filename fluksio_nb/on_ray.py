@@ -64,8 +64,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import cloudpickle
-
 from fluksio_nb import random_streams
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, human
@@ -75,7 +73,7 @@ from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import BadClaim, Resources
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, StatusView, TextView
-from fluksio_nb.transfer import out_of_band
+from fluksio_nb.transfer import dumps, out_of_band
 from fluksio_nb.watch import ensure_running
 from fluksio_nb.worker.client import Outcome, Sink
 
@@ -233,7 +231,7 @@ def freeze(value: object) -> Frozen:
         buffers.append(buffer)
         return False
 
-    return cloudpickle.dumps(value, protocol=5, buffer_callback=spill), buffers
+    return dumps(value, spill), buffers
 
 
 def portable(frozen: Frozen) -> Frozen:
