@@ -431,21 +431,33 @@ class MachineQueue:
 
     def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
         fitted = self.fit_to_machine(wanted)
-        waker = _Waker()
-        with self.ledger.transaction() as state:
-            number = state["next"]
-            state["next"] += 1
-            ticket = Ticket(
-                number=number,
-                resources=fitted,
-                label=label or wanted.label or f"claim {number}",
-            )
-            self._restore_missing(state)
-            state["tickets"].append(self._entry(ticket, waker.address))
-            woken = dispatch(state)
+        waker = None
+        try:
+            with self.ledger.transaction() as state:
+                number = state["next"]
+                state["next"] += 1
+                ticket = Ticket(
+                    number=number,
+                    resources=fitted,
+                    label=label or wanted.label or f"claim {number}",
+                )
+                self._restore_missing(state)
+                entry = self._entry(ticket, None)
+                state["tickets"].append(entry)
+                woken = dispatch(state)
+                # Only a claim that has to wait needs waking: one granted on
+                # the spot, as most are, opens no socket.
+                if entry["state"] == "waiting":
+                    waker = _Waker()
+                    entry["wake"] = waker.address
+        except BaseException:
+            if waker is not None:
+                waker.close()
+            raise
         with self._lock:
             self._mine[number] = ticket
-            self._wakers[number] = waker
+            if waker is not None:
+                self._wakers[number] = waker
         self._adopt(state)
         wake(woken)
         return ticket
