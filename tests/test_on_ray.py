@@ -229,7 +229,7 @@ def test_two_gpu_claims_at_once_get_different_cards(kernel):
 # -----------------------------------------------------------------------------
 
 
-def test_variables_travel_in_and_out_through_the_object_store(kernel):
+def test_variables_travel_in_and_out(kernel):
     kernel.run(
         "import numpy as np\nbig = np.ones(2_000_000)\nscale = 3\ndef double(x):\n    return 2 * x",
         check=True,
@@ -243,6 +243,60 @@ def test_variables_travel_in_and_out_through_the_object_store(kernel):
         "bigger.flags.writeable, big.flags.writeable]"
     )
     assert facts == [6_000_000.0, 14.0, 2.0, 16_000_000, 7.0, True, True]
+
+
+#: What keeps an array's memory alive, from the array down to its owner: an
+#: ``mmap`` is shared memory mapped where the other side wrote it, a
+#: ``bytearray`` a copy out of the object store.
+OWNERS = """
+def owners(array):
+    chain, holder = [], array
+    while holder is not None:
+        chain.append(type(holder).__name__)
+        holder = holder.obj if isinstance(holder, memoryview) else getattr(holder, "base", None)
+    return chain
+"""
+
+
+def _segments_in_shared_memory() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("fluksio-*")}
+
+
+def test_on_the_kernels_machine_arrays_skip_the_object_store_and_leave_nothing_behind(kernel):
+    """Guards against a one-machine cluster copying every array twice more than it must,
+    and against the worker's files for the kernel staying in /dev/shm."""
+    before = _segments_in_shared_memory()
+    kernel.run(OWNERS + "import numpy as np\nsent = np.ones(2_000_000)", check=True)
+    kernel.run("%%claim --on ray\ndoubled = sent * 2\nsent[0] = 5", check=True)
+    facts = kernel.facts(
+        "[owners(doubled)[-1], doubled.flags.writeable, float(doubled.sum()), float(sent[0])]"
+    )
+    assert facts == ["mmap", True, 4_000_000.0, 5.0]
+    assert _segments_in_shared_memory() == before
+
+
+def test_a_task_that_lands_off_the_kernels_machine_gets_its_values_by_the_object_store(kernel):
+    """Guards against a node that joined a one-machine cluster failing the cells sent to it.
+
+    One machine cannot hold a second node, so the kernel is told its machine
+    is another, which is what a task on such a node finds.
+    """
+    kernel.run(OWNERS + "import numpy as np\nsent = np.ones(2_000_000)", check=True)
+    kernel.run(
+        "from fluksio_nb import on_ray\n"
+        "on_ray._this_machine[:] = [('another boot', *on_ray.this_machine()[1:])]",
+        check=True,
+    )
+    try:
+        ran = kernel.run("%%claim --on ray\ndoubled = sent * 2\nprint('ran')", check=True)
+        assert ran.stdout == "ran\n", "the cell ran more than once, or not at all"
+        facts = kernel.facts(
+            "[owners(doubled)[-1], doubled.flags.writeable, float(doubled.sum()), "
+            "len(on_ray._elsewhere)]"
+        )
+        assert facts == ["bytearray", True, 4_000_000.0, 1]
+    finally:
+        kernel.run("on_ray._this_machine.clear()\non_ray._elsewhere.clear()", check=True)
 
 
 def test_an_input_a_method_changed_in_place_comes_back_from_the_task(kernel):

@@ -194,6 +194,10 @@ class Outcome:
     #: The worker's global random streams after the cell, those the cell drew
     #: from (:mod:`fluksio_nb.random_streams`); None if it drew from none.
     random_state: dict[str, Any] | None = None
+    #: The outputs as the worker packed them, for a caller that asked to
+    #: forward them (``outputs`` is empty then); whoever ends up with it
+    #: unpacks it or discards it.
+    parcel: Any = None
 
     @property
     def ok(self) -> bool:
@@ -261,6 +265,8 @@ class _Cell:
     #: The kernel's random streams as they were when the cell was sent.
     streams_sent: dict[str, Any] | None = None
     error: CellError | None = None
+    #: Whether its outputs are left packed, for another process to unpack.
+    forward: bool = False
 
 
 class _Stream:
@@ -412,6 +418,7 @@ class Worker:
         sink: Sink | None = None,
         *,
         keep_outputs: bool = False,
+        forward_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
         environ: Mapping[str, str] | None = None,
@@ -429,6 +436,8 @@ class Worker:
         (:func:`fluksio_nb.variables.choose_if_changed`). ``keep_outputs``
         lets the worker write big outputs into files it keeps for the next
         cell's, for a caller done with them before it runs another cell.
+        ``forward_outputs`` leaves them packed, in the outcome's ``parcel``,
+        for a caller that hands them to another process on this machine.
         ``random_state`` is put in place of the worker's global random streams
         before the cell (only where the worker's differ), and those the cell
         drew from are in the outcome.
@@ -438,7 +447,7 @@ class Worker:
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
         with self._run_lock:
-            cell = _Cell(sink)
+            cell = _Cell(sink, forward=forward_outputs)
             self._cell = cell
             try:
                 request = {
@@ -609,7 +618,8 @@ class Worker:
             # stream the worker holds; one it never took up is sent again.
             held = {**cell.streams_sent, **(streams or {})}
             self._streams_there = {name: held[name] for name in done.get("streams_held", ())}
-        values, unreadable = unpack_outputs(done.get("outputs"))
+        forwarded = done.get("outputs") if cell.forward else None
+        values, unreadable = unpack_outputs(None if cell.forward else done.get("outputs"))
         failed = {**done.get("failed", {}), **unreadable}
         absent = tuple(done.get("absent", ()))
         if done.get("ok"):
@@ -621,6 +631,7 @@ class Worker:
                 absent,
                 interrupted=cell.interrupted,
                 random_state=streams,
+                parcel=forwarded,
             )
         error = cell.error
         if error is None:
@@ -638,6 +649,7 @@ class Worker:
             error=error,
             interrupted=cell.interrupted,
             random_state=streams,
+            parcel=forwarded,
         )
 
     def _died(self, cell: _Cell) -> Outcome:
