@@ -14,6 +14,10 @@ then the medians of the timed rounds are compared.
 The bare task is what a user would write by hand: no thread variables in its
 ``runtime_env``, no output relayed while it runs, its result not brought back
 as names. Those are what the claim adds, so they are what is measured.
+
+The local Ray is one machine, so a claim's values go through the kernel's
+shared memory rather than the object store (:mod:`fluksio_nb.on_ray`); on a
+cluster of several machines they go by the object store, as a bare task's do.
 """
 
 from __future__ import annotations
