@@ -60,6 +60,7 @@ Ray is an optional extra. Without it, ``--on ray`` says how to install it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import re
@@ -832,15 +833,11 @@ _elsewhere: set[str] = set()
 #: The kernels' machines a task's process has found it is on.
 _kernels_here: set[tuple[str, int, float]] = set()
 
-#: This process's own :func:`this_machine`, read once.
-_this_machine: list[tuple[str, int, float] | None] = []
 
-
+@functools.cache
 def this_machine() -> tuple[str, int, float] | None:
     """This machine and this process, as any process on it sees them (:func:`_machine_of`)."""
-    if not _this_machine:
-        _this_machine.append(_machine_of(os.getpid()))
-    return _this_machine[0]
+    return _machine_of(os.getpid())
 
 
 def _machine_of(pid: int) -> tuple[str, int, float] | None:
@@ -1122,8 +1119,9 @@ class RayClaim:
         if machine is not None:
             parcel = _inputs_as_parcel(list(packed.values), list(packed.values.values()))
             try:
-                here = replace(cell, names=[], machine=machine, parcel=parcel)
-                return self._outcome(self._submit(ray, task, mailboxes, here, [], sink, deadline))
+                sharing = replace(cell, names=[], machine=machine, parcel=parcel)
+                result = self._submit(ray, task, mailboxes, sharing, [], sink, deadline)
+                return self._outcome(result)
             except ElsewhereThanTheKernel:
                 # Nothing ran: the task checked where it was before anything else.
                 _elsewhere.add(job)
