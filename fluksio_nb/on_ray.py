@@ -223,6 +223,9 @@ def _describe_node(resources: Mapping[str, float]) -> str:
 #: One value: its pickle, and its big buffers, which Ray stores out of band.
 Frozen = tuple[bytes, list[pickle.PickleBuffer]]
 
+#: A process as :func:`this_machine` describes it: boot id, pid, start time, user.
+Machine = tuple[str, int, float, int]
+
 
 @dataclass(frozen=True)
 class Packed:
@@ -500,7 +503,7 @@ class TaskCell:
     #: The kernel's machine (:func:`this_machine`) when every node of the
     #: cluster is that machine: the values then travel through its shared
     #: memory rather than the object store, both ways.
-    machine: tuple[str, int, float] | None = None
+    machine: Machine | None = None
     #: The inputs, already in the kernel's shared memory, when ``machine`` is set.
     parcel: Any = None
 
@@ -831,17 +834,17 @@ def _check_fits(ray: Any, job: str, wanted: Resources) -> None:
 _elsewhere: set[str] = set()
 
 #: The kernels' machines a task's process has found it is on.
-_kernels_here: set[tuple[str, int, float]] = set()
+_kernels_here: set[Machine] = set()
 
 
 @functools.cache
-def this_machine() -> tuple[str, int, float] | None:
+def this_machine() -> Machine | None:
     """This machine and this process, as any process on it sees them (:func:`_machine_of`)."""
     return _machine_of(os.getpid())
 
 
-def _machine_of(pid: int) -> tuple[str, int, float] | None:
-    """The machine and one process on it, as seen from here: boot id, pid, start time.
+def _machine_of(pid: int) -> Machine | None:
+    """The machine and one process on it, as seen from here: boot id, pid, start time, user.
 
     Two processes read the same for a pid only if they run under one kernel
     and see one process table, which is what it takes for one to map the
@@ -851,21 +854,26 @@ def _machine_of(pid: int) -> tuple[str, int, float] | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as file:
             boot = file.read().strip()
-        return boot, pid, psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return boot, pid, process.create_time(), process.uids().effective
     except (OSError, psutil.Error):
         return None
 
 
-def _on_the_kernels_machine(machine: tuple[str, int, float]) -> bool:
-    """Whether this task's process is on the machine the kernel described as its own."""
+def _on_the_kernels_machine(machine: Machine) -> bool:
+    """Whether this task's process can map the shared memory of the kernel ``machine`` names.
+
+    It must be on that machine, and run as the kernel's user: the files are
+    the user's own, and another user's Ray cannot open them.
+    """
     if machine not in _kernels_here:
-        if _machine_of(machine[1]) != tuple(machine):
+        if _machine_of(machine[1]) != tuple(machine) or os.geteuid() != machine[3]:
             return False
         _kernels_here.add(machine)
     return True
 
 
-def _cluster_machine(ray: Any, job: str) -> tuple[str, int, float] | None:
+def _cluster_machine(ray: Any, job: str) -> Machine | None:
     """The kernel's machine, if every live node of the cluster is it; otherwise ``None``.
 
     A driver always talks to the node on its own machine, so a cluster whose
