@@ -380,9 +380,7 @@ class Claim:
             raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
         if outcome.error is not None:
             error = outcome.error
-            if error.ename == "KeyboardInterrupt":
-                raise Interrupted(outcome)
-            raise RemoteError(error.ename, error.evalue, error.traceback, outcome)
+            raise cell_raised(error.ename, error.evalue, error.traceback, outcome)
 
     # -- showing ----------------------------------------------------------------
 
@@ -412,6 +410,19 @@ class Claim:
             # was over before its live view was due shows only this.
             self._shown = True
             self._summary.show(self.status)
+
+
+def cell_raised(
+    ename: str, evalue: str, traceback: list[str], outcome: Outcome
+) -> RemoteError | Interrupted:
+    """What the kernel raises for a claimed cell that raised, here or on Ray.
+
+    The stop button is an interrupt, as in a normal cell; anything else is the
+    cell's own error. Either carries what the cell had bound.
+    """
+    if ename == "KeyboardInterrupt":
+        return Interrupted(outcome)
+    return RemoteError(ename, evalue, traceback, outcome)
 
 
 def call_through(

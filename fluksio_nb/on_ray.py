@@ -190,7 +190,7 @@ def ray_resources(wanted: Resources) -> dict[str, float]:
 
 def check_fits(wanted: Resources, nodes: Sequence[Mapping[str, Any]]) -> None:
     """Refuse a claim no live node could ever hold, naming what the largest one has."""
-    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
+    alive = [node.get("Resources", {}) for node in _alive_nodes(nodes)]
     asked = ray_resources(wanted)
     if any(all(have.get(key, 0) >= need for key, need in asked.items()) for have in alive):
         return
@@ -207,6 +207,11 @@ def check_fits(wanted: Resources, nodes: Sequence[Mapping[str, Any]]) -> None:
         f"{wanted.describe()} cannot run on this Ray cluster: its largest node{count} has "
         f"{_describe_node(largest)}, and a claim runs on one node. Ask for less."
     )
+
+
+def _alive_nodes(nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The nodes Ray says are alive (``Alive`` from ``ray.nodes()``, ``alive`` elsewhere)."""
+    return [node for node in nodes if node.get("Alive", node.get("alive"))]
 
 
 def _describe_node(resources: Mapping[str, float]) -> str:
@@ -885,7 +890,7 @@ def _cluster_machine(ray: Any, job: str) -> Machine | None:
     if job in _elsewhere or seen is None or seen[0] != job:
         return None
     mine = ray.get_runtime_context().get_node_id()
-    alive = [node.get("NodeID") for node in seen[2] if node.get("Alive", node.get("alive"))]
+    alive = [node.get("NodeID") for node in _alive_nodes(seen[2])]
     if not alive or any(node != mine for node in alive):
         return None
     return this_machine()
@@ -1312,7 +1317,7 @@ class RayClaim:
         self._update_view()
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:
-        from fluksio_nb.context import ClaimHalted, RemoteError, WorkerDied
+        from fluksio_nb.context import ClaimHalted, WorkerDied, cell_raised
 
         parcel = result.get("parcel")
         if result["halted"] is not None or result["died"] is not None:
@@ -1343,12 +1348,7 @@ class RayClaim:
             random_state=result.get("random_state"),
         )
         if result["error"] is not None:
-            from fluksio_nb.worker.client import Interrupted
-
-            ename, evalue, traceback = result["error"]
-            if ename == "KeyboardInterrupt":
-                raise Interrupted(outcome)
-            raise RemoteError(ename, evalue, traceback, outcome)
+            raise cell_raised(*result["error"], outcome)
         return outcome
 
     # -- showing ---------------------------------------------------------------
@@ -1534,7 +1534,7 @@ def ray_snapshot() -> dict[str, Any] | None:
     try:
         total = ray.cluster_resources()
         available = ray.available_resources()
-        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        nodes = len(_alive_nodes(ray.nodes()))
     except Exception:
         return None
     with _lock:

@@ -618,38 +618,28 @@ class Worker:
             # stream the worker holds; one it never took up is sent again.
             held = {**cell.streams_sent, **(streams or {})}
             self._streams_there = {name: held[name] for name in done.get("streams_held", ())}
-        forwarded = done.get("outputs") if cell.forward else None
-        values, unreadable = unpack_outputs(None if cell.forward else done.get("outputs"))
-        failed = {**done.get("failed", {}), **unreadable}
-        absent = tuple(done.get("absent", ()))
-        if done.get("ok"):
-            return Outcome(
-                "ok",
-                "the cell finished",
-                values,
-                failed,
-                absent,
-                interrupted=cell.interrupted,
-                random_state=streams,
-                parcel=forwarded,
-            )
-        error = cell.error
-        if error is None:
+        parcel = done.get("outputs")
+        values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
+        ok = bool(done.get("ok"))
+        error = None if ok else cell.error
+        if ok:
+            description = "the cell finished"
+        elif error is None:
             description = "the cell failed without saying why"
         elif cell.interrupted and error.ename == "KeyboardInterrupt":
             description = "the cell was interrupted"
         else:
             description = f"the cell raised {error.ename}: {error.evalue}"
         return Outcome(
-            "error",
+            "ok" if ok else "error",
             description,
             values,
-            failed,
-            absent,
+            {**done.get("failed", {}), **unreadable},
+            tuple(done.get("absent", ())),
             error=error,
             interrupted=cell.interrupted,
             random_state=streams,
-            parcel=forwarded,
+            parcel=parcel if cell.forward else None,
         )
 
     def _died(self, cell: _Cell) -> Outcome:
