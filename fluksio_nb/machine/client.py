@@ -1,0 +1,468 @@
+"""The kernel's side of the machine's books service.
+
+:class:`ServiceQueue` answers what the kernel's own queue answers (``enqueue``,
+``wait``, ``release``, ``cancel``, ``snapshot``), by asking the service. One
+connection per process, kept open: the service frees this process's claims
+when it closes, so the connection is the claims' lifeline and nothing else
+needs to be cleaned up when a kernel dies.
+
+What it decides:
+
+- **It trusts only a service run by root**, in a run directory only root can
+  write, checked with ``SO_PEERCRED`` on the connection itself. Another user
+  cannot plant a socket that collects this kernel's claims.
+- **Waiting is local.** A waiter sleeps on a condition the connection's
+  reader thread signals when the service pushes a grant or a stop, so
+  ``--timeout`` and the stop button work whatever any other process does.
+- **A service that restarts loses nothing running.** The reader reconnects,
+  and writes this kernel's running claims back (taken only if still free);
+  claims that were waiting are told they were cancelled, with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.ledger import NotYours
+from fluksio_nb.machine import protocol
+from fluksio_nb.machine.books import Cap
+from fluksio_nb.queue import (
+    ClaimCancelled,
+    ClaimTimeout,
+    ClaimTooLarge,
+    ClampedWarning,
+    Ticket,
+    fit_to_capacity,
+    timeout_message,
+)
+from fluksio_nb.resources import BadClaim, Resources
+
+#: How long a request waits for the service's answer before it is an error.
+ANSWER_WITHIN_S = 10.0
+#: How long a kernel keeps trying to reach a service that is set up but not
+#: answering, before a claim says so.
+REACH_WITHIN_S = 3.0
+
+
+class ServiceUnavailable(BadClaim):
+    """The machine's books are set up but their service does not answer."""
+
+
+def socket_in(directory: Path) -> Path | None:
+    """The service's socket in ``directory``, if the directory is a machine's run directory.
+
+    A machine's run directory is root's and nobody else may write it: a socket
+    in a directory another user could write might be theirs. It is marked as
+    the machine's by ``fluksio-nb machine init``, so the books stay the
+    machine's while the service restarts: a kernel then waits for it, rather
+    than keeping books of its own that nobody else sees.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        marker = os.stat(protocol.MARKER_NAME, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(marker.st_mode) or marker.st_uid != 0:
+        return None
+    return directory / protocol.SOCKET_NAME
+
+
+def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
+    """A connection to the service at ``path``, checked to be root's."""
+    deadline = time.monotonic() + within
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(ANSWER_WITHIN_S)
+            sock.connect(str(path))
+            _, uid, _ = protocol.peer_credentials(sock)
+            if uid != 0:
+                raise ServiceUnavailable(
+                    f"the process answering at {path} runs as uid {uid}, not root; "
+                    "fluksio_nb trusts only a books service run by root"
+                )
+            return sock
+        except OSError as error:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(
+                    f"this machine's books are set up at {path.parent}, but their service "
+                    f"does not answer ({error.strerror or error}). `fluksio-nb machine status` "
+                    "says more; the machine's admin restarts it with `fluksio-nb machine init`."
+                ) from None
+            time.sleep(0.1)
+        except BaseException:
+            sock.close()
+            raise
+
+
+def _hello(share_labels: bool) -> dict[str, Any]:
+    from fluksio_nb.ledger import identity
+
+    me = identity()
+    return {
+        "op": "hello",
+        "kernel_id": me.get("kernel_id"),
+        "notebook": me.get("notebook"),
+        "share_labels": share_labels,
+    }
+
+
+class _Lines:
+    """Reading whole lines from a socket, no longer than the protocol allows."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buffer = sock, b""
+
+    def next(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > protocol.MAX_LINE_BYTES:
+                raise ValueError("the service sent a line longer than the protocol allows")
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        raw, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(raw)
+
+
+def ask_once(path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S) -> dict[str, Any]:
+    """One request on a connection of its own: for the server and the terminal."""
+    with connect(path, within) as sock:
+        sock.sendall(protocol.line(_hello(False)) + protocol.line({**request, "id": 1}))
+        lines = _Lines(sock)
+        welcome = lines.next()
+        if welcome is None or welcome.get("op") != "welcome":
+            raise ServiceUnavailable(f"the books service at {path} refused: {welcome}")
+        while True:
+            message = lines.next()
+            if message is None:
+                raise ServiceUnavailable(f"the books service at {path} closed the connection")
+            if message.get("id") == 1:
+                return {**message, "welcome": welcome}
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    answer = ask_once(path, {"op": "snapshot"})
+    return {**answer["snapshot"], "user": answer["welcome"]["user"], "books": "machine"}
+
+
+def cancel_claim(path: Path, number: int, reason: str) -> bool:
+    answer = ask_once(path, {"op": "cancel", "ticket": number, "reason": reason})
+    if answer["op"] == "error":
+        raise NotYours(answer["message"])
+    return bool(answer.get("found"))
+
+
+class ServiceQueue:
+    """The kernel's accountant, keeping its books in the machine's service."""
+
+    def __init__(self, path: Path, share_labels: bool = False) -> None:
+        self.path = path
+        self._share_labels = share_labels
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._ids = iter(range(1, 1 << 62))
+        self._answers: dict[int, dict[str, Any] | None] = {}
+        self._mine: dict[int, Ticket] = {}
+        #: News of a ticket that came before the answer that named it was read.
+        self._early: dict[int, dict[str, Any]] = {}
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self._attach()
+        threading.Thread(target=self._read, name="fluksio-books", daemon=True).start()
+
+    # -- the connection -----------------------------------------------------------
+
+    def _attach(self) -> None:
+        sock = connect(self.path)
+        sock.sendall(protocol.line(_hello(self._share_labels)))
+        lines = _Lines(sock)
+        welcome = lines.next()
+        if welcome is None or welcome.get("op") != "welcome":
+            sock.close()
+            raise ServiceUnavailable(f"the books service at {self.path} refused: {welcome}")
+        sock.settimeout(None)
+        inventory = welcome["inventory"]
+        self.user, self.uid = welcome["user"], welcome["uid"]
+        self.records_dir = Path(welcome["records"]) if welcome.get("records") else None
+        self.admin = welcome["admin"]
+        self.cap = Cap(**welcome["cap"]) if welcome.get("cap") else None
+        self.books = ResourceAccountant(
+            cpus=max(1, inventory["cpus"]),
+            gpus=inventory["gpu_ids"],
+            ram_bytes=inventory["ram_bytes"],
+        )
+        self._sock, self._lines = sock, lines
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            sock = self._sock
+            if sock is None:
+                raise ServiceUnavailable(f"the books service at {self.path} went away")
+            sock.sendall(protocol.line(message))
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        number = next(self._ids)
+        with self._cond:
+            self._answers[number] = None
+        self._send({**message, "id": number})
+        deadline = time.monotonic() + ANSWER_WITHIN_S
+        with self._cond:
+            while self._answers.get(number) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._sock is None:
+                    self._answers.pop(number, None)
+                    raise ServiceUnavailable(
+                        f"the books service at {self.path} did not answer within "
+                        f"{ANSWER_WITHIN_S:g} s"
+                    )
+                self._cond.wait(min(left, 0.25))
+            return self._answers.pop(number)  # type: ignore[return-value]
+
+    def _read(self) -> None:
+        while not self._closed:
+            try:
+                message = self._lines.next()
+            except (OSError, ValueError):
+                message = None
+            if message is None:
+                self._lost()
+                continue
+            self._heard(message)
+
+    def _heard(self, message: dict[str, Any]) -> None:
+        stop = None
+        with self._cond:
+            op = message.get("op")
+            if "id" in message and message["id"] in self._answers:
+                self._answers[message["id"]] = message
+            elif op in ("granted", "stop") and message["ticket"] not in self._mine:
+                self._early[message["ticket"]] = message
+            elif op == "granted":
+                ticket = self._mine[message["ticket"]]
+                if ticket.allocation is None:
+                    r = ticket.resources
+                    ticket.allocation = Allocation(
+                        cpus=r.cpus, gpus=tuple(message["gpus"]), ram_bytes=r.ram_bytes
+                    )
+                    ticket.state, ticket.granted_at = "running", message["granted_at"]
+            elif op == "stop":
+                ticket = self._mine.get(message["ticket"])
+                if ticket is not None and ticket.cancelled is None:
+                    ticket.cancelled = message["reason"]
+                    if ticket.state == "running":
+                        stop = ticket.on_cancel
+            self._cond.notify_all()
+        if stop is not None:
+            stop(message["reason"])
+
+    def _lost(self) -> None:
+        """The service went away: reconnect, and put back what this kernel runs."""
+        with self._send_lock, self._cond:
+            if self._sock is not None:
+                self._sock.close()
+            self._sock = None
+            self._cond.notify_all()
+        while not self._closed:
+            try:
+                self._attach()
+                break
+            except (OSError, ServiceUnavailable):
+                time.sleep(0.5)
+        if self._closed:
+            return
+        threading.Thread(target=self._put_back, daemon=True).start()
+
+    def _put_back(self) -> None:
+        with self._cond:
+            mine = list(self._mine.items())
+        for number, ticket in mine:
+            if ticket.state == "running" and ticket.allocation is not None:
+                held = ticket.allocation
+                try:
+                    answer = self._ask(
+                        {
+                            "op": "restore",
+                            "label": ticket.label,
+                            "cpus": held.cpus,
+                            "gpus": list(held.gpus),
+                            "ram_bytes": held.ram_bytes,
+                        }
+                    )
+                except ServiceUnavailable:
+                    return
+                if answer["op"] == "ticket":
+                    with self._cond:
+                        self._mine.pop(number, None)
+                        ticket.number = answer["ticket"]
+                        self._mine[ticket.number] = ticket
+                    continue
+            self._heard(
+                {
+                    "op": "stop",
+                    "ticket": number,
+                    "reason": "the machine's books service restarted and its share is taken",
+                }
+            )
+
+    def close(self) -> None:
+        self._closed = True
+        with self._send_lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.close()
+                self._sock = None
+
+    # -- asking ---------------------------------------------------------------------
+
+    def fit_to_machine(self, wanted: Resources) -> Resources:
+        return fit_to_capacity(fit_to_cap(wanted, self.cap, self.user), self.books)
+
+    def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
+        fitted = self.fit_to_machine(wanted)
+        given = label or wanted.label
+        need = {"cpus": fitted.cpus, "gpus": fitted.gpus, "ram_bytes": fitted.ram_bytes}
+        with self._cond:
+            # Held across the request so that a grant pushed right behind the
+            # ticket finds the ticket to grant.
+            answer = self._ask({"op": "claim", "need": need, "label": given or "claim"})
+            if answer["op"] == "error":
+                raise ClaimTooLarge(f"{fitted.describe()}: {answer['message']}")
+            number = answer["ticket"]
+            ticket = Ticket(
+                number=number,
+                resources=fitted,
+                label=given or f"claim {number}",
+                since=answer["since"],
+            )
+            self._mine[number] = ticket
+            self._heard_early(ticket)
+        return ticket
+
+    def _heard_early(self, ticket: Ticket) -> None:
+        """A grant that arrived before the ticket was known. Lock held."""
+        early = self._early.pop(ticket.number, None)
+        if early is not None:
+            self._heard(early)
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while ticket.allocation is None:
+                if ticket.cancelled is not None:
+                    raise ClaimCancelled(
+                        f"{ticket.label} was cancelled while waiting: {ticket.cancelled}"
+                    )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ClaimTimeout(self.timeout_message(ticket, timeout))
+                self._cond.wait(0.25 if left is None else min(left, 0.25))
+            return ticket.allocation
+
+    def release(self, ticket: Ticket) -> None:
+        with self._cond:
+            known = self._mine.pop(ticket.number, None)
+        ticket.state = "done"
+        if known is None:
+            return
+        with contextlib.suppress(ServiceUnavailable, OSError):
+            self._ask({"op": "release", "ticket": ticket.number})
+
+    def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
+        answer = self._ask({"op": "cancel", "ticket": number, "reason": reason})
+        if answer["op"] == "error":
+            raise NotYours(answer["message"])
+        return bool(answer.get("found"))
+
+    def report(self, ticket: Ticket, readings: dict[str, Any]) -> None:
+        with contextlib.suppress(ServiceUnavailable, OSError):
+            self._send({"op": "report", "ticket": ticket.number, "readings": readings})
+
+    def look(self) -> None:
+        """Nothing to look for: the service says what changes as it changes."""
+
+    # -- what is going on -------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        answer = self._ask({"op": "snapshot"})
+        return {**answer["snapshot"], "user": self.user, "books": "machine"}
+
+    def position(self, ticket: Ticket) -> int | None:
+        for claim in self.snapshot()["waiting"]:
+            if claim["ticket"] == ticket.number:
+                return claim["position"]
+        return None
+
+    def holders(self) -> list[Ticket]:
+        holders = []
+        for claim in self.snapshot()["running"]:
+            held = claim["allocation"]
+            holders.append(
+                Ticket(
+                    number=claim["ticket"],
+                    resources=Resources(cpus=max(1, held["cpus"]), gpus=len(held["gpus"])),
+                    label=claim["label"] or f"a claim of {claim['user']}",
+                    since=claim["since"],
+                    pid=claim["pid"],
+                    state="running",
+                    allocation=Allocation(held["cpus"], tuple(held["gpus"]), held["ram_bytes"]),
+                )
+            )
+        return holders
+
+    def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
+        return timeout_message(ticket, timeout, self.holders())
+
+
+def fit_to_cap(wanted: Resources, cap: Cap | None, user: str) -> Resources:
+    """The claim shrunk to what its user may hold, or refused if strict; says which cap."""
+    if cap is None:
+        return wanted
+    limits = {"cpus": cap.cpus, "gpus": cap.gpus, "ram": cap.ram_bytes}
+    over = {
+        name: limit
+        for name, limit in limits.items()
+        if limit is not None and (getattr(wanted, name) or 0) > limit
+    }
+    if not over:
+        return wanted
+    import warnings
+
+    from fluksio_nb.budget import human
+
+    said = " ".join(
+        f"{name}={human(limit) if name == 'ram' else limit}" for name, limit in over.items()
+    )
+    where = f"the cap this machine's admin set for {user} ({said})"
+    if wanted.strict:
+        raise ClaimTooLarge(
+            f"{wanted.describe()} asks for more than {where}; ask for less, or drop "
+            "--strict to be given what the cap allows"
+        )
+    shrunk = Resources(**{**wanted.model_dump(exclude_unset=True), **over})
+    warnings.warn(
+        f"{wanted.describe()} is more than {where}; running with {shrunk.describe()} instead. "
+        "Add --strict to refuse instead.",
+        ClampedWarning,
+        stacklevel=4,
+    )
+    return shrunk

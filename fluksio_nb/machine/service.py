@@ -1,0 +1,356 @@
+"""The machine's books service: one root process every user's kernels talk to.
+
+It holds the books in memory and answers over a Unix socket in the machine's
+run directory. Who is asking is what the kernel says ``SO_PEERCRED`` is; a
+claim lives exactly as long as the connection that made it, so a kernel
+killed by anything gives its share back the moment the kernel closes its
+socket, without anybody having to notice.
+
+What it decides:
+
+- **It never waits for a client.** One asyncio loop; every write is
+  buffered, and a client that stops reading past :data:`MAX_BACKLOG_BYTES`
+  is disconnected (which frees only its own claims). A client stopped with
+  ``SIGSTOP`` stalls nobody but itself.
+- **A line that does not parse ends its connection**, and nothing else.
+  Every request is validated (:mod:`~fluksio_nb.machine.protocol`) before
+  anything reads it.
+- **Only the owner cancels**, or a member of the admin group the machine's
+  config names; the owner's kernel is told who stopped it.
+- **Limits per user**: connections and waiting claims, so one user cannot
+  grow the service's memory for everyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import pwd
+import signal
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from fluksio_nb.machine import protocol
+from fluksio_nb.machine.books import Cap, Entry, MachineBooks
+
+log = logging.getLogger("fluksio_nb.machine")
+
+#: How much unread output a client may leave in the service's buffers before
+#: it is taken to be stuck and disconnected.
+MAX_BACKLOG_BYTES = 4 << 20
+#: The most connections and waiting claims one user may have. Far above what a
+#: person's notebooks make, and low enough that the service's memory is bounded.
+MAX_CONNECTIONS_PER_USER = 512
+MAX_WAITING_PER_USER = 4096
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def in_group(uid: int, group: str | None) -> bool:
+    """Whether user ``uid`` is a member of ``group``, primary or supplementary."""
+    if not group:
+        return False
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+
+
+class Connection:
+    """One kernel (or server, or terminal) talking to the service."""
+
+    def __init__(self, writer: asyncio.StreamWriter, pid: int, uid: int) -> None:
+        self.writer, self.pid, self.uid = writer, pid, uid
+        self.user = user_name(uid)
+        self.hello: protocol.Hello | None = None
+        self.entries: dict[int, Entry] = {}
+        self.closed = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
+            log.warning("dropping pid %s (%s): it stopped reading", self.pid, self.user)
+            self.close()
+            return
+        self.writer.write(protocol.line(message))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+
+
+class BooksService:
+    """The books plus the connections that hold claims in them."""
+
+    def __init__(
+        self,
+        books: MachineBooks,
+        *,
+        caps: dict[str, Cap] | None = None,
+        admin_group: str | None = None,
+        records: str | None = None,
+    ) -> None:
+        self.books = books
+        self.cap_by_name = caps or {}
+        self.admin_group = admin_group
+        self.records = records
+        self.connections: set[Connection] = set()
+
+    def cap_for(self, user: str) -> Cap | None:
+        return self.cap_by_name.get(user) or self.cap_by_name.get("*")
+
+    # -- a connection's life ----------------------------------------------------
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pid, uid, _ = protocol.peer_credentials(writer.get_extra_info("socket"))
+        connection = Connection(writer, pid, uid)
+        if sum(c.uid == uid for c in self.connections) >= MAX_CONNECTIONS_PER_USER:
+            connection.send({"op": "refused", "message": "too many connections from this user"})
+            await _drain_and_close(writer)
+            return
+        self.connections.add(connection)
+        try:
+            first = await reader.readline()
+            connection.hello = protocol.read_hello(first)
+            cap = self.cap_for(connection.user)
+            if cap is not None:
+                self.books.caps[uid] = cap
+            connection.send(self.welcome(connection))
+            while not connection.closed:
+                raw = await reader.readline()
+                if not raw:
+                    break
+                self.answer(connection, protocol.read_request(raw))
+        except (ValidationError, ValueError) as error:
+            # ValueError is also what a line over the reader's limit raises.
+            log.warning("pid %s (%s) sent a bad line: %s", pid, connection.user, error)
+            connection.send({"op": "refused", "message": f"bad request: {error}"[:2000]})
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            # The service is stopping; the connection goes with it.
+            pass
+        finally:
+            self.connections.discard(connection)
+            self.drop(connection)
+            connection.close()
+
+    def welcome(self, connection: Connection) -> dict[str, Any]:
+        cap = self.books.caps.get(connection.uid)
+        return {
+            "op": "welcome",
+            "user": connection.user,
+            "uid": connection.uid,
+            "inventory": {
+                "cpus": self.books.cpus,
+                "gpu_ids": list(self.books.gpu_ids),
+                "ram_bytes": self.books.ram_bytes,
+            },
+            "cap": None if cap is None else cap.__dict__,
+            "admin": in_group(connection.uid, self.admin_group),
+            "records": self.records,
+        }
+
+    def drop(self, connection: Connection) -> None:
+        """A connection closed: whatever it held or waited for is free for everyone."""
+        for number in list(connection.entries):
+            self.books.remove(number)
+        connection.entries.clear()
+        self.dispatch()
+
+    # -- requests -----------------------------------------------------------------
+
+    def answer(self, connection: Connection, request: Any) -> None:
+        handler = getattr(self, f"_on_{request.op}")
+        handler(connection, request)
+
+    def _on_claim(self, connection: Connection, request: protocol.Claim) -> None:
+        need = (request.need.cpus, request.need.gpus, request.need.ram_bytes)
+        too_big = self._too_big(connection, need)
+        if too_big:
+            connection.send({"op": "error", "id": request.id, "message": too_big})
+            return
+        waiting = sum(
+            e.state == "waiting" for e in self.books.entries.values() if e.uid == connection.uid
+        )
+        if waiting >= MAX_WAITING_PER_USER:
+            connection.send(
+                {
+                    "op": "error",
+                    "id": request.id,
+                    "message": f"{connection.user} already has {waiting} claims waiting here",
+                }
+            )
+            return
+        hello = connection.hello
+        assert hello is not None
+        entry = Entry(
+            number=self.books.next_number(),
+            uid=connection.uid,
+            user=connection.user,
+            pid=connection.pid,
+            need=need,
+            label=request.label,
+            owner=connection,
+            kernel_id=hello.kernel_id,
+            notebook=hello.notebook,
+            share_labels=hello.share_labels,
+        )
+        self.books.add(entry)
+        connection.entries[entry.number] = entry
+        connection.send(
+            {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
+        )
+        self.dispatch()
+
+    def _too_big(self, connection: Connection, need: tuple[int, int, int]) -> str | None:
+        """Why a claim can never be granted, or ``None``. The kernel fits claims first."""
+        books = self.books
+        if need[0] > books.cpus or need[1] > len(books.gpu_ids) or need[2] > books.ram_bytes:
+            return "the claim asks for more than this machine has to hand out"
+        cap = books.caps.get(connection.uid)
+        if cap is not None and not all(
+            limit is None or n <= limit
+            for n, limit in zip(need, (cap.cpus, cap.gpus, cap.ram_bytes), strict=True)
+        ):
+            return f"the claim asks for more than {connection.user} may hold on this machine"
+        return None
+
+    def _on_release(self, connection: Connection, request: protocol.Release) -> None:
+        entry = connection.entries.pop(request.ticket, None)
+        if entry is not None:
+            self.books.remove(entry.number)
+        connection.send({"op": "ok", "id": request.id})
+        self.dispatch()
+
+    def _on_cancel(self, connection: Connection, request: protocol.Cancel) -> None:
+        entry = self.books.entries.get(request.ticket)
+        if entry is None:
+            connection.send({"op": "ok", "id": request.id, "found": False})
+            return
+        admin = in_group(connection.uid, self.admin_group)
+        if entry.uid != connection.uid and not admin:
+            connection.send(
+                {
+                    "op": "error",
+                    "id": request.id,
+                    "kind": "not_yours",
+                    "message": f"claim {entry.number} belongs to {entry.user}; "
+                    "only they, or a member of the machine's admin group, may cancel it",
+                }
+            )
+            return
+        reason = request.reason
+        if entry.uid != connection.uid:
+            reason = f"{reason} (by {connection.user}, an admin of this machine)"
+        entry.cancel = reason
+        owner: Connection = entry.owner
+        if entry.state == "waiting":
+            # Gone from the queue at once; the owner learns why when told.
+            self.books.remove(entry.number)
+            owner.entries.pop(entry.number, None)
+        owner.send({"op": "stop", "ticket": entry.number, "reason": reason})
+        connection.send({"op": "ok", "id": request.id, "found": True})
+        self.dispatch()
+
+    def _on_report(self, connection: Connection, request: protocol.Report) -> None:
+        entry = connection.entries.get(request.ticket)
+        if entry is not None:
+            entry.readings = dict(request.readings)
+
+    def _on_snapshot(self, connection: Connection, request: protocol.Snapshot) -> None:
+        snapshot = self.books.snapshot(
+            connection.uid, admin=in_group(connection.uid, self.admin_group)
+        )
+        connection.send({"op": "snapshot", "id": request.id, "snapshot": snapshot})
+
+    def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
+        """A kernel's running claim from before the service restarted, back in the books.
+
+        Taken only if what it names is free: a kernel cannot use a restore to
+        jump the queue for what somebody else holds now.
+        """
+        need = (request.cpus, len(request.gpus), request.ram_bytes)
+        if (
+            self._too_big(connection, need)
+            or not self.books.fits_free(request.cpus, request.gpus, request.ram_bytes)
+            or not set(request.gpus) <= set(self.books.gpu_ids)
+        ):
+            connection.send({"op": "error", "id": request.id, "message": "no longer free"})
+            return
+        hello = connection.hello
+        assert hello is not None
+        entry = Entry(
+            number=self.books.next_number(),
+            uid=connection.uid,
+            user=connection.user,
+            pid=connection.pid,
+            need=need,
+            label=request.label,
+            owner=connection,
+            kernel_id=hello.kernel_id,
+            notebook=hello.notebook,
+            share_labels=hello.share_labels,
+            state="running",
+            gpus=tuple(request.gpus),
+        )
+        entry.granted_at = entry.since
+        self.books.add(entry)
+        connection.entries[entry.number] = entry
+        connection.send(
+            {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
+        )
+
+    def dispatch(self) -> None:
+        for entry in self.books.dispatch():
+            owner: Connection = entry.owner
+            owner.send(
+                {
+                    "op": "granted",
+                    "ticket": entry.number,
+                    "gpus": list(entry.gpus),
+                    "granted_at": entry.granted_at,
+                }
+            )
+
+
+async def _drain_and_close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.drain(), 1)
+    writer.transport.abort()
+
+
+async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
+    """Answer on ``socket_path`` until SIGTERM or SIGINT."""
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    server = await asyncio.start_unix_server(
+        service.handle, path=str(socket_path), limit=protocol.MAX_LINE_BYTES
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if ready is not None:
+        ready(server)
+    try:
+        async with server:
+            await stop.wait()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            socket_path.unlink()

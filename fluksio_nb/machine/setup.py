@@ -1,0 +1,361 @@
+"""Setting a machine up for books every user shares: ``fluksio-nb machine init|status|remove``.
+
+An admin runs ``init`` once, as root. It writes the machine's config, makes
+the directory usage records go to, and starts the books service: as a
+systemd unit where systemd runs, or as a detached process otherwise (a
+container, a test). From then on every kernel of every user finds the
+service's socket in the run directory and uses it, with no per-user
+configuration; without it, each user keeps books of their own.
+
+Where things go, under a prefix that is ``/`` on a real machine (tests use
+a temporary one):
+
+- ``run/fluksio_nb/books.sock``: the service's socket. ``/run`` is a tmpfs,
+  so a reboot clears the live state with the claims it described.
+- ``etc/fluksio_nb/machine.json``: the admin's config, root's to write:
+  who may use the books, who may cancel anyone's claim, each user's cap,
+  and the inventory where detection is not wanted.
+- ``var/lib/fluksio_nb/usage``: sticky and writable by the users of the
+  books, so each writes records that only they own (:mod:`fluksio_nb.usage`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+from fluksio_nb.machine import protocol
+from fluksio_nb.machine.books import Cap, MachineBooks
+from fluksio_nb.resources import BadClaim, explain
+
+UNIT_NAME = "fluksio-nb.service"
+
+
+class MachineSetupError(BadClaim):
+    """The machine's books cannot be set up, or removed, as asked."""
+
+
+class UserCap(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int | None = Field(default=None, ge=0)
+    gpus: int | None = Field(default=None, ge=0)
+    ram: ByteSize | None = None
+
+    def as_cap(self) -> Cap:
+        return Cap(self.cpus, self.gpus, None if self.ram is None else int(self.ram))
+
+
+class MachineConfig(BaseModel):
+    """``machine.json``: what the admin decides for everyone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Only members of this group may use the books; ``None`` is every user.
+    group: str | None = None
+    #: Members may cancel anyone's claim.
+    admin_group: str | None = None
+    #: Per user name, or ``"*"`` for everyone not named: the most they may hold at once.
+    caps: dict[str, UserCap] = Field(default_factory=dict)
+    cpus: int | None = Field(default=None, ge=1)
+    gpus: int | None = Field(default=None, ge=0)
+    ram: ByteSize | None = None
+    reserve_cpus: int = Field(default=1, ge=0)
+
+
+class Layout:
+    """Where a machine's books live, under ``prefix``."""
+
+    def __init__(self, prefix: Path | str = "/") -> None:
+        self.prefix = Path(prefix)
+        self.run_dir = self.prefix / "run" / "fluksio_nb"
+        self.config = self.prefix / "etc" / "fluksio_nb" / "machine.json"
+        self.records = self.prefix / "var" / "lib" / "fluksio_nb" / "usage"
+        self.socket = self.run_dir / protocol.SOCKET_NAME
+        self.marker = self.run_dir / protocol.MARKER_NAME
+        self.pidfile = self.run_dir / "service.pid"
+        self.log = self.run_dir / "service.log"
+
+    @property
+    def systemd_unit(self) -> Path | None:
+        """The unit file, where the prefix is the real root and systemd runs."""
+        if self.prefix != Path("/") or not Path("/run/systemd/system").is_dir():
+            return None
+        return Path("/etc/systemd/system") / UNIT_NAME
+
+
+def read_config(layout: Layout) -> MachineConfig:
+    try:
+        text = layout.config.read_text()
+    except FileNotFoundError:
+        return MachineConfig()
+    try:
+        return MachineConfig.model_validate_json(text or "{}")
+    except ValidationError as error:
+        raise MachineSetupError(f"{layout.config}: {explain(error)}") from None
+
+
+def _must_be_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise MachineSetupError(
+            f"`fluksio-nb machine {what}` changes books every user of the machine shares, "
+            f"so it runs as root: sudo fluksio-nb machine {what}"
+        )
+
+
+def _root_dir(path: Path, mode: int, group: int = 0) -> None:
+    """A directory root owns with exactly ``mode``; one that exists must already be root's."""
+    path.mkdir(parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+        raise MachineSetupError(
+            f"{path} exists and is not a directory root owns; move it away and run init again"
+        )
+    os.chown(path, 0, group)
+    os.chmod(path, mode)
+
+
+def _mark(layout: Layout) -> None:
+    _root_dir(layout.run_dir, 0o755)
+    staged = layout.run_dir / f".{protocol.MARKER_NAME}.new"
+    staged.write_text(f"{layout.prefix}\n")
+    os.chmod(staged, 0o644)
+    os.replace(staged, layout.marker)
+
+
+def init(
+    layout: Layout,
+    *,
+    group: str | None = None,
+    admin_group: str | None = None,
+    inventory: dict[str, Any] | None = None,
+    start: bool = True,
+) -> str:
+    """Set the machine up; returns what was done, for the admin to read."""
+    _must_be_root("init")
+    gid = 0
+    for name in (group, admin_group):
+        if name is not None:
+            try:
+                found = grp.getgrnam(name).gr_gid
+            except KeyError:
+                raise MachineSetupError(
+                    f"there is no group {name!r} on this machine; create it (groupadd {name}) "
+                    "or name another"
+                ) from None
+            gid = found if name == group else gid
+    config = read_config(layout).model_copy(
+        update={"group": group, "admin_group": admin_group, **(inventory or {})}
+    )
+    config = MachineConfig.model_validate(config.model_dump())
+    _root_dir(layout.config.parent, 0o755)
+    staged = layout.config.with_suffix(".json.new")
+    staged.write_text(config.model_dump_json(indent=2, exclude_defaults=True) + "\n")
+    os.chmod(staged, 0o644)
+    os.replace(staged, layout.config)
+    # Sticky: every user creates their own records, and nobody may remove or
+    # rename anyone else's.
+    _root_dir(layout.records, 0o1770 if group else 0o1777, gid)
+    _mark(layout)
+    said = [f"config: {layout.config}", f"usage records: {layout.records}"]
+    if start:
+        said.append(start_service(layout))
+    return "\n".join(said)
+
+
+def start_service(layout: Layout) -> str:
+    unit = layout.systemd_unit
+    if unit is not None:
+        unit.write_text(
+            "[Unit]\nDescription=fluksio_nb: the machine's books for every user's notebooks\n\n"
+            f"[Service]\nExecStart={sys.executable} -m fluksio_nb machine serve\n"
+            "Restart=always\nRuntimeDirectory=fluksio_nb\nRuntimeDirectoryPreserve=yes\n\n"
+            "[Install]\nWantedBy=multi-user.target\n"
+        )
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "enable", "--now", UNIT_NAME], check=True)
+        how = f"service: systemd unit {UNIT_NAME}"
+    else:
+        if answering(layout):
+            return f"service: already answering at {layout.socket}"
+        with open(layout.log, "ab") as log:
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fluksio_nb",
+                    "machine",
+                    "serve",
+                    "--prefix",
+                    str(layout.prefix),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                close_fds=True,
+            )
+        how = f"service: started in the background (no systemd here), log in {layout.log}"
+    deadline = time.monotonic() + 15
+    while not answering(layout):
+        if time.monotonic() > deadline:
+            raise MachineSetupError(
+                f"the books service did not start answering at {layout.socket}; see {layout.log}"
+            )
+        time.sleep(0.05)
+    return f"{how}, answering at {layout.socket}"
+
+
+def answering(layout: Layout) -> bool:
+    from fluksio_nb.machine.client import ServiceUnavailable, ask_once, socket_in
+
+    path = socket_in(layout.run_dir)
+    if path is None:
+        return False
+    try:
+        ask_once(path, {"op": "snapshot"}, within=0)
+    except (ServiceUnavailable, OSError):
+        return False
+    return True
+
+
+def stop_service(layout: Layout) -> None:
+    unit = layout.systemd_unit
+    if unit is not None and unit.exists():
+        subprocess.run(["systemctl", "disable", "--now", UNIT_NAME], check=False)
+        unit.unlink()
+        subprocess.run(["systemctl", "daemon-reload"], check=False)
+        return
+    try:
+        pid = int(layout.pidfile.read_text())
+    except (OSError, ValueError):
+        return
+    from fluksio_nb.ledger import process_started
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        # A zombie has ended: who reaps a detached service is init's business.
+        if process_started(pid) is None:
+            return
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def remove(layout: Layout) -> str:
+    """Undo :func:`init`. Usage records stay: they are the accounting, the admin's to keep."""
+    _must_be_root("remove")
+    stop_service(layout)
+    shutil.rmtree(layout.run_dir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        layout.config.unlink()
+    with contextlib.suppress(OSError):
+        layout.config.parent.rmdir()
+    return (
+        f"removed: the books service, {layout.run_dir} and {layout.config}. Every user's "
+        f"kernels keep books of their own from their next claim. Usage records stay in "
+        f"{layout.records}."
+    )
+
+
+def serve(layout: Layout) -> None:
+    """Run the books service in the foreground: what the systemd unit runs."""
+    import logging
+
+    from fluksio_nb.inventory import take_inventory
+    from fluksio_nb.machine.service import BooksService
+    from fluksio_nb.machine.service import serve as serve_on
+    from fluksio_nb.settings import Settings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    config = read_config(layout)
+    found = take_inventory(
+        Settings(
+            cpus=config.cpus, gpus=config.gpus, ram=config.ram, reserve_cpus=config.reserve_cpus
+        )
+    )
+    service = BooksService(
+        MachineBooks(found.cpus, found.gpu_ids, found.ram_bytes),
+        caps={name: cap.as_cap() for name, cap in config.caps.items()},
+        admin_group=config.admin_group,
+        records=str(layout.records),
+    )
+    # After a reboot /run is empty again: the service marks it as it starts.
+    _mark(layout)
+    gid = grp.getgrnam(config.group).gr_gid if config.group else 0
+
+    def ready(_: Any) -> None:
+        # Anyone (or the group) may connect; who they are is SO_PEERCRED's word.
+        os.chown(layout.socket, 0, gid)
+        os.chmod(layout.socket, 0o660 if config.group else 0o666)
+        layout.pidfile.write_text(str(os.getpid()))
+
+    try:
+        asyncio.run(serve_on(layout.socket, service, ready))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            layout.pidfile.unlink()
+
+
+def status(layout: Layout) -> str:
+    """Which books this user's kernels use, and why."""
+    from fluksio_nb.kernel import books_in_force
+
+    return books_in_force(layout).describe()
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="fluksio-nb machine",
+        description="Books every user of this machine shares: set up, see, take down.",
+    )
+    parser.add_argument("action", choices=["init", "status", "remove", "serve"])
+    parser.add_argument("--prefix", default="/", help="where the books live (default /)")
+    parser.add_argument("--group", help="init: only this group's members may use the books")
+    parser.add_argument("--admin-group", help="init: this group's members may cancel any claim")
+    parser.add_argument("--cpus", type=int, help="init: declare the cores instead of detecting")
+    parser.add_argument("--gpus", type=int, help="init: declare N cards instead of detecting")
+    parser.add_argument("--ram", help="init: declare the memory claims may take, e.g. 64G")
+    options = parser.parse_args(argv)
+    layout = Layout(options.prefix)
+    try:
+        if options.action == "init":
+            declared = {
+                key: getattr(options, key)
+                for key in ("cpus", "gpus", "ram")
+                if getattr(options, key) is not None
+            }
+            print(
+                init(
+                    layout,
+                    group=options.group,
+                    admin_group=options.admin_group,
+                    inventory=declared,
+                )
+            )
+        elif options.action == "remove":
+            print(remove(layout))
+        elif options.action == "serve":
+            serve(layout)
+        else:
+            print(status(layout))
+    except BadClaim as error:
+        print(f"fluksio-nb machine {options.action}: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,116 @@
+"""The machine's books between people: fair turns, caps, and what each reader sees.
+
+These are the rules the books service applies in its one thread, checked as
+plain data: the same order and the same grants whatever socket a claim
+came from. The service around them is tested with real users in
+``test_machine_service.py``.
+"""
+
+from fluksio_nb.machine.books import Cap, Entry, MachineBooks
+
+ALICE, BOB = 1001, 1002
+
+
+def books(cpus=4, gpus=1, ram=0) -> MachineBooks:
+    return MachineBooks(cpus, range(gpus), ram)
+
+
+def ask(books: MachineBooks, uid: int, cpus=1, gpus=0, ram=0, label="") -> Entry:
+    entry = Entry(
+        number=books.next_number(),
+        uid=uid,
+        user={ALICE: "alice", BOB: "bob"}[uid],
+        pid=uid,
+        need=(cpus, gpus, ram),
+        label=label or f"{uid}",
+    )
+    books.add(entry)
+    books.dispatch()
+    return entry
+
+
+def end(books: MachineBooks, entry: Entry) -> list[Entry]:
+    books.remove(entry.number)
+    return books.dispatch()
+
+
+def test_one_users_long_queue_does_not_starve_anothers_single_claim():
+    """Guards against FIFO between claims letting 20 queued jobs of one user go
+    before another user's one claim that arrived after them."""
+    machine = books(cpus=4)
+    alices = [ask(machine, ALICE, cpus=4) for _ in range(20)]
+    bobs = ask(machine, BOB, cpus=1)
+    assert alices[0].state == "running" and bobs.state == "waiting"
+    granted = end(machine, alices[0])
+    assert granted == [bobs]
+
+
+def test_turns_alternate_between_users_who_both_wait():
+    """Guards against one user's backlog running back to back while the other waits."""
+    machine = books(cpus=1)
+    first = ask(machine, ALICE)
+    for _ in range(3):
+        ask(machine, ALICE)
+    for _ in range(3):
+        ask(machine, BOB)
+    order = []
+    running = first
+    for _ in range(6):
+        (running,) = end(machine, running)
+        order.append(running.uid)
+    assert order == [BOB, ALICE, BOB, ALICE, BOB, ALICE]
+
+
+def test_a_card_is_never_granted_twice():
+    """Guards against two users both being granted card 0: the deadlock this exists for."""
+    machine = books(cpus=8, gpus=2)
+    holders = [ask(machine, uid, gpus=1) for uid in (ALICE, BOB, ALICE, BOB)]
+    running = [e for e in holders if e.state == "running"]
+    assert sorted(g for e in running for g in e.gpus) == [0, 1]
+    end(machine, running[0])
+    running = [e for e in holders if e.state == "running" and e.number in machine.entries]
+    cards = [g for e in running for g in e.gpus]
+    assert len(cards) == len(set(cards)) == 2
+
+
+def test_a_users_cap_holds_only_that_user_back():
+    """Guards against a capped user's waiting claim setting aside cores nobody may then use."""
+    machine = books(cpus=4)
+    machine.caps[ALICE] = Cap(cpus=2)
+    held = ask(machine, ALICE, cpus=2)
+    over_her_cap = ask(machine, ALICE, cpus=1)
+    bobs = ask(machine, BOB, cpus=2)
+    assert held.state == "running"
+    assert over_her_cap.state == "waiting"
+    assert bobs.state == "running"
+    assert end(machine, held) == [over_her_cap]
+
+
+def test_the_head_of_the_queue_keeps_what_it_waits_for():
+    """Guards against a stream of small claims starving a large one, across users."""
+    machine = books(cpus=4)
+    small = ask(machine, ALICE, cpus=2)
+    large = ask(machine, BOB, cpus=4)
+    later_small = ask(machine, ALICE, cpus=2)
+    assert small.state == "running"
+    assert large.state == "waiting" and later_small.state == "waiting"
+    assert end(machine, small) == [large]
+
+
+def test_another_users_label_and_notebook_are_hidden_unless_shared():
+    """Guards against the monitor telling every user what another user's notebook is called."""
+    machine = books()
+    secret = ask(machine, ALICE, label="thesis-final")
+    secret.notebook, secret.kernel_id = "private/thesis.ipynb", "k1"
+    shared = ask(machine, BOB, label="open-demo")
+    shared.share_labels = True
+    seen_by_bob = {c["ticket"]: c for c in machine.snapshot(BOB)["running"]}
+    assert seen_by_bob[secret.number]["label"] is None
+    assert seen_by_bob[secret.number]["notebook"] is None
+    assert seen_by_bob[secret.number]["user"] == "alice"
+    assert seen_by_bob[secret.number]["mine"] is False
+    assert seen_by_bob[shared.number]["label"] == "open-demo"
+    seen_by_alice = {c["ticket"]: c for c in machine.snapshot(ALICE)["running"]}
+    assert seen_by_alice[secret.number]["label"] == "thesis-final"
+    assert seen_by_alice[secret.number]["notebook"] == "private/thesis.ipynb"
+    assert seen_by_alice[secret.number]["mine"] is True
