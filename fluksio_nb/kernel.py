@@ -2,47 +2,171 @@
 
 Every claim a kernel makes goes through the same instance, whichever thread,
 cell or background job makes it; that is what serialises a notebook's
-workloads. By default its books are the machine's ledger, shared with every
-other kernel of the user (:mod:`fluksio_nb.ledger`); ``FLUKSIO_LEDGER=kernel``
-keeps them in this kernel alone. It is made on first use rather than at import, so that loading
-the extension costs nothing and the settings in force are those of the moment
-the first claim is made.
+workloads. It is made on first use rather than at import, so that loading
+the extension costs nothing and the settings in force are those of the
+moment the first claim is made.
+
+Which books it keeps (:func:`books_in_force`) is decided here, once:
+
+- **the machine's**, when an admin ran ``fluksio-nb machine init``: every
+  user's kernels share them through a service run by root
+  (:mod:`fluksio_nb.machine`);
+- **the user's own**, otherwise: a ledger file every kernel of this user
+  shares (:mod:`fluksio_nb.ledger`);
+- **the kernel's alone**, with ``FLUKSIO_LEDGER=kernel``.
+
+``FLUKSIO_LEDGER`` naming a directory wins over what the machine has.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.inventory import Inventory, take_inventory
-from fluksio_nb.ledger import MachineQueue, ledger_location
+from fluksio_nb.ledger import MachineQueue, default_ledger_dir
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.settings import Settings, load_settings
 
+if TYPE_CHECKING:
+    from fluksio_nb.machine.client import ServiceQueue
+
 _lock = threading.Lock()
-_instance: ClaimQueue | MachineQueue | None = None
+_instance: ClaimQueue | MachineQueue | ServiceQueue | None = None
 _inventory: Inventory | None = None
 _settings: Settings | None = None
 
 
-def accountant() -> ClaimQueue | MachineQueue:
+@dataclass(frozen=True)
+class Books:
+    """Which books claims go to, and why: what ``fluksio-nb machine status`` says."""
+
+    mode: Literal["machine", "user", "kernel"]
+    where: Path | None
+    why: str
+
+    def describe(self) -> str:
+        said = {
+            "machine": f"books shared by every user of this machine, served at {self.where}",
+            "user": f"books of this user's own kernels, in {self.where}",
+            "kernel": "books each kernel keeps to itself",
+        }[self.mode]
+        return f"{said}: {self.why}"
+
+
+def books_in_force(layout: Any = None, settings: Settings | None = None) -> Books:
+    """The books this process's claims use. ``layout`` is the machine's (tests name another)."""
+    from fluksio_nb.machine.client import socket_in
+    from fluksio_nb.machine.setup import Layout
+
+    settings = settings or load_settings()
+    if settings.ledger == "kernel":
+        return Books("kernel", None, "FLUKSIO_LEDGER (or the config's 'ledger') is 'kernel'")
+    if settings.ledger:
+        named = Path(settings.ledger).expanduser()
+        if socket_in(named) is not None:
+            return Books("machine", named, "FLUKSIO_LEDGER names the machine's books")
+        return Books("user", named, "FLUKSIO_LEDGER (or the config's 'ledger') names it")
+    layout = layout or Layout()
+    if socket_in(layout.run_dir) is not None:
+        return Books(
+            "machine", layout.run_dir, "an admin set this machine up with `fluksio-nb machine init`"
+        )
+    return Books(
+        "user",
+        default_ledger_dir(),
+        "nobody set up books for every user here; `fluksio-nb machine init`, run as root, does",
+    )
+
+
+def read_books(books: Books | None = None) -> dict[str, Any]:
+    """The machine as a reader that makes no claims sees it: the server, the terminal.
+
+    Every claim in it says whose it is (``user``) and whether it is the
+    reader's (``mine``); ``books`` says which books these are, and ``ledger``
+    where. Blocking: the server calls it from a worker thread.
+    """
+    books = books or books_in_force()
+    if books.mode == "machine":
+        from fluksio_nb.machine.client import read_snapshot, socket_in
+
+        assert books.where is not None
+        snapshot = read_snapshot(socket_in(books.where) or books.where)
+    elif books.mode == "user":
+        from fluksio_nb.ledger import identity, read_snapshot
+
+        assert books.where is not None
+        snapshot, me = read_snapshot(books.where), identity()["user"]
+        for claim in snapshot["running"] + snapshot["waiting"]:
+            claim["mine"] = claim.get("user") == me
+        snapshot["user"] = me
+    else:
+        # Kernel-only books live inside each kernel, where no reader can see
+        # them: the machine is shown, and nothing more can be known.
+        from fluksio_nb.ledger import identity, machine_snapshot
+
+        found = take_inventory(load_settings())
+        inventory = {
+            "cpus": found.cpus,
+            "gpu_ids": list(found.gpu_ids),
+            "ram_bytes": found.ram_bytes,
+        }
+        snapshot = {**machine_snapshot({}, inventory), "user": identity()["user"]}
+    snapshot["books"] = books.mode
+    snapshot["ledger"] = None if books.where is None else str(books.where)
+    return snapshot
+
+
+def cancel_in_books(number: int, reason: str, books: Books | None = None) -> bool:
+    """Cancel claim ``number`` as this process's user may; False if there is no such claim.
+
+    Raises ``NotYours`` (a ``PermissionError``) for a claim this user may not cancel.
+    """
+    books = books or books_in_force()
+    if books.mode == "machine":
+        from fluksio_nb.machine.client import cancel_claim, socket_in
+
+        assert books.where is not None
+        return cancel_claim(socket_in(books.where) or books.where, number, reason)
+    if books.mode == "user":
+        from fluksio_nb.ledger import LedgerFile, cancel_claim, identity
+
+        assert books.where is not None
+        ledger = LedgerFile(books.where)
+        if not ledger.path.exists():
+            return False
+        return cancel_claim(ledger, number, reason, user=identity()["user"])
+    return False
+
+
+def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
     """The kernel's accountant. ``.snapshot()`` shows totals, free, waiting and running."""
     global _instance, _inventory, _settings
     with _lock:
         if _instance is None:
-            _settings = load_settings()
-            _inventory = take_inventory(_settings)
-            where = ledger_location(_settings.ledger)
-            if where is None:
-                books = ResourceAccountant(
-                    cpus=_inventory.cpus,
-                    gpus=_inventory.gpu_ids,
-                    ram_bytes=_inventory.ram_bytes,
+            settings = load_settings()
+            found = take_inventory(settings)
+            books = books_in_force(settings=settings)
+            if books.mode == "kernel":
+                _instance = ClaimQueue(
+                    ResourceAccountant(
+                        cpus=found.cpus, gpus=found.gpu_ids, ram_bytes=found.ram_bytes
+                    )
                 )
-                _instance = ClaimQueue(books)
+            elif books.mode == "machine":
+                from fluksio_nb.machine.client import ServiceQueue, socket_in
+
+                assert books.where is not None
+                _instance = ServiceQueue(
+                    socket_in(books.where) or books.where, share_labels=settings.share_labels
+                )
             else:
-                directory, shared = where
-                _instance = MachineQueue(directory, _inventory, shared=shared)
+                assert books.where is not None
+                _instance = MachineQueue(books.where, found)
+            _settings, _inventory = settings, found
         return _instance
 
 

@@ -7,17 +7,19 @@ say that ``train.ipynb`` holds GPU 1 and a second notebook waits for it.
 
 What it decides:
 
-- **It reads and never claims.** The snapshot is the ledger read without its
-  lock, as ``fluksio-nb`` reads it. The server makes no claim of its own and
-  never blocks a kernel's transaction, however often a browser polls.
+- **It reads and never claims.** The snapshot is the machine's books read as
+  ``fluksio-nb`` reads them (:func:`~fluksio_nb.kernel.read_books`). The
+  server makes no claim of its own, however often a browser polls.
 - **Nothing slow runs on the event loop.** Reading the file, and taking the
   inventory when there is no ledger yet (NVML, or ``nvidia-smi`` if NVML is
   missing), run in a worker thread. One slow disk must not freeze every
   notebook served here. The session manager is asked on the loop, because
   it is made for the loop.
-- **The server's OS user can cancel their own claims and no others.** It is
-  the same user as the kernels it starts. On a team's shared ledger, other
-  users' claims are shown, and cancelling one answers 403 and names its owner.
+- **The server's OS user can cancel their own claims and no others** (or,
+  for a member of the machine's admin group, anyone's). It is the same user
+  as the kernels it starts, and on books shared by every user the service
+  knows it from the socket, not from anything the server says. Other users'
+  claims are shown, and cancelling one answers 403 and names its owner.
 - **It behaves like the rest of Jupyter's API.** Requests need the server's
   token or login cookie, and the server's authorizer decides on the resource
   ``fluksio``, so a JupyterHub deployment's scopes apply to it as well. A
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import getpass
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
@@ -50,50 +51,6 @@ NOT_LOGGED_IN = (
     "not logged in: send the server's token (an 'Authorization: token <token>' header) "
     "or log in first"
 )
-
-
-def _inventory_dict(settings: Any) -> dict[str, Any]:
-    from fluksio_nb.inventory import take_inventory
-
-    found = take_inventory(settings)
-    return {"cpus": found.cpus, "gpu_ids": list(found.gpu_ids), "ram_bytes": found.ram_bytes}
-
-
-def read_machine() -> dict[str, Any]:
-    """The snapshot ``GET fluksio/api/snapshot`` serves, before notebook paths are added.
-
-    Blocking: call it from a worker thread.
-    """
-    from fluksio_nb.ledger import ledger_location, machine_snapshot, read_snapshot
-    from fluksio_nb.settings import load_settings
-
-    settings = load_settings()
-    where = ledger_location(settings.ledger)
-    if where is None:
-        # Kernel-only books live inside each kernel, where no server can read
-        # them. Show the machine, and say that nothing more can be known.
-        return {**machine_snapshot({}, _inventory_dict(settings)), "ledger": None}
-    directory, shared = where
-    return {**read_snapshot(directory, shared), "ledger": str(directory)}
-
-
-def cancel(number: int, user: str) -> bool:
-    """Cancel claim ``number`` for ``user``. Blocking: call it from a worker thread.
-
-    Raises :class:`~fluksio_nb.ledger.NotYours` for another user's claim.
-    False when there is no such claim, or no machine-wide ledger to find it in.
-    """
-    from fluksio_nb.ledger import LedgerFile, cancel_claim, ledger_location
-    from fluksio_nb.settings import load_settings
-
-    where = ledger_location(load_settings().ledger)
-    if where is None:
-        return False
-    directory, shared = where
-    ledger = LedgerFile(directory, shared=shared)
-    if not ledger.path.exists():
-        return False
-    return cancel_claim(ledger, number, f"cancelled by {user} from JupyterLab", user=user)
 
 
 async def _off_the_loop(function: Any, *args: Any) -> Any:
@@ -134,8 +91,10 @@ class SnapshotHandler(_LedgerHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        from fluksio_nb.kernel import read_books
+
         try:
-            snapshot = await _off_the_loop(read_machine)
+            snapshot = await _off_the_loop(read_books)
         except BadClaim as error:
             raise web.HTTPError(
                 500, f"fluksio_nb's settings cannot be used: {error}. Fix them and reload."
@@ -145,9 +104,7 @@ class SnapshotHandler(_LedgerHandler):
         for claim in snapshot["running"] + snapshot["waiting"]:
             # Only a notebook this server serves has a path the browser can
             # open; a kernel started elsewhere still shows its own notebook name.
-            claim["path"] = paths.get(claim["kernel_id"])
-            claim["mine"] = claim["user"] == self.os_user
-        snapshot["user"] = self.os_user
+            claim["path"] = paths.get(claim["kernel_id"]) if claim["mine"] else None
         self.finish(snapshot)
 
 
@@ -158,11 +115,15 @@ class CancelHandler(_LedgerHandler):
     @web.authenticated
     @authorized
     async def post(self, number: str) -> None:
-        from fluksio_nb.ledger import NotYours
+        from fluksio_nb.kernel import cancel_in_books
 
+        if len(number) > 18:
+            # No claim's number is that long, and int() of thousands of digits refuses.
+            raise web.HTTPError(404, f"there is no claim {number[:20]}... in this machine's books")
+        reason = f"cancelled by {self.os_user} from JupyterLab"
         try:
-            found = await _off_the_loop(cancel, int(number), self.os_user)
-        except NotYours as error:
+            found = await _off_the_loop(cancel_in_books, int(number), reason)
+        except PermissionError as error:
             raise web.HTTPError(
                 403,
                 f"{error}. This Jupyter server runs as {self.os_user!r} and cancels "
@@ -181,10 +142,21 @@ class CancelHandler(_LedgerHandler):
         self.finish({"ticket": int(number), "cancelled": True})
 
 
+def _os_user() -> str:
+    """Who the server runs as, from its uid: ``$USER`` is anybody's to set."""
+    import os
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
+
+
 def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app = serverapp.web_app
     base_url = web_app.settings["base_url"]
-    web_app.settings["fluksio_os_user"] = getpass.getuser()
+    web_app.settings["fluksio_os_user"] = _os_user()
     web_app.add_handlers(
         ".*$",
         [

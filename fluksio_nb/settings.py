@@ -83,6 +83,9 @@ class Settings(BaseModel):
     #: Where the machine-wide ledger lives, or ``"kernel"`` for books that only
     #: this kernel keeps. ``None`` is the default location.
     ledger: str | None = None
+    #: On books shared by several users, show this user's labels, notebook
+    #: paths and kernel ids to the others too. Their share and user always show.
+    share_labels: bool = False
     flavors: dict[str, Flavor] = Field(default_factory=dict)
 
     @model_validator(mode="before")
