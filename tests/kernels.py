@@ -11,12 +11,17 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.manager import KernelManager
+
+from tests.unix_users import UnixUser, as_user, user_environ
 
 
 @dataclass
@@ -64,17 +69,47 @@ class Ran:
         return json.loads(self.stdout.strip().splitlines()[-1])
 
 
-class Kernel:
-    """One ipykernel process with fluksio_nb loaded and a declared inventory."""
+class _ReadableConnectionFile(KernelManager):
+    """A manager whose connection file the kernel's own user can read.
 
-    def __init__(self, **env: str) -> None:
-        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    jupyter_client writes the file mode 0600 as whoever runs the test, and
+    writes it again whenever it picks the kernel's ports, just before the
+    launch; so it is handed to ``owner`` after every write rather than once.
+    """
+
+    owner: UnixUser | None = None
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        super().write_connection_file(**kwargs)
+        if self.owner is not None:
+            os.chown(self.connection_file, self.owner.uid, self.owner.gid)
+
+
+class Kernel:
+    """One ipykernel process with fluksio_nb loaded and a declared inventory.
+
+    With ``user``, the kernel runs as that Unix user (the test must be root:
+    see :mod:`tests.unix_users`), in a clean environment of that user's:
+    HOME, and IPython's and Jupyter's directories in a temporary directory the
+    user owns, no ``FLUKSIO_*`` from the test's own environment, the books
+    kept by the kernel alone (``FLUKSIO_LEDGER=kernel``) and no config file,
+    unless ``env`` says otherwise. ``env`` always goes on top, ``USER`` too.
+    """
+
+    def __init__(self, *, user: UnixUser | None = None, **env: str) -> None:
         #: What this kernel was started with beyond the test's own environment.
         self.env = env
-        self.manager = KernelManager(kernel_name="python3")
-        # The venv's own python, whatever kernelspec happens to be installed.
-        self.manager.kernel_spec.argv[0] = sys.executable
-        self.manager.start_kernel(env=environ)
+        #: Whom the kernel runs as; ``None`` for the test's own user.
+        self.user = user
+        #: The directory the kernel's user owns for it, removed at shutdown.
+        self.own_dir: Path | None = None
+        if user is None:
+            self.manager = KernelManager(kernel_name="python3")
+            # The venv's own python, whatever kernelspec happens to be installed.
+            self.manager.kernel_spec.argv[0] = sys.executable
+            self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+        else:
+            self._start_as(user, env)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
@@ -82,6 +117,40 @@ class Kernel:
         #: Every IOPub message read so far, whichever cell it belongs to.
         self.seen: list[dict[str, Any]] = []
         self.run("%load_ext fluksio_nb", check=True)
+
+    def _start_as(self, user: UnixUser, env: dict[str, str]) -> None:
+        own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
+        self.own_dir = own
+        places = {
+            "IPYTHONDIR": own / "ipython",
+            "JUPYTER_RUNTIME_DIR": own / "jupyter" / "runtime",
+            "JUPYTER_DATA_DIR": own / "jupyter" / "data",
+            "JUPYTER_CONFIG_DIR": own / "jupyter" / "config",
+        }
+        for place in [own, own / "jupyter", *places.values()]:
+            place.mkdir(mode=0o700, exist_ok=True)
+            os.chown(place, user.uid, user.gid)
+        environ = user_environ(
+            user,
+            {
+                **{name: str(place) for name, place in places.items()},
+                "PYTHONUNBUFFERED": "1",
+                # Named but never written: no config file of anyone's is read.
+                "FLUKSIO_CONFIG": str(own / "fluksio_nb.json"),
+                "FLUKSIO_LEDGER": "kernel",
+                **env,
+            },
+        )
+        self.manager = _ReadableConnectionFile(kernel_name="python3")
+        self.manager.owner = user
+        self.manager.connection_file = str(places["JUPYTER_RUNTIME_DIR"] / "kernel.json")
+        spec = self.manager.kernel_spec
+        spec.argv = [*as_user(user), sys.executable, *spec.argv[1:]]
+        try:
+            self.manager.start_kernel(env=environ, cwd=str(own))
+        except BaseException:
+            shutil.rmtree(own, ignore_errors=True)
+            raise
 
     def run(
         self, code: str, timeout: float = 120, check: bool = False, answers: list[str] | None = None
@@ -178,6 +247,35 @@ class Kernel:
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 return ename
 
+    def wait_for_output(self, msg_id: str, text: str, timeout: float = 30) -> None:
+        """Read a started cell's IOPub messages until its stdout has shown ``text``.
+
+        For a test that must act while the cell runs: what it printed says
+        where it has got to. Fails if the cell ends first.
+        """
+        printed = ""
+        deadline = time.monotonic() + timeout
+        while text not in printed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the cell did not print {text!r} in {timeout} s: {printed!r}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            self.seen.append(msg)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "stream" and content["name"] == "stdout":
+                printed += content["text"]
+            elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
+                raise AssertionError(f"the cell ended without printing {text!r}: {printed!r}")
+
     def shutdown(self) -> None:
         self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
+        try:
+            self.manager.shutdown_kernel(now=True)
+        finally:
+            if self.own_dir is not None:
+                shutil.rmtree(self.own_dir, ignore_errors=True)
