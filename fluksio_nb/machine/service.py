@@ -257,7 +257,7 @@ class BooksService:
             return
         reason = request.reason
         if entry.uid != connection.uid:
-            reason = f"{reason} (by {connection.user}, an admin of this machine)"
+            reason = f"stopped by {connection.user}, an admin of this machine ({reason})"
         entry.cancel = reason
         owner: Connection = entry.owner
         if entry.state == "waiting":

@@ -1,0 +1,122 @@
+"""A machine set up for books every user shares, as an admin sets one up.
+
+Each test gets a machine of its own under a temporary prefix, made with the
+real ``fluksio-nb machine init`` (as root) and taken down with ``machine
+remove``, so two runs of the suite on one machine never share books. Kernels
+and processes find it through ``FLUKSIO_LEDGER``, the machine's run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from fluksio_nb.machine.setup import Layout
+from tests.unix_users import UnixUser, as_user, shared_tmp_dir, user_environ
+
+
+def fluksio_nb(
+    *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``fluksio-nb ARGS`` as a terminal runs it, with ``env`` over the test's environment."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "fluksio_nb", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+    if check and ran.returncode != 0:
+        raise AssertionError(f"fluksio-nb {' '.join(args)} failed: {ran.stderr}")
+    return ran
+
+
+@contextmanager
+def machine(cpus: int = 4, gpus: int = 1, config: dict[str, Any] | None = None) -> Iterator[Layout]:
+    """A machine's books, served by a real service run by root, removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip(
+            f"needs root: `fluksio-nb machine init` sets up books as root (uid {os.geteuid()})"
+        )
+    with shared_tmp_dir("fluksio-machine-") as prefix:
+        layout = Layout(prefix)
+        if config:
+            layout.config.parent.mkdir(parents=True)
+            layout.config.write_text(json.dumps(config))
+        extra = (
+            ["--admin-group", config["admin_group"]] if config and "admin_group" in config else []
+        )
+        fluksio_nb(
+            "machine",
+            "init",
+            "--prefix",
+            str(prefix),
+            "--cpus",
+            str(cpus),
+            "--gpus",
+            str(gpus),
+            *extra,
+        )
+        try:
+            yield layout
+        finally:
+            fluksio_nb("machine", "remove", "--prefix", str(prefix), check=False)
+
+
+def machine_env(layout: Layout, **more: str) -> dict[str, str]:
+    """What a kernel or process of any user needs to use this machine's books."""
+    return {
+        "FLUKSIO_LEDGER": str(layout.run_dir),
+        "FLUKSIO_RESERVE_CPUS": "0",
+        "FLUKSIO_CONFIG": "/nonexistent/fluksio_nb.json",
+        **more,
+    }
+
+
+PRELUDE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from fluksio_nb.kernel import accountant
+    from fluksio_nb.resources import Resources
+    q = accountant()
+    def say(**facts):
+        print(json.dumps(facts), flush=True)
+    """
+)
+
+
+def process(
+    layout: Layout, body: str, user: UnixUser | None = None, **env: str
+) -> subprocess.Popen:
+    """A Python process using the machine's books, as ``user`` or as root."""
+    script = PRELUDE + textwrap.dedent(body)
+    prefix = as_user(user) if user is not None else []
+    environ = (
+        user_environ(user, machine_env(layout, **env))
+        if user is not None
+        else {**os.environ, **machine_env(layout, **env)}
+    )
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ,
+        cwd="/",
+    )
+
+
+def heard(proc: subprocess.Popen) -> dict[str, Any]:
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"the process ended without a word: {proc.stderr.read()}")
+    return json.loads(line)

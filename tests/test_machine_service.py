@@ -1,0 +1,222 @@
+"""The machine's books service, as processes that do not trust each other use it.
+
+Everything here runs the real service, started by ``fluksio-nb machine init``
+as an admin would, and real processes talking to it. The failures guarded
+against are the ones a shared machine has: a holder that dies without a
+word, a client that sends garbage or stops reading, a service that restarts
+under running claims.
+"""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from fluksio_nb.ledger import process_started
+from fluksio_nb.machine import protocol
+from tests.machines import fluksio_nb, heard, machine, process
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLD_A_CARD = """
+t = q.enqueue(Resources(gpus=1), "holder"); q.wait(t)
+say(gpus=list(t.allocation.gpus))
+sys.stdin.readline()
+q.release(t)
+say(released=True)
+"""
+
+WAIT_FOR_A_CARD = """
+t = q.enqueue(Resources(gpus=1), "waiter")
+say(state=t.state)
+q.wait(t, 60)
+say(gpus=list(t.allocation.gpus), at=time.time())
+q.release(t)
+"""
+
+
+def wait_until(condition, timeout=10.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} was not reached in {timeout} s")
+        time.sleep(0.01)
+
+
+def snapshot(layout) -> dict:
+    from fluksio_nb.machine.client import read_snapshot
+
+    return read_snapshot(layout.socket)
+
+
+def test_init_sets_up_books_that_status_names_and_remove_takes_down(monkeypatch):
+    """Guards against an admin's init leaving kernels on their own books, or remove
+    leaving a service behind."""
+    monkeypatch.delenv("FLUKSIO_LEDGER")
+    with machine() as layout:
+        said = fluksio_nb("machine", "status", "--prefix", str(layout.prefix)).stdout
+        assert "books shared by every user" in said and str(layout.run_dir) in said
+        pid = int(layout.pidfile.read_text())
+        assert os.stat(layout.socket).st_uid == 0
+        assert oct(os.stat(layout.records).st_mode & 0o7777) == "0o1777"
+    wait_until(lambda: process_started(pid) is None, what="the service's end")
+    said = fluksio_nb("machine", "status", "--prefix", str(layout.prefix)).stdout
+    assert "books of this user's own kernels" in said
+    assert "fluksio-nb machine init" in said
+
+
+def test_init_refuses_to_run_as_anyone_but_root():
+    """Guards against a user's init seeming to set up books nobody else will trust."""
+    from tests.unix_users import USER_A, require_unix_users, run_as, unix_user
+
+    require_unix_users()
+    ran = run_as(
+        unix_user(USER_A),
+        "import sys; from fluksio_nb.__main__ import main; "
+        "sys.exit(main(['machine', 'init', '--prefix', '/tmp/nope']))",
+    )
+    assert ran.returncode == 2
+    assert "runs as root: sudo fluksio-nb machine init" in ran.stderr
+
+
+def test_a_killed_holders_card_goes_to_the_waiter_at_once():
+    """Guards against a kernel killed with SIGKILL keeping its card until somebody notices."""
+    with machine(gpus=1) as layout:
+        holder = process(layout, HOLD_A_CARD)
+        assert heard(holder) == {"gpus": [0]}
+        waiter = process(layout, WAIT_FOR_A_CARD)
+        assert heard(waiter) == {"state": "waiting"}
+        killed_at = time.time()
+        holder.kill()
+        granted = heard(waiter)
+        assert granted["gpus"] == [0]
+        assert granted["at"] - killed_at < 2.0
+        waiter.wait(10)
+
+
+def raw_connection(layout) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(layout.socket))
+    sock.sendall(protocol.line({"op": "hello"}))
+    return sock
+
+
+def test_a_bad_line_ends_only_the_connection_that_sent_it():
+    """Guards against one malformed request (a string for cpus, a negative card count,
+    a huge number, an unknown operation) breaking the books for everyone."""
+    with machine(cpus=4, gpus=1) as layout:
+        holder = process(layout, HOLD_A_CARD)
+        assert heard(holder) == {"gpus": [0]}
+        bad_lines = [
+            b"not json\n",
+            protocol.line(
+                {
+                    "op": "claim",
+                    "id": 1,
+                    "need": {"cpus": "2", "gpus": 0, "ram_bytes": 0},
+                    "label": "x",
+                }
+            ),
+            protocol.line(
+                {
+                    "op": "claim",
+                    "id": 1,
+                    "need": {"cpus": 1, "gpus": -1, "ram_bytes": 0},
+                    "label": "x",
+                }
+            ),
+            protocol.line(
+                {
+                    "op": "claim",
+                    "id": 1,
+                    "need": {"cpus": 10**9, "gpus": 0, "ram_bytes": 0},
+                    "label": "x",
+                }
+            ),
+            protocol.line({"op": "release", "id": 1, "ticket": 1, "extra": "field"}),
+            protocol.line({"op": "become", "id": 1, "uid": 0}),
+            b"{" + b" " * (protocol.MAX_LINE_BYTES + 10) + b"\n",
+        ]
+        for bad in bad_lines:
+            sock = raw_connection(layout)
+            sock.sendall(bad)
+            sock.settimeout(10)
+            answers = b""
+            while chunk := sock.recv(1 << 16):
+                answers += chunk
+            assert b"refused" in answers or b'"op":"error"' in answers, bad[:80]
+            sock.close()
+        books = snapshot(layout)
+        assert [c["label"] for c in books["running"]] == ["holder"]
+        assert books["cpus"]["free"] == books["cpus"]["total"] - 1 == 2
+        assert books["gpus"]["free"] == 0
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert heard(holder) == {"released": True}
+
+
+def test_a_client_that_stops_reading_is_dropped_and_stalls_nobody():
+    """Guards against a process that floods requests and never reads the answers
+    blocking the service for every other kernel."""
+    with machine(cpus=2, gpus=0) as layout:
+        flooder = raw_connection(layout)
+        request = protocol.line({"op": "snapshot", "id": 1})
+        flooder.setblocking(False)
+        sent, dropped = 0, False
+        other = process(
+            layout,
+            """
+            for _ in range(50):
+                t = q.enqueue(Resources(cpus=1), "busy"); q.wait(t, 10); q.release(t)
+            say(done=True)
+            """,
+        )
+        deadline = time.monotonic() + 60
+        while not dropped and time.monotonic() < deadline:
+            try:
+                sent += flooder.send(request * 64)
+            except BlockingIOError:
+                time.sleep(0.01)
+            except (BrokenPipeError, ConnectionResetError):
+                dropped = True
+        assert dropped, f"the flooder was never dropped ({sent} bytes sent)"
+        assert heard(other) == {"done": True}
+        books = snapshot(layout)
+        assert books["cpus"]["free"] == books["cpus"]["total"]
+
+
+def test_a_running_claim_survives_the_service_restarting():
+    """Guards against an admin restarting the service freeing every running claim,
+    so that a second kernel is granted a card the first still computes on."""
+    with machine(gpus=1) as layout:
+        holder = process(layout, HOLD_A_CARD)
+        assert heard(holder) == {"gpus": [0]}
+        os.kill(int(layout.pidfile.read_text()), signal.SIGTERM)
+        wait_until(lambda: not layout.socket.exists(), what="the service's end")
+        fluksio_nb("machine", "init", "--prefix", str(layout.prefix), "--gpus", "1")
+        wait_until(lambda: snapshot(layout)["running"], what="the holder's claim put back")
+        books = snapshot(layout)
+        assert [(c["label"], c["allocation"]["gpus"]) for c in books["running"]] == [
+            ("holder", [0])
+        ]
+        waiter = process(layout, WAIT_FOR_A_CARD)
+        assert heard(waiter) == {"state": "waiting"}
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert heard(holder) == {"released": True}
+        assert heard(waiter)["gpus"] == [0]
+
+
+def test_a_kernel_on_a_machine_whose_service_is_down_says_so():
+    """Guards against a kernel silently keeping books of its own, which nobody else
+    sees, while the machine's service is down."""
+    with machine() as layout:
+        os.kill(int(layout.pidfile.read_text()), signal.SIGTERM)
+        wait_until(lambda: not layout.socket.exists(), what="the service's end")
+        orphan = process(layout, "say(got=1)")
+        orphan.wait(30)
+        error = orphan.stderr.read()
+        assert "ServiceUnavailable" in error
+        assert "does not answer" in error and "fluksio-nb machine status" in error

@@ -1,0 +1,313 @@
+"""Two real Unix users, real kernels, one machine's books: what each can and cannot do.
+
+The books exist so that two people on one machine are not both granted card
+0, and they are only worth having if the second person cannot forge, stall,
+cancel or read the first one's share. So every test here runs kernels as two
+real users (made with ``useradd``, run with ``setpriv``) on books set up by
+``fluksio-nb machine init``, and the second user attacks as a hostile
+colleague would. CI runs as root and can do all this; elsewhere the tests
+skip and say what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from fluksio_nb.ledger import process_started
+from tests.kernels import Kernel
+from tests.machines import fluksio_nb, machine, machine_env
+from tests.unix_users import (
+    USER_A,
+    USER_B,
+    as_user,
+    require_unix_users,
+    run_as,
+    unix_user,
+    user_environ,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def users():
+    require_unix_users()
+    return unix_user(USER_A), unix_user(USER_B)
+
+
+@pytest.fixture
+def kernels():
+    started: list[Kernel] = []
+
+    def start(user, layout, **env) -> Kernel:
+        kernel = Kernel(user=user, **machine_env(layout, **env))
+        started.append(kernel)
+        return kernel
+
+    yield start
+    for kernel in started:
+        if kernel.manager.is_alive():
+            kernel.shutdown()
+
+
+def wait_until(condition, timeout=30.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} was not reached in {timeout} s")
+        time.sleep(0.02)
+    return found
+
+
+def running_labels(kernel: Kernel) -> list:
+    return [(c["user"], c["label"]) for c in kernel.books()["running"]]
+
+
+HOLD = """%%claim gpus=1 --background --label {label}
+import time
+start = time.time()
+while not __import__('os').path.exists({stop!r}):
+    time.sleep(0.02)
+"""
+
+
+def test_two_users_get_different_cards_and_the_second_waits_for_the_one_card(users, kernels):
+    """Guards against two people on one machine both being granted card 0."""
+    alice, bob = users
+    with machine(gpus=2) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        cards = []
+        for kernel in (a, b):
+            kernel.run("from fluksio_nb import claim\nheld = claim(gpus=1).acquire()", check=True)
+            cards.append(kernel.facts("list(held.allocation.gpus)"))
+        assert sorted(cards) == [[0], [1]]
+        for kernel in (a, b):
+            kernel.run("held.release()", check=True)
+    with machine(gpus=1) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        a.run("from fluksio_nb import claim\nheld = claim(gpus=1).acquire()", check=True)
+        waited = b.run("%%claim gpus=1 --timeout 1\nx = 1")
+        assert waited.error["ename"] == "ClaimTimeout"
+        assert USER_A in waited.error["evalue"]
+        a.run("held.release()", check=True)
+        b.run("%%claim gpus=1 --timeout 10\nx = 1", check=True)
+
+
+def test_another_user_cannot_cancel_my_claim_even_calling_itself_root(users, kernels):
+    """Guards against `accountant().cancel(n)` in another user's kernel stopping my
+    running cell, and against $USER deciding who a kernel is."""
+    alice, bob = users
+    with machine(gpus=1) as layout:
+        stop = layout.prefix / "stop"
+        a = kernels(alice, layout)
+        b = kernels(bob, layout, USER="root", LOGNAME="root")
+        a.start_job(HOLD.format(label="alices-training", stop=str(stop)), "job")
+        ticket = wait_until(lambda: a.books()["running"], what="alice's claim")[0]["ticket"]
+
+        attempt = b.run(f"import fluksio_nb\nfluksio_nb.accountant().cancel({ticket})")
+        assert attempt.error["ename"] == "NotYours"
+        assert USER_A in attempt.error["evalue"]
+        seen_by_bob = b.books()
+        assert seen_by_bob["user"] == USER_B
+        (held,) = seen_by_bob["running"]
+        assert (held["user"], held["label"], held["mine"]) == (USER_A, None, False)
+
+        b.run("%%claim cpus=1 --background --label bobs\nimport time; time.sleep(30)", check=True)
+        mine = wait_until(
+            lambda: [c for c in b.books()["running"] if c["mine"]], what="bob's claim"
+        )
+        assert mine[0]["user"] == USER_B
+
+        assert a.facts("job.status") == "running"
+        stop.touch()
+        a.run("job.result(30)", check=True)
+        assert a.facts("job.status") == "ok"
+
+
+def test_a_hostile_user_holding_locks_planting_links_and_stopping_itself_stalls_nobody(
+    users, kernels
+):
+    """Guards against another user stalling every claim on the machine by holding a
+    lock and sleeping, by planting symlinks where the books write, or by sending
+    half a request and stopping itself."""
+    alice, bob = users
+    with machine(gpus=1) as layout:
+        secret = layout.prefix / "root-only-secret"
+        secret.write_text("not for bob")
+        os.chmod(secret, 0o600)
+        attacker = subprocess.Popen(
+            [
+                *as_user(bob),
+                sys.executable,
+                "-c",
+                ATTACK,
+                str(layout.run_dir),
+                str(layout.records),
+                str(secret),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=user_environ(bob),
+        )
+        try:
+            report = json.loads(attacker.stdout.readline())
+            wait_until(
+                lambda: psutil.Process(attacker.pid).status() == psutil.STATUS_STOPPED,
+                what="the attacker stopped",
+            )
+            assert report["locked"], "the attacker found nothing to lock"
+            assert report["planted_in_run_dir"] == []
+            a = kernels(alice, layout)
+            for _ in range(3):
+                ran = a.run("%%claim gpus=1 --timeout 3\nx = 41 + 1", check=True)
+                assert ran.status == "ok"
+            assert a.facts("x") == 42
+            assert secret.read_text() == "not for bob"
+            assert oct(secret.stat().st_mode & 0o777) == "0o600"
+            records = [p for p in layout.records.iterdir() if p.stat().st_uid == alice.uid]
+            assert records and all(not p.is_symlink() for p in records)
+        finally:
+            attacker.kill()
+            attacker.wait()
+
+
+ATTACK = r"""
+import fcntl, json, os, socket, sys
+run_dir, records, secret = sys.argv[1:4]
+locked, planted_run, planted_records = [], [], []
+for directory in (run_dir, records):
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        for flags in (os.O_RDWR, os.O_RDONLY):
+            try:
+                fd = os.open(path, flags | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked.append(path)
+            except OSError:
+                pass
+            break
+for name in ("books.sock", "machine", ".machine.new", "service.pid", "service.log"):
+    try:
+        os.symlink(secret, os.path.join(run_dir, name + ".x"))
+        planted_run.append(name)
+    except OSError:
+        pass
+    try:
+        os.symlink(secret, os.path.join(run_dir, name))
+        planted_run.append(name)
+    except OSError:
+        pass
+for uid in range(0, 70000, 997):
+    try:
+        os.symlink(secret, os.path.join(records, f"{uid}-{os.getpid()}-x.jsonl"))
+        planted_records.append(uid)
+    except OSError:
+        pass
+half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+half.connect(os.path.join(run_dir, "books.sock"))
+half.sendall(b'{"op":"hello"}\n{"op":"claim","id":1,"need":{"cpus":1,')
+garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+garbage.connect(os.path.join(run_dir, "books.sock"))
+garbage.sendall(b'{"op":"hello"}\n{"op":"claim","id":1,"need":{"cpus":"all","gpus":1e9}}\n')
+print(json.dumps({"locked": locked, "planted_in_run_dir": planted_run}), flush=True)
+os.kill(os.getpid(), 19)
+"""
+
+
+def test_one_users_twenty_queued_claims_do_not_starve_anothers_one(users, kernels):
+    """Guards against FIFO between claims making one person wait for all of another
+    person's backlog: B's one-core claim starts within two of A's twenty."""
+    alice, bob = users
+    with machine(cpus=3, gpus=0) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        a.run(
+            "import time\njobs = []\nstarts = []",
+            check=True,
+        )
+        for n in range(20):
+            a.run(
+                f"%%claim cpus=2 --background --label a{n}\nimport time\n"
+                "started = time.time(); time.sleep(0.3)",
+                check=True,
+            )
+            a.run("jobs.append(_)", check=True)
+        wait_until(lambda: len(b.books()["waiting"]) == 19, what="alice's queue")
+        b.run("%%claim cpus=2 --label b\nimport time\nbob_started = time.time()", check=True)
+        bob_started = b.facts("bob_started")
+        a_starts = a.facts("[j.result(120)['started'] for j in jobs]")
+        assert sum(s < bob_started for s in a_starts) <= 2
+
+
+def test_a_killed_kernels_card_reaches_another_users_waiting_cell_within_two_seconds(
+    users, kernels, tmp_path
+):
+    """Guards against a dead kernel's share staying taken because nobody else may
+    delete its files."""
+    alice, bob = users
+    with machine(gpus=1) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        a.start_job(HOLD.format(label="doomed", stop="/nonexistent"), "job")
+        wait_until(lambda: b.books()["running"], what="alice's claim")
+        b.start_job(
+            "%%claim gpus=1 --background --label next\nimport time\nstarted = time.time()",
+            "job",
+        )
+        wait_until(lambda: b.books()["waiting"], what="bob's waiting claim")
+        killed_at = time.time()
+        os.kill(a.pid, signal.SIGKILL)
+        wait_until(lambda: process_started(a.pid) is None, what="alice's kernel's end")
+        started = b.facts("job.result(30)['started']")
+        assert started - killed_at < 2.0
+
+
+def test_an_admin_may_cancel_anyones_claim_and_the_owner_reads_who(users, kernels, tmp_path):
+    """Guards against an admin being unable to free a card someone forgot, and against
+    the owner's cell ending without saying who stopped it."""
+    alice, bob = users
+    admins = "fluksio-test-admins"
+    subprocess.run(["groupadd", "-f", admins], check=True)
+    subprocess.run(["usermod", "-aG", admins, bob.name], check=True)
+    with machine(gpus=1, config={"admin_group": admins}) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        a.start_job(HOLD.format(label="forgotten", stop="/nonexistent"), "job")
+        ticket = wait_until(lambda: b.books()["running"], what="alice's claim")[0]["ticket"]
+        assert b.books()["can_cancel_any"] is True
+        b.run(f"import fluksio_nb\nassert fluksio_nb.accountant().cancel({ticket})", check=True)
+        ended = a.run("job.result(30)")
+        assert ended.error["ename"] == "ClaimCancelled"
+        assert f"stopped by {USER_B}, an admin of this machine" in ended.error["evalue"]
+
+
+def test_usage_counts_a_users_claims_and_nobody_else_reads_them(users, kernels):
+    """Guards against accounting that misses claims, and against the machine's usage
+    records telling every user what another user's notebooks ran."""
+    alice, bob = users
+    with machine(gpus=0) as layout:
+        a = kernels(alice, layout)
+        for n in range(3):
+            a.run(f"%%claim cpus=1 --label r{n}\nx = {n}", check=True)
+        files = [p for p in layout.records.iterdir() if p.stat().st_uid == alice.uid]
+        assert files and all(p.stat().st_mode & 0o077 == 0 for p in files)
+        as_root = json.loads(fluksio_nb("usage", "--dir", str(layout.records), "--json").stdout)
+        (row,) = [r for r in as_root["rows"] if r["user"] == USER_A]
+        assert row["claims"] == 3
+        as_bob = run_as(
+            bob,
+            "import sys; from fluksio_nb.__main__ import main; "
+            f"sys.exit(main(['usage', '--dir', {str(layout.records)!r}, '--json']))",
+        )
+        assert as_bob.returncode == 0, as_bob.stderr
+        seen = json.loads(as_bob.stdout)
+        assert [r for r in seen["rows"] if r["user"] == USER_A] == []
+        assert seen["skipped_files"] >= len(files)
