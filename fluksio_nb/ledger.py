@@ -1,19 +1,45 @@
-"""One machine's books, shared by every kernel on it.
+"""One user's books, shared by every kernel of theirs on this machine.
 
 A queue inside one kernel stops one notebook from oversubscribing the
-machine. The real damage comes from several notebooks on one workstation or
-JupyterHub node, each sure it owns the machine: two kernels that each grant
-"GPU 0" to a cell of their own are the deadlock this project exists to
-prevent. So by default every kernel keeps its books in one file, and every
-grant is a transaction on that file.
+machine. The real damage comes from several notebooks of one user on a
+workstation or JupyterHub node, each sure it owns the machine: two kernels
+that each grant "GPU 0" to a cell of their own are the deadlock this project
+exists to prevent. So by default every kernel of a user keeps its books in
+one file, and every grant is a transaction on that file. Books shared by
+several Unix users are not kept here: a file that two users can write is a
+file either of them can forge, so those are kept by a service of their own
+(:mod:`fluksio_nb.machine`).
+
+What it trusts, and what it refuses:
+
+- **Only a directory its owner alone can write.** The directory is opened
+  once, without following a symlink, and checked on the open descriptor: it
+  must belong to this process's user and be writable by nobody else. A
+  directory that fails is refused with :class:`UnsafeLedgerDir`, saying how
+  to fix it, and never chmod-ed into shape: the directory somebody chose
+  (``FLUKSIO_LEDGER``) may be theirs to share, like ``/tmp``, and quietly
+  taking its sticky bit away is worse than refusing. Only a directory it
+  creates itself does it make (0700).
+- **Only files it reached through that directory.** Every file is opened
+  relative to the checked descriptor, never following a symlink, and used
+  only if it is a regular file of this user's that nobody else can write and
+  that has no other name. Swapping the directory or planting a link after the
+  check therefore changes nothing the ledger touches. Its files are 0600.
+- **Who a kernel is comes from the OS.** An entry records the process's
+  effective uid and that uid's name, not ``$USER``, which anyone can set.
+- **Every entry is checked, none is believed.** Entries are validated
+  (:class:`LedgerEntry`) on every read; one that does not validate, or a running
+  one holding a card the machine lacks, a card another claim holds, or more
+  than is left, is dropped with a :class:`LedgerBroken` warning saying why.
+  Nothing read from the file can raise out of a transaction, and the books
+  never show less than nothing free.
 
 What it decides:
 
 - **A file and a lock, no daemon.** The state is one small JSON document,
-  replaced atomically (write, then rename) under an exclusive ``flock`` on a
-  separate lock file. That gives real transactions across processes with
-  less code than SQLite, and a reader who only looks (the server's
-  snapshot) never needs the lock: it sees the old document or the new one.
+  rewritten under an exclusive ``flock`` on a separate lock file. That gives
+  real transactions across processes with less code than SQLite, and readers
+  take the lock shared, so they never see half a document.
 - **Nothing stored that can drift.** What is free is worked out from the
   inventory and the running claims on every transaction, never kept as a
   counter, so a crash in the middle of anything cannot unbalance the books.
@@ -30,7 +56,7 @@ What it decides:
   kernel reaches a waiter in another within a millisecond or two. A waiter
   also wakes every half second, to notice holders that died silently.
 - **A broken file is rebuilt, never fatal.** A truncated or corrupted
-  document is moved aside with a warning and started afresh; this kernel's
+  document is copied aside with a warning and started afresh; this kernel's
   own claims are written back into it, and other kernels put back theirs
   the next time they look (their running claims check their entries every
   half second).
@@ -39,20 +65,23 @@ What it decides:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import getpass
 import json
 import os
+import pwd
 import secrets
 import socket
+import stat
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import psutil
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.inventory import Inventory
@@ -64,7 +93,8 @@ from fluksio_nb.queue import (
     timeout_message,
     who_goes_next,
 )
-from fluksio_nb.resources import Resources
+from fluksio_nb.resources import Resources, explain
+from fluksio_nb.settings import BadSettings
 
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
@@ -74,15 +104,122 @@ VERSION = 1
 #: it: the bound on how long a silently dead holder keeps its share.
 LOOK_EVERY_S = 0.5
 
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_MODE = 0o600
+
+#: How to fix a ledger directory that is not this user's alone.
+_WAY_OUT = (
+    "point FLUKSIO_LEDGER at a directory of your own; books shared by several users "
+    "are set up with `fluksio-nb machine init`"
+)
+
 
 class LedgerBroken(UserWarning):
-    """The ledger file could not be read and was started afresh."""
+    """The ledger file, or an entry in it, could not be used and was left out."""
+
+
+class UnsafeLedgerDir(BadSettings):
+    """The ledger's directory, or a file in it, is not this user's alone.
+
+    Raised rather than repaired: the books are only as good as the guarantee
+    that nobody else can write them, and the directory may be someone's to share.
+    """
 
 
 def default_ledger_dir() -> Path:
     from jupyter_core.paths import jupyter_runtime_dir
 
     return Path(jupyter_runtime_dir()) / "fluksio"
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _who(uid: int) -> str:
+    return f"uid {uid} ({_user_name(uid)})"
+
+
+def _open_directory(directory: Path) -> int:
+    """The ledger's directory, opened and checked: made (0700) if missing, never changed."""
+    try:
+        fd = os.open(directory, _OPEN_DIR)
+    except FileNotFoundError:
+        try:
+            os.makedirs(directory.parent, exist_ok=True)
+            # Made by someone else in the meantime: checked below like any other.
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+            fd = os.open(directory, _OPEN_DIR)
+        except OSError as error:
+            raise _unusable_directory(directory, error) from None
+    except OSError as error:
+        raise _unusable_directory(directory, error) from None
+    try:
+        found = os.fstat(fd)
+        if found.st_uid != os.geteuid():
+            raise UnsafeLedgerDir(
+                f"fluksio_nb's ledger directory {directory} belongs to {_who(found.st_uid)}, "
+                f"not to this user ({_who(os.geteuid())}): whoever owns it can rewrite the "
+                f"books of every kernel kept there. To fix it, {_WAY_OUT}."
+            )
+        if found.st_mode & 0o022:
+            raise UnsafeLedgerDir(_writable_by_others(directory, found.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _writable_by_others(directory: Path, mode: int) -> str:
+    said = (
+        f"fluksio_nb's ledger directory {directory} can be written by other users "
+        f"(mode {stat.S_IMODE(mode):o}): any of them could rewrite these books, or leave "
+        "links in it for this user's kernels to follow."
+    )
+    if mode & stat.S_ISVTX:
+        # A sticky, world-writable directory is somebody's shared scratch
+        # space, such as /tmp: telling them to chmod it would break it.
+        own = directory / f"fluksio-{_user_name(os.geteuid())}"
+        return (
+            f"{said} It is a shared scratch directory, such as /tmp: keep the books in a "
+            f"directory of your own instead, such as {own}, by pointing FLUKSIO_LEDGER "
+            "there; books shared by several users are set up with `fluksio-nb machine init`."
+        )
+    return f"{said} Fix it with `chmod go-w {directory}`, or {_WAY_OUT}."
+
+
+def _unusable_directory(directory: Path, error: OSError) -> BadSettings:
+    if error.errno in (errno.ELOOP, errno.ENOTDIR) and directory.is_symlink():
+        # O_NOFOLLOW on a symlink fails with ELOOP, or ENOTDIR with O_DIRECTORY.
+        return UnsafeLedgerDir(
+            f"fluksio_nb's ledger directory {directory} is a symbolic link, which is "
+            "not followed: whoever can change the link decides where the books go. "
+            f"Point FLUKSIO_LEDGER at the directory itself, or {_WAY_OUT}."
+        )
+    return BadSettings(
+        f"fluksio_nb's ledger directory {directory} cannot be used: "
+        f"{error.strerror or error}. To fix it, {_WAY_OUT}."
+    )
+
+
+def _untrusted_file(path: Path, found: os.stat_result) -> str | None:
+    """What is wrong with a file in the ledger's directory, and its fix; None if nothing."""
+    remove = f"remove it (`rm {path}`)"
+    if not stat.S_ISREG(found.st_mode):
+        return f"is not a regular file. Fix it: {remove}"
+    if found.st_uid != os.geteuid():
+        return f"belongs to {_who(found.st_uid)}. Fix it: {remove}"
+    if found.st_mode & 0o022:
+        mode = stat.S_IMODE(found.st_mode)
+        return f"can be written by other users (mode {mode:o}). Fix it: `chmod go-w {path}`"
+    if found.st_nlink != 1:
+        # Its other name may be somewhere the books must never write.
+        return f"has {found.st_nlink} names (hard links). Fix it: {remove}"
+    return None
 
 
 def process_started(pid: int) -> float | None:
@@ -123,6 +260,155 @@ def _owner_alive(owner: dict[str, Any]) -> bool:
     return alive
 
 
+# -- what a document may say ---------------------------------------------------
+
+
+class _Checked(BaseModel):
+    # Strict: "2" where a count belongs is not something this module wrote,
+    # and guessing what it meant is how the books stop balancing. Fields it
+    # does not know are allowed: a later version may add some. Entries are
+    # only checked against these models; the document keeps the dicts it was
+    # read as, so nothing is lost on the way back to the file.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class Asked(_Checked):
+    """What a claim asked for."""
+
+    cpus: Count
+    gpus: Count
+    ram_bytes: Count
+
+
+class Held(_Checked):
+    """What a running claim was granted: which cards, not how many."""
+
+    cpus: Count
+    gpus: list[Count]
+    ram_bytes: Count
+
+
+class Owner(_Checked):
+    """The kernel that made a claim: its process, and whose it is."""
+
+    pid: int = Field(gt=0)
+    started: float
+    kernel_id: str | None = None
+    notebook: str | None = None
+    user: str | None = None
+    uid: Count | None = None
+
+
+class LedgerEntry(_Checked):
+    """One claim as the ledger records it."""
+
+    number: int = Field(ge=1)
+    state: Literal["waiting", "running", "cancelled"]
+    label: str
+    asked: Asked
+    allocation: Held | None = None
+    owner: Owner
+    since: float
+    granted_at: float | None = None
+    # Only ever one of this module's own sockets in the abstract namespace:
+    # an address read from the file is never a path to write to.
+    wake: str | None = Field(default=None, pattern=r"^\x00fluksio-")
+    cancel: str | None = None
+    readings: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _running_says_what_it_holds(self) -> LedgerEntry:
+        if self.state == "running" and (self.allocation is None or self.granted_at is None):
+            raise ValueError("a running claim must say what it holds and since when")
+        return self
+
+
+class _MachineInventory(_Checked):
+    cpus: Count
+    gpu_ids: list[Count]
+    ram_bytes: Count
+
+
+class _Document(_Checked):
+    version: Literal[1]
+    next: int = Field(ge=1)
+    tickets: list[Any]
+    inventory: _MachineInventory
+
+
+def _trusted(
+    entries: Any, inventory: dict[str, Any], checked: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The entries that can be believed, of live owners, and what was wrong with the rest.
+
+    Running claims are counted against the inventory in ticket order, so when
+    the books do not balance it is the later claim that is left out.
+    ``checked`` says each entry was validated already, or made by this module:
+    validating every entry was the dearest part of a transaction, and once
+    per transaction is enough.
+    """
+    kept: list[dict[str, Any]] = []
+    problems: list[str] = []
+    if not isinstance(entries, list):
+        return kept, ["the list of claims is not a list"]
+    free_cpus, free_ram = inventory["cpus"], inventory["ram_bytes"]
+    cards_here = set(inventory["gpu_ids"])
+    free_cards = set(cards_here)
+    numbers: set[int] = set()
+    for place, entry in enumerate(entries, start=1):
+        if not isinstance(entry, dict):
+            problems.append(f"entry {place} is not an object")
+            continue
+        if not checked:
+            try:
+                LedgerEntry.model_validate(entry)
+            except ValidationError as error:
+                problems.append(f"entry {place}: {explain(error)}")
+                continue
+        number = entry["number"]
+        if number in numbers:
+            problems.append(f"claim {number} appears twice")
+            continue
+        numbers.add(number)
+        if not _owner_alive(entry["owner"]):
+            continue  # reaped, not broken
+        if entry["state"] == "running":
+            held = entry["allocation"]
+            cards = held["gpus"]
+            missing = sorted(set(cards) - cards_here)
+            if missing:
+                problems.append(f"claim {number} holds card(s) {missing}, not this machine's")
+                continue
+            if not set(cards) <= free_cards or len(set(cards)) != len(cards):
+                problems.append(f"claim {number} holds card(s) {cards}, held already")
+                continue
+            if held["cpus"] > free_cpus or held["ram_bytes"] > free_ram:
+                problems.append(
+                    f"claim {number} holds {held['cpus']} cpus and {held['ram_bytes']} bytes "
+                    f"of RAM, more than was left ({free_cpus} cpus, {free_ram} bytes)"
+                )
+                continue
+            free_cards -= set(cards)
+            free_cpus -= held["cpus"]
+            free_ram -= held["ram_bytes"]
+        kept.append(entry)
+    return kept, problems
+
+
+def _warn_left_out(where: Path | None, problems: list[str]) -> None:
+    if problems:
+        ledger = "the ledger" if where is None else f"the ledger {where}"
+        warnings.warn(
+            f"fluksio_nb: {ledger} had claims that cannot be trusted, and they were left "
+            f"out: {'; '.join(problems)}",
+            LedgerBroken,
+            stacklevel=3,
+        )
+
+
 def _dump(state: dict[str, Any]) -> str:
     return json.dumps(state, separators=(",", ":"))
 
@@ -141,29 +427,52 @@ class LedgerFile:
     readers take the lock too, shared, and never see half a document. A
     process that dies between writing and trimming the file leaves trailing
     bytes, which read as a broken document and are rebuilt like one.
+
+    Raises :class:`UnsafeLedgerDir` when it is made, and when a file is first
+    opened, if what it finds is not this user's alone.
     """
 
     def __init__(
         self, directory: Path, inventory: dict[str, Any] | None = None, shared: bool = False
     ):
+        # ``shared`` is ignored: a ledger is one user's books, and books
+        # several users share are the machine service's. It stays until the
+        # callers that pass it are updated.
+        del shared
         #: What this process says the machine has; ``None`` for a reader that
         #: takes the ledger's word for it (the server).
-        self.directory = Path(directory)
         self.inventory = inventory
-        # A team's shared ledger lives in a group-writable place; a user's own
-        # is theirs alone, since it names their notebooks.
-        self._dir_mode = 0o2770 if shared else 0o700
-        self._file_mode = 0o660 if shared else 0o600
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(PermissionError):
-            os.chmod(self.directory, self._dir_mode)
+        self.directory = Path(directory)
         self.path = self.directory / LEDGER_FILE
-        self._lock_path = self.directory / LOCK_FILE
-        self._thread_lock = threading.Lock()
-        # Both opened once and kept: opening them per transaction was a
-        # measurable part of one.
         self._lock_fd: int | None = None
         self._data_fd: int | None = None
+        # Every file is opened relative to this descriptor, checked once: what
+        # the path leads to later (a swapped directory, a new link) is never used.
+        self._dir_fd: int | None = _open_directory(self.directory)
+        self._thread_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let go of the directory and the files. The ledger cannot be used after."""
+        for name in ("_data_fd", "_lock_fd", "_dir_fd"):
+            fd = getattr(self, name, None)
+            setattr(self, name, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __del__(self) -> None:
+        # A server makes one of these per request: descriptors must not pile up.
+        # At interpreter exit, what close() uses may be gone already.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def has_document(self) -> bool:
+        """Whether there is a document yet, without creating one or following a link."""
+        try:
+            os.stat(LEDGER_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[dict[str, Any]]:
@@ -178,25 +487,43 @@ class LedgerFile:
     def read(self) -> dict[str, Any]:
         """The document as it stands; a missing or broken one reads as empty."""
         with self._thread_lock, self._locked(fcntl.LOCK_SH):
+            # Outside the try: a file that is not ours is refused, not read as empty.
+            fd = self._document()
             try:
-                return self._parse(self._read_text())
+                return self._parse(self._read_text(fd), self.inventory)
             except (OSError, ValueError):
                 return _empty_state(self.inventory)
 
     @contextlib.contextmanager
     def _locked(self, how: int) -> Iterator[None]:
         if self._lock_fd is None:
-            self._lock_fd = self._open(self._lock_path)
+            self._lock_fd = self._open(LOCK_FILE)
         fcntl.flock(self._lock_fd, how)
         try:
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _open(self, path: Path) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, self._file_mode)
-        with contextlib.suppress(PermissionError):
-            os.fchmod(fd, self._file_mode)  # the umask must not make a team's file private
+    def _open(self, name: str) -> int:
+        """A file of the ledger's, made if missing, refused unless it is ours alone."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        path = self.directory / name
+        try:
+            fd = os.open(name, flags, _FILE_MODE, dir_fd=self._dir_fd)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            fd, wrong = None, f"is a symbolic link. Fix it: remove it (`rm {path}`)"
+        else:
+            wrong = _untrusted_file(path, os.fstat(fd))
+        if wrong is not None:
+            if fd is not None:
+                os.close(fd)
+            raise UnsafeLedgerDir(
+                f"fluksio_nb's ledger file {path} is not used: the books are kept only in "
+                f"files this user alone can change, and it {wrong}. A missing file is made "
+                "afresh, and kernels write their claims back into it."
+            )
         return fd
 
     def _document(self) -> int:
@@ -204,38 +531,41 @@ class LedgerFile:
         fd = self._data_fd
         if fd is not None:
             try:
-                current = os.stat(self.path)
-                if os.fstat(fd).st_ino == current.st_ino:
+                current = os.stat(LEDGER_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+                opened = os.fstat(fd)
+                if (opened.st_ino, opened.st_dev) == (current.st_ino, current.st_dev):
                     return fd
             except FileNotFoundError:
                 pass
+            self._data_fd = None
             os.close(fd)
-        self._data_fd = self._open(self.path)
+        self._data_fd = self._open(LEDGER_FILE)
         return self._data_fd
 
-    def _read_text(self) -> str:
-        fd = self._document()
+    @staticmethod
+    def _read_text(fd: int) -> str:
         size = os.fstat(fd).st_size
         return os.pread(fd, size, 0).decode() if size else ""
 
     def _load_for_update(self) -> tuple[dict[str, Any], str]:
         """The document to change, and its text as read, to tell whether it changed."""
         try:
-            text = self._read_text()
+            text = self._read_text(self._document())
         except UnicodeDecodeError:
             text = "\0"  # not a ledger: rebuilt below
         if not text:
             return _empty_state(self.inventory), ""
         try:
-            state = self._parse(text)
+            # The kernel that wrote the inventory last describes the machine: a
+            # restarted kernel with a new FLUKSIO_* setting means it.
+            return self._parse(text, self.inventory), text
         except ValueError as error:
-            aside = self.path.with_name(f"{LEDGER_FILE}.broken-{int(time.time())}")
-            with contextlib.suppress(OSError):
-                aside.write_text(text, errors="replace")
+            aside = f"{LEDGER_FILE}.broken-{int(time.time())}"
+            kept = self._keep_aside(aside, text)
             warnings.warn(
-                f"fluksio_nb: the machine's ledger {self.path} could not be read ({error}); "
-                f"a copy was kept as {aside.name} and it was started afresh. Claims running "
-                "in other kernels are written back as those kernels next look.",
+                f"fluksio_nb: the ledger {self.path} could not be read ({error}); "
+                f"{kept}, and it was started afresh. Claims running in other kernels "
+                "are written back as those kernels next look.",
                 LedgerBroken,
                 stacklevel=4,
             )
@@ -244,19 +574,43 @@ class LedgerFile:
             # handed out, so a ticket other kernels still hold is never reissued.
             fresh["next"] = int(time.time())
             return fresh, text
-        # The kernel that wrote the inventory last describes the machine: a
-        # restarted kernel with a new FLUKSIO_* setting means it.
-        if self.inventory is not None:
-            state["inventory"] = self.inventory
-        return state, text
 
-    @staticmethod
-    def _parse(text: str) -> dict[str, Any]:
+    def _keep_aside(self, name: str, text: str) -> str:
+        """A copy of a broken document, for whoever wants to know what broke it.
+
+        Made only as a new file: whatever is already there under that name,
+        a link above all, is left as it is. Returns what became of the copy.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, _FILE_MODE, dir_fd=self._dir_fd)
+        except FileExistsError:
+            return f"no copy was kept, since {name} is already there"
+        except OSError as error:
+            return f"no copy was kept ({error.strerror})"
+        try:
+            os.write(fd, text.encode(errors="replace"))
+        except OSError as error:
+            return f"the copy {name} is incomplete ({error.strerror})"
+        finally:
+            os.close(fd)
+        return f"a copy was kept as {name}"
+
+    def _parse(self, text: str, inventory: dict[str, Any] | None) -> dict[str, Any]:
+        """The document, with what cannot be trusted left out. ValueError if it is no ledger."""
         state = json.loads(text)
         if not isinstance(state, dict) or state.get("version") != VERSION:
             raise ValueError("not a fluksio_nb ledger of this version")
-        if not isinstance(state.get("tickets"), list) or not isinstance(state.get("next"), int):
-            raise ValueError("the document is incomplete")
+        try:
+            _Document.model_validate(state)
+        except ValidationError as error:
+            raise ValueError(f"the document is incomplete: {explain(error)}") from None
+        if inventory is not None:
+            state["inventory"] = inventory
+        state["tickets"], problems = _trusted(state["tickets"], state["inventory"])
+        _warn_left_out(self.path, problems)
+        # A ticket number is never handed out twice, whatever "next" said.
+        state["next"] = max([state["next"], *(t["number"] + 1 for t in state["tickets"])])
         return state
 
     def _write(self, text: str) -> None:
@@ -313,15 +667,22 @@ def identity() -> dict[str, Any]:
         "kernel_id": kernel_id,
         # jupyter_server tells the kernels it starts which notebook they serve.
         "notebook": os.environ.get("JPY_SESSION_NAME"),
-        "user": getpass.getuser(),
+        # From the OS, not $USER or $LOGNAME, which say whatever they are set to.
+        "uid": os.geteuid(),
+        "user": _user_name(os.geteuid()),
     }
 
 
-def dispatch(state: dict[str, Any]) -> list[str]:
-    """Reap dead owners and grant in order. Returns the addresses to wake."""
-    tickets = state["tickets"]
-    tickets[:] = [t for t in tickets if _owner_alive(t["owner"])]
+def dispatch(state: dict[str, Any], checked: bool = False) -> list[str]:
+    """Reap dead owners, leave out what cannot be trusted, and grant in order.
+
+    Returns the addresses to wake. ``checked``: every entry was read through
+    :class:`LedgerFile` or made by this module, so is not validated again.
+    """
     inventory = state["inventory"]
+    tickets, problems = _trusted(state["tickets"], inventory, checked)
+    _warn_left_out(None, problems)
+    state["tickets"] = tickets
     running = [t for t in tickets if t["state"] == "running"]
     held_gpus = {g for t in running for g in t["allocation"]["gpus"]}
     free_gpus = sorted(set(inventory["gpu_ids"]) - held_gpus)
@@ -354,9 +715,8 @@ class NotYours(PermissionError):
 def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None = None) -> bool:
     """Cancel a waiting claim, or mark a running one to be stopped by its kernel.
 
-    ``user``, when given, must be the claim's owner: on a team's shared ledger
-    a user may stop their own work and nobody else's. False if there is no
-    such claim (any more).
+    ``user``, when given, must be the claim's owner, as its entry names them.
+    False if there is no such claim (any more).
     """
     with ledger.transaction() as state:
         entry = next(
@@ -374,21 +734,25 @@ def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None 
             # Kept, marked, until its owner lets go of it, so that the owner
             # learns why; it no longer takes a place in the queue.
             entry["state"] = "cancelled"
-            woken += dispatch(state)
+            woken += dispatch(state, checked=True)
     wake(woken)
     return True
 
 
 def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
-    """The machine as its ledger describes it, read without taking the lock.
+    """The machine as its ledger describes it, read under the shared lock.
 
     For the server and the command line, which make no claims of their own:
     with no ledger yet, the machine is described as this process sees it.
+    ``shared`` is ignored, as by :class:`LedgerFile`.
     """
-    ledger = LedgerFile(directory, shared=shared)
-    if ledger.path.exists():
-        state = ledger.read()
-        return machine_snapshot(state, state["inventory"])
+    ledger = LedgerFile(directory)
+    try:
+        if ledger.has_document():
+            state = ledger.read()
+            return machine_snapshot(state, state["inventory"], checked=True)
+    finally:
+        ledger.close()
     from fluksio_nb.inventory import take_inventory
     from fluksio_nb.settings import load_settings
 
@@ -405,6 +769,7 @@ class MachineQueue:
     """
 
     def __init__(self, directory: Path, inventory: Inventory, shared: bool = False) -> None:
+        # ``shared`` is ignored, as by :class:`LedgerFile`.
         self.books = ResourceAccountant(
             cpus=inventory.cpus, gpus=inventory.gpu_ids, ram_bytes=inventory.ram_bytes
         )
@@ -415,7 +780,6 @@ class MachineQueue:
                 "gpu_ids": list(inventory.gpu_ids),
                 "ram_bytes": inventory.ram_bytes,
             },
-            shared=shared,
         )
         self.owner = identity()
         self._lock = threading.Lock()
@@ -444,7 +808,7 @@ class MachineQueue:
                 self._restore_missing(state)
                 entry = self._entry(ticket, None)
                 state["tickets"].append(entry)
-                woken = dispatch(state)
+                woken = dispatch(state, checked=True)
                 # Only a claim that has to wait needs waking: one granted on
                 # the spot, as most are, opens no socket.
                 if entry["state"] == "waiting":
@@ -488,7 +852,7 @@ class MachineQueue:
         with self.ledger.transaction() as state:
             self._restore_missing(state)
             state["tickets"] = [t for t in state["tickets"] if t["number"] != ticket.number]
-            woken = dispatch(state)
+            woken = dispatch(state, checked=True)
         ticket.state = "done"
         self._forget(ticket.number)
         self._adopt(state)
@@ -510,7 +874,7 @@ class MachineQueue:
                 reading = self._readings.get(entry["number"])
                 if reading is not None and entry["owner"]["pid"] == self.owner["pid"]:
                     entry["readings"] = reading
-            woken = dispatch(state)
+            woken = dispatch(state, checked=True)
         self._adopt(state)
         wake(woken)
 
@@ -613,7 +977,7 @@ class MachineQueue:
     def snapshot(self) -> dict[str, Any]:
         """The machine: totals, free, every kernel's waiting and running claims."""
         state = self.ledger.read()
-        return machine_snapshot(state, self.ledger.inventory)
+        return machine_snapshot(state, self.ledger.inventory, checked=True)
 
     def position(self, ticket: Ticket) -> int | None:
         waiting = [t["number"] for t in self.ledger.read()["tickets"] if t["state"] == "waiting"]
@@ -641,9 +1005,16 @@ class MachineQueue:
         return timeout_message(ticket, timeout, self.holders())
 
 
-def machine_snapshot(state: dict[str, Any], inventory: dict[str, Any]) -> dict[str, Any]:
-    """What a ledger document says, in the shape :meth:`ClaimQueue.snapshot` uses."""
-    tickets = [t for t in state.get("tickets", []) if _owner_alive(t["owner"])]
+def machine_snapshot(
+    state: dict[str, Any], inventory: dict[str, Any], checked: bool = False
+) -> dict[str, Any]:
+    """What a ledger document says, in the shape :meth:`ClaimQueue.snapshot` uses.
+
+    Only what can be trusted is shown: the free figures are never below zero.
+    ``checked`` as for :func:`dispatch`.
+    """
+    tickets, problems = _trusted(state.get("tickets", []), inventory, checked)
+    _warn_left_out(None, problems)
     running = [t for t in tickets if t["state"] == "running"]
     waiting = [t for t in tickets if t["state"] == "waiting"]
     held_gpus = {g for t in running for g in t["allocation"]["gpus"]}
@@ -689,12 +1060,14 @@ def machine_snapshot(state: dict[str, Any], inventory: dict[str, Any]) -> dict[s
 
 
 def ledger_location(setting: str | None) -> tuple[Path, bool] | None:
-    """Where the ledger lives for a setting, and whether it is shared; None for kernel-only."""
+    """Where the ledger lives for a setting; None for kernel-only books.
+
+    The second item, once whether the ledger was a team's, is always False: a
+    ledger is one user's books wherever it is (see the module's docstring).
+    It stays until the callers that unpack it are updated.
+    """
     if setting == "kernel":
         return None
     if setting:
-        path = Path(setting).expanduser()
-        # A location somebody chose, other than the user's own runtime dir,
-        # is for a team: make what is created there group-writable.
-        return path, True
+        return Path(setting).expanduser(), False
     return default_ledger_dir(), False

@@ -247,13 +247,19 @@ def test_four_processes_of_two_hundred_claims_keep_the_books(tmp_path):
     assert after["running"] == [] and after["waiting"] == []
 
 
-def test_a_shared_location_is_group_writable(tmp_path):
+def test_a_chosen_location_is_private_to_the_user_too(tmp_path):
+    """Guards against the old team mode: a FLUKSIO_LEDGER place made group-writable.
+
+    A group member could rewrite every claim in it; books several users share
+    are the machine service's, so ``shared`` asks for nothing any more.
+    """
     directory, shared = ledger_location(str(tmp_path / "team"))
-    assert shared
+    assert directory == tmp_path / "team" and not shared
     queue = MachineQueue(directory, inventory(), shared=True)
     queue.release(queue.enqueue(Resources()))
-    assert os.stat(directory).st_mode & 0o070 == 0o070
-    assert os.stat(queue.ledger.path).st_mode & 0o060 == 0o060
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(queue.ledger.path).st_mode & 0o777 == 0o600
+    assert os.stat(directory / "ledger.lock").st_mode & 0o777 == 0o600
 
 
 def test_the_default_ledger_is_private_to_the_user(tmp_path, monkeypatch):
@@ -283,7 +289,8 @@ def test_the_command_line_prints_every_kernels_claims(tmp_path):
         [sys.executable, "-m", "fluksio_nb"], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "gpus  0/1 free" in shown
-    assert f"training run: cpus=1 gpus=0 ram=0B (pid {holder.pid})" in shown
+    [line] = [line for line in shown.splitlines() if "training run" in line]
+    assert f"cpus=1 gpus=0 ram=0B (pid {holder.pid})" in line
     holder.stdin.write("\n")
     holder.stdin.flush()
     holder.wait(timeout=10)
