@@ -311,3 +311,98 @@ def test_usage_counts_a_users_claims_and_nobody_else_reads_them(users, kernels):
         seen = json.loads(as_bob.stdout)
         assert [r for r in seen["rows"] if r["user"] == USER_A] == []
         assert seen["skipped_files"] >= len(files)
+
+
+STRESS = r"""
+import json, random, signal, sys, time
+from fluksio_nb.kernel import accountant
+from fluksio_nb.queue import ClaimTimeout
+from fluksio_nb.resources import Resources
+
+def interrupt(*_):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGALRM, interrupt)
+random.seed(int(sys.argv[1]))
+q = accountant()
+counts = {"held": 0, "interrupted": 0, "timed_out": 0}
+for n in range(100):
+    if random.random() < 0.25:
+        # The stop button, at a moment nobody chose: asking, waiting or holding.
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.02))
+    ticket = None
+    try:
+        ticket = q.enqueue(Resources(cpus=random.choice([1, 1, 2]), gpus=random.choice([0, 1])))
+        q.wait(ticket, 20)
+        start = time.time()
+        time.sleep(random.uniform(0, 0.004))
+        end = time.time()
+        held = ticket.allocation
+        said = {"cpus": held.cpus, "gpus": list(held.gpus), "start": start, "end": end}
+        print(json.dumps(said), flush=True)
+        counts["held"] += 1
+    except KeyboardInterrupt:
+        counts["interrupted"] += 1
+    except ClaimTimeout:
+        counts["timed_out"] += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if ticket is not None:
+            q.release(ticket)
+print(json.dumps({"done": counts}), flush=True)
+"""
+
+
+def test_many_processes_of_two_users_never_share_a_card_and_the_books_balance(users):
+    """Guards against a grant made twice, a claim lost, or a share never given back when
+    two users' processes claim at once, are interrupted at random moments, and one
+    of them is killed."""
+    from fluksio_nb.machine.client import read_snapshot
+
+    alice, bob = users
+    with machine(cpus=4, gpus=2) as layout:
+        total_cpus = read_snapshot(layout.socket)["cpus"]["total"]
+        procs = [
+            subprocess.Popen(
+                [*as_user(user), sys.executable, "-c", STRESS, str(seed)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=user_environ(user, machine_env(layout)),
+                cwd="/",
+            )
+            for seed, user in enumerate([alice, bob] * 4)
+        ]
+        victim = procs[0]
+        holds, finished = [], []
+        for line in iter(victim.stdout.readline, ""):
+            holds.append(json.loads(line))
+            if len(holds) == 20:
+                victim.kill()
+                break
+        victim.wait()
+        for proc in procs[1:]:
+            out, err = proc.communicate(timeout=200)
+            assert proc.returncode == 0, err
+            lines = [json.loads(line) for line in out.splitlines()]
+            finished.append(lines[-1]["done"])
+            holds += lines[:-1]
+        assert all(sum(c.values()) == 100 for c in finished)
+        assert sum(c["held"] for c in finished) > 300
+
+        events = sorted(
+            [(h["start"], 1, h) for h in holds] + [(h["end"], -1, h) for h in holds],
+            key=lambda e: (e[0], e[1]),
+        )
+        cards: dict[int, int] = {}
+        cpus = 0
+        for _, step, held in events:
+            cpus += step * held["cpus"]
+            assert cpus <= total_cpus
+            for card in held["gpus"]:
+                cards[card] = cards.get(card, 0) + step
+                assert cards[card] <= 1, f"card {card} held twice"
+
+        books = read_snapshot(layout.socket)
+        assert books["running"] == [] and books["waiting"] == []
+        assert books["cpus"]["free"] == total_cpus and books["gpus"]["free"] == 2

@@ -184,6 +184,9 @@ class ServiceQueue:
         self._mine: dict[int, Ticket] = {}
         #: News of a ticket that came before the answer that named it was read.
         self._early: dict[int, dict[str, Any]] = {}
+        #: Requests whose asker gave up (the stop button, mostly): a ticket
+        #: that arrives for one is given straight back, never left held.
+        self._abandoned: set[int] = set()
         self._sock: socket.socket | None = None
         self._closed = False
         self._attach()
@@ -226,16 +229,23 @@ class ServiceQueue:
         self._send({**message, "id": number})
         deadline = time.monotonic() + ANSWER_WITHIN_S
         with self._cond:
-            while self._answers.get(number) is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._sock is None:
-                    self._answers.pop(number, None)
-                    raise ServiceUnavailable(
-                        f"the books service at {self.path} did not answer within "
-                        f"{ANSWER_WITHIN_S:g} s"
-                    )
-                self._cond.wait(min(left, 0.25))
-            return self._answers.pop(number)  # type: ignore[return-value]
+            try:
+                while self._answers.get(number) is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._sock is None:
+                        raise ServiceUnavailable(
+                            f"the books service at {self.path} did not answer within "
+                            f"{ANSWER_WITHIN_S:g} s"
+                        )
+                    self._cond.wait(min(left, 0.25))
+                return self._answers.pop(number)  # type: ignore[return-value]
+            except BaseException:
+                answered = self._answers.pop(number, None)
+                if answered is None:
+                    self._abandoned.add(number)
+                elif answered.get("op") == "ticket":
+                    self._give_back_unasked(answered["ticket"])
+                raise
 
     def _read(self) -> None:
         while not self._closed:
@@ -252,7 +262,11 @@ class ServiceQueue:
         stop = None
         with self._cond:
             op = message.get("op")
-            if "id" in message and message["id"] in self._answers:
+            if message.get("id") in self._abandoned:
+                self._abandoned.discard(message["id"])
+                if op == "ticket":
+                    self._give_back_unasked(message["ticket"])
+            elif "id" in message and message["id"] in self._answers:
                 self._answers[message["id"]] = message
             elif op in ("granted", "stop") and message["ticket"] not in self._mine:
                 self._early[message["ticket"]] = message
@@ -273,6 +287,12 @@ class ServiceQueue:
             self._cond.notify_all()
         if stop is not None:
             stop(message["reason"])
+
+    def _give_back_unasked(self, number: int) -> None:
+        """Release a ticket nobody waits for any more; its answer is not awaited."""
+        self._early.pop(number, None)
+        with contextlib.suppress(ServiceUnavailable, OSError):
+            self._send({"op": "release", "id": 0, "ticket": number})
 
     def _lost(self) -> None:
         """The service went away: reconnect, and put back what this kernel runs."""
@@ -341,21 +361,30 @@ class ServiceQueue:
         fitted = self.fit_to_machine(wanted)
         given = label or wanted.label
         need = {"cpus": fitted.cpus, "gpus": fitted.gpus, "ram_bytes": fitted.ram_bytes}
+        answer: dict[str, Any] = {}
         with self._cond:
             # Held across the request so that a grant pushed right behind the
             # ticket finds the ticket to grant.
-            answer = self._ask({"op": "claim", "need": need, "label": given or "claim"})
-            if answer["op"] == "error":
-                raise ClaimTooLarge(f"{fitted.describe()}: {answer['message']}")
-            number = answer["ticket"]
-            ticket = Ticket(
-                number=number,
-                resources=fitted,
-                label=given or f"claim {number}",
-                since=answer["since"],
-            )
-            self._mine[number] = ticket
-            self._heard_early(ticket)
+            try:
+                answer = self._ask({"op": "claim", "need": need, "label": given or "claim"})
+                if answer["op"] == "error":
+                    raise ClaimTooLarge(f"{fitted.describe()}: {answer['message']}")
+                number = answer["ticket"]
+                ticket = Ticket(
+                    number=number,
+                    resources=fitted,
+                    label=given or f"claim {number}",
+                    since=answer["since"],
+                )
+                self._mine[number] = ticket
+                self._heard_early(ticket)
+            except BaseException:
+                # Interrupted between the service's ticket and the caller's:
+                # nobody would ever release it.
+                if answer.get("op") == "ticket":
+                    self._mine.pop(answer["ticket"], None)
+                    self._give_back_unasked(answer["ticket"])
+                raise
         return ticket
 
     def _heard_early(self, ticket: Ticket) -> None:
