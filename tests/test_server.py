@@ -4,8 +4,9 @@ Each test talks to a JupyterLab server started as a subprocess with this
 venv's extensions enabled, the way JupyterLab's panel talks to it. The server
 gets a declared inventory, its own ledger, and config and runtime directories
 of its own. Claims are made by separate processes, as kernels make them.
-Some of those processes run under another user name, since the server must
-refuse to cancel another user's claim.
+On a machine set up for every user (``fluksio-nb machine init``), some of
+those processes run as a real second Unix user, since the server must show
+every user's claims and refuse to cancel another user's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from tests.browser.lab import JupyterLab
+from tests.machines import machine, machine_env
+from tests.unix_users import USER_A, UnixUser, as_user, require_unix_users, unix_user, user_environ
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,22 +72,30 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
     lab.stop()
 
 
-@pytest.fixture
-def claims(server: JupyterLab) -> Iterator[Callable[..., Holder]]:
-    """``claims(label, gpus=1, user="mallory", wait=True)``: a claim held by its own process."""
+@pytest.fixture(scope="module")
+def machine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    """A server on books every user of the machine shares, and a second user to share them."""
+    require_unix_users()
+    with machine(cpus=4, gpus=2) as layout:
+        home = tmp_path_factory.mktemp("machine-server")
+        lab = JupyterLab(home, INVENTORY, FLUKSIO_LEDGER=str(layout.run_dir)).start()
+        lab.second_user = unix_user(USER_A)
+        yield lab
+        lab.stop()
+
+
+def holding(server: JupyterLab) -> Iterator[Callable[..., Holder]]:
+    """``claims(label, gpus=1, user=a_unix_user, wait=True)``: a claim held by its own process."""
     started: list[subprocess.Popen] = []
 
-    def make(label: str, user: str | None = None, wait: bool = False, **asked: Any) -> Holder:
+    def make(label: str, user: UnixUser | None = None, wait: bool = False, **asked: Any) -> Holder:
+        argv = [sys.executable, "-c", HOLDER, json.dumps(asked), label, "wait" if wait else "hold"]
         env = dict(server.env)
         if user is not None:
-            # getpass.getuser() reads LOGNAME first, then USER.
-            env.update(USER=user, LOGNAME=user)
+            argv = [*as_user(user), *argv]
+            env = user_environ(user, machine_env_of(server))
         process = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, json.dumps(asked), label, "wait" if wait else "hold"],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/"
         )
         started.append(process)
         first = process.stdout.readline()
@@ -96,6 +107,23 @@ def claims(server: JupyterLab) -> Iterator[Callable[..., Holder]]:
     for process in started:
         process.kill()
         process.wait()
+
+
+def machine_env_of(server: JupyterLab) -> dict[str, str]:
+    from fluksio_nb.machine.setup import Layout
+
+    run_dir = Path(server.env["FLUKSIO_LEDGER"])
+    return machine_env(Layout(run_dir.parent.parent))
+
+
+@pytest.fixture
+def claims(server: JupyterLab) -> Iterator[Callable[..., Holder]]:
+    yield from holding(server)
+
+
+@pytest.fixture
+def machine_claims(machine_server: JupyterLab) -> Iterator[Callable[..., Holder]]:
+    yield from holding(machine_server)
 
 
 def call(
@@ -131,22 +159,43 @@ def test_the_snapshot_shows_every_claim_on_the_machine_and_whose_it_is(server, c
     """Guards against a panel that shows one kernel's claims, or none, or the wrong machine."""
     claims("holds-both-cards", gpus=2)
     claims("wants-a-card", gpus=1)
-    claims("mallorys", user="mallory", cpus=1)
+    claims("also-mine", cpus=1)
 
     machine = snapshot(server)
 
     assert machine["ledger"] == server.env["FLUKSIO_LEDGER"]
+    assert machine["books"] == "user"
     assert machine["cpus"] == {"total": 4, "free": 2}
     assert machine["gpus"]["total"] == 2 and machine["gpus"]["free"] == 0
     assert machine["ram_bytes"]["total"] == 8_000_000_000
-    assert labels(machine["running"]) == ["holds-both-cards", "mallorys"]
+    assert labels(machine["running"]) == ["holds-both-cards", "also-mine"]
     assert labels(machine["waiting"]) == ["wants-a-card"]
     assert machine["waiting"][0]["position"] == 1
     assert machine["waiting"][0]["asked"]["gpus"] == 1
+    both, _ = machine["running"]
+    assert both["allocation"]["gpus"] == [0, 1]
+    assert both["mine"] is True and both["user"] == machine["user"]
+
+
+def test_on_the_machines_books_the_snapshot_shows_every_users_claims(
+    machine_server, machine_claims
+):
+    """Guards against a panel that shows only its own user's claims on a shared machine,
+    or that tells one user the name of another user's notebook work."""
+    machine_claims("holds-both-cards", gpus=2)
+    machine_claims("wants-a-card", gpus=1)
+    machine_claims("their-secret-label", user=machine_server.second_user, cpus=1)
+
+    machine = snapshot(machine_server)
+
+    assert machine["books"] == "machine"
+    assert machine["gpus"]["total"] == 2 and machine["gpus"]["free"] == 0
+    assert labels(machine["waiting"]) == ["wants-a-card"]
     mine, theirs = machine["running"]
-    assert mine["allocation"]["gpus"] == [0, 1]
+    assert mine["label"] == "holds-both-cards" and mine["allocation"]["gpus"] == [0, 1]
     assert mine["mine"] is True and mine["user"] == machine["user"]
-    assert theirs["mine"] is False and theirs["user"] == "mallory"
+    assert theirs["mine"] is False and theirs["user"] == USER_A
+    assert theirs["label"] is None and theirs["allocation"]["cpus"] == 1
 
 
 def test_without_the_token_the_api_answers_401_and_does_nothing(server, claims):
@@ -183,18 +232,18 @@ def test_cancelling_a_waiting_claim_takes_it_out_of_the_queue_and_tells_its_owne
     assert "from JupyterLab" in told
 
 
-def test_another_users_claim_cannot_be_cancelled(server, claims):
-    """Guards against one user on a shared ledger stopping another user's work."""
-    claims("holder", gpus=2)
-    theirs = claims("mallorys-turn", user="mallory", gpus=1, wait=True)
+def test_another_users_claim_cannot_be_cancelled(machine_server, machine_claims):
+    """Guards against one user on a shared machine stopping another user's work."""
+    machine_claims("holder", gpus=2)
+    theirs = machine_claims("their-turn", user=machine_server.second_user, gpus=1, wait=True)
 
-    status, _, body = call(server, "POST", f"fluksio/api/claims/{theirs.ticket}/cancel")
+    status, _, body = call(machine_server, "POST", f"fluksio/api/claims/{theirs.ticket}/cancel")
 
     assert status == 403, body
-    assert "mallory" in body["message"]
-    waiting = snapshot(server)["waiting"]
+    assert USER_A in body["message"]
+    waiting = snapshot(machine_server)["waiting"]
     assert [(c["ticket"], c["user"], c["mine"]) for c in waiting] == [
-        (theirs.ticket, "mallory", False)
+        (theirs.ticket, USER_A, False)
     ]
 
 
@@ -204,6 +253,13 @@ def test_an_unknown_claim_is_404_with_a_way_forward(server):
 
     assert status == 404, body
     assert "987654" in body["message"] and "snapshot" in body["message"]
+
+
+def test_a_claim_number_of_thousands_of_digits_is_404_not_a_crash(server):
+    """Guards against a number Python refuses to parse answering 500."""
+    status, _, body = call(server, "POST", f"fluksio/api/claims/{'9' * 5000}/cancel")
+
+    assert status == 404, body
 
 
 def run_in(client: BlockingKernelClient, code: str) -> str:
