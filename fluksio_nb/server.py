@@ -105,6 +105,7 @@ class SnapshotHandler(_LedgerHandler):
             # Only a notebook this server serves has a path the browser can
             # open; a kernel started elsewhere still shows its own notebook name.
             claim["path"] = paths.get(claim["kernel_id"]) if claim["mine"] else None
+            claim["can_cancel"] = claim["mine"] or snapshot.get("can_cancel_any", False)
         self.finish(snapshot)
 
 

@@ -144,7 +144,7 @@ def machine_facts(
         allocation = claim["allocation"]
         entry: dict[str, Any] = {
             "ticket": claim["ticket"],
-            "label": claim["label"],
+            "label": _label(claim),
             "pid": claim.get("pid"),
             "mine": claim.get("pid") == pid,
             "user": claim.get("user"),
@@ -169,13 +169,13 @@ def machine_facts(
             }
             entry["peak_rss_bytes"] = reading.get("peak_rss_bytes")
         for card in allocation["gpus"]:
-            holder_of[card] = {"ticket": claim["ticket"], "label": claim["label"]}
+            holder_of[card] = {"ticket": claim["ticket"], "label": _label(claim)}
         running.append(entry)
 
     waiting = [
         {
             "ticket": claim["ticket"],
-            "label": claim["label"],
+            "label": _label(claim),
             "position": claim["position"],
             "asked": _asked(claim["asked"]),
             "since": round(claim["since"], 1),
@@ -328,3 +328,8 @@ class Nvml:
             if lib is not None:
                 with contextlib.suppress(lib.NVMLError):
                     lib.nvmlShutdown()
+
+
+def _label(claim: Mapping[str, Any]) -> str:
+    """A claim's label, or whose it is where its owner keeps labels private."""
+    return claim["label"] or f"a claim of {claim.get('user') or 'another user'}"

@@ -23,7 +23,8 @@ export interface Readings {
 
 interface Claim {
   ticket: number;
-  label: string;
+  /** Null for another user's claim whose owner keeps labels private. */
+  label: string | null;
   since: number;
   pid: number;
   kernel_id: string | null;
@@ -32,8 +33,10 @@ interface Claim {
   user: string | null;
   /** The notebook's path on this server, when this server runs the kernel. */
   path: string | null;
-  /** Whether this server's user may cancel it. */
+  /** Whether it is this server's user's. */
   mine: boolean;
+  /** Whether this server's user may cancel it: their own, or anyone's for an admin. */
+  can_cancel: boolean;
 }
 
 export interface RunningClaim extends Claim {

@@ -89,15 +89,14 @@ class ClaimRow {
   show(claim: AnyClaim): void {
     this._claim = claim;
     this.node.dataset.ticket = String(claim.ticket);
+    const label = labelOf(claim);
     this._label.textContent =
-      this.state === 'waiting'
-        ? `${(claim as WaitingClaim).position}. ${claim.label}`
-        : claim.label;
-    this._button.hidden = !claim.mine;
+      this.state === 'waiting' ? `${(claim as WaitingClaim).position}. ${label}` : label;
+    this._button.hidden = !claim.can_cancel;
     this._button.title =
       this.state === 'running'
-        ? `Stop ${claim.label}: its worker is stopped and the share given back`
-        : `Take ${claim.label} out of the queue`;
+        ? `Stop ${label}: its worker is stopped and the share given back`
+        : `Take ${label} out of the queue`;
 
     const where = claim.path ?? claim.notebook ?? `pid ${claim.pid}`;
     this._where.textContent = claim.mine ? where : `${where} (${claim.user ?? 'another user'})`;
@@ -214,7 +213,7 @@ export class MachinePanel extends Widget {
   async cancel(claim: AnyClaim, state: 'running' | 'waiting'): Promise<void> {
     if (state === 'running') {
       const answer = await showDialog({
-        title: `Stop ${claim.label}?`,
+        title: `Stop ${labelOf(claim)}?`,
         body: 'Its worker is stopped and its share given back. The cell ends with an error.',
         buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })]
       });
@@ -268,4 +267,9 @@ export class MachinePanel extends Widget {
   private _ram: Bar;
   private _running: ClaimList;
   private _waiting: ClaimList;
+}
+
+/** A claim's label, or whose it is where its owner keeps labels private. */
+function labelOf(claim: AnyClaim): string {
+  return claim.label ?? `a claim of ${claim.user ?? 'another user'}`;
 }
