@@ -406,3 +406,20 @@ def test_many_processes_of_two_users_never_share_a_card_and_the_books_balance(us
         books = read_snapshot(layout.socket)
         assert books["running"] == [] and books["waiting"] == []
         assert books["cpus"]["free"] == total_cpus and books["gpus"]["free"] == 2
+
+
+def test_an_admins_cap_holds_its_user_to_it_and_says_which_cap(users, kernels):
+    """Guards against a capped user being given more than the admin allowed, and against
+    a shrunk or refused claim that does not say which limit applied."""
+    alice, bob = users
+    with machine(cpus=4, gpus=1, config={"caps": {USER_A: {"cpus": 1}}}) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        clamped = a.run("%%claim cpus=2\nimport os\nn = os.environ['OMP_NUM_THREADS']", check=True)
+        assert "ClampedWarning" in clamped.stderr
+        assert f"the cap this machine's admin set for {USER_A} (cpus=1)" in clamped.stderr
+        assert a.facts("n") == "1"
+        refused = a.run("%%claim cpus=2 --strict\nx = 1")
+        assert refused.error["ename"] == "ClaimTooLarge"
+        assert USER_A in refused.error["evalue"] and "--strict" in refused.error["evalue"]
+        b.run("%%claim cpus=2\nimport os\nn = os.environ['OMP_NUM_THREADS']", check=True)
+        assert b.facts("n") == "2"
