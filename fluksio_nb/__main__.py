@@ -63,8 +63,15 @@ def describe_monitor(snapshot: dict, ray: dict | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["usage"]:
+        from fluksio_nb.usage import usage_main
+
+        return usage_main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="fluksio-nb", description="Show this machine's shares, or the flavors."
+        prog="fluksio-nb",
+        description="Show this machine's shares, or the flavors. "
+        "`fluksio-nb usage -h`: what past claims used.",
     )
     parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
     options = parser.parse_args(argv)

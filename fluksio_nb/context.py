@@ -26,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from fluksio_nb.resources import Resources, ask
 from fluksio_nb.sampler import Readings, Sample, Sampler, is_news
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
+from fluksio_nb.usage import UsageNotRecorded, UsageRecord, kernel_usage_log
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import Interrupted, Outcome
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
@@ -401,6 +403,7 @@ class Claim:
         if self.status.started_at is None:
             self.status.started_at = self.status.ended_at
         note_ended(self.status)
+        self._record_usage(ending)
         self._update_view()
         if self._view is not None and self._summary is not None:
             # How it went is always left as text of its own, after the live
@@ -410,6 +413,36 @@ class Claim:
             # was over before its live view was due shows only this.
             self._shown = True
             self._summary.show(self.status)
+
+    def _record_usage(self, ending: Ending) -> None:
+        """Leave the line `fluksio-nb usage` counts; a claim that never queued has none."""
+        ticket = self._ticket
+        if ticket is None:
+            return
+        held = self.allocation or ticket.allocation
+        try:
+            kernel_usage_log().write(
+                UsageRecord(
+                    label=self.status.label,
+                    # jupyter_server tells the kernels it starts which notebook they serve.
+                    notebook=os.environ.get("JPY_SESSION_NAME"),
+                    cpus=held.cpus if held else 0,
+                    gpus=list(held.gpus) if held else [],
+                    ram_bytes=held.ram_bytes if held else 0,
+                    asked_at=ticket.since,
+                    granted_at=ticket.granted_at,
+                    ended_at=time.time(),
+                    ending=ending,
+                    peak_rss_bytes=self.status.readings.peak_rss_bytes,
+                )
+            )
+        except Exception as error:
+            # The log warns of its own failures; a cell never fails for its accounting.
+            warnings.warn(
+                f"{self.status.label}'s usage was not recorded: {error}",
+                UsageNotRecorded,
+                stacklevel=2,
+            )
 
 
 def cell_raised(

@@ -19,6 +19,8 @@ def isolated_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("FLUKSIO_CONFIG", str(tmp_path / "fluksio_nb.json"))
     # Tests never touch the machine's real ledger; each gets one of its own.
     monkeypatch.setenv("FLUKSIO_LEDGER", str(tmp_path / "ledger"))
+    # Nor add usage records to the developer's own (`fluksio-nb usage`).
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
     forget_accountant()
     yield tmp_path / "fluksio_nb.json"
     forget_accountant()
