@@ -1,9 +1,12 @@
 """The books: what a claim and its give-back cost, and how fast a waiter hears.
 
 Every claimed cell pays for one claim and one give-back, on the kernel's own
-books or on the machine's ledger, so their latency under contention is what
-the accounting adds to a cell. The ledger's other number is how long freed
-capacity takes to reach a waiter in another kernel: the sleep-and-wake path.
+books, on the user's ledger or on the machine's books service, so their
+latency under contention is what the accounting adds to a cell. The other
+number is how long freed capacity takes to reach a waiter in another kernel:
+the sleep-and-wake path. On the machine's books the contenders and the waiter
+are real second Unix users when the benchmark runs as root; otherwise the
+rows say they are one user.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 
 from bench.harness import percentile, table
 from fluksio_nb.books import ResourceAccountant
@@ -130,6 +134,138 @@ def wake_latency(rounds: int, directory: str) -> list[float]:
     return latencies
 
 
+SERVICE_SETUP = """
+import json, sys, time
+from fluksio_nb.kernel import accountant
+from fluksio_nb.resources import Resources
+q = accountant()
+wanted = Resources(cpus=1)
+"""
+
+
+def _as(user: object) -> list[str]:
+    if user is None:
+        return []
+    from tests.unix_users import as_user
+
+    return as_user(user)  # type: ignore[arg-type]
+
+
+def _service_env(run_dir: str, user: object) -> dict[str, str]:
+    import os
+
+    env = {
+        "FLUKSIO_LEDGER": run_dir,
+        "FLUKSIO_CONFIG": "/nonexistent/fluksio_nb.json",
+        "FLUKSIO_RESERVE_CPUS": "0",
+    }
+    if user is None:
+        return {**os.environ, **env}
+    from tests.unix_users import user_environ
+
+    return user_environ(user, env)  # type: ignore[arg-type]
+
+
+def _two_users() -> tuple[list[object], str]:
+    """Two real users when root can make them; else this one, said so."""
+    from tests.unix_users import USER_A, USER_B, missing_for_unix_users, ready_user
+
+    missing = missing_for_unix_users()
+    if missing is not None:
+        return [None, None], f"one user: {missing}"
+    return [ready_user(USER_A), ready_user(USER_B)], "2 users"
+
+
+def service_books(
+    processes_per_user: int, cycles: int, run_dir: str, users: list[object]
+) -> list[float]:
+    started = [
+        subprocess.Popen(
+            [
+                *_as(user),
+                sys.executable,
+                "-c",
+                SERVICE_SETUP + CYCLES.split(SETUP)[1],
+                "",
+                str(cycles),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_service_env(run_dir, user),
+            cwd="/",
+        )
+        for user in users
+        for _ in range(processes_per_user)
+    ]
+    for process in started:
+        process.stdin.write("\n")
+        process.stdin.flush()
+    samples: list[float] = []
+    for process in started:
+        samples += json.loads(process.stdout.readline())
+        process.wait()
+    return samples
+
+
+def service_wake_latency(rounds: int, run_dir: str, users: list[object]) -> list[float]:
+    """A claim of one user frees the machine; a waiter of the other hears it."""
+    holder, waiter_user = users
+    whole = "Resources(cpus=q.books.cpus)"
+    waiter = subprocess.Popen(
+        [
+            *_as(waiter_user),
+            sys.executable,
+            "-c",
+            SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
+            "",
+            str(rounds),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_service_env(run_dir, waiter_user),
+        cwd="/",
+    )
+    mine = subprocess.Popen(
+        [
+            *_as(holder),
+            sys.executable,
+            "-c",
+            SERVICE_SETUP
+            + f"""
+for _ in range({rounds}):
+    held = q.enqueue({whole})
+    q.wait(held)
+    print("held", flush=True)
+    sys.stdin.readline()
+    freed = time.time()
+    q.release(held)
+    print(json.dumps(freed), flush=True)
+""",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_service_env(run_dir, holder),
+        cwd="/",
+    )
+    latencies = []
+    for _ in range(rounds):
+        assert mine.stdout.readline().strip() == "held"
+        waiter.stdin.write("\n")
+        waiter.stdin.flush()
+        assert json.loads(waiter.stdout.readline())["state"] == "waiting"
+        time.sleep(0.05)
+        mine.stdin.write("\n")
+        mine.stdin.flush()
+        freed = json.loads(mine.stdout.readline())
+        latencies.append(json.loads(waiter.stdout.readline())["granted"] - freed)
+    waiter.wait()
+    mine.wait()
+    return latencies
+
+
 def main(cycles: int = 500, rounds: int = 30) -> str:
     rows = []
     results: dict[str, float] = {}
@@ -146,9 +282,43 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
         row("ledger, 8 processes", ledger_books(8, cycles // 8 or 1, directory))
     with tempfile.TemporaryDirectory() as directory:
         row("freed share reaches a waiter in another process", wake_latency(rounds, directory))
+    machine_rows(row, cycles, rounds)
     text = table(["claim plus give-back", "median", "p99"], rows)
     return textwrap.dedent(f"### The books\n\n{text}\n")
 
 
 if __name__ == "__main__":
     print(main())
+
+
+def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: int) -> None:
+    """The machine's books service, set up as an admin would, beside the ledger's rows."""
+    import os
+
+    if os.geteuid() != 0:
+        row("machine service: not measured, `machine init` needs root", [0.0])
+        return
+    users, who = _two_users()
+    prefix = tempfile.mkdtemp(prefix="fluksio-bench-machine-")
+    os.chmod(prefix, 0o755)
+    init = [sys.executable, "-m", "fluksio_nb", "machine"]
+    subprocess.run(
+        [*init, "init", "--prefix", prefix, "--cpus", "64"], check=True, capture_output=True
+    )
+    try:
+        run_dir = f"{prefix}/run/fluksio_nb"
+        row("machine service, 1 process", service_books(1, cycles, run_dir, users[:1]))
+        for each in (4, 8):
+            row(
+                f"machine service, {who} × {each} processes",
+                service_books(each, cycles // (2 * each) or 1, run_dir, users),
+            )
+        row(
+            f"machine service: freed share reaches a waiter ({who})",
+            service_wake_latency(rounds, run_dir, users),
+        )
+    finally:
+        subprocess.run([*init, "remove", "--prefix", prefix], check=False, capture_output=True)
+        import shutil
+
+        shutil.rmtree(prefix, ignore_errors=True)

@@ -139,6 +139,8 @@ class MachineBooks:
 
     def dispatch(self) -> list[Entry]:
         """Grant whatever may go now, fairly; returns the claims just granted."""
+        if not any(e.state == "waiting" for e in self.entries.values()):
+            return []
         free_cpus, free_gpus, free_ram = self.free()
         spare: list[float] = [free_cpus, len(free_gpus), free_ram]
         room = {uid: cap.room(self.held_by(uid)) for uid, cap in self.caps.items()}

@@ -289,10 +289,10 @@ class ServiceQueue:
             stop(message["reason"])
 
     def _give_back_unasked(self, number: int) -> None:
-        """Release a ticket nobody waits for any more; its answer is not awaited."""
+        """Release a ticket nobody waits for any more."""
         self._early.pop(number, None)
         with contextlib.suppress(ServiceUnavailable, OSError):
-            self._send({"op": "release", "id": 0, "ticket": number})
+            self._send({"op": "release", "ticket": number})
 
     def _lost(self) -> None:
         """The service went away: reconnect, and put back what this kernel runs."""
@@ -377,6 +377,8 @@ class ServiceQueue:
                     since=answer["since"],
                 )
                 self._mine[number] = ticket
+                if "gpus" in answer:
+                    self._heard({**answer, "op": "granted"})
                 self._heard_early(ticket)
             except BaseException:
                 # Interrupted between the service's ticket and the caller's:
@@ -413,8 +415,10 @@ class ServiceQueue:
         ticket.state = "done"
         if known is None:
             return
+        # Sent, not asked: the service reads this connection in order, so
+        # whatever this kernel asks next already sees the share given back.
         with contextlib.suppress(ServiceUnavailable, OSError):
-            self._ask({"op": "release", "ticket": ticket.number})
+            self._send({"op": "release", "ticket": ticket.number})
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         answer = self._ask({"op": "cancel", "ticket": number, "reason": reason})

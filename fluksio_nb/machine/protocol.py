@@ -71,8 +71,9 @@ class Claim(_Message):
 
 
 class Release(_Message):
+    """A claim given back; no reply, since nothing the kernel does next depends on one."""
+
     op: Literal["release"]
-    id: int
     ticket: int
 
 

@@ -213,10 +213,20 @@ class BooksService:
         )
         self.books.add(entry)
         connection.entries[entry.number] = entry
-        connection.send(
-            {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
-        )
-        self.dispatch()
+        answer: dict[str, Any] = {
+            "op": "ticket",
+            "id": request.id,
+            "ticket": entry.number,
+            "since": entry.since,
+        }
+        granted = self.books.dispatch()
+        if entry in granted:
+            # Granted on the spot, as most claims are: said in the answer,
+            # which saves the kernel a second wake-up.
+            granted.remove(entry)
+            answer.update(gpus=list(entry.gpus), granted_at=entry.granted_at)
+        connection.send(answer)
+        self.tell_granted(granted)
 
     def _too_big(self, connection: Connection, need: tuple[int, int, int]) -> str | None:
         """Why a claim can never be granted, or ``None``. The kernel fits claims first."""
@@ -235,8 +245,7 @@ class BooksService:
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
-        connection.send({"op": "ok", "id": request.id})
-        self.dispatch()
+            self.dispatch()
 
     def _on_cancel(self, connection: Connection, request: protocol.Cancel) -> None:
         entry = self.books.entries.get(request.ticket)
@@ -317,7 +326,10 @@ class BooksService:
         )
 
     def dispatch(self) -> None:
-        for entry in self.books.dispatch():
+        self.tell_granted(self.books.dispatch())
+
+    def tell_granted(self, granted: list[Entry]) -> None:
+        for entry in granted:
             owner: Connection = entry.owner
             owner.send(
                 {
