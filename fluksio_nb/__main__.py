@@ -15,7 +15,7 @@ from fluksio_nb.resources import BadClaim
 
 
 def describe_snapshot(snapshot: dict) -> str:
-    """The snapshot as a few lines of text."""
+    """The snapshot as a few lines of text: every user's claims, the reader's marked."""
     cpus, gpus, ram = snapshot["cpus"], snapshot["gpus"], snapshot["ram_bytes"]
     lines = [
         f"cpus  {cpus['free']}/{cpus['total']} free",
@@ -25,18 +25,29 @@ def describe_snapshot(snapshot: dict) -> str:
     for claim in snapshot.get("running", []):
         held = claim["allocation"]
         cards = ",".join(str(g) for g in held["gpus"]) or "-"
-        where = claim.get("notebook") or f"pid {claim['pid']}"
         lines.append(
-            f"running  #{claim['ticket']} {claim['label']!s}: cpus={held['cpus']} "
-            f"gpus={cards} ram={human(held['ram_bytes'])} ({where})"
+            f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']} "
+            f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
         )
     for claim in snapshot.get("waiting", []):
         asked = claim["asked"]
         lines.append(
-            f"waiting  {claim['position']}. #{claim['ticket']} {claim['label']!s}: "
+            f"waiting  {claim['position']}. #{claim['ticket']} {_whose(claim)}: "
             f"cpus={asked['cpus']} gpus={asked['gpus']} ram={human(asked['ram_bytes'])}"
         )
     return "\n".join(lines)
+
+
+def _whose(claim: dict) -> str:
+    """The label, marked as the reader's; another user's name where it is theirs."""
+    label = claim.get("label")
+    if claim.get("mine", True):
+        return f"{label} (yours)" if "mine" in claim else str(label)
+    return f"{label} ({claim.get('user')})" if label else f"a claim of {claim.get('user')}"
+
+
+def _where(claim: dict) -> str:
+    return claim.get("notebook") or f"pid {claim['pid']}"
 
 
 def ray_now() -> dict | None:
@@ -68,15 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         from fluksio_nb.usage import usage_main
 
         return usage_main(argv[1:])
+    if argv[:1] == ["machine"]:
+        from fluksio_nb.machine.setup import main as machine_main
+
+        return machine_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="fluksio-nb",
         description="Show this machine's shares, or the flavors. "
-        "`fluksio-nb usage -h`: what past claims used.",
+        "`fluksio-nb usage -h`: what past claims used; `fluksio-nb machine -h`: books "
+        "every user of the machine shares.",
     )
     parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
     options = parser.parse_args(argv)
-    from fluksio_nb.kernel import accountant
-    from fluksio_nb.ledger import ledger_location, read_snapshot
+    from fluksio_nb.kernel import read_books
     from fluksio_nb.settings import load_settings
 
     try:
@@ -84,10 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if options.what == "flavors":
             print(describe_flavors(settings))
         else:
-            where = ledger_location(settings.ledger)
-            # A terminal makes no claims: it reads the machine's ledger as it is.
-            snapshot = read_snapshot(*where) if where else accountant().snapshot()
-            print(describe_snapshot(snapshot))
+            # A terminal makes no claims: it reads the machine's books as they are.
+            print(describe_snapshot(read_books()))
     except BadClaim as error:
         print(f"fluksio-nb: {error}", file=sys.stderr)
         return 2

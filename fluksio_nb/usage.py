@@ -605,11 +605,25 @@ def parse_since(text: str, now: float | None = None) -> float:
 def usage_dirs() -> list[Path]:
     """The directories ``fluksio-nb usage`` reads when given no ``--dir``.
 
-    The user's own for now. This is where a machine's shared records
-    directory joins, once the machine's books say where it is; reading them
-    must not need an accountant, since a terminal makes no claims.
+    The user's own, and on a machine whose books every user shares, the
+    machine's records directory, as its service names it. No accountant is
+    made: a terminal makes no claims.
     """
-    return [default_usage_dir()]
+    from fluksio_nb.kernel import books_in_force
+    from fluksio_nb.machine.client import ServiceUnavailable, ask_once, socket_in
+
+    dirs = [default_usage_dir()]
+    books = books_in_force()
+    found = socket_in(books.where) if books.mode == "machine" and books.where else None
+    if found is not None:
+        try:
+            records = ask_once(found, {"op": "snapshot"})["welcome"].get("records")
+        except (ServiceUnavailable, OSError) as error:
+            warnings.warn(f"the machine's usage records were not read: {error}", stacklevel=2)
+            records = None
+        if records:
+            dirs.insert(0, Path(records))
+    return dirs
 
 
 def usage_main(argv: list[str]) -> int:

@@ -126,6 +126,16 @@ def test_another_user_cannot_cancel_my_claim_even_calling_itself_root(users, ker
         )
         assert mine[0]["user"] == USER_B
 
+        terminal = run_as(
+            bob,
+            "import sys; from fluksio_nb.__main__ import main; sys.exit(main([]))",
+            env=machine_env(layout),
+        )
+        assert terminal.returncode == 0, terminal.stderr
+        assert f"a claim of {USER_A}" in terminal.stdout
+        assert "bobs (yours)" in terminal.stdout
+        assert "alices-training" not in terminal.stdout
+
         assert a.facts("job.status") == "running"
         stop.touch()
         a.run("job.result(30)", check=True)
@@ -311,6 +321,15 @@ def test_usage_counts_a_users_claims_and_nobody_else_reads_them(users, kernels):
         seen = json.loads(as_bob.stdout)
         assert [r for r in seen["rows"] if r["user"] == USER_A] == []
         assert seen["skipped_files"] >= len(files)
+        # With no --dir, a user's own records on the machine are where they look first.
+        as_alice = run_as(
+            alice,
+            "import sys; from fluksio_nb.__main__ import main; sys.exit(main(['usage', '--json']))",
+            env=machine_env(layout),
+        )
+        assert as_alice.returncode == 0, as_alice.stderr
+        (row,) = [r for r in json.loads(as_alice.stdout)["rows"] if r["user"] == USER_A]
+        assert row["claims"] == 3
 
 
 STRESS = r"""
