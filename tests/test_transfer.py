@@ -396,8 +396,10 @@ def test_an_idle_kept_file_is_removed(monkeypatch):
     """Guards against a notebook that stopped sending holding shared memory forever."""
     monkeypatch.setattr(transfer, "SHELF_IDLE_S", 0.2)
     parcel = pack({"a": np.ones(BIG)}, reuse=True)
-    parcel.discard()
+    # Looked for before the discard: after it, the idle clock runs, and a slow
+    # garbage collection here could outlast it before the first look.
     assert kept_here() != set()
+    parcel.discard()
     deadline = time.monotonic() + 10
     while kept_here() and time.monotonic() < deadline:
         time.sleep(0.05)
