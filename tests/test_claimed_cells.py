@@ -411,9 +411,10 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
     )
     assert (ran.error["ename"], ran.error["evalue"]) == ("ValueError", "diverged")
     assert kernel.facts("losses") == [0, 1, 2, 3]
+    # It says so only once a step is done, so the stop always lands after one.
     msg_id = kernel.client.execute(
-        "%%claim\nimport time\nsteps = 0\nprint('training', flush=True)\n"
-        "while True:\n    steps += 1\n    time.sleep(0.01)"
+        "%%claim\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
+        "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)"
     )
     while True:
         msg = kernel.client.get_iopub_msg(timeout=30)
