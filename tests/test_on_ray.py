@@ -200,21 +200,28 @@ def test_a_task_without_cards_sees_none(kernel):
 
 
 def test_two_gpu_claims_at_once_get_different_cards(kernel):
+    # Each task waits until the other has started, rather than sleeping for a
+    # guess at how long a cold Ray worker takes to come up on a busy machine.
     ran = kernel.run(
-        "import json, threading\n"
+        "import json, shutil, tempfile, threading\n"
         "from fluksio_nb import claim\n"
-        "def card():\n"
+        "meeting = tempfile.mkdtemp()\n"
+        "def card(me, other):\n"
         "    import os, time\n"
         "    start = time.time()\n"
-        "    time.sleep(5)\n"
+        "    open(os.path.join(meeting, me), 'w').close()\n"
+        "    deadline = time.time() + 60\n"
+        "    while not os.path.exists(os.path.join(meeting, other)) and time.time() < deadline:\n"
+        "        time.sleep(0.02)\n"
         "    return os.environ['CUDA_VISIBLE_DEVICES'], start, time.time()\n"
         "seen = []\n"
-        "def one():\n"
+        "def one(me, other):\n"
         "    with claim(gpus=1, on='ray') as c:\n"
-        "        seen.append(c.run(card))\n"
-        "threads = [threading.Thread(target=one) for _ in range(2)]\n"
+        "        seen.append(c.run(card, me, other))\n"
+        "threads = [threading.Thread(target=one, args=pair) for pair in (('a', 'b'), ('b', 'a'))]\n"
         "for t in threads: t.start()\n"
         "for t in threads: t.join()\n"
+        "shutil.rmtree(meeting)\n"
         "print(json.dumps(seen))",
         check=True,
     )
