@@ -39,10 +39,11 @@ q.release(t)
 
 def wait_until(condition, timeout=10.0, what="the condition"):
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (found := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} was not reached in {timeout} s")
         time.sleep(0.01)
+    return found
 
 
 def snapshot(layout) -> dict:
@@ -187,22 +188,26 @@ def test_a_client_that_stops_reading_is_dropped_and_stalls_nobody():
         assert books["cpus"]["free"] == books["cpus"]["total"]
 
 
-def test_a_running_claim_survives_the_service_restarting():
-    """Guards against an admin restarting the service freeing every running claim,
-    so that a second kernel is granted a card the first still computes on."""
+def test_claims_survive_the_service_restarting(monkeypatch):
+    """Guards against an admin's restart (init run again after a config change) freeing
+    every running claim, so that a second kernel is granted a card the first still
+    computes on, or dropping the claims that were waiting."""
     with machine(gpus=1) as layout:
         holder = process(layout, HOLD_A_CARD)
         assert heard(holder) == {"gpus": [0]}
-        os.kill(int(layout.pidfile.read_text()), signal.SIGTERM)
-        wait_until(lambda: not layout.socket.exists(), what="the service's end")
+        waiter = process(layout, WAIT_FOR_A_CARD)
+        assert heard(waiter) == {"state": "waiting"}
+        first = int(layout.pidfile.read_text())
         fluksio_nb("machine", "init", "--prefix", str(layout.prefix), "--gpus", "1")
-        wait_until(lambda: snapshot(layout)["running"], what="the holder's claim put back")
-        books = snapshot(layout)
+        assert int(layout.pidfile.read_text()) != first
+        books = wait_until(
+            lambda: (b := snapshot(layout))["running"] and b["waiting"] and b,
+            what="both claims put back",
+        )
         assert [(c["label"], c["allocation"]["gpus"]) for c in books["running"]] == [
             ("holder", [0])
         ]
-        waiter = process(layout, WAIT_FOR_A_CARD)
-        assert heard(waiter) == {"state": "waiting"}
+        assert [c["label"] for c in books["waiting"]] == ["waiter"]
         holder.stdin.write("\n")
         holder.stdin.flush()
         assert heard(holder) == {"released": True}

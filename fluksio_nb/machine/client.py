@@ -14,9 +14,9 @@ What it decides:
 - **Waiting is local.** A waiter sleeps on a condition the connection's
   reader thread signals when the service pushes a grant or a stop, so
   ``--timeout`` and the stop button work whatever any other process does.
-- **A service that restarts loses nothing running.** The reader reconnects,
-  and writes this kernel's running claims back (taken only if still free);
-  claims that were waiting are told they were cancelled, with the reason.
+- **A service that restarts loses nothing.** The reader reconnects, writes
+  this kernel's running claims back (taken only if still free: one that is
+  not is stopped, with the reason), and queues its waiting claims again.
 """
 
 from __future__ import annotations
@@ -312,36 +312,44 @@ class ServiceQueue:
         threading.Thread(target=self._put_back, daemon=True).start()
 
     def _put_back(self) -> None:
+        """After a restart: running claims written back if still free, waiting ones queued again."""
         with self._cond:
             mine = list(self._mine.items())
         for number, ticket in mine:
             if ticket.state == "running" and ticket.allocation is not None:
                 held = ticket.allocation
-                try:
-                    answer = self._ask(
-                        {
-                            "op": "restore",
-                            "label": ticket.label,
-                            "cpus": held.cpus,
-                            "gpus": list(held.gpus),
-                            "ram_bytes": held.ram_bytes,
-                        }
-                    )
-                except ServiceUnavailable:
-                    return
-                if answer["op"] == "ticket":
-                    with self._cond:
-                        self._mine.pop(number, None)
-                        ticket.number = answer["ticket"]
-                        self._mine[ticket.number] = ticket
-                    continue
-            self._heard(
-                {
-                    "op": "stop",
-                    "ticket": number,
-                    "reason": "the machine's books service restarted and its share is taken",
+                request: dict[str, Any] = {
+                    "op": "restore",
+                    "label": ticket.label,
+                    "cpus": held.cpus,
+                    "gpus": list(held.gpus),
+                    "ram_bytes": held.ram_bytes,
                 }
-            )
+            elif ticket.state == "waiting":
+                r = ticket.resources
+                need = {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
+                request = {"op": "claim", "label": ticket.label, "need": need}
+            else:
+                continue
+            try:
+                answer = self._ask(request)
+            except ServiceUnavailable:
+                return
+            if answer["op"] != "ticket":
+                reason = "the machine's books service restarted, and what this claim held is taken"
+                self._heard({"op": "stop", "ticket": number, "reason": reason})
+                continue
+            with self._cond:
+                if ticket.state == "done":
+                    # Released while the service was away: nothing to hold.
+                    self._give_back_unasked(answer["ticket"])
+                    continue
+                self._mine.pop(number, None)
+                ticket.number = answer["ticket"]
+                self._mine[ticket.number] = ticket
+                if request["op"] == "claim" and "gpus" in answer:
+                    self._heard({**answer, "op": "granted"})
+                self._heard_early(ticket)
 
     def close(self) -> None:
         self._closed = True

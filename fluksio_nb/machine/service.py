@@ -361,8 +361,13 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
     if ready is not None:
         ready(server)
     try:
-        async with server:
-            await stop.wait()
+        await stop.wait()
     finally:
+        # The name goes first, so that a kernel reconnecting finds the next
+        # service rather than this one on its way out.
         with contextlib.suppress(FileNotFoundError):
             socket_path.unlink()
+        server.close()
+        for connection in list(service.connections):
+            connection.close()
+        await server.wait_closed()

@@ -185,11 +185,14 @@ def start_service(layout: Layout) -> str:
             "[Install]\nWantedBy=multi-user.target\n"
         )
         subprocess.run(["systemctl", "daemon-reload"], check=True)
-        subprocess.run(["systemctl", "enable", "--now", UNIT_NAME], check=True)
+        subprocess.run(["systemctl", "enable", UNIT_NAME], check=True)
+        # Restarted rather than started: init run again means the config changed.
+        subprocess.run(["systemctl", "restart", UNIT_NAME], check=True)
         how = f"service: systemd unit {UNIT_NAME}"
     else:
         if answering(layout):
-            return f"service: already answering at {layout.socket}"
+            # Kernels reconnect and put their claims back (machine.client).
+            stop_service(layout)
         # Root's alone: it names users and quotes what their kernels sent.
         descriptor = os.open(
             layout.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
