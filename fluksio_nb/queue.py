@@ -118,18 +118,7 @@ class ClaimQueue:
         the books' care: the caller must :meth:`release` it, as :meth:`claim`
         does in its ``finally``.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while ticket.allocation is None:
-                if ticket.cancelled is not None:
-                    raise ClaimCancelled(
-                        f"{ticket.label} was cancelled while waiting: {ticket.cancelled}"
-                    )
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ClaimTimeout(self.timeout_message(ticket, timeout))
-                self._cond.wait(_WAKE_S if left is None else min(left, _WAKE_S))
-            return ticket.allocation
+        return wait_for_grant(self._cond, ticket, timeout, self.timeout_message)
 
     def release(self, ticket: Ticket) -> None:
         """Leave the queue, or give the share back: safe to call on any ticket, twice."""
@@ -234,6 +223,31 @@ class ClaimQueue:
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
         return timeout_message(ticket, timeout, self.holders())
+
+
+def wait_for_grant(
+    granted: threading.Condition,
+    ticket: Ticket,
+    timeout: float | None,
+    timeout_message: Callable[[Ticket, float | None], str],
+) -> Allocation:
+    """Sleep on ``granted`` until the ticket has its share, is cancelled, or runs out of time.
+
+    Whoever grants or cancels notifies ``granted``; the wake every
+    :data:`_WAKE_S` only bounds how late a timeout is noticed.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with granted:
+        while ticket.allocation is None:
+            if ticket.cancelled is not None:
+                raise ClaimCancelled(
+                    f"{ticket.label} was cancelled while waiting: {ticket.cancelled}"
+                )
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ClaimTimeout(timeout_message(ticket, timeout))
+            granted.wait(_WAKE_S if left is None else min(left, _WAKE_S))
+        return ticket.allocation
 
 
 Need = tuple[int, int, int]

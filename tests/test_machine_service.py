@@ -202,6 +202,7 @@ def test_claims_survive_the_service_restarting(monkeypatch):
         assert int(layout.pidfile.read_text()) != first
         books = wait_until(
             lambda: (b := snapshot(layout))["running"] and b["waiting"] and b,
+            timeout=60,
             what="both claims put back",
         )
         assert [(c["label"], c["allocation"]["gpus"]) for c in books["running"]] == [

@@ -36,13 +36,12 @@ from fluksio_nb.ledger import NotYours
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap
 from fluksio_nb.queue import (
-    ClaimCancelled,
-    ClaimTimeout,
     ClaimTooLarge,
     ClampedWarning,
     Ticket,
     fit_to_capacity,
     timeout_message,
+    wait_for_grant,
 )
 from fluksio_nb.resources import BadClaim, Resources
 
@@ -404,18 +403,7 @@ class ServiceQueue:
             self._heard(early)
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while ticket.allocation is None:
-                if ticket.cancelled is not None:
-                    raise ClaimCancelled(
-                        f"{ticket.label} was cancelled while waiting: {ticket.cancelled}"
-                    )
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ClaimTimeout(self.timeout_message(ticket, timeout))
-                self._cond.wait(0.25 if left is None else min(left, 0.25))
-            return ticket.allocation
+        return wait_for_grant(self._cond, ticket, timeout, self.timeout_message)
 
     def release(self, ticket: Ticket) -> None:
         with self._cond:

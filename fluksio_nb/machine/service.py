@@ -197,22 +197,7 @@ class BooksService:
                 }
             )
             return
-        hello = connection.hello
-        assert hello is not None
-        entry = Entry(
-            number=self.books.next_number(),
-            uid=connection.uid,
-            user=connection.user,
-            pid=connection.pid,
-            need=need,
-            label=request.label,
-            owner=connection,
-            kernel_id=hello.kernel_id,
-            notebook=hello.notebook,
-            share_labels=hello.share_labels,
-        )
-        self.books.add(entry)
-        connection.entries[entry.number] = entry
+        entry = self._new_entry(connection, need, request.label)
         answer: dict[str, Any] = {
             "op": "ticket",
             "id": request.id,
@@ -227,6 +212,26 @@ class BooksService:
             answer.update(gpus=list(entry.gpus), granted_at=entry.granted_at)
         connection.send(answer)
         self.tell_granted(granted)
+
+    def _new_entry(self, connection: Connection, need: tuple[int, int, int], label: str) -> Entry:
+        """A claim in the books, owned by whoever the OS says is at the other end."""
+        hello = connection.hello
+        assert hello is not None
+        entry = Entry(
+            number=self.books.next_number(),
+            uid=connection.uid,
+            user=connection.user,
+            pid=connection.pid,
+            need=need,
+            label=label,
+            owner=connection,
+            kernel_id=hello.kernel_id,
+            notebook=hello.notebook,
+            share_labels=hello.share_labels,
+        )
+        self.books.add(entry)
+        connection.entries[entry.number] = entry
+        return entry
 
     def _too_big(self, connection: Connection, need: tuple[int, int, int]) -> str | None:
         """Why a claim can never be granted, or ``None``. The kernel fits claims first."""
@@ -302,25 +307,8 @@ class BooksService:
         ):
             connection.send({"op": "error", "id": request.id, "message": "no longer free"})
             return
-        hello = connection.hello
-        assert hello is not None
-        entry = Entry(
-            number=self.books.next_number(),
-            uid=connection.uid,
-            user=connection.user,
-            pid=connection.pid,
-            need=need,
-            label=request.label,
-            owner=connection,
-            kernel_id=hello.kernel_id,
-            notebook=hello.notebook,
-            share_labels=hello.share_labels,
-            state="running",
-            gpus=tuple(request.gpus),
-        )
-        entry.granted_at = entry.since
-        self.books.add(entry)
-        connection.entries[entry.number] = entry
+        entry = self._new_entry(connection, need, request.label)
+        entry.state, entry.gpus, entry.granted_at = "running", tuple(request.gpus), entry.since
         connection.send(
             {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
         )
