@@ -266,6 +266,17 @@ class Claim:
         if self.allocation is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         worker = self._pool.checkout(self.env)
+        # A cold worker's start is not the cell running: the live view is due
+        # one reading into the cell, not into the worker's own imports, which
+        # take half a second on a slow machine and put a live view, then the
+        # summary, under every first claimed cell that was over at once.
+        try:
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            worker.wait_until_ready(timeout=30.0 if left is None else max(left, 0.0), sink=sink)
+        except BaseException:
+            worker.kill()
+            self._pool.checkin(worker, self.env)
+            raise
         watched = self._watch_process(worker.pid, stop=worker.kill)
         try:
             outcome = worker.run(

@@ -59,8 +59,7 @@ class Books:
 
 def books_in_force(layout: Any = None, settings: Settings | None = None) -> Books:
     """The books this process's claims use. ``layout`` is the machine's (tests name another)."""
-    from fluksio_nb.machine.client import socket_in
-    from fluksio_nb.machine.setup import Layout
+    from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, socket_in
 
     settings = settings or load_settings()
     if settings.ledger == "kernel":
@@ -70,10 +69,10 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
         if socket_in(named) is not None:
             return Books("machine", named, "FLUKSIO_LEDGER names the machine's books")
         return Books("user", named, "FLUKSIO_LEDGER (or the config's 'ledger') names it")
-    layout = layout or Layout()
-    if socket_in(layout.run_dir) is not None:
+    run_dir = DEFAULT_RUN_DIR if layout is None else layout.run_dir
+    if socket_in(run_dir) is not None:
         return Books(
-            "machine", layout.run_dir, "an admin set this machine up with `fluksio-nb machine init`"
+            "machine", run_dir, "an admin set this machine up with `fluksio-nb machine init`"
         )
     return Books(
         "user",
@@ -91,7 +90,8 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     """
     books = books or books_in_force()
     if books.mode == "machine":
-        from fluksio_nb.machine.client import read_snapshot, socket_in
+        from fluksio_nb.machine.client import read_snapshot
+        from fluksio_nb.machine.run_dir import socket_in
 
         assert books.where is not None
         snapshot = read_snapshot(socket_in(books.where) or books.where)
@@ -127,7 +127,8 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
     """
     books = books or books_in_force()
     if books.mode == "machine":
-        from fluksio_nb.machine.client import cancel_claim, socket_in
+        from fluksio_nb.machine.client import cancel_claim
+        from fluksio_nb.machine.run_dir import socket_in
 
         assert books.where is not None
         return cancel_claim(socket_in(books.where) or books.where, number, reason)
@@ -157,7 +158,8 @@ def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
                     )
                 )
             elif books.mode == "machine":
-                from fluksio_nb.machine.client import ServiceQueue, socket_in
+                from fluksio_nb.machine.client import ServiceQueue
+                from fluksio_nb.machine.run_dir import socket_in
 
                 assert books.where is not None
                 _instance = ServiceQueue(

@@ -610,7 +610,8 @@ def usage_dirs() -> list[Path]:
     made: a terminal makes no claims.
     """
     from fluksio_nb.kernel import books_in_force
-    from fluksio_nb.machine.client import ServiceUnavailable, ask_once, socket_in
+    from fluksio_nb.machine.client import ServiceUnavailable, ask_once
+    from fluksio_nb.machine.run_dir import socket_in
 
     dirs = [default_usage_dir()]
     books = books_in_force()

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import stat
 import threading
 import time
 from pathlib import Path
@@ -54,33 +52,6 @@ REACH_WITHIN_S = 3.0
 
 class ServiceUnavailable(BadClaim):
     """The machine's books are set up but their service does not answer."""
-
-
-def socket_in(directory: Path) -> Path | None:
-    """The service's socket in ``directory``, if the directory is a machine's run directory.
-
-    A machine's run directory is root's and nobody else may write it: a socket
-    in a directory another user could write might be theirs. It is marked as
-    the machine's by ``fluksio-nb machine init``, so the books stay the
-    machine's while the service restarts: a kernel then waits for it, rather
-    than keeping books of its own that nobody else sees.
-    """
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return None
-        marker = os.stat(protocol.MARKER_NAME, dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(marker.st_mode) or marker.st_uid != 0:
-        return None
-    return directory / protocol.SOCKET_NAME
 
 
 def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:

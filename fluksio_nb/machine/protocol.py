@@ -24,12 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 #: kilobytes; anything near this is an attack or a bug, and ends the connection.
 MAX_LINE_BYTES = 1 << 20
 
-#: The socket's name in the machine's run directory.
-SOCKET_NAME = "books.sock"
-#: Present in a run directory set up by ``fluksio-nb machine init``: the books
-#: are the machine's even while the service restarts and its socket is gone.
-MARKER_NAME = "machine"
-
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """The process at the other end: (pid, uid, gid), from the kernel, not from the peer."""

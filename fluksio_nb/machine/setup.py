@@ -21,7 +21,6 @@ a temporary one):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import grp
 import os
@@ -36,8 +35,8 @@ from typing import Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap, MachineBooks
+from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, MARKER_NAME, SOCKET_NAME
 from fluksio_nb.resources import BadClaim, explain
 
 UNIT_NAME = "fluksio-nb.service"
@@ -80,11 +79,11 @@ class Layout:
 
     def __init__(self, prefix: Path | str = "/") -> None:
         self.prefix = Path(prefix)
-        self.run_dir = self.prefix / "run" / "fluksio_nb"
+        self.run_dir = self.prefix / DEFAULT_RUN_DIR.relative_to("/")
         self.config = self.prefix / "etc" / "fluksio_nb" / "machine.json"
         self.records = self.prefix / "var" / "lib" / "fluksio_nb" / "usage"
-        self.socket = self.run_dir / protocol.SOCKET_NAME
-        self.marker = self.run_dir / protocol.MARKER_NAME
+        self.socket = self.run_dir / SOCKET_NAME
+        self.marker = self.run_dir / MARKER_NAME
         self.pidfile = self.run_dir / "service.pid"
         self.log = self.run_dir / "service.log"
 
@@ -129,7 +128,7 @@ def _root_dir(path: Path, mode: int, group: int = 0) -> None:
 
 def _mark(layout: Layout) -> None:
     _root_dir(layout.run_dir, 0o755)
-    staged = layout.run_dir / f".{protocol.MARKER_NAME}.new"
+    staged = layout.run_dir / f".{MARKER_NAME}.new"
     staged.write_text(f"{layout.prefix}\n")
     os.chmod(staged, 0o644)
     os.replace(staged, layout.marker)
@@ -226,7 +225,8 @@ def start_service(layout: Layout) -> str:
 
 
 def answering(layout: Layout) -> bool:
-    from fluksio_nb.machine.client import ServiceUnavailable, ask_once, socket_in
+    from fluksio_nb.machine.client import ServiceUnavailable, ask_once
+    from fluksio_nb.machine.run_dir import socket_in
 
     path = socket_in(layout.run_dir)
     if path is None:
@@ -281,6 +281,7 @@ def remove(layout: Layout) -> str:
 
 def serve(layout: Layout) -> None:
     """Run the books service in the foreground: what the systemd unit runs."""
+    import asyncio
     import logging
 
     from fluksio_nb.inventory import take_inventory
