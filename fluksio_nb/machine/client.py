@@ -284,8 +284,12 @@ class ServiceQueue:
     def _put_back(self) -> None:
         """After a restart: running claims written back if still free, waiting ones queued again."""
         with self._cond:
-            mine = list(self._mine.items())
-        for number, ticket in mine:
+            # Numbered afresh by the new service: the old numbers may be given
+            # to other claims of this kernel, so none of them is kept.
+            mine = list(self._mine.values())
+            self._mine.clear()
+            self._early.clear()
+        for ticket in mine:
             if ticket.state == "running" and ticket.allocation is not None:
                 held = ticket.allocation
                 request: dict[str, Any] = {
@@ -307,14 +311,17 @@ class ServiceQueue:
                 return
             if answer["op"] != "ticket":
                 reason = "the machine's books service restarted, and what this claim held is taken"
-                self._heard({"op": "stop", "ticket": number, "reason": reason})
+                with self._cond:
+                    ticket.cancelled = reason
+                    self._cond.notify_all()
+                if ticket.state == "running" and ticket.on_cancel is not None:
+                    ticket.on_cancel(reason)
                 continue
             with self._cond:
                 if ticket.state == "done":
                     # Released while the service was away: nothing to hold.
                     self._give_back_unasked(answer["ticket"])
                     continue
-                self._mine.pop(number, None)
                 ticket.number = answer["ticket"]
                 self._mine[ticket.number] = ticket
                 if request["op"] == "claim" and "gpus" in answer:
