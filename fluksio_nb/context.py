@@ -181,6 +181,15 @@ class Claim:
         else:
             self.budget = Budget(None, None)
         ticket.on_cancel = self._cancelled
+        if ticket.cancelled is not None:
+            # Cancelled between its grant and now, when the stop found no work
+            # to stop: nothing has started, so nothing starts.
+            error = ClaimCancelled(
+                f"{self.status.label} was cancelled as it started: {ticket.cancelled}"
+            )
+            self._queue.release(ticket)
+            self._end("cancelled", str(error))
+            raise error
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
         note_running(self.status)
@@ -325,7 +334,13 @@ class Claim:
     # -- stopping ----------------------------------------------------------------
 
     def _watch_process(self, pid: int, stop: Callable[[], None]) -> Watched:
-        self._stoppers.append(stop)
+        with self._lock:
+            self._stoppers.append(stop)
+            stopped = self._stop_reason is not None
+        if stopped:
+            # Stopped (cancelled, out of time) before this process was there to
+            # stop, as while a cold worker started: it goes at once.
+            stop()
         assert self.budget is not None
         return self._watch.add(
             Watched(

@@ -40,6 +40,12 @@ from fluksio_nb.machine.books import Cap, Entry, MachineBooks
 
 log = logging.getLogger("fluksio_nb.machine")
 
+#: How long a service that just started grants nothing, so that kernels whose
+#: claims ran across a restart put them back before anything waiting is
+#: granted what they still hold.
+RESTORE_GRACE_S = 3.0
+#: Left in the run directory by a service that stopped while claims were held.
+CLAIMS_HELD_NAME = "claims-held"
 #: How much unread output a client may leave in the service's buffers before
 #: it is taken to be stuck and disconnected.
 MAX_BACKLOG_BYTES = 4 << 20
@@ -110,6 +116,7 @@ class BooksService:
         self.admin_group = admin_group
         self.records = records
         self.connections: set[Connection] = set()
+        self._granting_from = 0.0
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -204,7 +211,7 @@ class BooksService:
             "ticket": entry.number,
             "since": entry.since,
         }
-        granted = self.books.dispatch()
+        granted = [] if self._holding() else self.books.dispatch()
         if entry in granted:
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
@@ -313,7 +320,18 @@ class BooksService:
             {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
         )
 
+    def _holding(self) -> bool:
+        return bool(self._granting_from) and asyncio.get_running_loop().time() < self._granting_from
+
+    def hold_grants(self, seconds: float) -> None:
+        """Grant nothing for ``seconds``, then everything that fits: a restart's grace."""
+        loop = asyncio.get_running_loop()
+        self._granting_from = loop.time() + seconds
+        loop.call_later(seconds, self.dispatch)
+
     def dispatch(self) -> None:
+        if self._holding():
+            return
         self.tell_granted(self.books.dispatch())
 
     def tell_granted(self, granted: list[Entry]) -> None:
@@ -336,12 +354,23 @@ async def _drain_and_close(writer: asyncio.StreamWriter) -> None:
 
 
 async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
-    """Answer on ``socket_path`` until SIGTERM or SIGINT."""
+    """Answer on ``socket_path`` until SIGTERM or SIGINT.
+
+    A service that follows one which had claims (it left its socket behind,
+    having crashed, or said so as it stopped) grants nothing for a grace
+    period, while their kernels put them back.
+    """
+    held = socket_path.with_name(CLAIMS_HELD_NAME)
+    follows_claims = socket_path.exists() or held.exists()
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        held.unlink()
     server = await asyncio.start_unix_server(
         service.handle, path=str(socket_path), limit=protocol.MAX_LINE_BYTES
     )
+    if follows_claims:
+        service.hold_grants(RESTORE_GRACE_S)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -356,6 +385,8 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         with contextlib.suppress(FileNotFoundError):
             socket_path.unlink()
         server.close()
+        if any(c.entries for c in service.connections):
+            held.touch(mode=0o644)
         for connection in list(service.connections):
             connection.close()
         await server.wait_closed()
