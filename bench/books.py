@@ -287,10 +287,6 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
     return textwrap.dedent(f"### The books\n\n{text}\n")
 
 
-if __name__ == "__main__":
-    print(main())
-
-
 def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: int) -> None:
     """The machine's books service, set up as an admin would, beside the ledger's rows."""
     import os
@@ -322,3 +318,7 @@ def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: i
         import shutil
 
         shutil.rmtree(prefix, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    print(main())
