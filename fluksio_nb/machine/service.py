@@ -74,30 +74,65 @@ def in_group(uid: int, group: str | None) -> bool:
     return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
 
 
-class Connection:
-    """One kernel (or server, or terminal) talking to the service."""
+class Connection(asyncio.Protocol):
+    """One kernel (or server, or terminal) talking to the service.
 
-    def __init__(self, writer: asyncio.StreamWriter, pid: int, uid: int) -> None:
-        self.writer, self.pid, self.uid = writer, pid, uid
-        self.user = user_name(uid)
+    A protocol rather than a stream reader and a task: each line is answered
+    as it is read, with no task to wake in between, which was a third of
+    what the service spent on a claim.
+    """
+
+    def __init__(self, service: BooksService) -> None:
+        self.service = service
+        self.transport: asyncio.Transport | None = None
+        self.pid = self.uid = -1
+        self.user = ""
         self.hello: protocol.Hello | None = None
         self.entries: dict[int, Entry] = {}
         self.closed = False
+        self._buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.pid, self.uid, _ = protocol.peer_credentials(transport.get_extra_info("socket"))
+        self.user = user_name(self.uid)
+        self.service.arrived(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while not self.closed and b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            self.service.heard(self, line)
+        if len(self._buffer) > protocol.MAX_LINE_BYTES:
+            self.refuse("a line longer than the protocol allows")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.service.left(self)
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.closed:
+        if self.closed or self.transport is None:
             return
-        transport = self.writer.transport
-        if transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
+        if self.transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
             log.warning("dropping pid %s (%s): it stopped reading", self.pid, self.user)
             self.close()
             return
-        self.writer.write(protocol.line(message))
+        self.transport.write(protocol.line(message))
+
+    def refuse(self, why: str) -> None:
+        """Say why, and end this connection, and only this one."""
+        log.warning("pid %s (%s) refused: %s", self.pid, self.user, why)
+        self.send({"op": "refused", "message": why[:2000]})
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            # close(), not abort(): the refusal is flushed before the end.
+            self.transport.close()
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and self.transport is not None:
             self.closed = True
-            self.writer.transport.abort()
+            self.transport.abort()
 
 
 class BooksService:
@@ -123,39 +158,33 @@ class BooksService:
 
     # -- a connection's life ----------------------------------------------------
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid, uid, _ = protocol.peer_credentials(writer.get_extra_info("socket"))
-        connection = Connection(writer, pid, uid)
-        if sum(c.uid == uid for c in self.connections) >= MAX_CONNECTIONS_PER_USER:
-            connection.send({"op": "refused", "message": "too many connections from this user"})
-            await _drain_and_close(writer)
+    def arrived(self, connection: Connection) -> None:
+        if sum(c.uid == connection.uid for c in self.connections) >= MAX_CONNECTIONS_PER_USER:
+            connection.refuse("too many connections from this user")
             return
         self.connections.add(connection)
+
+    def heard(self, connection: Connection, line: bytes) -> None:
+        """One line from a connection: its hello first, then requests."""
         try:
-            first = await reader.readline()
-            connection.hello = protocol.read_hello(first)
-            cap = self.cap_for(connection.user)
-            if cap is not None:
-                self.books.caps[uid] = cap
-            connection.send(self.welcome(connection))
-            while not connection.closed:
-                raw = await reader.readline()
-                if not raw:
-                    break
-                self.answer(connection, protocol.read_request(raw))
-        except (ValidationError, ValueError) as error:
-            # ValueError is also what a line over the reader's limit raises.
-            log.warning("pid %s (%s) sent a bad line: %s", pid, connection.user, error)
-            connection.send({"op": "refused", "message": f"bad request: {error}"[:2000]})
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except asyncio.CancelledError:
-            # The service is stopping; the connection goes with it.
-            pass
-        finally:
-            self.connections.discard(connection)
-            self.drop(connection)
-            connection.close()
+            if connection.hello is None:
+                connection.hello = protocol.read_hello(line)
+                cap = self.cap_for(connection.user)
+                if cap is not None:
+                    self.books.caps[connection.uid] = cap
+                connection.send(self.welcome(connection))
+            else:
+                self.answer(connection, protocol.read_request(line))
+        except ValidationError as error:
+            connection.refuse(f"bad request: {error}")
+
+    def left(self, connection: Connection) -> None:
+        """A connection closed: whatever it held or waited for is free for everyone."""
+        self.connections.discard(connection)
+        for number in list(connection.entries):
+            self.books.remove(number)
+        connection.entries.clear()
+        self.dispatch()
 
     def welcome(self, connection: Connection) -> dict[str, Any]:
         cap = self.books.caps.get(connection.uid)
@@ -172,13 +201,6 @@ class BooksService:
             "admin": in_group(connection.uid, self.admin_group),
             "records": self.records,
         }
-
-    def drop(self, connection: Connection) -> None:
-        """A connection closed: whatever it held or waited for is free for everyone."""
-        for number in list(connection.entries):
-            self.books.remove(number)
-        connection.entries.clear()
-        self.dispatch()
 
     # -- requests -----------------------------------------------------------------
 
@@ -347,12 +369,6 @@ class BooksService:
             )
 
 
-async def _drain_and_close(writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(writer.drain(), 1)
-    writer.transport.abort()
-
-
 async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
     """Answer on ``socket_path`` until SIGTERM or SIGINT.
 
@@ -366,13 +382,11 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         socket_path.unlink()
     with contextlib.suppress(FileNotFoundError):
         held.unlink()
-    server = await asyncio.start_unix_server(
-        service.handle, path=str(socket_path), limit=protocol.MAX_LINE_BYTES
-    )
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: Connection(service), path=str(socket_path))
     if follows_claims:
         service.hold_grants(RESTORE_GRACE_S)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if ready is not None:
