@@ -166,6 +166,18 @@ def _service_env(run_dir: str, user: object) -> dict[str, str]:
     return user_environ(user, env)  # type: ignore[arg-type]
 
 
+def _as_user_with_books(user: object, run_dir: str, script: str, *args: str) -> subprocess.Popen:
+    """A Python process of ``user`` (or of this one) on the machine's books at ``run_dir``."""
+    return subprocess.Popen(
+        [*_as(user), sys.executable, "-c", script, "", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_service_env(run_dir, user),
+        cwd="/",
+    )
+
+
 def _two_users() -> tuple[list[object], str]:
     """Two real users when root can make them; else this one, said so."""
     from tests.unix_users import USER_A, USER_B, missing_for_unix_users, ready_user
@@ -179,22 +191,9 @@ def _two_users() -> tuple[list[object], str]:
 def service_books(
     processes_per_user: int, cycles: int, run_dir: str, users: list[object]
 ) -> list[float]:
+    script = SERVICE_SETUP + CYCLES.split(SETUP)[1]
     started = [
-        subprocess.Popen(
-            [
-                *_as(user),
-                sys.executable,
-                "-c",
-                SERVICE_SETUP + CYCLES.split(SETUP)[1],
-                "",
-                str(cycles),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_service_env(run_dir, user),
-            cwd="/",
-        )
+        _as_user_with_books(user, run_dir, script, str(cycles))
         for user in users
         for _ in range(processes_per_user)
     ]
@@ -212,28 +211,13 @@ def service_wake_latency(rounds: int, run_dir: str, users: list[object]) -> list
     """A claim of one user frees the machine; a waiter of the other hears it."""
     holder, waiter_user = users
     whole = "Resources(cpus=q.books.cpus)"
-    waiter = subprocess.Popen(
-        [
-            *_as(waiter_user),
-            sys.executable,
-            "-c",
-            SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
-            "",
-            str(rounds),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_service_env(run_dir, waiter_user),
-        cwd="/",
+    waiter = _as_user_with_books(
+        waiter_user,
+        run_dir,
+        SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
+        str(rounds),
     )
-    mine = subprocess.Popen(
-        [
-            *_as(holder),
-            sys.executable,
-            "-c",
-            SERVICE_SETUP
-            + f"""
+    holding = f"""
 for _ in range({rounds}):
     held = q.enqueue({whole})
     q.wait(held)
@@ -242,14 +226,8 @@ for _ in range({rounds}):
     freed = time.time()
     q.release(held)
     print(json.dumps(freed), flush=True)
-""",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_service_env(run_dir, holder),
-        cwd="/",
-    )
+"""
+    mine = _as_user_with_books(holder, run_dir, SERVICE_SETUP + holding)
     latencies = []
     for _ in range(rounds):
         assert mine.stdout.readline().strip() == "held"

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -113,6 +114,16 @@ def process(
         env=environ,
         cwd="/",
     )
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "the condition"):
+    """Poll ``condition`` until it gives something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} was not reached in {timeout} s")
+        time.sleep(0.01)
+    return found
 
 
 def heard(proc: subprocess.Popen) -> dict[str, Any]:

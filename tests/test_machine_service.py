@@ -16,7 +16,7 @@ import pytest
 
 from fluksio_nb.ledger import process_started
 from fluksio_nb.machine import protocol
-from tests.machines import fluksio_nb, heard, machine, process
+from tests.machines import fluksio_nb, heard, machine, process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,15 +35,6 @@ q.wait(t, 60)
 say(gpus=list(t.allocation.gpus), at=time.time())
 q.release(t)
 """
-
-
-def wait_until(condition, timeout=10.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} was not reached in {timeout} s")
-        time.sleep(0.01)
-    return found
 
 
 def snapshot(layout) -> dict:

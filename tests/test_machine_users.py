@@ -23,7 +23,7 @@ import pytest
 
 from fluksio_nb.ledger import process_started
 from tests.kernels import Kernel
-from tests.machines import fluksio_nb, machine, machine_env
+from tests.machines import fluksio_nb, machine, machine_env, wait_until
 from tests.unix_users import (
     USER_A,
     USER_B,
@@ -56,15 +56,6 @@ def kernels():
     for kernel in started:
         if kernel.manager.is_alive():
             kernel.shutdown()
-
-
-def wait_until(condition, timeout=30.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} was not reached in {timeout} s")
-        time.sleep(0.02)
-    return found
 
 
 def running_labels(kernel: Kernel) -> list:
