@@ -281,6 +281,7 @@ def remove(layout: Layout) -> str:
 
 def serve(layout: Layout) -> None:
     """Run the books service in the foreground: what the systemd unit runs."""
+    _must_be_root("serve")
     import asyncio
     import logging
 
