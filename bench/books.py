@@ -97,7 +97,12 @@ def ledger_books(processes: int, cycles: int, directory: str) -> list[float]:
         )
         for _ in range(processes)
     ]
-    for process in started:  # all start contending at once, imports done
+    return contend(started)
+
+
+def contend(started: list[subprocess.Popen]) -> list[float]:
+    """Start every process's cycles at once, imports done; all their samples."""
+    for process in started:
         process.stdin.write("\n")
         process.stdin.flush()
     samples: list[float] = []
@@ -197,14 +202,7 @@ def service_books(
         for user in users
         for _ in range(processes_per_user)
     ]
-    for process in started:
-        process.stdin.write("\n")
-        process.stdin.flush()
-    samples: list[float] = []
-    for process in started:
-        samples += json.loads(process.stdout.readline())
-        process.wait()
-    return samples
+    return contend(started)
 
 
 def service_wake_latency(rounds: int, run_dir: str, users: list[object]) -> list[float]:

@@ -47,6 +47,8 @@ class Books:
     mode: Literal["machine", "user", "kernel"]
     where: Path | None
     why: str
+    #: The service's socket, for the machine's books.
+    socket: Path | None = None
 
     def describe(self) -> str:
         said = {
@@ -66,13 +68,18 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
         return Books("kernel", None, "FLUKSIO_LEDGER (or the config's 'ledger') is 'kernel'")
     if settings.ledger:
         named = Path(settings.ledger).expanduser()
-        if socket_in(named) is not None:
-            return Books("machine", named, "FLUKSIO_LEDGER names the machine's books")
+        found = socket_in(named)
+        if found is not None:
+            return Books("machine", named, "FLUKSIO_LEDGER names the machine's books", found)
         return Books("user", named, "FLUKSIO_LEDGER (or the config's 'ledger') names it")
     run_dir = DEFAULT_RUN_DIR if layout is None else layout.run_dir
-    if socket_in(run_dir) is not None:
+    found = socket_in(run_dir)
+    if found is not None:
         return Books(
-            "machine", run_dir, "an admin set this machine up with `fluksio-nb machine init`"
+            "machine",
+            run_dir,
+            "an admin set this machine up with `fluksio-nb machine init`",
+            found,
         )
     return Books(
         "user",
@@ -91,10 +98,9 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     books = books or books_in_force()
     if books.mode == "machine":
         from fluksio_nb.machine.client import read_snapshot
-        from fluksio_nb.machine.run_dir import socket_in
 
-        assert books.where is not None
-        snapshot = read_snapshot(socket_in(books.where) or books.where)
+        assert books.socket is not None
+        snapshot = read_snapshot(books.socket)
     elif books.mode == "user":
         from fluksio_nb.ledger import identity, read_snapshot
 
@@ -128,10 +134,9 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
     books = books or books_in_force()
     if books.mode == "machine":
         from fluksio_nb.machine.client import cancel_claim
-        from fluksio_nb.machine.run_dir import socket_in
 
-        assert books.where is not None
-        return cancel_claim(socket_in(books.where) or books.where, number, reason)
+        assert books.socket is not None
+        return cancel_claim(books.socket, number, reason)
     if books.mode == "user":
         from fluksio_nb.ledger import LedgerFile, cancel_claim, identity
 
@@ -159,12 +164,9 @@ def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
                 )
             elif books.mode == "machine":
                 from fluksio_nb.machine.client import ServiceQueue
-                from fluksio_nb.machine.run_dir import socket_in
 
-                assert books.where is not None
-                _instance = ServiceQueue(
-                    socket_in(books.where) or books.where, share_labels=settings.share_labels
-                )
+                assert books.socket is not None
+                _instance = ServiceQueue(books.socket, share_labels=settings.share_labels)
             else:
                 assert books.where is not None
                 _instance = MachineQueue(books.where, found)

@@ -69,7 +69,6 @@ import errno
 import fcntl
 import json
 import os
-import pwd
 import secrets
 import socket
 import stat
@@ -84,6 +83,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.identity import user_name
 from fluksio_nb.inventory import Inventory
 from fluksio_nb.queue import (
     ClaimCancelled,
@@ -132,15 +132,8 @@ def default_ledger_dir() -> Path:
     return Path(jupyter_runtime_dir()) / "fluksio"
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 def _who(uid: int) -> str:
-    return f"uid {uid} ({_user_name(uid)})"
+    return f"uid {uid} ({user_name(uid)})"
 
 
 def _open_directory(directory: Path) -> int:
@@ -183,7 +176,7 @@ def _writable_by_others(directory: Path, mode: int) -> str:
     if mode & stat.S_ISVTX:
         # A sticky, world-writable directory is somebody's shared scratch
         # space, such as /tmp: telling them to chmod it would break it.
-        own = directory / f"fluksio-{_user_name(os.geteuid())}"
+        own = directory / f"fluksio-{user_name(os.geteuid())}"
         return (
             f"{said} It is a shared scratch directory, such as /tmp: keep the books in a "
             f"directory of your own instead, such as {own}, by pointing FLUKSIO_LEDGER "
@@ -669,7 +662,7 @@ def identity() -> dict[str, Any]:
         "notebook": os.environ.get("JPY_SESSION_NAME"),
         # From the OS, not $USER or $LOGNAME, which say whatever they are set to.
         "uid": os.geteuid(),
-        "user": _user_name(os.geteuid()),
+        "user": user_name(os.geteuid()),
     }
 
 

@@ -143,21 +143,13 @@ class CancelHandler(_LedgerHandler):
         self.finish({"ticket": int(number), "cancelled": True})
 
 
-def _os_user() -> str:
-    """Who the server runs as, from its uid: ``$USER`` is anybody's to set."""
-    import os
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return str(os.geteuid())
-
-
 def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app = serverapp.web_app
     base_url = web_app.settings["base_url"]
-    web_app.settings["fluksio_os_user"] = _os_user()
+    from fluksio_nb.identity import my_user
+
+    # Its uid's name: $USER is anybody's to set.
+    web_app.settings["fluksio_os_user"] = my_user()
     web_app.add_handlers(
         ".*$",
         [

@@ -39,7 +39,6 @@ import contextlib
 import errno
 import json
 import os
-import pwd
 import re
 import secrets
 import stat
@@ -55,6 +54,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, NonNegativeInt, ValidationError
 
 from fluksio_nb.budget import human
+from fluksio_nb.identity import user_name
 
 #: What is read of one records file at most. A kernel writes about 300 bytes
 #: per claim, so this is some 200,000 claims from one process: more than any
@@ -143,7 +143,7 @@ def _why_refused(info: os.stat_result, me: int) -> str | None:
             "there may also remove your records; an admin fixes it with `chmod +t`"
         )
     return (
-        f"belongs to {_user_name(info.st_uid)!r}, not to you ({_user_name(me)!r}), who could "
+        f"belongs to {user_name(info.st_uid)!r}, not to you ({user_name(me)!r}), who could "
         "read, remove or replace your records; use a directory of your own, or a root-owned "
         "shared one with the sticky bit (mode 1777)"
     )
@@ -323,13 +323,6 @@ class UsageRows(list):
         self.bad_lines += other.bad_lines
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 def read_usage(directory: Path, since: float | None = None, user: str | None = None) -> UsageRows:
     """Every record in ``directory`` that ended at or after ``since``, of ``user`` if given.
 
@@ -363,7 +356,7 @@ def read_usage(directory: Path, since: float | None = None, user: str | None = N
 
 def _named(uid: int, names: dict[int, str]) -> str:
     if uid not in names:
-        names[uid] = _user_name(uid)
+        names[uid] = user_name(uid)
     return names[uid]
 
 
@@ -611,11 +604,10 @@ def usage_dirs() -> list[Path]:
     """
     from fluksio_nb.kernel import books_in_force
     from fluksio_nb.machine.client import ServiceUnavailable, ask_once
-    from fluksio_nb.machine.run_dir import socket_in
 
     dirs = [default_usage_dir()]
     books = books_in_force()
-    found = socket_in(books.where) if books.mode == "machine" and books.where else None
+    found = books.socket
     if found is not None:
         try:
             records = ask_once(found, {"op": "snapshot"})["welcome"].get("records")

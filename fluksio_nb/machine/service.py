@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fluksio_nb.identity import user_name
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap, Entry, MachineBooks
 
@@ -53,13 +54,6 @@ MAX_BACKLOG_BYTES = 4 << 20
 #: person's notebooks make, and low enough that the service's memory is bounded.
 MAX_CONNECTIONS_PER_USER = 512
 MAX_WAITING_PER_USER = 4096
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def in_group(uid: int, group: str | None) -> bool:
