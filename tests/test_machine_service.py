@@ -59,6 +59,18 @@ def test_init_sets_up_books_that_status_names_and_remove_takes_down(monkeypatch)
     assert "fluksio-nb machine init" in said
 
 
+def test_the_service_answers_ahead_of_the_kernels_that_ask_it():
+    """Guards against a service that waits for a time slice behind every busy kernel
+    on a machine whose cores are all taken, which is when claims matter."""
+    import psutil
+
+    from fluksio_nb.machine.setup import SERVICE_NICENESS
+
+    with machine() as layout:
+        service = psutil.Process(int(layout.pidfile.read_text()))
+        assert service.nice() == SERVICE_NICENESS < psutil.Process().nice()
+
+
 def test_init_refuses_to_run_as_anyone_but_root():
     """Guards against a user's init seeming to set up books nobody else will trust."""
     from tests.unix_users import USER_A, require_unix_users, run_as, unix_user

@@ -279,6 +279,10 @@ def remove(layout: Layout) -> str:
     )
 
 
+#: The service's niceness: ahead of the kernels that ask it.
+SERVICE_NICENESS = -10
+
+
 def serve(layout: Layout) -> None:
     """Run the books service in the foreground: what the systemd unit runs."""
     _must_be_root("serve")
@@ -313,6 +317,12 @@ def serve(layout: Layout) -> None:
         os.chmod(layout.socket, 0o660 if config.group else 0o666)
         layout.pidfile.write_text(str(os.getpid()))
 
+    # Claims matter most when every core is busy, and then a service at the
+    # kernels' own priority waits for a time slice before it answers each of
+    # them: measured, that doubled the median claim with 16 kernels contending
+    # on two cores. Its work per request is small and bounded, so the
+    # priority buys latency, not CPU.
+    os.setpriority(os.PRIO_PROCESS, 0, SERVICE_NICENESS)
     try:
         asyncio.run(serve_on(layout.socket, service, ready))
     finally:
