@@ -14,15 +14,24 @@ touching the queue's rules.
 A card is held by one claim at a time and handed out whole. Which card a
 claim gets is the lowest free index, so a quiet machine hands out card 0
 first, as people expect.
+
+Cores are handed out the same way, by id: a claim of ``cpus=2`` holds two
+cores no other running claim holds, and its worker runs on exactly those.
+A thread count only steers libraries that read it; ``multiprocessing.Pool(8)``,
+numba, or ``threadpoolctl`` set to 8 inside the cell would otherwise spread
+over every claim's cores. Which cores: all on one NUMA node where one node
+has enough free (the fullest such node, so that a big claim later still
+finds a whole node), else the most from the emptiest nodes first.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from fluksio_nb.inventory import GpuId
+from fluksio_nb.inventory import GpuId, Inventory
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +41,46 @@ class Allocation:
     cpus: int = 1
     gpus: tuple[GpuId, ...] = ()
     ram_bytes: int = 0
+    #: The core ids this claim runs on, or ``()`` where cores are not pinned
+    #: (a declared inventory larger than the machine, or a Ray node's share).
+    cores: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, held: Mapping[str, Any]) -> Allocation:
+        """What :meth:`as_dict` wrote, as the ledger and the service keep it."""
+        return cls(
+            cpus=held["cpus"],
+            gpus=tuple(held["gpus"]),
+            ram_bytes=held["ram_bytes"],
+            cores=tuple(held.get("cores") or ()),
+        )
 
     def as_dict(self) -> dict[str, object]:
-        return {"cpus": self.cpus, "gpus": list(self.gpus), "ram_bytes": self.ram_bytes}
+        return {
+            "cpus": self.cpus,
+            "gpus": list(self.gpus),
+            "ram_bytes": self.ram_bytes,
+            "cores": list(self.cores),
+        }
+
+
+def pick_cores(free: Sequence[int], n: int, node_of: Mapping[int, int]) -> tuple[int, ...]:
+    """``n`` of the ``free`` cores for one claim, on as few NUMA nodes as will do."""
+    if n <= 0 or len(free) < n:
+        return ()
+    by_node: dict[int, list[int]] = {}
+    for core in sorted(free):
+        by_node.setdefault(node_of.get(core, 0), []).append(core)
+    fitting = [cores for cores in by_node.values() if len(cores) >= n]
+    if fitting:
+        # The fullest node that fits: the emptier ones stay whole for bigger claims.
+        return tuple(min(fitting, key=len)[:n])
+    picked: list[int] = []
+    for cores in sorted(by_node.values(), key=len, reverse=True):
+        picked += cores[: n - len(picked)]
+        if len(picked) == n:
+            break
+    return tuple(sorted(picked))
 
 
 class ResourceAccountant:
@@ -45,10 +91,23 @@ class ResourceAccountant:
     behind every claim that did name one.
     """
 
-    def __init__(self, cpus: int, gpus: int | Iterable[GpuId] = 0, ram_bytes: int = 0):
+    def __init__(
+        self,
+        cpus: int,
+        gpus: int | Iterable[GpuId] = 0,
+        ram_bytes: int = 0,
+        *,
+        cores: Sequence[int] = (),
+        core_nodes: Mapping[int, int] | None = None,
+    ):
         if cpus < 1:
             raise ValueError(f"a machine has at least one core, not {cpus}")
+        if cores and len(cores) != cpus:
+            raise ValueError(f"{len(cores)} core ids for {cpus} cpus: one id per cpu")
         self.cpus = cpus
+        self.core_ids = tuple(sorted(cores))
+        self.core_nodes = dict(core_nodes or {})
+        self._free_cores = list(self.core_ids)
         self.gpu_ids: tuple[GpuId, ...] = (
             tuple(range(gpus)) if isinstance(gpus, int) else tuple(sorted(gpus))
         )
@@ -57,6 +116,17 @@ class ResourceAccountant:
         self._free_gpus = list(self.gpu_ids)
         self._free_ram = self.ram_bytes
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_inventory(cls, found: Inventory) -> ResourceAccountant:
+        """The books for what :func:`~fluksio_nb.inventory.take_inventory` found."""
+        return cls(
+            cpus=found.cpus,
+            gpus=found.gpu_ids,
+            ram_bytes=found.ram_bytes,
+            cores=found.core_ids,
+            core_nodes=found.core_nodes,
+        )
 
     @property
     def gpus(self) -> int:
@@ -79,19 +149,24 @@ class ResourceAccountant:
             taken = tuple(self._free_gpus[:gpus])
             del self._free_gpus[:gpus]
             self._free_ram -= ram_bytes
-        return Allocation(cpus=cpus, gpus=taken, ram_bytes=ram_bytes)
+            cores = pick_cores(self._free_cores, cpus, self.core_nodes)
+            self._free_cores = [core for core in self._free_cores if core not in cores]
+        return Allocation(cpus=cpus, gpus=taken, ram_bytes=ram_bytes, cores=cores)
 
     def give_back(self, allocation: Allocation) -> None:
         """Return what a claim held, however it ended."""
         with self._lock:
             stray = set(allocation.gpus) - set(self.gpu_ids)
             doubled = set(allocation.gpus) & set(self._free_gpus)
+            doubled |= set(allocation.cores) & set(self._free_cores)
+            stray |= set(allocation.cores) - set(self.core_ids)
             if stray or doubled or self._free_cpus + allocation.cpus > self.cpus:
                 # Giving back twice would hand the same card to two claims
                 # later, which is the one thing these books exist to prevent.
                 raise ValueError(f"{allocation} was not taken from these books")
             self._free_cpus += allocation.cpus
             self._free_gpus = sorted([*self._free_gpus, *allocation.gpus])
+            self._free_cores = sorted([*self._free_cores, *allocation.cores])
             self._free_ram += allocation.ram_bytes
 
     def free(self) -> tuple[int, tuple[GpuId, ...], int]:
@@ -102,8 +177,10 @@ class ResourceAccountant:
     def snapshot(self) -> dict[str, dict[str, object]]:
         """What this machine holds and what is free of it."""
         free_cpus, free_gpus, free_ram = self.free()
+        with self._lock:
+            free_cores = list(self._free_cores)
         return {
-            "cpus": {"total": self.cpus, "free": free_cpus},
+            "cpus": {"total": self.cpus, "free": free_cpus, "free_ids": free_cores},
             "gpus": {
                 "total": self.gpus,
                 "free": len(free_gpus),

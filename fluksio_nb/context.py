@@ -34,7 +34,7 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, HaltDecision, resolve_budget
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.flavors import resolve_flavor
-from fluksio_nb.inventory import confine, host_memory
+from fluksio_nb.inventory import confine_tree, host_memory
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
 from fluksio_nb.relay import CellOutput
@@ -286,6 +286,9 @@ class Claim:
             worker.kill()
             self._pool.checkin(worker, self.env)
             raise
+        # A warm worker ran an earlier claim on other cores, and its thread
+        # pools are still there: every thread of it moves to this claim's.
+        confine_tree(worker.pid, self._cores())
         watched = self._watch_process(worker.pid, stop=worker.kill)
         try:
             outcome = worker.run(
@@ -326,10 +329,18 @@ class Claim:
         extra = kwargs.pop("env", None) or {}
         kwargs.setdefault("start_new_session", True)
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
-        confine(process.pid, inventory().worker_cores)
+        # Before it can have started much: what it starts from now on inherits this.
+        confine_tree(process.pid, self._cores())
         self._processes.append(process)
         self._watch_process(process.pid, stop=lambda: _end_process_group(process))
         return process
+
+    def _cores(self) -> frozenset[int]:
+        """The cores this claim's processes run on: its own, or every claimable one."""
+        assert self.allocation is not None
+        if self.allocation.cores:
+            return frozenset(self.allocation.cores)
+        return inventory().worker_cores or frozenset(os.sched_getaffinity(0))
 
     # -- stopping ----------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from fluksio_nb.settings import Settings
 #: that tests can point at a tree of real files they wrote.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+#: Where Linux lists the NUMA nodes and each one's cores.
+NODE_ROOT = Path("/sys/devices/system/node")
 
 #: What cgroup v1 writes for "no limit": the largest page-aligned signed 64-bit
 #: value. Anything this large is not a limit anybody set.
@@ -84,6 +87,13 @@ class Inventory:
     #: The cores claimed work runs on: this process's, less the reserved ones.
     #: ``None`` when nothing is left over to keep back.
     worker_cores: frozenset[int] | None = None
+    #: The core ids the books hand out, one per claimable cpu, so that each
+    #: claim runs on cores of its own. Empty when there are more claimable
+    #: cpus than cores to pin them to (a declared inventory larger than the
+    #: machine): claims then share :attr:`worker_cores`.
+    core_ids: tuple[int, ...] = ()
+    #: Which NUMA node each of :attr:`core_ids` is on; empty on one node.
+    core_nodes: dict[int, int] = field(default_factory=dict)
 
     @property
     def gpu_ids(self) -> tuple[GpuId, ...]:
@@ -188,6 +198,90 @@ def cores_past_reserve(reserve: int) -> frozenset[int] | None:
     if len(cores) <= reserve:
         return None
     return frozenset(cores[reserve:])
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,8,10-11"``, as the kernel writes core lists, as core ids."""
+    cores: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def numa_nodes(root: Path = NODE_ROOT) -> dict[int, int]:
+    """Which NUMA node each core is on; empty where the kernel shows one node or none.
+
+    A claim's threads that share a node share its memory controller and its
+    last-level cache; spread over two, every other access crosses the
+    interconnect. The books use this to keep a claim's cores on one node.
+    """
+    node_of: dict[int, int] = {}
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return node_of
+    for entry in entries:
+        number = entry.name.removeprefix("node")
+        if not entry.name.startswith("node") or not number.isdigit():
+            continue
+        listed = _read(entry / "cpulist")
+        if listed is None:
+            continue
+        try:
+            cores = parse_cpu_list(listed)
+        except ValueError:
+            continue
+        for core in cores:
+            node_of[core] = int(number)
+    return node_of if len(set(node_of.values())) > 1 else {}
+
+
+def claimable_core_ids(affinity: Iterable[int], reserve: int, cpus: int) -> tuple[int, ...]:
+    """The ``cpus`` cores the books hand out: the process's, past the reserve.
+
+    The reserve is the lowest-numbered, as for :func:`cores_past_reserve`. A
+    quota smaller than the affinity hands out the first ``cpus`` of the rest.
+    With fewer cores than claimable cpus there is nothing to pin to, and
+    the answer is empty.
+    """
+    cores = sorted(affinity)
+    past = cores[reserve:] if len(cores) > reserve else cores
+    return tuple(past[:cpus]) if len(past) >= cpus else ()
+
+
+def confine_threads(pid: int, cores: Iterable[int]) -> None:
+    """Run every thread of process ``pid`` only on ``cores``.
+
+    ``sched_setaffinity`` moves one thread: the pid names the main one. A
+    warm worker's BLAS pool, started by an earlier claim, would keep its
+    threads on that claim's cores.
+    """
+    wanted = set(cores)
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        threads = [str(pid)]
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(tid), wanted)
+
+
+def confine_tree(pid: int, cores: Iterable[int]) -> None:
+    """Run process ``pid``, everything it started and every thread of each, on ``cores``.
+
+    What they start from now on inherits it. A process that has gone needs
+    no confining.
+    """
+    wanted = set(cores)
+    try:
+        children = [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for each in (pid, *children):
+        confine_threads(each, wanted)
 
 
 def confine(pid: int, cores: frozenset[int] | None) -> None:
@@ -476,4 +570,12 @@ def take_inventory(settings: Settings) -> Inventory:
         gpus=tuple(gpus),
         sources=sources,
         worker_cores=cores_past_reserve(settings.reserve_cpus),
+        core_ids=claimable_core_ids(_affinity(), settings.reserve_cpus, cpus),
+        core_nodes=numa_nodes(),
     )
+
+
+def _affinity() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))

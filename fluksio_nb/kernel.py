@@ -157,11 +157,7 @@ def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
             found = take_inventory(settings)
             books = books_in_force(settings=settings)
             if books.mode == "kernel":
-                _instance = ClaimQueue(
-                    ResourceAccountant(
-                        cpus=found.cpus, gpus=found.gpu_ids, ram_bytes=found.ram_bytes
-                    )
-                )
+                _instance = ClaimQueue(ResourceAccountant.from_inventory(found))
             elif books.mode == "machine":
                 from fluksio_nb.machine.client import ServiceQueue
 

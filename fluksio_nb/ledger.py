@@ -82,7 +82,7 @@ from typing import Annotated, Any, Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
 from fluksio_nb.identity import user_name
 from fluksio_nb.inventory import Inventory
 from fluksio_nb.queue import (
@@ -277,11 +277,12 @@ class Asked(_Checked):
 
 
 class Held(_Checked):
-    """What a running claim was granted: which cards, not how many."""
+    """What a running claim was granted: which cards and cores, not how many."""
 
     cpus: Count
     gpus: list[Count]
     ram_bytes: Count
+    cores: list[Count] = Field(default_factory=list)
 
 
 class Owner(_Checked):
@@ -323,6 +324,8 @@ class _MachineInventory(_Checked):
     cpus: Count
     gpu_ids: list[Count]
     ram_bytes: Count
+    core_ids: list[Count] = Field(default_factory=list)
+    core_nodes: dict[str, Count] = Field(default_factory=dict)
 
 
 class _Document(_Checked):
@@ -350,6 +353,7 @@ def _trusted(
     free_cpus, free_ram = inventory["cpus"], inventory["ram_bytes"]
     cards_here = set(inventory["gpu_ids"])
     free_cards = set(cards_here)
+    free_cores = set(inventory.get("core_ids", ()))
     numbers: set[int] = set()
     for place, entry in enumerate(entries, start=1):
         if not isinstance(entry, dict):
@@ -378,6 +382,10 @@ def _trusted(
             if not set(cards) <= free_cards or len(set(cards)) != len(cards):
                 problems.append(f"claim {number} holds card(s) {cards}, held already")
                 continue
+            cores = held.get("cores", [])
+            if not set(cores) <= free_cores or len(set(cores)) != len(cores):
+                problems.append(f"claim {number} holds core(s) {cores}, held already or not here")
+                continue
             if held["cpus"] > free_cpus or held["ram_bytes"] > free_ram:
                 problems.append(
                     f"claim {number} holds {held['cpus']} cpus and {held['ram_bytes']} bytes "
@@ -385,6 +393,7 @@ def _trusted(
                 )
                 continue
             free_cards -= set(cards)
+            free_cores -= set(cores)
             free_cpus -= held["cpus"]
             free_ram -= held["ram_bytes"]
         kept.append(entry)
@@ -679,6 +688,8 @@ def dispatch(state: dict[str, Any], checked: bool = False) -> list[str]:
     running = [t for t in tickets if t["state"] == "running"]
     held_gpus = {g for t in running for g in t["allocation"]["gpus"]}
     free_gpus = sorted(set(inventory["gpu_ids"]) - held_gpus)
+    free_cores = _free_cores(inventory, running)
+    node_of = {int(core): node for core, node in inventory.get("core_nodes", {}).items()}
     free = (
         inventory["cpus"] - sum(t["allocation"]["cpus"] for t in running),
         len(free_gpus),
@@ -693,12 +704,19 @@ def dispatch(state: dict[str, Any], checked: bool = False) -> list[str]:
             free_gpus[: entry["asked"]["gpus"]],
             free_gpus[entry["asked"]["gpus"] :],
         )
+        cores = pick_cores(free_cores, entry["asked"]["cpus"], node_of)
+        free_cores = [core for core in free_cores if core not in cores]
         entry["state"] = "running"
-        entry["allocation"] = {**entry["asked"], "gpus": cards}
+        entry["allocation"] = {**entry["asked"], "gpus": cards, "cores": list(cores)}
         entry["granted_at"] = time.time()
         if entry.get("wake"):
             woken.append(entry["wake"])
     return woken
+
+
+def _free_cores(inventory: dict[str, Any], running: list[dict[str, Any]]) -> list[int]:
+    held = {c for t in running for c in t["allocation"].get("cores", ())}
+    return sorted(set(inventory.get("core_ids", ())) - held)
 
 
 class NotYours(PermissionError):
@@ -750,7 +768,12 @@ def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
     from fluksio_nb.settings import load_settings
 
     found = take_inventory(load_settings())
-    inventory = {"cpus": found.cpus, "gpu_ids": list(found.gpu_ids), "ram_bytes": found.ram_bytes}
+    inventory = {
+        "cpus": found.cpus,
+        "gpu_ids": list(found.gpu_ids),
+        "ram_bytes": found.ram_bytes,
+        "core_ids": list(found.core_ids),
+    }
     return machine_snapshot(_empty_state(inventory), inventory)
 
 
@@ -763,15 +786,15 @@ class MachineQueue:
 
     def __init__(self, directory: Path, inventory: Inventory, shared: bool = False) -> None:
         # ``shared`` is ignored, as by :class:`LedgerFile`.
-        self.books = ResourceAccountant(
-            cpus=inventory.cpus, gpus=inventory.gpu_ids, ram_bytes=inventory.ram_bytes
-        )
+        self.books = ResourceAccountant.from_inventory(inventory)
         self.ledger = LedgerFile(
             directory,
             {
                 "cpus": inventory.cpus,
                 "gpu_ids": list(inventory.gpu_ids),
                 "ram_bytes": inventory.ram_bytes,
+                "core_ids": list(inventory.core_ids),
+                "core_nodes": {str(core): node for core, node in inventory.core_nodes.items()},
             },
         )
         self.owner = identity()
@@ -892,10 +915,7 @@ class MachineQueue:
                         ticket.cancelled = "cancelled from another process"
                     continue
                 if entry["state"] == "running" and ticket.allocation is None:
-                    held = entry["allocation"]
-                    ticket.allocation = Allocation(
-                        cpus=held["cpus"], gpus=tuple(held["gpus"]), ram_bytes=held["ram_bytes"]
-                    )
+                    ticket.allocation = Allocation.from_dict(entry["allocation"])
                     ticket.state, ticket.granted_at = "running", entry["granted_at"]
                     self._start_looking()
                 if entry.get("cancel") and ticket.cancelled is None:
@@ -989,7 +1009,7 @@ class MachineQueue:
                 since=entry["since"],
                 pid=entry["owner"]["pid"],
                 state="running",
-                allocation=Allocation(held["cpus"], tuple(held["gpus"]), held["ram_bytes"]),
+                allocation=Allocation.from_dict(held),
             )
             holders.append(ticket)
         return holders
@@ -1031,6 +1051,7 @@ def machine_snapshot(
         "cpus": {
             "total": inventory["cpus"],
             "free": inventory["cpus"] - sum(t["allocation"]["cpus"] for t in running),
+            "free_ids": _free_cores(inventory, running),
         },
         "gpus": {
             "total": len(inventory["gpu_ids"]),

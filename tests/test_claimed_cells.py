@@ -38,7 +38,8 @@ def kernel(tmp_path_factory):
 
 def assert_books_balanced(kernel):
     books = kernel.books()
-    assert books["cpus"] == {"total": 2, "free": 2}
+    assert books["cpus"]["total"] == books["cpus"]["free"] == 2
+    assert len(books["cpus"]["free_ids"]) == 2
     assert books["gpus"]["free"] == 2
     assert books["running"] == [] and books["waiting"] == []
 

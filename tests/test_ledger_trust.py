@@ -358,7 +358,7 @@ def test_malformed_entries_are_left_out_and_nobody_is_stopped(tmp_path, live_pro
     after = json.loads((tmp_path / LEDGER_FILE).read_text())
     assert after["tickets"] == []
     assert after["next"] >= 20
-    assert queue.snapshot()["cpus"] == {"total": 4, "free": 4}
+    assert queue.snapshot()["cpus"] == {"total": 4, "free": 4, "free_ids": []}
     assert queue.snapshot()["gpus"]["free"] == 1
 
 
@@ -403,7 +403,7 @@ def test_a_broken_top_level_is_rebuilt(tmp_path):
 
     assert ticket.state == "running"
     assert any("could not be read" in message for message in said), said
-    assert queue.snapshot()["cpus"] == {"total": 2, "free": 1}
+    assert queue.snapshot()["cpus"] == {"total": 2, "free": 1, "free_ids": []}
     queue.release(ticket)
 
 
@@ -416,7 +416,7 @@ def test_a_snapshot_never_shows_less_than_nothing_free():
         lambda: machine_snapshot(state, {"cpus": 4, "gpu_ids": [], "ram_bytes": 0})
     )
 
-    assert shown["cpus"] == {"total": 4, "free": 2}
+    assert shown["cpus"] == {"total": 4, "free": 2, "free_ids": []}
     assert [claim["ticket"] for claim in shown["running"]] == [1]
     assert said and "claim 2" in said[0]
 

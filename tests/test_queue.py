@@ -47,7 +47,7 @@ def test_the_books_never_block_and_say_no_when_full():
     assert books.try_take(1) is None
     assert books.try_take(0, 0, 50) is None
     books.give_back(taken)
-    assert books.snapshot()["cpus"] == {"total": 2, "free": 2}
+    assert books.snapshot()["cpus"] == {"total": 2, "free": 2, "free_ids": []}
 
 
 def test_fits_tells_a_busy_machine_from_a_machine_too_small():
@@ -83,8 +83,8 @@ def test_declared_cards_keep_their_physical_ids():
 def test_what_is_free_is_what_was_handed_out():
     q = queue(cpus=4)
     with q.claim(Resources(cpus=3)):
-        assert q.snapshot()["cpus"] == {"total": 4, "free": 1}
-    assert q.snapshot()["cpus"] == {"total": 4, "free": 4}
+        assert q.snapshot()["cpus"] == {"total": 4, "free": 1, "free_ids": []}
+    assert q.snapshot()["cpus"] == {"total": 4, "free": 4, "free_ids": []}
 
 
 def test_a_claim_waits_visibly_until_there_is_room():
@@ -321,7 +321,7 @@ def test_sixty_four_threads_of_fifty_claims_balance_the_books():
         assert not thread.is_alive(), "a claim deadlocked"
     assert len(finished) == 64
     assert over == []
-    assert q.snapshot()["cpus"] == {"total": 4, "free": 4}
+    assert q.snapshot()["cpus"] == {"total": 4, "free": 4, "free_ids": []}
     assert q.snapshot()["gpus"]["free"] == 2
     assert q.snapshot()["running"] == [] and q.snapshot()["waiting"] == []
 

@@ -12,6 +12,9 @@ waiting claims are ordered between people first, then by arrival:
 - **Then the usual rule.** Walking that order, a claim that fits goes; one
   that does not sets aside what it needs, so later claims may overtake it
   only with what it does not need (:func:`~fluksio_nb.queue.who_goes_next`).
+- **Cores are handed out by id**, as cards are, with
+  :func:`~fluksio_nb.books.pick_cores`: disjoint between running claims,
+  on one NUMA node where one has room.
 - **An admin's cap is a user's own ceiling.** A claim its user's cap holds
   back sets nothing aside: one capped user never holds up anyone else.
 
@@ -25,9 +28,11 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from fluksio_nb.books import pick_cores
 
 Need = tuple[int, int, int]
 
@@ -65,6 +70,7 @@ class Entry:
     since: float = field(default_factory=time.time)
     state: Literal["waiting", "running"] = "waiting"
     gpus: tuple[int, ...] = ()
+    cores: tuple[int, ...] = ()
     granted_at: float | None = None
     cancel: str | None = None
     readings: dict[str, Any] | None = None
@@ -82,8 +88,17 @@ def _fits(need: Iterable[float], room: Iterable[float]) -> bool:
 class MachineBooks:
     """Every user's claims on one machine, granted fairly between people."""
 
-    def __init__(self, cpus: int, gpu_ids: Iterable[int], ram_bytes: int) -> None:
+    def __init__(
+        self,
+        cpus: int,
+        gpu_ids: Iterable[int],
+        ram_bytes: int,
+        *,
+        core_ids: Sequence[int] = (),
+        core_nodes: Mapping[int, int] | None = None,
+    ) -> None:
         self.cpus, self.gpu_ids, self.ram_bytes = cpus, tuple(sorted(gpu_ids)), ram_bytes
+        self.core_ids, self.core_nodes = tuple(sorted(core_ids)), dict(core_nodes or {})
         self.entries: dict[int, Entry] = {}
         self.caps: dict[int, Cap] = {}
         self._numbers = itertools.count(1)
@@ -116,10 +131,21 @@ class MachineBooks:
             self.ram_bytes - sum(e.need[2] for e in running),
         )
 
-    def fits_free(self, cpus: int, gpus: Iterable[int], ram_bytes: int) -> bool:
+    def free_cores(self) -> list[int]:
+        held = {c for e in self.running for c in e.cores}
+        return [c for c in self.core_ids if c not in held]
+
+    def fits_free(
+        self, cpus: int, gpus: Iterable[int], ram_bytes: int, cores: Iterable[int] = ()
+    ) -> bool:
         """Whether a share named to the card is free now: for a claim restored after a restart."""
         free_cpus, free_gpus, free_ram = self.free()
-        return cpus <= free_cpus and set(gpus) <= set(free_gpus) and ram_bytes <= max(free_ram, 0)
+        return (
+            cpus <= free_cpus
+            and set(gpus) <= set(free_gpus)
+            and set(cores) <= set(self.free_cores())
+            and ram_bytes <= max(free_ram, 0)
+        )
 
     def held_by(self, uid: int) -> Need:
         mine = [e.held for e in self.running if e.uid == uid]
@@ -142,6 +168,7 @@ class MachineBooks:
         if not any(e.state == "waiting" for e in self.entries.values()):
             return []
         free_cpus, free_gpus, free_ram = self.free()
+        free_cores = self.free_cores()
         spare: list[float] = [free_cpus, len(free_gpus), free_ram]
         room = {uid: cap.room(self.held_by(uid)) for uid, cap in self.caps.items()}
         granted = []
@@ -151,6 +178,8 @@ class MachineBooks:
                 continue
             if _fits(entry.need, spare):
                 cards, free_gpus = free_gpus[: entry.need[1]], free_gpus[entry.need[1] :]
+                entry.cores = pick_cores(free_cores, entry.need[0], self.core_nodes)
+                free_cores = [c for c in free_cores if c not in entry.cores]
                 entry.state, entry.gpus, entry.granted_at = "running", tuple(cards), time.time()
                 self._last_granted[entry.uid] = time.monotonic()
                 granted.append(entry)
@@ -183,7 +212,7 @@ class MachineBooks:
 
         order = self.fair_order()
         return {
-            "cpus": {"total": self.cpus, "free": max(free_cpus, 0)},
+            "cpus": {"total": self.cpus, "free": max(free_cpus, 0), "free_ids": self.free_cores()},
             "gpus": {"total": len(self.gpu_ids), "free": len(free_gpus), "free_ids": free_gpus},
             "ram_bytes": {"total": self.ram_bytes, "free": max(free_ram, 0)},
             "waiting": [
@@ -197,7 +226,12 @@ class MachineBooks:
             "running": [
                 {
                     **who(e),
-                    "allocation": {"cpus": e.need[0], "gpus": list(e.gpus), "ram_bytes": e.need[2]},
+                    "allocation": {
+                        "cpus": e.need[0],
+                        "gpus": list(e.gpus),
+                        "ram_bytes": e.need[2],
+                        "cores": list(e.cores),
+                    },
                     "readings": e.readings,
                 }
                 for e in sorted(self.running, key=lambda e: e.number)

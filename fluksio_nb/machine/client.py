@@ -178,10 +178,13 @@ class ServiceQueue:
         self.records_dir = Path(welcome["records"]) if welcome.get("records") else None
         self.admin = welcome["admin"]
         self.cap = Cap(**welcome["cap"]) if welcome.get("cap") else None
+        cpus = max(1, inventory["cpus"])
+        core_ids = inventory.get("core_ids") or []
         self.books = ResourceAccountant(
-            cpus=max(1, inventory["cpus"]),
+            cpus=cpus,
             gpus=inventory["gpu_ids"],
             ram_bytes=inventory["ram_bytes"],
+            cores=core_ids if len(core_ids) == cpus else (),
         )
         self._sock, self._lines = sock, lines
 
@@ -245,7 +248,10 @@ class ServiceQueue:
                 if ticket.allocation is None:
                     r = ticket.resources
                     ticket.allocation = Allocation(
-                        cpus=r.cpus, gpus=tuple(message["gpus"]), ram_bytes=r.ram_bytes
+                        cpus=r.cpus,
+                        gpus=tuple(message["gpus"]),
+                        ram_bytes=r.ram_bytes,
+                        cores=tuple(message.get("cores", ())),
                     )
                     ticket.state, ticket.granted_at = "running", message["granted_at"]
             elif op == "stop":
@@ -298,6 +304,7 @@ class ServiceQueue:
                     "cpus": held.cpus,
                     "gpus": list(held.gpus),
                     "ram_bytes": held.ram_bytes,
+                    "cores": list(held.cores),
                 }
             elif ticket.state == "waiting":
                 r = ticket.resources
@@ -431,7 +438,7 @@ class ServiceQueue:
                     since=claim["since"],
                     pid=claim["pid"],
                     state="running",
-                    allocation=Allocation(held["cpus"], tuple(held["gpus"]), held["ram_bytes"]),
+                    allocation=Allocation.from_dict(held),
                 )
             )
         return holders

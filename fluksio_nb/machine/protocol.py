@@ -100,6 +100,7 @@ class Restore(_Message):
     cpus: int = Field(ge=0, le=1 << 20)
     gpus: list[int] = Field(max_length=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
+    cores: list[int] = Field(default_factory=list, max_length=1 << 20)
 
 
 Request = Annotated[

@@ -190,6 +190,8 @@ class BooksService:
                 "cpus": self.books.cpus,
                 "gpu_ids": list(self.books.gpu_ids),
                 "ram_bytes": self.books.ram_bytes,
+                "core_ids": list(self.books.core_ids),
+                "core_nodes": {str(c): n for c, n in self.books.core_nodes.items()},
             },
             "cap": None if cap is None else cap.__dict__,
             "admin": in_group(connection.uid, self.admin_group),
@@ -232,7 +234,9 @@ class BooksService:
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
             granted.remove(entry)
-            answer.update(gpus=list(entry.gpus), granted_at=entry.granted_at)
+            answer.update(
+                gpus=list(entry.gpus), cores=list(entry.cores), granted_at=entry.granted_at
+            )
         connection.send(answer)
         self.tell_granted(granted)
 
@@ -325,13 +329,16 @@ class BooksService:
         need = (request.cpus, len(request.gpus), request.ram_bytes)
         if (
             self._too_big(connection, need)
-            or not self.books.fits_free(request.cpus, request.gpus, request.ram_bytes)
+            or not self.books.fits_free(
+                request.cpus, request.gpus, request.ram_bytes, request.cores
+            )
             or not set(request.gpus) <= set(self.books.gpu_ids)
         ):
             connection.send({"op": "error", "id": request.id, "message": "no longer free"})
             return
         entry = self._new_entry(connection, need, request.label)
         entry.state, entry.gpus, entry.granted_at = "running", tuple(request.gpus), entry.since
+        entry.cores = tuple(request.cores)
         connection.send(
             {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
         )
@@ -358,6 +365,7 @@ class BooksService:
                     "op": "granted",
                     "ticket": entry.number,
                     "gpus": list(entry.gpus),
+                    "cores": list(entry.cores),
                     "granted_at": entry.granted_at,
                 }
             )

@@ -302,7 +302,13 @@ def serve(layout: Layout) -> None:
         )
     )
     service = BooksService(
-        MachineBooks(found.cpus, found.gpu_ids, found.ram_bytes),
+        MachineBooks(
+            found.cpus,
+            found.gpu_ids,
+            found.ram_bytes,
+            core_ids=found.core_ids,
+            core_nodes=found.core_nodes,
+        ),
         caps={name: cap.as_cap() for name, cap in config.caps.items()},
         admin_group=config.admin_group,
         records=str(layout.records),

@@ -1,0 +1,261 @@
+"""Each claim runs on cores of its own, which the OS holds it to.
+
+The failures guarded against: two running claims handed the same core by
+any of the three books (the kernel's, the user's ledger, the machine's
+service); a claim whose worker, or a thread or process the worker starts,
+runs off its cores; a warm worker that keeps an earlier claim's cores; and a
+claim spread over two NUMA nodes when one had room.
+"""
+
+import json
+import os
+import textwrap
+
+import psutil
+import pytest
+
+from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
+from fluksio_nb.inventory import claimable_core_ids, numa_nodes, parse_cpu_list
+from fluksio_nb.ledger import MachineQueue
+from fluksio_nb.machine.books import Entry, MachineBooks
+from fluksio_nb.resources import Resources
+from tests.kernels import Kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+#: Every core this test process may run on: the real machine's, for the kernels.
+HERE = sorted(os.sched_getaffinity(0))
+needs_two_cores = pytest.mark.skipif(
+    len(HERE) < 2, reason=f"needs two cores to pin two claims apart; this process has {HERE}"
+)
+
+
+# -----------------------------------------------------------------------------
+# Which cores
+# -----------------------------------------------------------------------------
+
+
+def write_nodes(root, nodes: dict[int, str]):
+    for number, cpulist in nodes.items():
+        (root / f"node{number}").mkdir(parents=True)
+        (root / f"node{number}" / "cpulist").write_text(cpulist + "\n")
+    (root / "online").write_text("0-1\n")
+    return root
+
+
+def test_the_numa_nodes_are_read_from_sysfs(tmp_path):
+    root = write_nodes(tmp_path / "node", {0: "0-3,8-11", 1: "4-7,12-15"})
+    node_of = numa_nodes(root)
+    assert sorted(c for c, n in node_of.items() if n == 0) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert sorted(c for c, n in node_of.items() if n == 1) == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_one_node_or_none_is_no_numa_at_all(tmp_path):
+    assert numa_nodes(write_nodes(tmp_path / "one", {0: "0-7"})) == {}
+    assert numa_nodes(tmp_path / "missing") == {}
+
+
+def test_a_claim_stays_on_one_node_where_one_has_room():
+    node_of = {c: (0 if c < 4 else 1) for c in range(8)}
+    # Node 0 has three free, node 1 all four: two cores go on the fuller node 0,
+    # leaving node 1 whole for a four-core claim.
+    assert pick_cores([1, 2, 3, 4, 5, 6, 7], 2, node_of) == (1, 2)
+    assert pick_cores([1, 2, 3, 4, 5, 6, 7], 4, node_of) == (4, 5, 6, 7)
+    # No node has five: the emptiest nodes give the most.
+    assert pick_cores([1, 2, 3, 4, 5, 6, 7], 5, node_of) == (1, 4, 5, 6, 7)
+    assert pick_cores([1, 2], 3, node_of) == ()
+
+
+def test_the_reserve_is_the_lowest_cores_and_a_declaration_larger_than_the_machine_pins_nothing():
+    assert claimable_core_ids({0, 1, 2, 3}, reserve=1, cpus=3) == (1, 2, 3)
+    assert claimable_core_ids({0, 1, 2, 3}, reserve=0, cpus=2) == (0, 1)
+    assert claimable_core_ids({0, 1}, reserve=0, cpus=64) == ()
+    assert parse_cpu_list("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
+
+
+def test_the_kernels_books_hand_out_disjoint_cores_and_take_them_back():
+    books = ResourceAccountant(cpus=4, cores=[2, 3, 4, 5])
+    one, two = books.try_take(2), books.try_take(1)
+    assert one is not None and two is not None
+    assert len(one.cores) == 2 and len(two.cores) == 1
+    assert not set(one.cores) & set(two.cores)
+    assert set(one.cores) | set(two.cores) <= {2, 3, 4, 5}
+    books.give_back(one)
+    with pytest.raises(ValueError):
+        books.give_back(Allocation(cpus=1, cores=(*two.cores, 9)))
+    books.give_back(two)
+    assert books.snapshot()["cpus"]["free_ids"] == [2, 3, 4, 5]
+
+
+def test_the_ledger_hands_two_kernels_disjoint_cores(tmp_path):
+    from fluksio_nb.inventory import Inventory
+
+    inventory = Inventory(
+        cpus=3, machine_cpus=3, ram_bytes=0, machine_ram_bytes=0, core_ids=(0, 1, 2)
+    )
+    mine, other = MachineQueue(tmp_path, inventory), MachineQueue(tmp_path, inventory)
+    a = mine.enqueue(Resources(cpus=2))
+    b = other.enqueue(Resources(cpus=1))
+    c = other.enqueue(Resources(cpus=1))
+    assert a.allocation is not None and b.allocation is not None
+    assert sorted(a.allocation.cores + b.allocation.cores) == [0, 1, 2]
+    assert c.allocation is None, "three cores were handed out already"
+    mine.release(a)
+    other.look()
+    assert c.allocation is not None and c.allocation.cores[0] in a.allocation.cores
+    shown = {claim["ticket"]: claim["allocation"]["cores"] for claim in mine.snapshot()["running"]}
+    assert shown == {b.number: list(b.allocation.cores), c.number: list(c.allocation.cores)}
+
+
+def test_a_ledger_entry_that_holds_a_held_core_is_left_out(tmp_path):
+    from fluksio_nb.inventory import Inventory
+
+    inventory = Inventory(cpus=2, machine_cpus=2, ram_bytes=0, machine_ram_bytes=0, core_ids=(0, 1))
+    queue = MachineQueue(tmp_path, inventory)
+    held = queue.enqueue(Resources(cpus=1))
+    with queue.ledger.transaction() as state:
+        forged = json.loads(json.dumps(state["tickets"][0]))
+        forged["number"] = 99
+        state["tickets"].append(forged)
+    with pytest.warns(UserWarning, match="core"):
+        shown = queue.snapshot()
+    assert [c["ticket"] for c in shown["running"]] == [held.number]
+
+
+def test_the_machine_service_books_hand_out_disjoint_cores():
+    books = MachineBooks(4, [], 0, core_ids=[0, 1, 2, 3])
+    entries = [
+        Entry(number=n, uid=1000 + n % 2, user=f"u{n % 2}", pid=n, need=(2, 0, 0), label="x")
+        for n in (1, 2, 3)
+    ]
+    for entry in entries:
+        books.add(entry)
+    granted = books.dispatch()
+    assert len(granted) == 2
+    assert sorted(granted[0].cores + granted[1].cores) == [0, 1, 2, 3]
+    assert books.fits_free(1, [], 0, cores=[0]) is False
+    books.remove(granted[0].number)
+    assert [e.number for e in books.dispatch()] == [3]
+    assert entries[2].cores == granted[0].cores
+
+
+# -----------------------------------------------------------------------------
+# The OS holds a claim to its cores: real kernels
+# -----------------------------------------------------------------------------
+
+
+def cores_kernel(tmp_path, **env):
+    return Kernel(
+        FLUKSIO_RESERVE_CPUS="0",
+        FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
+        FLUKSIO_LEDGER=str(tmp_path / "ledger"),
+        **env,
+    )
+
+
+HOLD_A_CORE = """
+from fluksio_nb import claim
+import json, os
+c = claim(cpus=1, label="{label}").__enter__()
+print(json.dumps({{"cores": list(c.allocation.cores),
+                   "pid": c.run(os.getpid),
+                   "affinity": sorted(c.run(os.sched_getaffinity, 0))}}))
+"""
+
+
+@needs_two_cores
+def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tmp_path):
+    one, two = cores_kernel(tmp_path), cores_kernel(tmp_path)
+    try:
+        a = one.run(HOLD_A_CORE.format(label="a"), check=True).json()
+        b = one.run(HOLD_A_CORE.format(label="b"), check=True).json()
+        assert len(a["cores"]) == len(b["cores"]) == 1
+        assert a["cores"] != b["cores"]
+        assert a["affinity"] == a["cores"] and b["affinity"] == b["cores"]
+        one.run("c.__exit__(None, None, None)", check=True)  # b's claim ends; a's holds
+        c = two.run(HOLD_A_CORE.format(label="c"), check=True).json()
+        assert c["cores"] == b["cores"] and c["affinity"] == c["cores"]
+        snapshot = two.books()
+        held = sorted(
+            core for claim in snapshot["running"] for core in claim["allocation"]["cores"]
+        )
+        assert held == sorted(a["cores"] + c["cores"])
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+GREEDY = """
+%%claim cpus=1
+import json, multiprocessing, os, time, psutil, threadpoolctl, numpy
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+# Everything a cell can do to take more than its share, ignoring every variable.
+threadpoolctl.threadpool_limits(8)
+pool = multiprocessing.get_context("fork").Pool(4)
+waiting = pool.map_async(spin, [4.0] * 4)
+a = numpy.random.rand(600, 600)
+me = psutil.Process()
+before = {p.pid: p.cpu_times() for p in [me, *me.children(recursive=True)]}
+started = time.monotonic()
+while time.monotonic() - started < 3.0:
+    a @ a
+elapsed = time.monotonic() - started
+tree = [me, *me.children(recursive=True)]
+used = 0.0
+for p in tree:
+    now, then = p.cpu_times(), before.get(p.pid)
+    used += (now.user + now.system) - ((then.user + then.system) if then else 0.0)
+print(json.dumps({"cores_used": used / elapsed,
+                  "affinities": sorted({tuple(sorted(p.cpu_affinity())) for p in tree}),
+                  "threads": sum(p.num_threads() for p in tree),
+                  "processes": len(tree)}))
+pool.terminate()
+"""
+
+
+@needs_two_cores
+def test_a_greedy_one_core_cell_uses_one_core_whatever_it_starts(tmp_path):
+    """Four busy processes and eight BLAS threads under cpus=1 still get one core."""
+    kernel = cores_kernel(tmp_path)
+    try:
+        ran = kernel.run(GREEDY, check=True)
+        got = ran.json()
+        assert got["processes"] >= 5 and got["threads"] >= 8, got
+        assert len(got["affinities"]) == 1 and len(got["affinities"][0]) == 1, got
+        assert got["cores_used"] <= 1.1, got
+        assert kernel.books()["running"] == []
+    finally:
+        kernel.shutdown()
+
+
+@needs_two_cores
+def test_a_warm_worker_moves_every_thread_to_its_next_claims_core(tmp_path):
+    """A worker's BLAS threads, started under one claim, follow it to the next claim's core."""
+    kernel = cores_kernel(tmp_path)
+    report = textwrap.dedent("""
+        %%claim cpus=1
+        import json, os, numpy, psutil
+        numpy.ones((300, 300)) @ numpy.ones((300, 300))
+        print(json.dumps({"pid": os.getpid(), "threads": sorted(
+            {tuple(sorted(os.sched_getaffinity(t.id))) for t in psutil.Process().threads()})}))
+        """).strip()
+    try:
+        first = kernel.run(report, check=True).json()
+        held = kernel.run(
+            "from fluksio_nb import claim\n"
+            "b = claim(cpus=1, label='blocker').__enter__()\n"
+            "print(list(b.allocation.cores))",
+            check=True,
+        ).json()
+        assert [held] == first["threads"], "the blocker should be given the core just freed"
+        second = kernel.run(report, check=True).json()
+        assert first["pid"] == second["pid"], "the second claim should reuse the warm worker"
+        assert len(second["threads"]) == 1 and second["threads"] != first["threads"]
+        assert psutil.Process(first["pid"]).num_threads() > 1
+    finally:
+        kernel.shutdown()
