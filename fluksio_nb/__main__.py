@@ -11,6 +11,7 @@ import sys
 
 from fluksio_nb.budget import human
 from fluksio_nb.flavors import describe_flavors
+from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.resources import BadClaim
 
 
@@ -25,8 +26,9 @@ def describe_snapshot(snapshot: dict) -> str:
     for claim in snapshot.get("running", []):
         held = claim["allocation"]
         cards = ",".join(str(g) for g in held["gpus"]) or "-"
+        cores = f" cores={format_cpu_list(held['cores'])}" if held.get("cores") else ""
         lines.append(
-            f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']} "
+            f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']}{cores} "
             f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
         )
     for claim in snapshot.get("waiting", []):

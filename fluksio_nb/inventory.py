@@ -211,6 +211,17 @@ def parse_cpu_list(text: str) -> set[int]:
     return cores
 
 
+def format_cpu_list(cores: Iterable[int]) -> str:
+    """Core ids as the kernel writes them: ``"0-3,8"``."""
+    runs: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def numa_nodes(root: Path = NODE_ROOT) -> dict[int, int]:
     """Which NUMA node each core is on; empty where the kernel shows one node or none.
 

@@ -31,6 +31,7 @@ from typing import Literal, Protocol
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
+from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 
@@ -104,6 +105,8 @@ def _share(allocation: Allocation | None) -> str:
     if allocation is None:
         return "no share"
     words = [f"cpus={allocation.cpus}"]
+    if allocation.cores:
+        words[0] += f" (cores {format_cpu_list(allocation.cores)})"
     words.append("gpus=" + (",".join(map(str, allocation.gpus)) if allocation.gpus else "none"))
     if allocation.ram_bytes:
         words.append(f"ram={human(allocation.ram_bytes)}")

@@ -180,6 +180,10 @@ def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tm
             core for claim in snapshot["running"] for core in claim["allocation"]["cores"]
         )
         assert held == sorted(a["cores"] + c["cores"])
+        from fluksio_nb.__main__ import describe_snapshot
+
+        said = describe_snapshot(snapshot)
+        assert f"cpus=1 cores={a['cores'][0]} " in said and f"cpus=1 cores={c['cores'][0]} " in said
     finally:
         one.shutdown()
         two.shutdown()
@@ -228,6 +232,8 @@ def test_a_greedy_one_core_cell_uses_one_core_whatever_it_starts(tmp_path):
         assert got["processes"] >= 5 and got["threads"] >= 8, got
         assert len(got["affinities"]) == 1 and len(got["affinities"][0]) == 1, got
         assert got["cores_used"] <= 1.1, got
+        (core,) = got["affinities"][0]
+        assert any(f"on cpus=1 (cores {core})" in text for text in ran.texts), ran.texts
         assert kernel.books()["running"] == []
     finally:
         kernel.shutdown()

@@ -116,7 +116,7 @@ def waiting_status(label: str = "fit") -> ClaimStatus:
 def running_status(label: str = "fit") -> ClaimStatus:
     status = waiting_status(label)
     status.phase, status.position, status.holders = "running", None, []
-    status.allocation = Allocation(cpus=2, gpus=(1,), ram_bytes=1_000_000_000)
+    status.allocation = Allocation(cpus=2, gpus=(1,), ram_bytes=1_000_000_000, cores=(4, 5))
     status.budget = Budget(1_000_000_000, 900_000_000)
     status.started_at = time.monotonic() - 3
     for rss in (100_000_000, 300_000_000, 200_000_000):
@@ -172,6 +172,7 @@ def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
     assert widget.phase == "running"
     assert widget.share == {
         "cpus": 2,
+        "cores": [4, 5],
         "gpus": [1],
         "ram_bytes": 1_000_000_000,
         "budget_bytes": 900_000_000,
@@ -459,7 +460,7 @@ def test_the_monitor_says_who_holds_each_card_and_who_waits():
         (2, "cards", "cpus=1 gpus=2"),
     ]
     assert [r["allocation"] for r in facts["running"]] == [
-        {"cpus": 2, "gpus": [0], "ram_bytes": 2_000_000_000}
+        {"cpus": 2, "cores": [], "gpus": [0], "ram_bytes": 2_000_000_000}
     ]
     assert facts["host"] == {
         "total": 16_000_000_000,

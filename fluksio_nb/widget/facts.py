@@ -64,6 +64,7 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
     if allocation is not None:
         share = {
             "cpus": allocation.cpus,
+            "cores": list(allocation.cores),
             "gpus": list(allocation.gpus),
             "ram_bytes": allocation.ram_bytes,
             "budget_bytes": None if budget is None else budget.applied_bytes,
@@ -150,6 +151,7 @@ def machine_facts(
             "user": claim.get("user"),
             "allocation": {
                 "cpus": allocation["cpus"],
+                "cores": list(allocation.get("cores") or []),
                 "gpus": list(allocation["gpus"]),
                 "ram_bytes": allocation["ram_bytes"],
             },

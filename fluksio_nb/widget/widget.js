@@ -136,7 +136,19 @@ function share(allocation, budgetBytes) {
       : allocation.ram_bytes
         ? `RAM ${human(allocation.ram_bytes)}`
         : "no RAM budget";
-  return `cpus ${allocation.cpus} · GPU ${gpus} · ${ram}`;
+  const cores = allocation.cores && allocation.cores.length ? ` (cores ${cpuList(allocation.cores)})` : "";
+  return `cpus ${allocation.cpus}${cores} · GPU ${gpus} · ${ram}`;
+}
+
+/** Core ids as Linux writes them, and as the Python side prints them: `0-3,8`. */
+function cpuList(cores) {
+  const runs = [];
+  for (const core of [...cores].sort((a, b) => a - b)) {
+    const last = runs[runs.length - 1];
+    if (last && core === last[1] + 1) last[1] = core;
+    else runs.push([core, core]);
+  }
+  return runs.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(",");
 }
 
 // Redraws at most once a frame, however many traits changed at once.
@@ -477,7 +489,11 @@ function renderMonitor(model, el) {
 
     const cpuParts = running.map((c) => ({
       amount: c.allocation.cpus,
-      title: `${who(c)}: ${c.allocation.cpus} cpus`,
+      title:
+        `${who(c)}: ${c.allocation.cpus} cpus` +
+        (c.allocation.cores && c.allocation.cores.length
+          ? ` (cores ${cpuList(c.allocation.cores)})`
+          : ""),
     }));
     put(
       rows,

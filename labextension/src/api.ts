@@ -40,7 +40,7 @@ interface Claim {
 }
 
 export interface RunningClaim extends Claim {
-  allocation: { cpus: number; gpus: number[]; ram_bytes: number };
+  allocation: { cpus: number; gpus: number[]; ram_bytes: number; cores?: number[] };
   readings: Readings | null;
 }
 

@@ -15,6 +15,20 @@ export function human(bytes: number | null | undefined): string {
   return unit === 0 ? `${value}B` : `${value.toFixed(1)}${units[unit]}`;
 }
 
+/** Core ids as Linux writes them, and as the Python side prints them: `0-3,8`. */
+export function cpuList(cores: number[]): string {
+  const runs: [number, number][] = [];
+  for (const core of [...cores].sort((a, b) => a - b)) {
+    const last = runs[runs.length - 1];
+    if (last && core === last[1] + 1) {
+      last[1] = core;
+    } else {
+      runs.push([core, core]);
+    }
+  }
+  return runs.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(',');
+}
+
 export function plural(n: number, one: string, many: string = one + 's'): string {
   return `${n} ${n === 1 ? one : many}`;
 }

@@ -12,7 +12,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { RunningClaim, WaitingClaim, cancelClaim } from './api';
-import { human, plural } from './format';
+import { cpuList, human, plural } from './format';
 import { MachineModel } from './model';
 
 export const machineIcon = new LabIcon({
@@ -110,8 +110,11 @@ class ClaimRow {
       const cards = allocation.gpus.length
         ? ` · GPU ${allocation.gpus.join(',')}`
         : '';
+      const cores = allocation.cores?.length
+        ? ` (cores ${cpuList(allocation.cores)})`
+        : '';
       this._share.textContent =
-        `${plural(allocation.cpus, 'CPU')}${cards}` +
+        `${plural(allocation.cpus, 'CPU')}${cores}${cards}` +
         (allocation.ram_bytes ? ` · ${human(allocation.ram_bytes)}` : '');
       this._readings.textContent = readings
         ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%`
