@@ -63,13 +63,17 @@ def worker_environ(
     return {**(os.environ if base is None else base), **derived}
 
 
-def fair_share_env(cpus: int, workers: int) -> dict[str, str]:
+def fair_share_env(
+    cpus: int, workers: int, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Thread caps for work that declared nothing but runs beside others.
 
     A pool of ``workers`` processes, all busy at once, each believing it owns
     the machine is the oversubscription this project is about. Only variables
-    the user has not already set: an explicit ``OMP_NUM_THREADS`` in the
-    kernel's environment is an answer, and this is a default.
+    the user has not already set in ``environ`` (this process's environment
+    unless given; a kernel's, when it is about to start one): an explicit
+    ``OMP_NUM_THREADS`` there is an answer, and this is a default.
     """
+    environ = os.environ if environ is None else environ
     fair = max(1, cpus // max(1, workers))
-    return {var: str(fair) for var in THREAD_VARS if var not in os.environ}
+    return {var: str(fair) for var in THREAD_VARS if var not in environ}

@@ -306,6 +306,28 @@ def confine(pid: int, cores: frozenset[int] | None) -> None:
         os.sched_setaffinity(pid, cores)
 
 
+def confine_threads(pid: int, cores: frozenset[int]) -> int:
+    """Run every thread ``pid`` has now only on ``cores``; how many were confined.
+
+    ``sched_setaffinity`` on a pid moves one thread, the main one; a process
+    that has already started its BLAS pool or its ZMQ threads keeps them
+    where they were. Each thread in ``/proc/<pid>/task`` is moved instead,
+    and threads it starts later inherit the mask of the thread starting them.
+    Its child processes are left alone: they may hold cores of their own.
+    A thread or process that has ended meanwhile needs no confining.
+    """
+    try:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return 0
+    confined = 0
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cores)
+            confined += 1
+    return confined
+
+
 # -----------------------------------------------------------------------------
 # Memory
 # -----------------------------------------------------------------------------

@@ -28,6 +28,8 @@ What it decides:
   "you may not".
 - **Settings are read on every request**, as ``fluksio-nb`` reads them, so a
   corrected config file takes effect without restarting the server.
+- **Kernels it starts get the fair share** of the cores no claim holds: it
+  makes :mod:`fluksio_nb.provisioner` the server's default kernel provisioner.
 """
 
 from __future__ import annotations
@@ -161,3 +163,14 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         "fluksio_nb: the machine's ledger is served at %s",
         url_path_join(base_url, "fluksio/api/snapshot"),
     )
+    from fluksio_nb.provisioner import PROVISIONER_NAME, make_it_the_default
+
+    why_not = make_it_the_default(serverapp)
+    if why_not is None:
+        serverapp.log.info(
+            "fluksio_nb: kernels start with the fair share of the unclaimed cores (%s); "
+            "'fair_share: false' in fluksio_nb's config turns it off",
+            PROVISIONER_NAME,
+        )
+    else:
+        serverapp.log.info("fluksio_nb: kernels start without a fair share: %s", why_not)

@@ -45,6 +45,7 @@ ENV_VARS = {
     "ram": "FLUKSIO_RAM",
     "reserve_cpus": "FLUKSIO_RESERVE_CPUS",
     "ledger": "FLUKSIO_LEDGER",
+    "fair_share": "FLUKSIO_FAIR_SHARE",
 }
 
 #: Cores kept back for the kernel and the Jupyter server when nobody said.
@@ -86,6 +87,10 @@ class Settings(BaseModel):
     #: On books shared by several users, show this user's labels, notebook
     #: paths and kernel ids to the others too. Their share and user always show.
     share_labels: bool = False
+    #: Kernels Jupyter starts here get the fair share of the cores no claim
+    #: holds (:mod:`fluksio_nb.provisioner`). ``false`` starts them as Jupyter
+    #: would without fluksio_nb: no thread variables, every core.
+    fair_share: bool = True
     flavors: dict[str, Flavor] = Field(default_factory=dict)
 
     @model_validator(mode="before")

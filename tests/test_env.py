@@ -65,6 +65,13 @@ def test_a_user_who_set_one_keeps_it(monkeypatch):
     assert env["MKL_NUM_THREADS"] == "8"
 
 
+def test_a_kernel_about_to_start_keeps_what_its_own_environment_says():
+    """Guards against reading the server's environment for a kernel given another one."""
+    env = fair_share_env(cpus=4, workers=1, environ={"OPENBLAS_NUM_THREADS": "3"})
+    assert "OPENBLAS_NUM_THREADS" not in env
+    assert env["OMP_NUM_THREADS"] == "4"
+
+
 _REPORT = (
     "import json, os, time; time.sleep(0.2); "
     "print(json.dumps({v: os.environ.get(v) for v in "

@@ -1,0 +1,239 @@
+"""Kernels Jupyter starts here get the fair share of the cores no claim holds.
+
+The thread variables are read when a library is imported, so the only place
+to put them for a kernel's own cells is the kernel's environment, at launch,
+and only whoever launches the kernel can put them there. jupyter_client asks
+a *kernel provisioner* to launch each kernel. This one is jupyter_client's own
+:class:`LocalProvisioner` with the fair share (:mod:`fluksio_nb.fair_share`)
+added, so starting, interrupting, restarting and stopping a kernel are
+unchanged.
+
+The server extension (:mod:`fluksio_nb.server`, enabled by the config file the
+package installs into ``etc/jupyter/jupyter_server_config.d``) makes it the
+provisioner of every kernelspec that names none (:func:`make_it_the_default`).
+That file cannot name the provisioner itself: jupyter_server reads only
+``jpserver_extensions`` from the ``.d`` directories. A kernelspec that names
+its own provisioner keeps it, and so does a user who chose a default
+(``KernelProvisionerFactory.default_provisioner_name`` in their config, or
+``JUPYTER_DEFAULT_PROVISIONER_NAME``).
+
+What it decides:
+
+- **A kernel always starts.** Settings that cannot be used, or books that
+  cannot be read, start it as Jupyter would without fluksio_nb, with a
+  warning in the server's log. The kernel says what is wrong with its
+  settings when it makes its first claim.
+- **Settings are read at every launch**, from the environment the kernel is
+  about to get, as the kernel itself will read them. ``fair_share: false`` in
+  the config file (or ``FLUKSIO_FAIR_SHARE=0``) takes effect for the next
+  kernel without restarting the server.
+- **What the user set wins.** A thread variable already in the kernel's
+  environment (the server's own, or the kernelspec's ``env``) is kept.
+- **The kernel's threads, not its children.** Every thread of the kernel
+  process is kept off the claimed cores; its child processes are not
+  touched, because a claim's workers are the kernel's children and run on
+  their own claim's cores. Children an unclaimed cell starts inherit the
+  kernel's cores as they were when started.
+- **One keeper for every kernel.** A thread of the server reads each set of
+  books once a second and moves a kernel's threads only when the cores no
+  claim holds have changed. It runs off the event loop, because reading the
+  books blocks. A kernel that moved its own threads keeps them where it put
+  them until the claims change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import KernelProvisionerFactory, LocalProvisioner
+
+from fluksio_nb.env import fair_share_env
+from fluksio_nb.fair_share import FairShare, unclaimed
+from fluksio_nb.inventory import confine_threads
+from fluksio_nb.kernel import Books, books_in_force, read_books
+from fluksio_nb.settings import load_settings
+
+#: The name the package registers under ``jupyter_client.kernel_provisioners``.
+PROVISIONER_NAME = "fluksio-fair-share"
+
+#: How often the keeper reads the books. A claim's cores are shared with an
+#: unclaimed kernel for at most this long after it is granted; a read costs
+#: well under a millisecond of a core.
+KEEP_EVERY_S = 1.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Kept:
+    books: Books
+    machine: frozenset[int]
+    #: The cores its threads were last confined to.
+    cores: frozenset[int]
+
+
+class _Keeper:
+    """Keeps every fair-share kernel of this process off the cores claims hold."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kernels: dict[int, _Kept] = {}
+        self._thread: threading.Thread | None = None
+        self._unreadable: set[Books] = set()
+
+    def kernels(self) -> int:
+        with self._lock:
+            return len(self._kernels)
+
+    def keep(self, pid: int, kept: _Kept) -> None:
+        with self._lock:
+            self._kernels[pid] = kept
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="fluksio-fair-share", daemon=True
+                )
+                self._thread.start()
+
+    def release(self, pid: int) -> None:
+        with self._lock:
+            self._kernels.pop(pid, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(KEEP_EVERY_S)
+            with self._lock:
+                if not self._kernels:
+                    self._thread = None
+                    return
+                kept = dict(self._kernels)
+            snapshots: dict[Books, dict[str, Any] | None] = {}
+            for pid, kernel in kept.items():
+                if kernel.books.mode == "kernel":
+                    # No claim another kernel can see is in them, and reading
+                    # them means taking the inventory (NVML) every second.
+                    continue
+                if kernel.books not in snapshots:
+                    snapshots[kernel.books] = self._read(kernel.books)
+                snapshot = snapshots[kernel.books]
+                if snapshot is None:
+                    continue
+                share = unclaimed(snapshot, kernel.machine)
+                if share.cores == kernel.cores:
+                    continue
+                kernel.cores = share.cores
+                try:
+                    if confine_threads(pid, share.cores) == 0:
+                        self.release(pid)
+                except OSError as error:
+                    # A core taken offline, or a kernel this server may not
+                    # move: it stays where it is, and the other kernels are
+                    # still kept.
+                    log.warning("fluksio_nb: kernel process %s cannot be moved: %s", pid, error)
+
+    def _read(self, books: Books) -> dict[str, Any] | None:
+        try:
+            snapshot = read_books(books)
+        except Exception as error:
+            if books not in self._unreadable:
+                log.warning(
+                    "fluksio_nb: the books (%s) cannot be read, so kernels on them stay "
+                    "on the cores they have: %s",
+                    books.describe(),
+                    error,
+                )
+                self._unreadable.add(books)
+            return None
+        self._unreadable.discard(books)
+        return snapshot
+
+
+_keeper = _Keeper()
+
+
+def _reckon(environ: Mapping[str, str]) -> tuple[Books, frozenset[int], FairShare] | None:
+    """The books, the machine's cores and the share left over; None when opted out.
+
+    Blocking: the books are a file or a socket away.
+    """
+    settings = load_settings(environ)
+    if not settings.fair_share:
+        return None
+    books = books_in_force(settings=settings)
+    machine = frozenset(os.sched_getaffinity(0))
+    return books, machine, unclaimed(read_books(books), machine)
+
+
+class FairShareProvisioner(LocalProvisioner):
+    """:class:`LocalProvisioner`, launching kernels with the fair share of the unclaimed cores."""
+
+    _fair: tuple[Books, frozenset[int], FairShare] | None = None
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        kwargs = await super().pre_launch(**kwargs)
+        env = kwargs["env"]
+        self._fair = None
+        if not hasattr(os, "sched_setaffinity"):
+            return kwargs
+        try:
+            self._fair = await asyncio.to_thread(_reckon, env)
+        except Exception as error:
+            self.log.warning(
+                "fluksio_nb: kernel %s starts without its fair share of the cores: %s",
+                self.kernel_id,
+                error,
+            )
+            return kwargs
+        if self._fair is not None:
+            _, _, share = self._fair
+            # This kernel is among those the cores are shared by.
+            env.update(fair_share_env(share.cpus, _keeper.kernels() + 1, env))
+        return kwargs
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        connection_info = await super().launch_kernel(cmd, **kwargs)
+        if self._fair is not None and self.pid is not None:
+            books, machine, share = self._fair
+            try:
+                confine_threads(self.pid, share.cores)
+            except OSError as error:
+                self.log.warning(
+                    "fluksio_nb: kernel %s runs on every core: %s", self.kernel_id, error
+                )
+            _keeper.keep(self.pid, _Kept(books, machine, share.cores))
+        return connection_info
+
+    async def cleanup(self, restart: bool = False) -> None:
+        if self.pid is not None:
+            _keeper.release(self.pid)
+        await super().cleanup(restart=restart)
+
+
+def make_it_the_default(serverapp: Any) -> str | None:
+    """Make kernels that name no provisioner start with the fair share; why not, if not.
+
+    Run when the server extension loads, before the server takes a request,
+    so before it starts any kernel.
+    """
+    factory = KernelProvisionerFactory.instance(parent=serverapp)
+    chosen = serverapp.config.get("KernelProvisionerFactory", {})
+    if "default_provisioner_name" in chosen or os.environ.get(factory.default_provisioner_name_env):
+        return f"this server's config chose {factory.default_provisioner_name!r}"
+    if not entry_points(group=factory.GROUP_NAME, name=PROVISIONER_NAME):
+        # Naming a provisioner that is not registered stops every kernel from
+        # starting: fluksio_nb importable, but not installed (its metadata
+        # is another checkout's).
+        return (
+            f"the provisioner {PROVISIONER_NAME!r} is not registered in this environment; "
+            "`pip install fluksio_nb` registers it"
+        )
+    factory.default_provisioner_name = PROVISIONER_NAME
+    return None
