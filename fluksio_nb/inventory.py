@@ -263,30 +263,13 @@ def claimable_core_ids(affinity: Iterable[int], reserve: int, cpus: int) -> tupl
     return tuple(past[:cpus]) if len(past) >= cpus else ()
 
 
-def confine_threads(pid: int, cores: Iterable[int]) -> None:
-    """Run every thread of process ``pid`` only on ``cores``.
-
-    ``sched_setaffinity`` moves one thread: the pid names the main one. A
-    warm worker's BLAS pool, started by an earlier claim, would keep its
-    threads on that claim's cores.
-    """
-    wanted = set(cores)
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        threads = [str(pid)]
-    for tid in threads:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.sched_setaffinity(int(tid), wanted)
-
-
 def confine_tree(pid: int, cores: Iterable[int]) -> None:
     """Run process ``pid``, everything it started and every thread of each, on ``cores``.
 
     What they start from now on inherits it. A process that has gone needs
     no confining.
     """
-    wanted = set(cores)
+    wanted = frozenset(cores)
     try:
         children = [child.pid for child in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:

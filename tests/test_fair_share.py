@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 from jupyter_client import BlockingKernelClient
 
-from fluksio_nb.books import Allocation
 from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.fair_share import held_cores, unclaimed
 from tests.browser.lab import JupyterLab
@@ -36,10 +35,6 @@ MACHINE = frozenset(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(
     len(MACHINE) < 2, reason="a fair share differs from every core only with two cores or more"
 )
-
-#: Books that give claims core ids: until they do, a claim's cores cannot be
-#: kept free of the unclaimed kernels, only counted off their thread number.
-CLAIMS_HOLD_CORES = "cores" in Allocation.__dataclass_fields__
 
 #: Holds one claim in the server's books until its stdin closes, then gives it back.
 HOLDER = """
@@ -182,11 +177,6 @@ def test_an_unclaimed_kernel_gets_the_fair_share_of_the_cores_no_claim_holds(lab
         assert thread_affinities(seen["pid"]) == {MACHINE - held}
 
 
-@pytest.mark.xfail(
-    not CLAIMS_HOLD_CORES,
-    reason="needs the books to give each running claim its core ids (allocation.cores)",
-    strict=True,
-)
 @needs_two_cores
 def test_the_kernels_threads_stay_off_the_cores_a_claim_holds_while_it_holds_them(lab, hold):
     """Guards against a kernel started before a claim whose threads then run on the
