@@ -10,6 +10,12 @@ Three layers, the later winning: the kernel's own environment, what the
 allocation implies, and what the claim itself set. A claim's ``env`` is a
 deliberate statement about that one cell and outranks the machine's default.
 
+A claim granted cards also gets the switches that stop JAX and TensorFlow
+from taking most of a card's memory the moment they start
+(:data:`GPU_MEMORY_VARS`): the card is held by this claim, but its memory is
+what a person reads when they look for who holds it, and a framework that
+took 90% of it for a model of 1 GB says nothing true.
+
 ``XLA_FLAGS`` and friends are deliberately not derived. They are composed
 strings whose contents depend on the version installed, and writing one here
 would silently replace what the author put there. They travel in the claim's
@@ -40,6 +46,13 @@ THREAD_VARS = (
 )
 
 
+#: On a claim granted cards: allocate card memory as it is used, not up front.
+GPU_MEMORY_VARS = {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+}
+
+
 def derive_env(wanted: Resources, allocation: Allocation) -> dict[str, str]:
     """The variables a worker holding this allocation is started with.
 
@@ -52,6 +65,8 @@ def derive_env(wanted: Resources, allocation: Allocation) -> dict[str, str]:
     # and NVML's indices are the ones the books hand out.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
+    if allocation.gpus:
+        env.update(GPU_MEMORY_VARS)
     env.update(wanted.env)
     return env
 

@@ -87,6 +87,18 @@ class Resources(BaseModel):
                 raise ValueError(unknown_keys_message(unknown))
         return data
 
+    @model_validator(mode="after")
+    def _cards_come_from_the_books(self) -> Resources:
+        # The one variable a claim may not set: written beside gpus=, it would
+        # replace the card the books grant with one somebody else may hold.
+        if self.gpus and "CUDA_VISIBLE_DEVICES" in self.env:
+            raise ValueError(
+                f"CUDA_VISIBLE_DEVICES={self.env['CUDA_VISIBLE_DEVICES']} would replace the "
+                f"card{'s' if self.gpus > 1 else ''} this claim is granted with one another "
+                "claim may hold; drop it and let gpus= pick a free card"
+            )
+        return self
+
     @field_validator("cpus", "gpus", mode="before")
     @classmethod
     def _whole_counts_only(cls, value: Any, info: Any) -> Any:

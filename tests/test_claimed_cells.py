@@ -512,6 +512,11 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
         ("", "%%claim ram=lots\n1", "ram='lots' is not a size"),
         ("", "%%claim flavor=enormous\n1", "flavor 'enormous' does not exist"),
         (
+            "",
+            "%%claim gpus=1 CUDA_VISIBLE_DEVICES=7\n1",
+            "CUDA_VISIBLE_DEVICES=7 would replace the card this claim is granted",
+        ),
+        (
             "import threading\nlock = threading.Lock()",
             "%%claim\nwith lock:\n    pass",
             "cannot send 'lock' (cannot pickle '_thread.lock' object) to the worker",

@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.env import THREAD_VARS, derive_env, fair_share_env, worker_environ
 from fluksio_nb.queue import ClaimQueue
@@ -29,6 +31,25 @@ def test_a_gpu_claim_is_told_which_cards_are_its_own():
     env = derive_env(Resources(gpus=2), Allocation(cpus=1, gpus=(1, 3)))
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_a_gpu_claim_takes_card_memory_as_it_goes_unless_the_claim_says_otherwise():
+    """JAX and TensorFlow otherwise take most of the card's memory the moment they start."""
+    env = derive_env(Resources(gpus=1), Allocation(cpus=1, gpus=(0,)))
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    said = Resources(gpus=1, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+    assert (
+        derive_env(said, Allocation(cpus=1, gpus=(0,)))["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    )
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in derive_env(Resources(), Allocation(cpus=1))
+
+
+def test_a_gpu_claim_may_not_name_its_own_card():
+    """CUDA_VISIBLE_DEVICES beside gpus= silently replaced the card the books granted."""
+    with pytest.raises(ValueError, match="drop it and let gpus= pick a free card"):
+        Resources(gpus=1, env={"CUDA_VISIBLE_DEVICES": "7"})
+    assert Resources(env={"CUDA_VISIBLE_DEVICES": "7"}).env == {"CUDA_VISIBLE_DEVICES": "7"}
 
 
 def test_a_claim_without_gpus_sees_no_card_at_all():
