@@ -338,7 +338,7 @@ class Claim:
     def _cores(self) -> frozenset[int]:
         """The cores this claim's processes run on: its own, or every claimable one."""
         assert self.allocation is not None
-        if self.allocation.cores:
+        if self.allocation.cores and settings().pin_cores:
             return frozenset(self.allocation.cores)
         return inventory().worker_cores or frozenset(os.sched_getaffinity(0))
 

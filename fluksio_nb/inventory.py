@@ -586,7 +586,11 @@ def take_inventory(settings: Settings) -> Inventory:
         gpus=tuple(gpus),
         sources=sources,
         worker_cores=cores_past_reserve(settings.reserve_cpus),
-        core_ids=claimable_core_ids(_affinity(), settings.reserve_cpus, cpus),
+        core_ids=(
+            claimable_core_ids(_affinity(), settings.reserve_cpus, cpus)
+            if settings.pin_cores
+            else ()
+        ),
         core_nodes=numa_nodes(),
     )
 

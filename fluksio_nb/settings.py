@@ -46,6 +46,7 @@ ENV_VARS = {
     "reserve_cpus": "FLUKSIO_RESERVE_CPUS",
     "ledger": "FLUKSIO_LEDGER",
     "fair_share": "FLUKSIO_FAIR_SHARE",
+    "pin_cores": "FLUKSIO_PIN_CORES",
 }
 
 #: Cores kept back for the kernel and the Jupyter server when nobody said.
@@ -91,6 +92,9 @@ class Settings(BaseModel):
     #: holds (:mod:`fluksio_nb.provisioner`). ``false`` starts them as Jupyter
     #: would without fluksio_nb: no thread variables, every core.
     fair_share: bool = True
+    #: Each claim runs on cores of its own (affinity). ``false`` leaves claims
+    #: sharing every claimable core, held only by their thread variables.
+    pin_cores: bool = True
     flavors: dict[str, Flavor] = Field(default_factory=dict)
 
     @model_validator(mode="before")

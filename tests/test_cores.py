@@ -189,6 +189,16 @@ def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tm
         two.shutdown()
 
 
+@needs_two_cores
+def test_with_pinning_turned_off_a_claim_runs_on_every_claimable_core(tmp_path):
+    kernel = cores_kernel(tmp_path, FLUKSIO_PIN_CORES="false")
+    try:
+        held = kernel.run(HOLD_A_CORE.format(label="loose"), check=True).json()
+        assert held["cores"] == [] and held["affinity"] == HERE
+    finally:
+        kernel.shutdown()
+
+
 GREEDY = """
 %%claim cpus=1
 import json, multiprocessing, os, time, psutil, threadpoolctl, numpy
