@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import books, cells, hop, overload
+from bench import books, cells, enforcement, hop, overload
 from bench.harness import machine
 
 
@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
             lambda: cells.main(rounds=2, mib=8, others=False),
             lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
             lambda: books.main(cycles=40, rounds=3),
+            lambda: enforcement.main(seconds=0.5, repeats=1),
         ]
     else:
-        runs = [overload.main, cells.main, hop.main, books.main]
+        runs = [overload.main, cells.main, hop.main, books.main, enforcement.main]
     for run in runs:
         sections.append(run())
         print(sections[-1], flush=True)

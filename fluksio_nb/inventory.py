@@ -585,7 +585,9 @@ def take_inventory(settings: Settings) -> Inventory:
         machine_ram_bytes=machine_ram,
         gpus=tuple(gpus),
         sources=sources,
-        worker_cores=cores_past_reserve(settings.reserve_cpus),
+        # Without pinning, claims are held by their thread variables alone,
+        # the reserve included.
+        worker_cores=cores_past_reserve(settings.reserve_cpus) if settings.pin_cores else None,
         core_ids=(
             claimable_core_ids(_affinity(), settings.reserve_cpus, cpus)
             if settings.pin_cores

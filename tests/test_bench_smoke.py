@@ -30,6 +30,7 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
         "Moving data",
         "A hop to a process that sat idle",
         "The books",
+        "A share the OS enforces",
     ):
         assert f"### {heading}" in report
     assert "%%claim, warm worker" in report
