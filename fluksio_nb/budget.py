@@ -13,7 +13,17 @@ The halt decision looks at memory only, for two reasons:
   more), whoever caused it.
 
 The two call for different advice, so the decision carries which one it was
-and the numbers. CPU is never a reason to halt. A thread-hungry cell is held
+and the numbers. The budget is staged (:attr:`Budget.warn_bytes`,
+:attr:`Budget.halt_bytes`): a claim is warned once at the first stage and
+stopped at the second, shares of the applied budget set in the config.
+
+Two things can stop a claim over its own budget: the sampler, reading every
+half second, and, where a cgroup could be made, the kernel's own memory cap
+(:mod:`fluksio_nb.memory_cap`). The paragraph the user reads is written in one
+place, :func:`over_budget`, and says which of the two acted: the numbers mean
+different things (a reading taken up to half a second late, or the most the
+kernel let the claim have), and so does the advice about how far over a fast
+allocation can get. CPU is never a reason to halt. A thread-hungry cell is held
 to its share by the thread variables, and a busy half-second between two
 samples is a cell running slowly, not a cell to kill. Memory over budget, on
 the other hand, stays over budget until something frees it.
@@ -28,7 +38,7 @@ from typing import Any
 from pydantic import ByteSize
 
 from fluksio_nb.inventory import system_headroom_bytes
-from fluksio_nb.sampler import Sample
+from fluksio_nb.sampler import SAMPLE_INTERVAL_S, Sample
 
 
 def human(n: int | None) -> str:
@@ -44,20 +54,39 @@ class Budget:
     #: such a claim has no ceiling of its own and is held only to the headroom.
     granted_bytes: int | None
     applied_bytes: int | None
+    #: Shares of the applied budget: warned at the first, stopped at the second
+    #: (``memory_warn_at`` and ``memory_halt_at`` in the settings).
+    warn_at: float = 0.8
+    halt_at: float = 1.0
 
     @property
     def limited_by_host(self) -> bool:
         return self.granted_bytes is not None and self.applied_bytes != self.granted_bytes
 
+    @property
+    def warn_bytes(self) -> int | None:
+        """The memory at which the claim is warned, once; ``None`` without a budget."""
+        return None if self.applied_bytes is None else int(self.applied_bytes * self.warn_at)
+
+    @property
+    def halt_bytes(self) -> int | None:
+        """The memory past which the claim is stopped; ``None`` without a budget."""
+        return None if self.applied_bytes is None else int(self.applied_bytes * self.halt_at)
+
 
 def resolve_budget(
-    granted_bytes: int | None, *, host_total_bytes: int, host_available_bytes: int
+    granted_bytes: int | None,
+    *,
+    host_total_bytes: int,
+    host_available_bytes: int,
+    warn_at: float = 0.8,
+    halt_at: float = 1.0,
 ) -> Budget:
     """The ceiling a claim runs under, given what the host has free as it starts."""
     if granted_bytes is None:
-        return Budget(None, None)
+        return Budget(None, None, warn_at, halt_at)
     spare = max(0, host_available_bytes - system_headroom_bytes(host_total_bytes))
-    return Budget(granted_bytes, min(granted_bytes, spare))
+    return Budget(granted_bytes, min(granted_bytes, spare), warn_at, halt_at)
 
 
 class HaltReason(str, Enum):
@@ -68,35 +97,91 @@ class HaltReason(str, Enum):
     HOST_SHORT = "host_short"
 
 
+#: Who stopped a claim for memory: the sampler, or the kernel's cap in one
+#: cgroup version or the other.
+SAMPLER = "sampler"
+CGROUP_V1 = "cgroup v1"
+CGROUP_V2 = "cgroup v2"
+
+
 @dataclass(frozen=True)
 class HaltDecision:
     should_halt: bool
     reason: HaltReason = HaltReason.NONE
     message: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    #: Which one acted: :data:`SAMPLER`, :data:`CGROUP_V1` or :data:`CGROUP_V2`.
+    enforced_by: str = SAMPLER
 
 
 _CONTINUE = HaltDecision(should_halt=False)
 
 
-def halt_decision(sample: Sample, budget: Budget) -> HaltDecision:
-    """Stop when the claim is over its own budget, or the host is short of headroom."""
-    limit = budget.applied_bytes
-    if limit is not None and sample.rss_bytes > limit:
-        why = (
-            f" (granted {human(budget.granted_bytes)}, lowered to what the host had free)"
-            if budget.limited_by_host
-            else ""
+def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> HaltDecision:
+    """The stop of a claim over its own budget, in the one paragraph the user reads.
+
+    ``used_bytes`` is the sampler's reading that crossed the line, or, for the
+    kernel's cap, the most the claim's processes held (the cgroup's peak).
+    """
+    limit = budget.halt_bytes
+    assert budget.applied_bytes is not None and limit is not None, "no budget, nothing to be over"
+    why = (
+        f", granted {human(budget.granted_bytes)} and lowered to what the host had free"
+        if budget.limited_by_host
+        else ""
+    )
+    stage = f", stopped at {budget.halt_at:.0%} of it" if budget.halt_at < 1 else ""
+    if enforced_by == SAMPLER:
+        message = (
+            f"halted: the worker used {human(used_bytes)}, over its memory budget of "
+            f"{human(budget.applied_bytes)}{why}{stage}. It was halted by the sampler, which "
+            f"reads memory every {SAMPLE_INTERVAL_S:g} s, so a fast allocation can get "
+            "further before it is seen. Ask for more with ram=, or use less."
         )
-        return HaltDecision(
-            should_halt=True,
-            reason=HaltReason.OVER_BUDGET,
-            message=(
-                f"halted: the worker used {human(sample.rss_bytes)}, over its memory budget "
-                f"of {human(limit)}{why}. Ask for more with ram=, or use less."
-            ),
-            detail={"rss_bytes": sample.rss_bytes, "limit_bytes": limit},
+    else:
+        message = (
+            f"halted: the claim's processes reached {human(used_bytes)}, all its memory budget of "
+            f"{human(budget.applied_bytes)}{why}{stage} allows, and was stopped by the "
+            f"kernel's memory cap ({enforced_by}), which no allocation gets past. "
+            "Ask for more with ram=, or use less."
         )
+    return HaltDecision(
+        should_halt=True,
+        reason=HaltReason.OVER_BUDGET,
+        message=message,
+        detail={"rss_bytes": used_bytes, "limit_bytes": limit},
+        enforced_by=enforced_by,
+    )
+
+
+def memory_warning(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> str:
+    """The one line a claim is told, once, when it reaches the warning stage."""
+    assert budget.applied_bytes is not None, "no budget, nothing to warn of"
+    by = (
+        "by the sampler"
+        if enforced_by == SAMPLER
+        else f"by the kernel's memory cap ({enforced_by})"
+    )
+    return (
+        f"fluksio_nb: the worker is using {human(used_bytes)}, "
+        f"{used_bytes / budget.applied_bytes:.0%} of its memory budget of "
+        f"{human(budget.applied_bytes)}; at {budget.halt_at:.0%} it is stopped {by}. "
+        "Free what the cell no longer needs, or ask for more with ram=.\n"
+    )
+
+
+def halt_decision(sample: Sample, budget: Budget, *, capped: bool = False) -> HaltDecision:
+    """Stop when the claim is over its own budget, or the host is short of headroom.
+
+    ``capped`` says the kernel holds the claim to its budget already: the
+    sampler then leaves that to it and watches the host only. The two would
+    not agree at the margin (a resident set counts shared library pages the
+    cgroup charged to whoever loaded them first), and the one that is exact
+    should be the one that acts.
+    """
+    limit = budget.halt_bytes
+    if not capped and limit is not None and sample.rss_bytes > limit:
+        return over_budget(sample.rss_bytes, budget)
 
     headroom = system_headroom_bytes(sample.host_total_bytes)
     if sample.host_available_bytes < headroom:

@@ -10,6 +10,10 @@ How it ends decides what the user reads. A cell that raised shows its own
 traceback. A cell that was halted for memory, ran out of time, was
 cancelled, or lost its worker says which of those happened and the numbers,
 in one paragraph, because there is no traceback in the user's code to read.
+A worker the kernel's out-of-memory killer ended inside the claim's memory
+cgroup (:mod:`fluksio_nb.memory_cap`) was stopped for its budget, not lost:
+it ends as :class:`ClaimHalted`, like the sampler's halt, and says which of
+the two acted. Past the budget's warning stage the cell is told so, once.
 
 Inside a ``with claim(...)`` block, the kernel's own BLAS and OpenMP pools are
 also held to the share (threadpoolctl), and restored after: code run directly
@@ -30,12 +34,22 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import psutil
+
 from fluksio_nb.books import Allocation
-from fluksio_nb.budget import Budget, HaltDecision, resolve_budget
+from fluksio_nb.budget import Budget, HaltDecision, memory_warning, over_budget, resolve_budget
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.inventory import confine_tree, host_memory
 from fluksio_nb.kernel import accountant, inventory, settings
+from fluksio_nb.memory_cap import (
+    CapNotMade,
+    ClaimCgroup,
+    Enforcement,
+    cap_place,
+    memory_enforcement,
+    sampled,
+)
 from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources, ask
@@ -59,7 +73,7 @@ SHOW_AFTER_S = 0.25
 
 
 class ClaimHalted(RuntimeError):
-    """The sampler stopped a claim: over its memory budget, or the host short."""
+    """A claim stopped for memory: over its budget (sampler or cgroup), or the host short."""
 
     def __init__(self, decision: HaltDecision) -> None:
         super().__init__(decision.message)
@@ -118,6 +132,10 @@ class Claim:
         self.allocation: Allocation | None = None
         self.env: dict[str, str] = {}
         self.budget: Budget | None = None
+        #: The claim's memory cgroup, while the kernel caps its memory.
+        self._cap: ClaimCgroup | None = None
+        #: Where this claim's messages to its cell go (the cell that asked).
+        self._cell: CellOutput | None = None
 
     # -- the share --------------------------------------------------------------
 
@@ -136,7 +154,8 @@ class Claim:
         self._ticket = ticket
         # Made now, in the cell that asked: a background claim's summary
         # belongs there, not in whichever cell is running when it ends.
-        self._summary = TextView(CellOutput())
+        self._cell = CellOutput()
+        self._summary = TextView(self._cell)
         self.status.label, self.status.ticket = ticket.label, ticket.number
         self.status.asked = ticket.resources
         # A claim granted on the spot has no place in the queue to show, and
@@ -173,13 +192,18 @@ class Claim:
             raise
         self.allocation = allocation
         self.env = derive_env(ticket.resources, allocation)
+        stages = settings()
         if allocation.ram_bytes:
             total, available = host_memory()
             self.budget = resolve_budget(
-                allocation.ram_bytes, host_total_bytes=total, host_available_bytes=available
+                allocation.ram_bytes,
+                host_total_bytes=total,
+                host_available_bytes=available,
+                warn_at=stages.memory_warn_at,
+                halt_at=stages.memory_halt_at,
             )
         else:
-            self.budget = Budget(None, None)
+            self.budget = Budget(None, None, stages.memory_warn_at, stages.memory_halt_at)
         ticket.on_cancel = self._cancelled
         if ticket.cancelled is not None:
             # Cancelled between its grant and now, when the stop found no work
@@ -190,6 +214,7 @@ class Claim:
             self._queue.release(ticket)
             self._end("cancelled", str(error))
             raise error
+        self.status.memory_enforcement = self._make_cap(self.budget)
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
         note_running(self.status)
@@ -199,6 +224,34 @@ class Claim:
 
             self._thread_limits = threadpool_limits(limits=allocation.cpus)
         return self
+
+    def _make_cap(self, budget: Budget) -> Enforcement:
+        """The claim's memory cgroup, where one can be made; what holds the claim either way."""
+        if budget.halt_bytes is None:
+            return sampled("the claim named no ram=, so it has no budget of its own to cap")
+        enforcement = memory_enforcement(settings())
+        if not enforcement.capped:
+            return enforcement
+        try:
+            self._cap = ClaimCgroup.make(cap_place(), budget.halt_bytes)
+        except CapNotMade as error:
+            return sampled(str(error))
+        return enforcement
+
+    def _admit(self, pid: int) -> None:
+        """Put a worker under the claim's cap; if it cannot go, the sampler holds the claim."""
+        cap = self._cap
+        if cap is None:
+            return
+        try:
+            held = psutil.Process(pid).memory_info().rss
+            cap.admit(pid, held)
+        except (OSError, psutil.Error) as error:
+            self._cap = None
+            cap.remove()
+            self.status.memory_enforcement = sampled(
+                f"the worker could not be moved into {cap.path}: {error}"
+            )
 
     def _wait(self, ticket: Ticket) -> Allocation:
         # The first look comes sooner: a claim still waiting then is shown
@@ -237,6 +290,13 @@ class Claim:
         for process in self._processes:
             if process.poll() is None:
                 _end_process_group(process)
+        if self._cap is not None:
+            # What the kernel counted is exact where a reading may have missed
+            # the top of a fast allocation.
+            peak = self._cap.peak_bytes()
+            if peak is not None and peak > self.status.readings.peak_rss_bytes:
+                self.status.readings.peak_rss_bytes = peak
+            self._cap.remove()
         if self._ticket is not None:
             self._queue.release(self._ticket)
         if self.status.phase != "done":
@@ -289,6 +349,7 @@ class Claim:
         # A warm worker ran an earlier claim on other cores, and its thread
         # pools are still there: every thread of it moves to this claim's.
         confine_tree(worker.pid, self._cores())
+        self._admit(worker.pid)
         watched = self._watch_process(worker.pid, stop=worker.kill)
         try:
             outcome = worker.run(
@@ -310,6 +371,9 @@ class Claim:
                     self.status.readings.add(last)
             watched.sampler.close()
             self._stoppers.remove(worker.kill)
+            if self._cap is not None and worker.alive:
+                # A warm worker goes back to the pool as it came: outside any claim.
+                self._cap.let_go(worker.pid)
             self._pool.checkin(worker, self.env)
         self._raise_for(outcome)
         return outcome
@@ -328,9 +392,23 @@ class Claim:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         extra = kwargs.pop("env", None) or {}
         kwargs.setdefault("start_new_session", True)
+        cap, cores = self._cap, self._cores()
+        if cap is not None:
+            cap.settle(0)
+        theirs = kwargs.pop("preexec_fn", None)
+
+        def into_the_share() -> None:
+            # In before it runs a line: moved after it started, what it
+            # allocated first would be charged outside the cap, and what it
+            # started first would run on any core.
+            os.sched_setaffinity(0, cores)
+            if cap is not None:
+                cap.enter_from_child()
+            if theirs is not None:
+                theirs()
+
+        kwargs["preexec_fn"] = into_the_share
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
-        # Before it can have started much: what it starts from now on inherits this.
-        confine_tree(process.pid, self._cores())
         self._processes.append(process)
         self._watch_process(process.pid, stop=lambda: _end_process_group(process))
         return process
@@ -345,6 +423,12 @@ class Claim:
     # -- stopping ----------------------------------------------------------------
 
     def _watch_process(self, pid: int, stop: Callable[[], None]) -> Watched:
+        # A process of the claim the cap killed (a `c.popen`'s, a cell's
+        # child) stopped the claim: whatever it is asked to do next is refused.
+        if self._stop_reason is None:
+            capped = self._stopped_by_the_cap()
+            if capped is not None:
+                self._stop("halted", capped.message, capped)
         with self._lock:
             self._stoppers.append(stop)
             stopped = self._stop_reason is not None
@@ -360,11 +444,13 @@ class Claim:
                 on_sample=self._sampled,
                 on_halt=self._halt,
                 deadline=self._deadline,
+                capped=self._cap is not None,
             )
         )
 
     def _sampled(self, sample: Sample) -> None:
         self.status.readings.add(sample)
+        self._warn_if_amber(sample)
         # The first reading comes one interval after the work started: a cell
         # still running then is worth a live status.
         self._show()
@@ -384,6 +470,23 @@ class Claim:
                 },
             )
         self._update_view()
+
+    def _warn_if_amber(self, sample: Sample) -> None:
+        """Past the warning stage: the status turns amber and the cell is told, once."""
+        budget = self.budget
+        warn_at = None if budget is None else budget.warn_bytes
+        if warn_at is None or sample.rss_bytes < warn_at:
+            return
+        with self._lock:
+            if self.status.memory_warning:
+                return
+            self.status.memory_warning = True
+        assert budget is not None
+        enforcement = self.status.memory_enforcement
+        line = memory_warning(
+            sample.rss_bytes, budget, enforcement.by if enforcement else "sampler"
+        )
+        (self._cell or CellOutput()).stderr(line)
 
     def _halt(self, decision: HaltDecision | None) -> None:
         if decision is None:
@@ -416,10 +519,24 @@ class Claim:
                 raise ClaimTimeout(message)
             raise ClaimCancelled(message)
         if outcome.died is not None:
+            capped = self._stopped_by_the_cap()
+            if capped is not None:
+                self._stop("halted", capped.message, capped)
+                raise ClaimHalted(capped)
             raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
         if outcome.error is not None:
             error = outcome.error
             raise cell_raised(error.ename, error.evalue, error.traceback, outcome)
+
+    def _stopped_by_the_cap(self) -> HaltDecision | None:
+        """The halt to report for a worker that died, if the kernel's cap is what killed it."""
+        cap, budget = self._cap, self.budget
+        if cap is None or budget is None or budget.halt_bytes is None or not cap.oom_kills():
+            return None
+        peak = cap.peak_bytes()
+        if peak is None:
+            peak = self.status.readings.peak_rss_bytes
+        return over_budget(peak, budget, cap.version)
 
     # -- showing ----------------------------------------------------------------
 

@@ -47,6 +47,9 @@ ENV_VARS = {
     "ledger": "FLUKSIO_LEDGER",
     "fair_share": "FLUKSIO_FAIR_SHARE",
     "pin_cores": "FLUKSIO_PIN_CORES",
+    "memory_cap": "FLUKSIO_MEMORY_CAP",
+    "memory_warn_at": "FLUKSIO_MEMORY_WARN_AT",
+    "memory_halt_at": "FLUKSIO_MEMORY_HALT_AT",
 }
 
 #: Cores kept back for the kernel and the Jupyter server when nobody said.
@@ -54,6 +57,13 @@ ENV_VARS = {
 #: enough to keep them answering while every other core is claimed; the seed
 #: engine's two was for an event loop that also ran its own scheduler.
 DEFAULT_RESERVE_CPUS = 1
+
+#: The share of a claim's memory budget at which its status turns amber and
+#: the cell is told once, and the share at which it is stopped. Dask's nanny
+#: stages memory the same way: a warning the user can act on comes first,
+#: with room left to act, and only then the stop.
+DEFAULT_MEMORY_WARN_AT = 0.8
+DEFAULT_MEMORY_HALT_AT = 1.0
 
 
 class BadSettings(BadClaim):
@@ -96,6 +106,12 @@ class Settings(BaseModel):
     #: sharing every claimable core, held only by their thread variables.
     pin_cores: bool = True
     flavors: dict[str, Flavor] = Field(default_factory=dict)
+    #: Hold a claim's ``ram=`` with a cgroup memory limit where this process
+    #: may make one (:mod:`fluksio_nb.memory_cap`); off, the sampler alone acts.
+    memory_cap: bool = True
+    #: Shares of a claim's memory budget: warned at the first, stopped at the second.
+    memory_warn_at: float = DEFAULT_MEMORY_WARN_AT
+    memory_halt_at: float = DEFAULT_MEMORY_HALT_AT
 
     @model_validator(mode="before")
     @classmethod
@@ -105,6 +121,21 @@ class Settings(BaseModel):
             if unknown:
                 raise ValueError(unknown_keys_message(unknown, cls.model_fields, "setting"))
         return data
+
+    @model_validator(mode="after")
+    def _warn_before_halting(self) -> Settings:
+        warn, halt = self.memory_warn_at, self.memory_halt_at
+        if not 0 < halt <= 1:
+            raise ValueError(
+                f"memory_halt_at={halt:g} must be above 0 and at most 1: it is the share of "
+                "a claim's ram= at which the claim is stopped, and a claim may use all of it"
+            )
+        if not 0 < warn < halt:
+            raise ValueError(
+                f"memory_warn_at={warn:g} must be above 0 and below memory_halt_at={halt:g}: "
+                "the warning has to come before the stop to be worth reading"
+            )
+        return self
 
 
 def config_path(environ: Mapping[str, str] | None = None) -> Path:

@@ -32,6 +32,7 @@ from typing import Literal, Protocol
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
 from fluksio_nb.inventory import format_cpu_list
+from fluksio_nb.memory_cap import Enforcement
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 
@@ -61,6 +62,14 @@ class ClaimStatus:
     ending: Ending | None = None
     #: What the user should read about how it ended; empty when it just worked.
     message: str = ""
+    #: What holds the claim to its memory budget: ``str()`` of it is
+    #: ``"enforced (cgroup v1)"``, ``"enforced (cgroup v2)"`` or
+    #: ``"watched every 0.5 s"``, and ``.why`` says why the kernel does not
+    #: enforce it, when it does not. ``None`` until the claim runs.
+    memory_enforcement: Enforcement | None = None
+    #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
+    #: and the cell was told, once. It stays amber until the claim ends.
+    memory_warning: bool = False
 
     @property
     def elapsed_s(self) -> float:

@@ -41,6 +41,9 @@ class Watched:
     on_halt: Callable[[HaltDecision | None], None]
     #: ``time.monotonic()`` after which the claim is out of time, if any.
     deadline: float | None = None
+    #: Whether the kernel's memory cap holds the claim to its budget: the
+    #: halt decision then watches the host only.
+    capped: bool = False
     #: No reading before this (``time.monotonic()``): a cell that is over
     #: within one interval is read once at its end instead, by its runner, and
     #: the thread stays off the GIL while the cell runs.
@@ -137,7 +140,7 @@ class Watch:
             self.discard(item)
             return
         item.on_sample(sample)
-        decision = halt_decision(sample, item.budget)
+        decision = halt_decision(sample, item.budget, capped=item.capped)
         if decision.should_halt:
             item.halted = True
             item.on_halt(decision)

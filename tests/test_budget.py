@@ -5,7 +5,16 @@ never stopped, and a claim stopped with a reason that sends the user looking
 in the wrong place (their own cell, when another process took the memory).
 """
 
-from fluksio_nb.budget import Budget, HaltReason, halt_decision, resolve_budget
+from fluksio_nb.budget import (
+    CGROUP_V1,
+    SAMPLER,
+    Budget,
+    HaltReason,
+    halt_decision,
+    memory_warning,
+    over_budget,
+    resolve_budget,
+)
 from fluksio_nb.sampler import Sample
 
 GIB = 2**30
@@ -73,3 +82,38 @@ def test_the_budget_is_checked_before_the_host():
 def test_a_budget_lowered_by_the_host_says_so_when_it_halts():
     decision = halt_decision(sample(rss=2 * GIB), Budget(4 * GIB, GIB))
     assert "lowered to what the host had free" in decision.message
+
+
+def test_the_halt_says_which_one_acted():
+    """The same overrun reads differently when a half-second reading or the kernel caught it."""
+    budget = Budget(2 * GIB, 2 * GIB)
+    sampled = over_budget(3 * GIB, budget)
+    capped = over_budget(2 * GIB, budget, CGROUP_V1)
+    assert sampled == halt_decision(sample(rss=3 * GIB), budget)
+    assert sampled.enforced_by == SAMPLER
+    assert "halted by the sampler, which reads memory every 0.5 s" in sampled.message
+    assert capped.enforced_by == CGROUP_V1
+    assert "stopped by the kernel's memory cap (cgroup v1)" in capped.message
+    for decision in (sampled, capped):
+        assert decision.reason is HaltReason.OVER_BUDGET
+        assert "memory budget of 2.1GB" in decision.message
+
+
+def test_under_the_kernels_cap_the_sampler_leaves_the_budget_to_it_but_watches_the_host():
+    """Two judges of one budget disagree at the margin; only the exact one acts."""
+    budget = Budget(2 * GIB, 2 * GIB)
+    assert not halt_decision(sample(rss=3 * GIB), budget, capped=True).should_halt
+    host_short = halt_decision(sample(rss=GIB, available=0), budget, capped=True)
+    assert host_short.reason is HaltReason.HOST_SHORT
+
+
+def test_the_budget_is_staged_warned_first_then_stopped():
+    budget = resolve_budget(
+        GIB, host_total_bytes=16 * GIB, host_available_bytes=12 * GIB, warn_at=0.5, halt_at=0.9
+    )
+    assert (budget.warn_bytes, budget.halt_bytes) == (GIB // 2, int(GIB * 0.9))
+    assert not halt_decision(sample(rss=int(GIB * 0.85)), budget).should_halt
+    halted = halt_decision(sample(rss=int(GIB * 0.95)), budget)
+    assert halted.should_halt and "stopped at 90% of it" in halted.message
+    line = memory_warning(int(GIB * 0.6), budget)
+    assert line.count("\n") == 1 and "60% of its memory budget of 1.1GB" in line

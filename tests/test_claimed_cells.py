@@ -495,7 +495,8 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     )
     assert ran.error["ename"] == "ClaimHalted"
     message = "".join(ran.error["traceback"])
-    assert "over its memory budget of 300.0MB" in message
+    # Held by the kernel's cap or by the sampler: see test_memory_cap for which says what.
+    assert "its memory budget of 300.0MB" in message
     assert any("halted" in text for text in ran.texts), "the status should say it was halted"
     assert_books_balanced(kernel)
 

@@ -100,7 +100,8 @@ def test_a_subprocess_over_the_budget_is_halted():
         process = c.popen([sys.executable, "-c", hog])
         process.wait(timeout=30)
         c.run(pow, 1, 1)  # the claim was stopped: further work is refused
-    assert "over its memory budget" in str(caught.value)
+    # Held by the kernel's cap or by the sampler: see test_memory_cap for which says what.
+    assert "memory budget of 150.0MB" in str(caught.value)
 
 
 def test_the_kernels_own_thread_pools_are_limited_inside_the_block():

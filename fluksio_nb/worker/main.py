@@ -36,6 +36,9 @@ What it decides:
 - **The worker never outlives its kernel.** A pipe whose write end only the
   kernel holds reaches end-of-file when the kernel is gone, however it went;
   the worker then takes its whole process group down, cell children included.
+  If it was running a claim with a memory cgroup, it removes that too, since
+  its kernel no longer can: it goes back to the cgroup it was born in (its
+  kernel's), and what is left in the claim's goes with the claim.
 
 Packing of inputs and outputs happens in exactly two functions,
 :func:`unpack_inputs` and :func:`pack_outputs`, so that how values travel can be
@@ -66,7 +69,7 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from fluksio_nb import namespaces, random_streams, transfer
+from fluksio_nb import memory_cap, namespaces, random_streams, transfer
 from fluksio_nb.worker.protocol import (
     Channel,
     ChannelClosed,
@@ -677,6 +680,10 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     a thread that ends long before the kernel does.
     """
 
+    # Read now, while the worker is where its kernel started it: moved into a
+    # claim's cgroup later, that is where it goes back to.
+    born_in = memory_cap.own_memory_cgroup()
+
     def watch() -> None:
         # Any thread may take a signal sent to the process, and a SIGINT taken
         # here would only be flagged for the main thread, not wake it from a
@@ -687,6 +694,8 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
             if readable or os.getppid() != kernel_pid:
                 break
         sweep_after(kernel_pid)
+        with contextlib.suppress(Exception):
+            memory_cap.leave_claim_cgroup(born_in)
         # os._exit runs no atexit: let go of the memory kept for the next
         # cell's outputs now rather than with the process.
         with contextlib.suppress(Exception):

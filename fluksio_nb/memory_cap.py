@@ -1,0 +1,520 @@
+"""Memory the kernel enforces: a claim's ``ram=`` as a cgroup limit, where one can be made.
+
+The sampler reads a claim's memory every half second. ``numpy.ones`` of a few
+gigabytes fills faster than that, and on a shared machine the allocation that
+goes past a budget between two readings is the one that takes everybody's
+kernels down. Only the kernel's own memory controller is as quick as an
+allocation, so where this process may make a child cgroup with a memory
+limit, every claim with a ``ram=`` gets one, and the sampler stays as the
+second line (the host running short, and machines where no cgroup can be
+made). This module finds out whether it can, makes, fills and removes those
+cgroups, and says which of the two is in force (:func:`memory_enforcement`).
+
+What it decides:
+
+- **Where the claim cgroups go.** With cgroup v1's memory controller, under
+  the process's own memory cgroup: ``<own>/fluksio_nb/<claim>``. v1 lets a
+  cgroup with processes have children, and the kernel stays where it is.
+  cgroup v2 does not: a cgroup whose ``cgroup.subtree_control`` enables a
+  controller may hold no processes, so the kernel's own cgroup could only
+  hold claims if the kernel moved out of it first. They go beside it instead,
+  ``<parent>/fluksio_nb/<claim>``, where the parent already hands ``memory``
+  down (it is in the parent's ``cgroup.subtree_control``) and this user may
+  write: the layout systemd's ``Delegate=yes`` gives a user's own manager,
+  ``user@UID.service/app.slice/<the kernel's scope>``. Moving a process
+  between two siblings needs write access to their common ancestor's
+  ``cgroup.procs``, which is that parent's. A controller is never enabled
+  here on a cgroup this package did not make.
+- **The name says whose it is**: ``fluksio_nb-<kernel pid>-<start time>-<n>``.
+  A kernel that was killed cannot remove its claims' cgroups; its workers do,
+  as they leave, and any that remain are swept by the next claim made under
+  the same parent (:func:`sweep_stale`). The owner is judged by its pid *and*
+  its start time, so the sweep never takes the cgroup of a live kernel, even
+  one of another user or another test run whose pid was reused.
+- **The limit counts the worker's tree, as the sampler does.** Memory is
+  charged to the cgroup a page was first touched in, and neither v2 nor
+  current v1 kernels move charges with a process (``move_charge_at_immigrate``
+  is gone). A warm worker moved into a claim's cgroup brings its imports'
+  memory uncharged, so the limit is the budget less what the worker held as
+  it came in: the most the claim's processes can hold together is the budget,
+  and the peak reported is that baseline plus the cgroup's own peak counter.
+- **No swap.** A capped claim swapping would be a claim running at disk
+  speed past its budget; v1 gets ``memory.memsw.limit_in_bytes`` (where swap
+  is accounted) and ``memory.swappiness`` 0, v2 ``memory.swap.max`` 0.
+- **Removed on every ending.** Processes still in a claim's cgroup when it
+  ends are the claim's, and a claim's processes end with it: they are killed,
+  then the directory removed (``rmdir`` fails while any task is in it).
+
+Making, filling and removing one claim's cgroup costs about a millisecond
+(measured on cgroup v1: mkdir, four writes, a move in and out, rmdir), paid
+only by claims with a ``ram=``. Every path is a parameter, so the detection
+can be tried on a tree of real files laid out as the kernel lays them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
+from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
+from fluksio_nb.sampler import SAMPLE_INTERVAL_S
+from fluksio_nb.settings import Settings
+
+#: The directory every claim cgroup of this package is made in.
+PARENT_NAME = "fluksio_nb"
+
+#: ``fluksio_nb-<owner pid>-<owner start time in clock ticks>-<claim number>``.
+CLAIM_NAME = re.compile(r"^fluksio_nb-(\d+)-(\d+)-(\d+)$")
+
+#: The smallest limit written: a budget the worker already spent before it
+#: came in is a claim over its budget from the start, and is stopped at once.
+_SMALLEST_LIMIT = 1 << 20
+
+#: How long the processes left in a claim's cgroup get to be gone after SIGKILL.
+_KILL_GRACE_S = 5.0
+
+#: The same, for a dead kernel's leftovers swept as a new claim starts: that
+#: claim's cell is waiting, and a cgroup not gone by then is tried again at
+#: the next claim.
+_SWEEP_GRACE_S = 0.5
+
+
+@dataclass(frozen=True)
+class CapPlace:
+    """Where this process may make claim cgroups, or why it may not."""
+
+    #: :data:`~fluksio_nb.budget.CGROUP_V1` or :data:`~fluksio_nb.budget.CGROUP_V2`;
+    #: ``None`` when no cgroup can be made.
+    version: str | None
+    #: The ``fluksio_nb`` directory the claim cgroups go in.
+    parent: Path | None = None
+    #: This process's own memory cgroup, where processes go back to.
+    home: Path | None = None
+    #: Why no cgroup can be made, in words for a tooltip.
+    why_not: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.version is not None
+
+
+def find_cap_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> CapPlace:
+    """Whether this process may make a child cgroup with a memory limit, and where.
+
+    cgroup v2 is tried first, as the hierarchy of every current distribution;
+    a v1 memory controller next. The reasons either gave for refusing are kept
+    for the tooltip: "no" is not worth showing without the why.
+    """
+    paths = _cgroup_paths(proc_cgroup)
+    if not paths:
+        return CapPlace(None, why_not=f"{proc_cgroup} cannot be read, so no cgroup is known")
+    reasons = []
+    if "" in paths:
+        place = _v2_place(root, paths[""])
+        if place.available:
+            return place
+        reasons.append(place.why_not)
+    if "memory" in paths:
+        place = _v1_place(root, paths["memory"])
+        if place.available:
+            return place
+        reasons.append(place.why_not)
+    if not reasons:
+        reasons.append("this process is in no memory cgroup")
+    return CapPlace(None, why_not="; ".join(reasons))
+
+
+def _v2_mount(root: Path) -> Path | None:
+    """Where the unified hierarchy is: ``root`` itself, or ``root/unified`` beside v1."""
+    for candidate in (root, root / "unified"):
+        if (candidate / "cgroup.controllers").exists():
+            return candidate
+    return None
+
+
+def _v2_place(root: Path, path: str) -> CapPlace:
+    mount = _v2_mount(root)
+    if mount is None:
+        return CapPlace(None, why_not=f"no cgroup v2 hierarchy is mounted at {root}")
+    own = mount / path.lstrip("/")
+    if not own.is_dir():
+        return CapPlace(None, why_not=f"this process's cgroup v2 {path} is not under {mount}")
+    base = own if own == mount else own.parent
+    handed_down = _words(base / "cgroup.subtree_control")
+    if "memory" not in handed_down:
+        return CapPlace(
+            None,
+            why_not=(
+                f"cgroup v2 does not hand the memory controller down from {base} "
+                "(not in its cgroup.subtree_control)"
+            ),
+        )
+    if not (_may_write(base) and _may_write(base / "cgroup.procs")):
+        return CapPlace(
+            None,
+            why_not=(
+                f"cgroup v2's {base} is not delegated to this user (it may not make "
+                "cgroups there, or move processes between them)"
+            ),
+        )
+    return CapPlace(CGROUP_V2, parent=base / PARENT_NAME, home=own)
+
+
+def _v1_place(root: Path, path: str) -> CapPlace:
+    mount = root / "memory"
+    own = mount / path.lstrip("/")
+    if not (own / "memory.limit_in_bytes").exists():
+        return CapPlace(
+            None, why_not=f"this process's cgroup v1 memory cgroup {path} is not under {mount}"
+        )
+    if not (_may_write(own) and _may_write(own / "cgroup.procs")):
+        return CapPlace(
+            None,
+            why_not=f"this user may not make cgroups under its cgroup v1 memory cgroup {own}",
+        )
+    return CapPlace(CGROUP_V1, parent=own / PARENT_NAME, home=own)
+
+
+def _may_write(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def _words(path: Path) -> set[str]:
+    try:
+        return set(path.read_text().split())
+    except OSError:
+        return set()
+
+
+# -----------------------------------------------------------------------------
+# Which one is in force
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """What holds a claim to its memory budget, as the package shows it."""
+
+    #: ``"enforced (cgroup v1)"``, ``"enforced (cgroup v2)"`` or ``"watched every 0.5 s"``.
+    label: str
+    #: :data:`~fluksio_nb.budget.SAMPLER`, or the cgroup version that caps.
+    by: str
+    #: Why the kernel does not enforce it, when it does not: for a tooltip.
+    why: str = ""
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def capped(self) -> bool:
+        return self.by != SAMPLER
+
+
+WATCHED = f"watched every {SAMPLE_INTERVAL_S:g} s"
+
+_places: dict[tuple[Path, Path], CapPlace] = {}
+_places_lock = threading.Lock()
+
+
+def cap_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> CapPlace:
+    """:func:`find_cap_place`, found once per process: the answer cannot change under it."""
+    key = (root, proc_cgroup)
+    with _places_lock:
+        if key not in _places:
+            _places[key] = find_cap_place(root, proc_cgroup)
+        return _places[key]
+
+
+def memory_enforcement(settings: Settings, place: CapPlace | None = None) -> Enforcement:
+    """What would hold a claim's ``ram=`` here: the kernel's cap, or the sampler."""
+    if not settings.memory_cap:
+        return Enforcement(WATCHED, SAMPLER, "the memory cap is turned off (memory_cap in config)")
+    place = cap_place() if place is None else place
+    if not place.available:
+        return Enforcement(WATCHED, SAMPLER, place.why_not)
+    assert place.version is not None
+    return Enforcement(f"enforced ({place.version})", place.version)
+
+
+def sampled(why: str) -> Enforcement:
+    """The sampler in force for one claim, and why no cap is."""
+    return Enforcement(WATCHED, SAMPLER, why)
+
+
+# -----------------------------------------------------------------------------
+# One claim's cgroup
+# -----------------------------------------------------------------------------
+
+
+class CapNotMade(OSError):
+    """A claim cgroup could not be made or limited; the sampler holds the claim instead."""
+
+
+_claim_numbers = itertools.count(1)
+
+
+class ClaimCgroup:
+    """One claim's memory cgroup, from :meth:`make` to :meth:`remove`.
+
+    Any thread may call any method; removal is idempotent.
+    """
+
+    def __init__(self, path: Path, version: str, home: Path, budget_bytes: int) -> None:
+        self.path = path
+        self.version = version
+        self.home = home
+        self.budget_bytes = budget_bytes
+        #: What the first process moved in held as it came, uncharged here.
+        self.baseline_bytes = 0
+        self._limited = False
+        self._removed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def make(cls, place: CapPlace, budget_bytes: int) -> ClaimCgroup:
+        """A fresh cgroup limited to ``budget_bytes`` with swap off; raises :class:`CapNotMade`."""
+        assert place.parent is not None and place.home is not None and place.version is not None
+        try:
+            _make_parent(place)
+        except OSError as error:
+            raise CapNotMade(f"{place.parent} could not be made: {error.strerror}") from None
+        sweep_stale(place.parent)
+        pid = os.getpid()
+        name = f"fluksio_nb-{pid}-{process_start(pid)}-{next(_claim_numbers)}"
+        made = cls(place.parent / name, place.version, place.home, budget_bytes)
+        try:
+            made.path.mkdir()
+            made._limit(budget_bytes)
+            made._swap_off()
+        except OSError as error:
+            made.remove()
+            raise CapNotMade(f"{made.path} could not be made: {error.strerror}") from None
+        return made
+
+    def admit(self, pid: int, held_bytes: int = 0) -> None:
+        """Move ``pid`` (all its threads) in; ``held_bytes`` is what it holds as it comes."""
+        self.settle(held_bytes)
+        _write(self.path / "cgroup.procs", str(pid))
+
+    def settle(self, held_bytes: int) -> None:
+        """Before the first process comes in: the limit, less what it holds uncharged.
+
+        That memory stays charged where it was (see the module's docstring).
+        Only the first counts: once processes are in, the cgroup's own
+        charges say what the claim holds.
+        """
+        with self._lock:
+            if self._limited:
+                return
+            self._limited = True
+            self.baseline_bytes = held_bytes
+            if held_bytes:
+                with contextlib.suppress(OSError):
+                    self._limit(max(_SMALLEST_LIMIT, self.budget_bytes - held_bytes))
+
+    def enter_from_child(self) -> None:
+        """For ``preexec_fn``: move the calling process in, before it runs anything."""
+        fd = os.open(self.path / "cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+    def let_go(self, pid: int) -> None:
+        """Move ``pid`` back to the kernel's own cgroup; a process already gone is let go."""
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            _write(self.home / "cgroup.procs", str(pid))
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's out-of-memory killer ended in this cgroup."""
+        name = "memory.oom_control" if self.version == CGROUP_V1 else "memory.events"
+        return _key_value(self.path / name).get("oom_kill", 0)
+
+    def peak_bytes(self) -> int | None:
+        """The most the claim's processes held: the cgroup's peak and what came in uncharged."""
+        name = "memory.max_usage_in_bytes" if self.version == CGROUP_V1 else "memory.peak"
+        peak = _number(self.path / name)
+        return None if peak is None else peak + self.baseline_bytes
+
+    def pids(self) -> list[int]:
+        return _pids(self.path)
+
+    def remove(self) -> None:
+        """Kill whatever is still in it, and remove it. Safe to call twice."""
+        with self._lock:
+            if self._removed:
+                return
+            self._removed = True
+        remove_cgroup(self.path)
+
+    def _limit(self, limit: int) -> None:
+        if self.version == CGROUP_V1:
+            memsw = self.path / "memory.memsw.limit_in_bytes"
+            # memsw may never be below the plain limit: lowered, the plain one
+            # goes first; raised, memsw does.
+            current = _number(self.path / "memory.limit_in_bytes")
+            order = ["memory.limit_in_bytes", memsw.name]
+            if current is not None and limit > current:
+                order.reverse()
+            for name in order:
+                if name == memsw.name and not memsw.exists():
+                    continue
+                _write(self.path / name, str(limit))
+        else:
+            _write(self.path / "memory.max", str(limit))
+
+    def _swap_off(self) -> None:
+        if self.version == CGROUP_V1:
+            # Refused on some kernels for a cgroup below one with use_hierarchy;
+            # the memsw limit above holds swap off there.
+            with contextlib.suppress(OSError):
+                _write(self.path / "memory.swappiness", "0")
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.path / "memory.swap.max", "0")
+
+
+def _make_parent(place: CapPlace) -> None:
+    assert place.parent is not None
+    with contextlib.suppress(FileExistsError):
+        place.parent.mkdir()
+    # Ours, and holding no process: under v2 it may hand memory down to the claims.
+    handed_down = _words(place.parent / "cgroup.subtree_control")
+    if place.version == CGROUP_V2 and "memory" not in handed_down:
+        _write(place.parent / "cgroup.subtree_control", "+memory")
+
+
+def remove_cgroup(path: Path, grace_s: float = _KILL_GRACE_S) -> bool:
+    """Kill every process in the cgroup at ``path`` and remove it; whether it is gone."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+        for pid in _pids(path):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def sweep_stale(parent: Path) -> list[Path]:
+    """Remove the claim cgroups under ``parent`` whose kernel is gone; those removed.
+
+    A kernel that is gone is one whose pid no longer names a process started
+    when the name says: a pid can be given to somebody else's process since.
+    """
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = CLAIM_NAME.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        pid, start = int(match[1]), int(match[2])
+        if process_start(pid) == start:
+            continue
+        if remove_cgroup(entry, _SWEEP_GRACE_S):
+            removed.append(entry)
+    return removed
+
+
+def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When ``pid`` started, in clock ticks after boot; ``None`` if there is no such process."""
+    try:
+        data = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+# -----------------------------------------------------------------------------
+# The worker's side: leaving with the kernel
+# -----------------------------------------------------------------------------
+
+
+def own_memory_cgroup(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> Path | None:
+    """This process's memory cgroup directory: the v1 memory one, else the v2 one."""
+    paths = _cgroup_paths(proc_cgroup)
+    if "memory" in paths and (root / "memory").is_dir():
+        return root / "memory" / paths["memory"].lstrip("/")
+    mount = _v2_mount(root)
+    if "" in paths and mount is not None:
+        return mount / paths[""].lstrip("/")
+    return None
+
+
+def leave_claim_cgroup(home: Path | None) -> None:
+    """Move this process home and remove the claim cgroup it is in, if it is in one.
+
+    For a worker whose kernel is gone: nobody else will remove the cgroup,
+    and a cgroup cannot be removed while the process removing it is inside.
+    ``home`` is the cgroup the worker was born in, its kernel's.
+    """
+    here = own_memory_cgroup()
+    if home is None or here is None or not CLAIM_NAME.match(here.name) or here == home:
+        return
+    with contextlib.suppress(OSError):
+        _write(home / "cgroup.procs", str(os.getpid()))
+        remove_cgroup(here)
+
+
+# -----------------------------------------------------------------------------
+# Files
+# -----------------------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _number(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _key_value(path: Path) -> dict[str, int]:
+    found = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            found[key] = int(value)
+    return found
+
+
+def _pids(path: Path) -> list[int]:
+    try:
+        return [int(pid) for pid in (path / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
