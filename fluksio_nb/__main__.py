@@ -23,6 +23,10 @@ def describe_snapshot(snapshot: dict) -> str:
         f"gpus  {gpus['free']}/{gpus['total']} free",
         f"ram   {human(ram['free'])}/{human(ram['total'])} free",
     ]
+    held = snapshot.get("enforcement") or {}
+    if held:
+        said = " · ".join(f"{name}: {how['label']}" for name, how in held.items())
+        lines.append(f"held by  {said}")
     for claim in snapshot.get("running", []):
         held = claim["allocation"]
         cards = ",".join(str(g) for g in held["gpus"]) or "-"

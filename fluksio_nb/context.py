@@ -38,6 +38,7 @@ import psutil
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, HaltDecision, memory_warning, over_budget, resolve_budget
+from fluksio_nb.enforcement import cores_enforcement
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.inventory import confine_tree, host_memory
@@ -215,6 +216,9 @@ class Claim:
             self._end("cancelled", str(error))
             raise error
         self.status.memory_enforcement = self._make_cap(self.budget)
+        self.status.cores_enforcement = cores_enforcement(
+            allocation.cores, settings().pin_cores, inventory().cpus
+        )
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
         note_running(self.status)

@@ -21,13 +21,16 @@ Which books it keeps (:func:`books_in_force`) is decided here, once:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fluksio_nb.books import ResourceAccountant
+from fluksio_nb.enforcement import cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
 from fluksio_nb.ledger import MachineQueue, default_ledger_dir
+from fluksio_nb.memory_cap import memory_enforcement
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.settings import Settings, load_settings
 
@@ -123,7 +126,23 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
         snapshot = {**machine_snapshot({}, inventory), "user": identity()["user"]}
     snapshot["books"] = books.mode
     snapshot["ledger"] = None if books.where is None else str(books.where)
+    # The books' own core ids: free or held, they are every one they hand out.
+    held = {c for claim in snapshot["running"] for c in claim["allocation"].get("cores") or ()}
+    core_ids = set(snapshot["cpus"].get("free_ids") or ()) | held
+    snapshot["enforcement"] = enforcement_in_force(
+        load_settings(), sorted(core_ids), snapshot["cpus"]["total"]
+    )
     return snapshot
+
+
+def enforcement_in_force(
+    settings: Settings, core_ids: Sequence[int], cpus: int
+) -> dict[str, dict[str, str]]:
+    """What holds claims made here to their cores and their memory, for a snapshot."""
+    return {
+        "cores": cores_enforcement(core_ids, settings.pin_cores, cpus).as_dict(),
+        "memory": memory_enforcement(settings).as_dict(),
+    }
 
 
 def cancel_in_books(number: int, reason: str, books: Books | None = None) -> bool:
@@ -167,6 +186,9 @@ def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
                 assert books.where is not None
                 _instance = MachineQueue(books.where, found)
             _settings, _inventory = settings, found
+            _instance.enforcement = enforcement_in_force(
+                settings, _instance.books.core_ids, _instance.books.cpus
+            )
         return _instance
 
 

@@ -798,6 +798,9 @@ class MachineQueue:
             },
         )
         self.owner = identity()
+        #: What holds claims made here to their share, per resource, as
+        #: :func:`fluksio_nb.kernel.enforcement_in_force` says: in every snapshot.
+        self.enforcement: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._mine: dict[int, Ticket] = {}
         self._wakers: dict[int, _Waker] = {}
@@ -990,7 +993,8 @@ class MachineQueue:
     def snapshot(self) -> dict[str, Any]:
         """The machine: totals, free, every kernel's waiting and running claims."""
         state = self.ledger.read()
-        return machine_snapshot(state, self.ledger.inventory, checked=True)
+        shown = machine_snapshot(state, self.ledger.inventory, checked=True)
+        return {**shown, "enforcement": self.enforcement}
 
     def position(self, ticket: Ticket) -> int | None:
         waiting = [t["number"] for t in self.ledger.read()["tickets"] if t["state"] == "waiting"]

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
+from fluksio_nb.enforcement import Enforcement
 from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S
 from fluksio_nb.settings import Settings
@@ -197,25 +198,6 @@ def _words(path: Path) -> set[str]:
 # -----------------------------------------------------------------------------
 # Which one is in force
 # -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Enforcement:
-    """What holds a claim to its memory budget, as the package shows it."""
-
-    #: ``"enforced (cgroup v1)"``, ``"enforced (cgroup v2)"`` or ``"watched every 0.5 s"``.
-    label: str
-    #: :data:`~fluksio_nb.budget.SAMPLER`, or the cgroup version that caps.
-    by: str
-    #: Why the kernel does not enforce it, when it does not: for a tooltip.
-    why: str = ""
-
-    def __str__(self) -> str:
-        return self.label
-
-    @property
-    def capped(self) -> bool:
-        return self.by != SAMPLER
 
 
 WATCHED = f"watched every {SAMPLE_INTERVAL_S:g} s"

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ByteSize
 
@@ -86,6 +86,9 @@ class ClaimQueue:
 
     def __init__(self, books: ResourceAccountant) -> None:
         self.books = books
+        #: What holds claims made here to their share, per resource, as
+        #: :func:`fluksio_nb.kernel.enforcement_in_force` says: in every snapshot.
+        self.enforcement: dict[str, Any] = {}
         self._cond = threading.Condition()
         self._waiting: list[Ticket] = []
         self._running: dict[int, Ticket] = {}
@@ -206,7 +209,7 @@ class ClaimQueue:
                 for ticket in self._running.values()
                 if ticket.allocation is not None
             ]
-        return {**books, "waiting": waiting, "running": running}
+        return {**books, "waiting": waiting, "running": running, "enforcement": self.enforcement}
 
     def position(self, ticket: Ticket) -> int | None:
         """Where a waiting ticket stands, 1 being next; ``None`` once it is not waiting."""

@@ -31,8 +31,8 @@ from typing import Literal, Protocol
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
+from fluksio_nb.enforcement import Enforcement
 from fluksio_nb.inventory import format_cpu_list
-from fluksio_nb.memory_cap import Enforcement
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 
@@ -67,6 +67,9 @@ class ClaimStatus:
     #: ``"watched every 0.5 s"``, and ``.why`` says why the kernel does not
     #: enforce it, when it does not. ``None`` until the claim runs.
     memory_enforcement: Enforcement | None = None
+    #: What holds it to its cores: ``"own cores (affinity)"``, or ``"thread
+    #: variables"`` with ``.why``. ``None`` until the claim runs.
+    cores_enforcement: Enforcement | None = None
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
@@ -92,7 +95,7 @@ def describe(status: ClaimStatus) -> str:
             f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
             f"({status.waited_s:.0f} s so far)"
         )
-    share = _share(status.allocation)
+    share = _share(status)
     latest = status.readings.latest
     if status.phase == "running":
         reading = ""
@@ -110,15 +113,24 @@ def describe(status: ClaimStatus) -> str:
     return f"{summary}\n{status.message}" if status.message else summary
 
 
-def _share(allocation: Allocation | None) -> str:
+def _share(status: ClaimStatus) -> str:
+    """The share and, beside each resource, what holds the claim to it."""
+    allocation = status.allocation
     if allocation is None:
         return "no share"
     words = [f"cpus={allocation.cpus}"]
-    if allocation.cores:
+    cores = status.cores_enforcement
+    if cores is not None and cores.capped and allocation.cores:
         words[0] += f" (cores {format_cpu_list(allocation.cores)})"
+    elif cores is not None:
+        words[0] += f" ({cores.label} only)"
     words.append("gpus=" + (",".join(map(str, allocation.gpus)) if allocation.gpus else "none"))
     if allocation.ram_bytes:
-        words.append(f"ram={human(allocation.ram_bytes)}")
+        memory = status.memory_enforcement
+        held = ""
+        if memory is not None:
+            held = f" (capped, {memory.by})" if memory.capped else f" ({memory.label})"
+        words.append(f"ram={human(allocation.ram_bytes)}{held}")
     return " ".join(words)
 
 

@@ -183,6 +183,8 @@ def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tm
         from fluksio_nb.__main__ import describe_snapshot
 
         said = describe_snapshot(snapshot)
+        assert snapshot["enforcement"]["cores"]["by"] == "affinity"
+        assert "held by  cores: own cores (affinity) · memory: " in said
         assert f"cpus=1 cores={a['cores'][0]} " in said and f"cpus=1 cores={c['cores'][0]} " in said
     finally:
         one.shutdown()
@@ -195,6 +197,8 @@ def test_with_pinning_turned_off_a_claim_runs_on_every_claimable_core(tmp_path):
     try:
         held = kernel.run(HOLD_A_CORE.format(label="loose"), check=True).json()
         assert held["cores"] == [] and held["affinity"] == HERE
+        shown = kernel.books()["enforcement"]["cores"]
+        assert shown["label"] == "thread variables" and "pin_cores" in shown["why"]
     finally:
         kernel.shutdown()
 

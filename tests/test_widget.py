@@ -31,7 +31,7 @@ from fluksio_nb.budget import Budget
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, running_statuses
+from fluksio_nb.status import ClaimStatus, describe, running_statuses
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
 from fluksio_nb.widget.facts import Nvml, claim_html, machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
@@ -188,6 +188,31 @@ def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
     assert (widget.phase, widget.ending) == ("done", "halted")
     assert widget.peak_rss_bytes == 300_000_000 and widget.mean_cpu_percent == 12.5
     assert widget.message == "halted: over its memory budget"
+
+
+def test_the_claim_widget_says_what_holds_the_claim_and_turns_amber_once_warned(wire):
+    """Guards against a share shown without saying whether the OS holds it to it."""
+    from fluksio_nb.enforcement import cores_enforcement
+    from fluksio_nb.memory_cap import sampled
+
+    status = running_status()
+    status.cores_enforcement = cores_enforcement((4, 5), pin_cores=True)
+    status.memory_enforcement = sampled("no cgroup may be made here")
+    widget = ClaimWidget(status)
+    assert widget.enforcement == {
+        "cores": {"label": "own cores (affinity)", "by": "affinity", "why": ""},
+        "memory": {
+            "label": "watched every 0.5 s",
+            "by": "sampler",
+            "why": "no cgroup may be made here",
+        },
+    }
+    assert "cpus=2 (cores 4-5)" in describe(status)
+    assert "ram=1.0GB (watched every 0.5 s)" in describe(status)
+    assert widget.memory_warning is False
+    status.memory_warning = True
+    widget.follow(status)
+    assert widget.memory_warning is True, "the warning is news, not for the quiet push"
 
 
 def test_a_new_reading_sends_the_reading_and_little_else(wire):

@@ -159,6 +159,9 @@ class ServiceQueue:
         self._abandoned: set[int] = set()
         self._sock: socket.socket | None = None
         self._closed = False
+        #: What holds claims made here to their share, per resource, as
+        #: :func:`fluksio_nb.kernel.enforcement_in_force` says: in every snapshot.
+        self.enforcement: dict[str, Any] = {}
         self._attach()
         threading.Thread(target=self._read, name="fluksio-books", daemon=True).start()
 
@@ -418,7 +421,12 @@ class ServiceQueue:
 
     def snapshot(self) -> dict[str, Any]:
         answer = self._ask({"op": "snapshot"})
-        return {**answer["snapshot"], "user": self.user, "books": "machine"}
+        return {
+            **answer["snapshot"],
+            "user": self.user,
+            "books": "machine",
+            "enforcement": self.enforcement,
+        }
 
     def position(self, ticket: Ticket) -> int | None:
         for claim in self.snapshot()["waiting"]:

@@ -109,6 +109,10 @@ class ClaimWidget(_Widget):
     mean_cpu_percent = t.Float(0.0).tag(sync=True)
     ending = t.Unicode("").tag(sync=True)
     message = t.Unicode("").tag(sync=True)
+    #: What holds the claim to its cores and its memory: label, by, why each.
+    enforcement = t.Dict().tag(sync=True)
+    #: The claim reached its memory's warning stage: the widget turns amber.
+    memory_warning = t.Bool(False).tag(sync=True)
 
     def __init__(self, status: ClaimStatus | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -134,6 +138,7 @@ class ClaimWidget(_Widget):
                 and (status.position or 0) == self.position
                 and status.holders == self.holders
                 and status.label == self.label
+                and status.memory_warning == self.memory_warning
             )
             if quiet:
                 return True

@@ -69,6 +69,7 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
             "ram_bytes": allocation.ram_bytes,
             "budget_bytes": None if budget is None else budget.applied_bytes,
             "granted_bytes": None if budget is None else budget.granted_bytes,
+            "warn_at": None if budget is None else budget.warn_at,
         }
     return {
         "label": status.label,
@@ -84,7 +85,15 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "mean_cpu_percent": readings.mean_cpu_percent,
         "ending": status.ending or "",
         "message": status.message,
+        "enforcement": enforcement_facts(status),
+        "memory_warning": status.memory_warning,
     }
+
+
+def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
+    """What holds the claim to each resource; empty until it runs."""
+    held = {"cores": status.cores_enforcement, "memory": status.memory_enforcement}
+    return {name: how.as_dict() for name, how in held.items() if how is not None}
 
 
 def _reading(sample: Sample) -> dict[str, Any]:
@@ -208,6 +217,7 @@ def machine_facts(
         },
         "running": running,
         "waiting": waiting,
+        "enforcement": dict(snapshot.get("enforcement") or {}),
     }
     if ray is not None:
         facts["ray"] = ray_facts(ray)

@@ -71,10 +71,27 @@ function bar(fraction, state, title) {
   return outer;
 }
 
-function budgetState(fraction) {
+function budgetState(fraction, warnAt) {
   if (fraction >= 1) return "over";
-  if (fraction >= NEAR_BUDGET) return "near";
+  if (fraction >= (warnAt || NEAR_BUDGET)) return "near";
   return "ok";
+}
+
+// What holds a share to each resource, said once: "cores: own cores (affinity) ·
+// memory: enforced (cgroup v1)"; why the OS does not, where it does not, on hover.
+function enforcementRow(enforcement, muted) {
+  const names = Object.keys(enforcement || {});
+  if (!names.length) return null;
+  const row = h("div", muted ? "fluksio-row fluksio-muted" : "fluksio-row");
+  row.dataset.field = "enforcement";
+  names.forEach((name, index) => {
+    const how = enforcement[name];
+    const part = h("span", "fluksio-enforcement", `${name}: ${how.label}`);
+    part.dataset.by = how.by;
+    if (how.why) part.title = how.why;
+    put(row, index ? " · " : "held by ", part);
+  });
+  return row;
 }
 
 // A bar cut into one segment per holder, the rest free.
@@ -222,6 +239,8 @@ const CLAIM_TRAITS = [
   "mean_cpu_percent",
   "ending",
   "message",
+  "enforcement",
+  "memory_warning",
 ];
 
 function renderClaim(model, el) {
@@ -236,6 +255,7 @@ function renderClaim(model, el) {
     const ending = model.get("ending");
     root.dataset.phase = phase;
     root.dataset.ending = ending || "";
+    root.dataset.warning = model.get("memory_warning") ? "memory" : "";
     const head = h("div", "fluksio-head");
     const state = phase === "done" ? ending || "done" : phase;
     put(
@@ -281,7 +301,7 @@ function renderClaim(model, el) {
           put(
             h("div", "fluksio-meter"),
             h("span", "fluksio-name", "RSS"),
-            bar(fraction, budget ? budgetState(fraction) : "ok"),
+            bar(fraction, budget ? budgetState(fraction, allocation.warn_at) : "ok"),
             field(
               "rss",
               rss,
@@ -304,6 +324,7 @@ function renderClaim(model, el) {
             sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
           ),
         );
+        body.push(enforcementRow(model.get("enforcement"), true));
       } else {
         head.append(h("span", "fluksio-clock", duration(model.get("elapsed_s"))));
         const peak = model.get("peak_rss_bytes");
@@ -322,6 +343,7 @@ function renderClaim(model, el) {
           body.push(
             put(h("div", "fluksio-row fluksio-muted"), "on ", share(allocation, budget)),
           );
+          body.push(enforcementRow(model.get("enforcement"), true));
         }
         if (model.get("message")) body.push(h("div", "fluksio-message", model.get("message")));
         if (rssHistory.length > 1) {
@@ -337,7 +359,7 @@ function renderClaim(model, el) {
         }
       }
     }
-    root.replaceChildren(head, ...body);
+    root.replaceChildren(head, ...body.filter(Boolean));
   };
 
   const redraw = scheduler(draw);
@@ -607,6 +629,7 @@ function renderMonitor(model, el) {
       root,
       h("div", "fluksio-title", "Machine"),
       rows,
+      enforcementRow(m.enforcement, true),
       runningList,
       waitingList,
       m.ray ? rayCluster(m.ray, kernelNow) : null,

@@ -58,6 +58,17 @@ export interface Snapshot {
   /** Where the machine's ledger is; null when every kernel keeps its own books. */
   ledger: string | null;
   user: string;
+  /** What holds claims to each resource: the OS (affinity, a cgroup) or less. */
+  enforcement?: Record<string, Enforcement>;
+}
+
+export interface Enforcement {
+  /** What a person reads: `own cores (affinity)`, `enforced (cgroup v1)`. */
+  label: string;
+  /** What acts: `affinity`, `cgroup v1`, `sampler`, `thread variables`. */
+  by: string;
+  /** Why the OS does not enforce it, where it does not. */
+  why: string;
 }
 
 async function request(path: string, init: RequestInit = {}): Promise<any> {

@@ -207,6 +207,7 @@ export class MachinePanel extends Widget {
     this._cpus = new Bar(body, 'CPU');
     this._gpus = new Bar(body, 'GPU');
     this._ram = new Bar(body, 'RAM');
+    this._enforcement = element('div', 'fluksio-lab-enforcement', body);
     this._running = new ClaimList(body, 'Running', 'running', this);
     this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
     _model.changed.connect(() => this._show());
@@ -254,6 +255,13 @@ export class MachinePanel extends Widget {
       ram.total,
       `${human(ram.total - ram.free)}/${human(ram.total)}`
     );
+    this._enforcement.replaceChildren();
+    Object.entries(snapshot.enforcement ?? {}).forEach(([name, how], index) => {
+      const part = element('span', 'fluksio-lab-held', this._enforcement);
+      part.textContent = `${index ? ' · ' : 'held by '}${name}: ${how.label}`;
+      part.dataset.by = how.by;
+      part.title = how.why;
+    });
     if (snapshot.ledger === null) {
       this._message.hidden = false;
       this._message.textContent =
@@ -268,6 +276,7 @@ export class MachinePanel extends Widget {
   private _cpus: Bar;
   private _gpus: Bar;
   private _ram: Bar;
+  private _enforcement: HTMLElement;
   private _running: ClaimList;
   private _waiting: ClaimList;
 }

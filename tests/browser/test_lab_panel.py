@@ -110,6 +110,8 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         assert running.locator(".fluksio-lab-claim-label").inner_text() == "holder"
         assert running.locator(".fluksio-lab-claim-where").inner_text() == "work/second.ipynb"
         assert "GPU 0,1" in running.locator(".fluksio-lab-claim-share").inner_text()
+        held = panel.locator(".fluksio-lab-enforcement").inner_text()
+        assert held.startswith("held by cores: ") and " · memory: " in held, held
         readings = running.locator(".fluksio-lab-claim-readings")
         deadline = time.monotonic() + 15
         while "RSS" not in readings.inner_text() and time.monotonic() < deadline:

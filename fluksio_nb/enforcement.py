@@ -1,0 +1,62 @@
+"""What holds a claim to its share, per resource, as every view says it.
+
+A share is enforced where the OS allows and asked for everywhere else, and
+the two are not the same promise: a claim on cores of its own cannot slow
+its neighbours whatever it starts, while one held by thread variables alone
+is only as good as the libraries that read them. So the views (the claim's
+widget and text, ``%claims``, ``fluksio-nb``, the panel) never show a share
+without saying which of the two holds it.
+
+Memory is decided in :mod:`fluksio_nb.memory_cap`; cores here, because the
+answer is only which cores the books handed out and whether pinning is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fluksio_nb.budget import SAMPLER
+
+#: What holds a claim to its cores when the OS does.
+AFFINITY = "affinity"
+#: What holds it when only the thread variables do.
+THREAD_VARIABLES = "thread variables"
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """What holds a claim to one resource, as the package shows it."""
+
+    #: What a person reads: ``"enforced (cgroup v1)"``, ``"own cores (affinity)"``.
+    label: str
+    #: What acts: ``"cgroup v1"``, ``"affinity"``, ``"sampler"``, ``"thread variables"``.
+    by: str
+    #: Why the OS does not enforce it, when it does not: for a tooltip.
+    why: str = ""
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def capped(self) -> bool:
+        return self.by not in (SAMPLER, THREAD_VARIABLES)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"label": self.label, "by": self.by, "why": self.why}
+
+
+def cores_enforcement(
+    cores: Sequence[int], pin_cores: bool, cpus: int | None = None
+) -> Enforcement:
+    """What holds a claim (or, with ``cores`` the books' ids, every claim) to its cores."""
+    if not pin_cores:
+        return Enforcement(
+            THREAD_VARIABLES, THREAD_VARIABLES, "pinning is turned off (pin_cores in config)"
+        )
+    if not cores:
+        why = "this machine has fewer cores than the cpus declared for claims"
+        if cpus is not None:
+            why = f"{cpus} cpus are declared for claims, more than the cores there are to pin"
+        return Enforcement(THREAD_VARIABLES, THREAD_VARIABLES, why)
+    return Enforcement(f"own cores ({AFFINITY})", AFFINITY)
