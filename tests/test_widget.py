@@ -177,6 +177,7 @@ def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
         "ram_bytes": 1_000_000_000,
         "budget_bytes": 900_000_000,
         "granted_bytes": 1_000_000_000,
+        "warn_at": 0.8,
     }
     assert widget.reading["rss_bytes"] == 200_000_000
     assert widget.elapsed_s >= 3
