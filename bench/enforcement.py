@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.harness import percentile, table
 from bench.overload import alone, probe_while
+from fluksio_nb.budget import human
 from tests.kernels import Kernel
 
 #: Everything a cell can do to take more than its share, for ``seconds``.
@@ -57,6 +58,23 @@ while time.perf_counter() - started < {seconds}:
     a @ a
     done += 1
 rate = done / (time.perf_counter() - started)
+"""
+
+
+#: One call that asks for far more than its budget, faster than any poll:
+#: how it ended, which one stopped it, and the peak the claim reports.
+FAST_ALLOCATOR = """
+import json, numpy
+from fluksio_nb import claim
+from fluksio_nb.context import ClaimHalted
+ending, by = "ok", "-"
+try:
+    with claim(ram="300M") as c:
+        c.run(numpy.ones, 2 * 10**9 // 8)
+except ClaimHalted as halted:
+    ending, by = "halted", halted.decision.enforced_by
+print(json.dumps({"ending": ending, "by": by, "peak": c.status.readings.peak_rss_bytes,
+                  "budget": c.budget.applied_bytes, "held": str(c.status.memory_enforcement)}))
 """
 
 
@@ -99,6 +117,29 @@ def polite_rate(kernel: Kernel, seconds: float, beside_greedy: bool) -> float:
     return rate
 
 
+def fast_allocations(directory: str, repeats: int) -> list[list[str]]:
+    """The fast allocator's peak against its budget, with the memory cap on and off."""
+    rows = []
+    for on in (True, False):
+        kernel = _kernel(directory, f"cap-{on}", FLUKSIO_MEMORY_CAP=str(on).lower())
+        try:
+            runs = [kernel.run(FAST_ALLOCATOR, check=True).json() for _ in range(repeats)]
+        finally:
+            kernel.shutdown()
+        peaks = sorted(run["peak"] for run in runs)
+        budget = runs[0]["budget"]
+        rows.append(
+            [
+                f"memory cap {'on' if on else 'off'}: {runs[0]['held']}",
+                ", ".join(sorted({f"{run['ending']} by {run['by']}" for run in runs})),
+                f"{human(budget)}",
+                " / ".join(human(peak) for peak in peaks),
+                f"{peaks[-1] / budget:.2f}",
+            ]
+        )
+    return rows
+
+
 def main(seconds: float = 3.0, repeats: int = 3) -> str:
     idle = {True: [], False: []}
     busy = {True: [], False: []}
@@ -128,6 +169,7 @@ def main(seconds: float = 3.0, repeats: int = 3) -> str:
         finally:
             for kernel in [*kernels.values(), *unreserved.values()]:
                 kernel.shutdown()
+        memory = fast_allocations(directory, repeats)
     rows = []
     for on in (True, False):
         name = "on (own cores)" if on else "off (thread variables only)"
@@ -156,6 +198,16 @@ def main(seconds: float = 3.0, repeats: int = 3) -> str:
             "ratio (target ≥ 0.9)",
         ],
         rows,
+    )
+    text += "\n\n" + table(
+        [
+            f"2 GB in one numpy.ones under ram=300M ({repeats} runs)",
+            "ended",
+            "budget",
+            "peak per run",
+            "worst peak / budget",
+        ],
+        memory,
     )
     return f"### A share the OS enforces\n\n{text}\n"
 

@@ -32,7 +32,8 @@ def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
     running = claim.locator("[data-field=rss]")
     running.wait_for(timeout=30_000)
     nb.screenshot("claim-running")
-    held = claim.locator("[data-field=enforcement]").inner_text()
+    # The row's parts are laid out as flex items: their text comes a line each.
+    held = " ".join(claim.locator("[data-field=enforcement]").inner_text().split())
     assert held.startswith("held by cores: ") and " · memory: " in held, held
 
     seen = phases_until_done(claim)
