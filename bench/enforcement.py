@@ -1,10 +1,13 @@
 """A share the OS enforces, against one only the thread variables ask for.
 
 A greedy cell ignores every variable: it starts four busy processes and
-forces eight BLAS threads. With enforcement on (``pin_cores``, the default),
-its whole process tree runs on the claim's one core; with it off, it runs
-wherever the scheduler puts it. Measured side by side in one run, the two
-alternating, each against its own baseline:
+forces eight BLAS threads. With enforcement on (the defaults: ``pin_cores``,
+and kernels started through the fair-share provisioner, as a Jupyter server
+with fluksio_nb starts them), its whole process tree runs on the claim's one
+core and the kernel's threads stay off it; with it off (``pin_cores`` and
+``fair_share`` false), everything runs wherever the scheduler puts it.
+Measured side by side in one run, the two alternating, each against its
+own baseline:
 
 - the kernel's round trip for a trivial cell (p99) while the greedy claim
   runs, against the same kernel idle;
@@ -79,6 +82,12 @@ print(json.dumps({"ending": ending, "by": by, "peak": c.status.readings.peak_rss
 
 
 def _kernel(directory: str, name: str, **env: str) -> Kernel:
+    """A kernel started as a Jupyter server with fluksio_nb starts one."""
+    from jupyter_client.provisioning import KernelProvisionerFactory
+
+    from fluksio_nb.provisioner import PROVISIONER_NAME
+
+    KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
     config = Path(directory) / f"{name}.json"
     return Kernel(
         FLUKSIO_LEDGER=f"{directory}/{name}-ledger",
@@ -146,17 +155,13 @@ def main(seconds: float = 3.0, repeats: int = 3) -> str:
     alone_rate = {True: [], False: []}
     beside_rate = {True: [], False: []}
     with tempfile.TemporaryDirectory() as directory:
-        kernels = {
-            on: _kernel(directory, f"pin-{on}", FLUKSIO_PIN_CORES=str(on).lower())
+        switches = {
+            on: {"FLUKSIO_PIN_CORES": str(on).lower(), "FLUKSIO_FAIR_SHARE": str(on).lower()}
             for on in (True, False)
         }
+        kernels = {on: _kernel(directory, f"pin-{on}", **switches[on]) for on in (True, False)}
         unreserved = {
-            on: _kernel(
-                directory,
-                f"unreserved-{on}",
-                FLUKSIO_PIN_CORES=str(on).lower(),
-                FLUKSIO_RESERVE_CPUS="0",
-            )
+            on: _kernel(directory, f"unreserved-{on}", FLUKSIO_RESERVE_CPUS="0", **switches[on])
             for on in (True, False)
         }
         try:
