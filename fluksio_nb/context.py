@@ -180,13 +180,15 @@ class Claim:
 
     def acquire(self) -> Claim:
         """Wait for the share, showing where the claim stands while it waits."""
-        ticket = self.enqueue()
         try:
+            ticket = self.enqueue()
             allocation = self._wait(ticket)
         except BaseException as error:
             # A `with` whose __enter__ raised never reaches __exit__: the place
-            # in the queue is given up here or nowhere.
-            self._queue.release(ticket)
+            # in the queue is given up here or nowhere, even when the stop
+            # button came between the queue's ticket and this claim's.
+            if self._ticket is not None:
+                self._queue.release(self._ticket)
             self._end(
                 _ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
             )

@@ -157,6 +157,12 @@ class ServiceQueue:
         #: Requests whose asker gave up (the stop button, mostly): a ticket
         #: that arrives for one is given straight back, never left held.
         self._abandoned: set[int] = set()
+        #: The ticket the service numbered for each claim request, written by
+        #: the reader thread as the answer arrives, and taken by the asker only
+        #: once the ticket is its caller's. A KeyboardInterrupt may land between
+        #: any two calls of the asking thread, never in the reader's: whatever
+        #: it interrupts, the asker's cleanup finds the ticket here.
+        self._ticket_of_request: dict[int, int] = {}
         self._sock: socket.socket | None = None
         self._closed = False
         #: What holds claims made here to their share, per resource, as
@@ -198,14 +204,19 @@ class ServiceQueue:
                 raise ServiceUnavailable(f"the books service at {self.path} went away")
             sock.sendall(protocol.line(message))
 
-    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
-        number = next(self._ids)
+    def _ask(self, message: dict[str, Any], number: int | None = None) -> dict[str, Any]:
+        """The service's answer to ``message``, sent as request ``number``.
+
+        A claim's asker passes its own ``number``, and gives back the ticket
+        :attr:`_ticket_of_request` holds for it if it fails after the answer.
+        """
+        number = next(self._ids) if number is None else number
         with self._cond:
             self._answers[number] = None
-        self._send({**message, "id": number})
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        with self._cond:
-            try:
+        try:
+            self._send({**message, "id": number})
+            deadline = time.monotonic() + ANSWER_WITHIN_S
+            with self._cond:
                 while self._answers.get(number) is None:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._sock is None:
@@ -215,13 +226,32 @@ class ServiceQueue:
                         )
                     self._cond.wait(min(left, 0.25))
                 return self._answers.pop(number)  # type: ignore[return-value]
-            except BaseException:
-                answered = self._answers.pop(number, None)
-                if answered is None:
+        except BaseException:
+            with self._cond:
+                if (
+                    self._answers.pop(number, None) is None
+                    and number not in self._ticket_of_request
+                ):
+                    # Not answered yet: whatever the answer brings is given back.
                     self._abandoned.add(number)
-                elif answered.get("op") == "ticket":
-                    self._give_back_unasked(answered["ticket"])
-                raise
+            raise
+
+    def _let_go_of(self, request: int) -> None:
+        """Give back the ticket request ``request`` was answered with, if any: nobody holds it."""
+        with self._cond:
+            ticket = self._ticket_of_request.pop(request, None)
+        if ticket is not None:
+            self._let_go_of_ticket(ticket)
+
+    def _let_go_of_ticket(self, number: int) -> None:
+        with self._cond:
+            self._mine.pop(number, None)
+            self._give_back_unasked(number)
+
+    def _own(self, request: int) -> None:
+        """The ticket of request ``request`` is its caller's now: nothing to give back."""
+        with self._cond:
+            self._ticket_of_request.pop(request, None)
 
     def _read(self) -> None:
         while not self._closed:
@@ -244,6 +274,8 @@ class ServiceQueue:
                     self._give_back_unasked(message["ticket"])
             elif "id" in message and message["id"] in self._answers:
                 self._answers[message["id"]] = message
+                if op == "ticket":
+                    self._ticket_of_request[message["id"]] = message["ticket"]
             elif op in ("granted", "stop") and message["ticket"] not in self._mine:
                 self._early[message["ticket"]] = message
             elif op == "granted":
@@ -315,10 +347,12 @@ class ServiceQueue:
                 request = {"op": "claim", "label": ticket.label, "need": need}
             else:
                 continue
+            asked = next(self._ids)
             try:
-                answer = self._ask(request)
+                answer = self._ask(request, asked)
             except ServiceUnavailable:
                 return
+            self._own(asked)
             if answer["op"] != "ticket":
                 reason = "the machine's books service restarted, and what this claim held is taken"
                 with self._cond:
@@ -356,12 +390,13 @@ class ServiceQueue:
         fitted = self.fit_to_machine(wanted)
         given = label or wanted.label
         need = {"cpus": fitted.cpus, "gpus": fitted.gpus, "ram_bytes": fitted.ram_bytes}
-        answer: dict[str, Any] = {}
-        with self._cond:
-            # Held across the request so that a grant pushed right behind the
-            # ticket finds the ticket to grant.
-            try:
-                answer = self._ask({"op": "claim", "need": need, "label": given or "claim"})
+        asked = next(self._ids)
+        ticket: Ticket | None = None
+        try:
+            with self._cond:
+                # Held across the request so that a grant pushed right behind
+                # the ticket finds the ticket to grant.
+                answer = self._ask({"op": "claim", "need": need, "label": given or "claim"}, asked)
                 if answer["op"] == "error":
                     raise ClaimTooLarge(f"{fitted.describe()}: {answer['message']}")
                 number = answer["ticket"]
@@ -375,13 +410,17 @@ class ServiceQueue:
                 if "gpus" in answer:
                     self._heard({**answer, "op": "granted"})
                 self._heard_early(ticket)
-            except BaseException:
-                # Interrupted between the service's ticket and the caller's:
-                # nobody would ever release it.
-                if answer.get("op") == "ticket":
-                    self._mine.pop(answer["ticket"], None)
-                    self._give_back_unasked(answer["ticket"])
-                raise
+            self._own(asked)
+        except BaseException:
+            # The stop button, between the service's ticket and the caller's:
+            # nobody would ever release it.
+            if ticket is not None:
+                self._let_go_of_ticket(ticket.number)
+            self._let_go_of(asked)
+            raise
+        # Nothing from here to the caller's assignment can be interrupted:
+        # CPython runs a signal's handler as a call ends or a loop jumps back,
+        # and there is neither.
         return ticket
 
     def _heard_early(self, ticket: Ticket) -> None:
