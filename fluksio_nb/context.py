@@ -32,13 +32,26 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import psutil
 
 from fluksio_nb.books import Allocation
-from fluksio_nb.budget import Budget, HaltDecision, memory_warning, over_budget, resolve_budget
-from fluksio_nb.enforcement import cores_enforcement
+from fluksio_nb.budget import (
+    CGROUP_V2,
+    Budget,
+    HaltDecision,
+    memory_warning,
+    over_budget,
+    resolve_budget,
+)
+from fluksio_nb.enforcement import (
+    THREAD_VARIABLES,
+    Enforcement,
+    cores_enforcement,
+    quota_enforcement,
+)
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.inventory import confine_tree, host_memory
@@ -46,7 +59,6 @@ from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.memory_cap import (
     CapNotMade,
     ClaimCgroup,
-    Enforcement,
     cap_place,
     memory_enforcement,
     sampled,
@@ -135,6 +147,10 @@ class Claim:
         self.budget: Budget | None = None
         #: The claim's memory cgroup, while the kernel caps its memory.
         self._cap: ClaimCgroup | None = None
+        #: Where the claim has no cores of its own: the cgroup that holds it to
+        #: its cpus' worth of time (cgroup v1's cpu hierarchy; on v2 the quota
+        #: goes in :attr:`_cap` when there is one).
+        self._quota: ClaimCgroup | None = None
         #: Where this claim's messages to its cell go (the cell that asked).
         self._cell: CellOutput | None = None
 
@@ -218,9 +234,7 @@ class Claim:
             self._end("cancelled", str(error))
             raise error
         self.status.memory_enforcement = self._make_cap(self.budget)
-        self.status.cores_enforcement = cores_enforcement(
-            allocation.cores, settings().pin_cores, inventory().cpus
-        )
+        self.status.cores_enforcement = self._hold_to_cores(allocation)
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
         note_running(self.status)
@@ -244,8 +258,42 @@ class Claim:
             return sampled(str(error))
         return enforcement
 
+    def _hold_to_cores(self, allocation: Allocation) -> Enforcement:
+        """Own cores where the books pinned some; a CPU quota where they could not."""
+        pinning = cores_enforcement(allocation.cores, settings().pin_cores, inventory().cpus)
+        if pinning.capped or not settings().pin_cores:
+            return pinning
+        place = cap_place(controller="cpu")
+        if not place.available:
+            return replace(pinning, why=f"{pinning.why}; no CPU quota either: {place.why_not}")
+        assert place.version is not None
+        try:
+            cap = self._cap
+            if cap is not None and cap.version == place.version == CGROUP_V2:
+                cap.limit_cpus(allocation.cpus)
+            else:
+                self._quota = ClaimCgroup.make_quota(place, allocation.cpus)
+        except OSError as error:
+            return replace(pinning, why=f"{pinning.why}; the CPU quota was not set: {error}")
+        return quota_enforcement(allocation.cpus, place.version, pinning.why)
+
+    def _cgroups(self) -> list[ClaimCgroup]:
+        return [cgroup for cgroup in (self._cap, self._quota) if cgroup is not None]
+
     def _admit(self, pid: int) -> None:
-        """Put a worker under the claim's cap; if it cannot go, the sampler holds the claim."""
+        """Put a worker under the claim's cgroups; if it cannot go, say what holds it instead."""
+        quota = self._quota
+        if quota is not None:
+            try:
+                quota.admit(pid)
+            except OSError as error:
+                self._quota = None
+                quota.remove()
+                self.status.cores_enforcement = Enforcement(
+                    THREAD_VARIABLES,
+                    THREAD_VARIABLES,
+                    f"the worker could not be moved into {quota.path}: {error}",
+                )
         cap = self._cap
         if cap is None:
             return
@@ -302,7 +350,8 @@ class Claim:
             peak = self._cap.peak_bytes()
             if peak is not None and peak > self.status.readings.peak_rss_bytes:
                 self.status.readings.peak_rss_bytes = peak
-            self._cap.remove()
+        for cgroup in self._cgroups():
+            cgroup.remove()
         if self._ticket is not None:
             self._queue.release(self._ticket)
         if self.status.phase != "done":
@@ -377,9 +426,10 @@ class Claim:
                     self.status.readings.add(last)
             watched.sampler.close()
             self._stoppers.remove(worker.kill)
-            if self._cap is not None and worker.alive:
+            if worker.alive:
                 # A warm worker goes back to the pool as it came: outside any claim.
-                self._cap.let_go(worker.pid)
+                for cgroup in self._cgroups():
+                    cgroup.let_go(worker.pid)
             self._pool.checkin(worker, self.env)
         self._raise_for(outcome)
         return outcome
@@ -398,9 +448,9 @@ class Claim:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         extra = kwargs.pop("env", None) or {}
         kwargs.setdefault("start_new_session", True)
-        cap, cores = self._cap, self._cores()
-        if cap is not None:
-            cap.settle(0)
+        cgroups, cores = self._cgroups(), self._cores()
+        for cgroup in cgroups:
+            cgroup.settle(0)
         theirs = kwargs.pop("preexec_fn", None)
 
         def into_the_share() -> None:
@@ -408,8 +458,8 @@ class Claim:
             # allocated first would be charged outside the cap, and what it
             # started first would run on any core.
             os.sched_setaffinity(0, cores)
-            if cap is not None:
-                cap.enter_from_child()
+            for cgroup in cgroups:
+                cgroup.enter_from_child()
             if theirs is not None:
                 theirs()
 

@@ -46,6 +46,11 @@ class Enforcement:
         return {"label": self.label, "by": self.by, "why": self.why}
 
 
+def quota_enforcement(cpus: int, version: str, why: str) -> Enforcement:
+    """A claim held to ``cpus`` cores' worth of time, where it has no cores of its own."""
+    return Enforcement(f"quota of {cpus} core{'s' if cpus != 1 else ''} ({version})", version, why)
+
+
 def cores_enforcement(
     cores: Sequence[int], pin_cores: bool, cpus: int | None = None
 ) -> Enforcement:

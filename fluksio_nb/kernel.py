@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fluksio_nb.books import ResourceAccountant
-from fluksio_nb.enforcement import cores_enforcement
+from fluksio_nb.enforcement import Enforcement, cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
 from fluksio_nb.ledger import MachineQueue, default_ledger_dir
-from fluksio_nb.memory_cap import memory_enforcement
+from fluksio_nb.memory_cap import cap_place, memory_enforcement
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.settings import Settings, load_settings
 
@@ -139,8 +139,14 @@ def enforcement_in_force(
     settings: Settings, core_ids: Sequence[int], cpus: int
 ) -> dict[str, dict[str, str]]:
     """What holds claims made here to their cores and their memory, for a snapshot."""
+    cores = cores_enforcement(core_ids, settings.pin_cores, cpus)
+    if not cores.capped and settings.pin_cores:
+        place = cap_place(controller="cpu")
+        if place.available:
+            assert place.version is not None
+            cores = Enforcement(f"a quota per claim ({place.version})", place.version, cores.why)
     return {
-        "cores": cores_enforcement(core_ids, settings.pin_cores, cpus).as_dict(),
+        "cores": cores.as_dict(),
         "memory": memory_enforcement(settings).as_dict(),
     }
 

@@ -45,6 +45,14 @@ What it decides:
   ends are the claim's, and a claim's processes end with it: they are killed,
   then the directory removed (``rmdir`` fails while any task is in it).
 
+- **A CPU quota, only where a claim cannot have cores of its own.** Own
+  cores (:mod:`fluksio_nb.books`) hold a claim exactly and cost nothing; a
+  quota throttles a claim that bursts even when the machine is idle. So a
+  quota (:meth:`ClaimCgroup.make_quota`, the same cgroups in the ``cpu``
+  controller) is set only when the books could hand out no core ids: more
+  cpus declared than there are cores. On v2 it goes in the claim's one
+  cgroup beside its memory limit; on v1 in the cpu hierarchy.
+
 Making, filling and removing one claim's cgroup costs about a millisecond
 (measured on cgroup v1: mkdir, four writes, a move in and out, rmdir), paid
 only by claims with a ``ram=``. Every path is a parameter, so the detection
@@ -107,8 +115,17 @@ class CapPlace:
         return self.version is not None
 
 
-def find_cap_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> CapPlace:
-    """Whether this process may make a child cgroup with a memory limit, and where.
+#: The file a controller's cgroup v1 directory always has: how to know it is one.
+_V1_MARK = {"memory": "memory.limit_in_bytes", "cpu": "cpu.cfs_quota_us"}
+
+#: The scheduler period a CPU quota is a share of, in microseconds: the default.
+CPU_PERIOD_US = 100_000
+
+
+def find_cap_place(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP, controller: str = "memory"
+) -> CapPlace:
+    """Whether this process may make a child cgroup with a ``controller`` limit, and where.
 
     cgroup v2 is tried first, as the hierarchy of every current distribution;
     a v1 memory controller next. The reasons either gave for refusing are kept
@@ -119,17 +136,17 @@ def find_cap_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROU
         return CapPlace(None, why_not=f"{proc_cgroup} cannot be read, so no cgroup is known")
     reasons = []
     if "" in paths:
-        place = _v2_place(root, paths[""])
+        place = _v2_place(root, paths[""], controller)
         if place.available:
             return place
         reasons.append(place.why_not)
-    if "memory" in paths:
-        place = _v1_place(root, paths["memory"])
+    if controller in paths:
+        place = _v1_place(root, paths[controller], controller)
         if place.available:
             return place
         reasons.append(place.why_not)
     if not reasons:
-        reasons.append("this process is in no memory cgroup")
+        reasons.append(f"this process is in no {controller} cgroup")
     return CapPlace(None, why_not="; ".join(reasons))
 
 
@@ -141,7 +158,7 @@ def _v2_mount(root: Path) -> Path | None:
     return None
 
 
-def _v2_place(root: Path, path: str) -> CapPlace:
+def _v2_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
     mount = _v2_mount(root)
     if mount is None:
         return CapPlace(None, why_not=f"no cgroup v2 hierarchy is mounted at {root}")
@@ -150,11 +167,11 @@ def _v2_place(root: Path, path: str) -> CapPlace:
         return CapPlace(None, why_not=f"this process's cgroup v2 {path} is not under {mount}")
     base = own if own == mount else own.parent
     handed_down = _words(base / "cgroup.subtree_control")
-    if "memory" not in handed_down:
+    if controller not in handed_down:
         return CapPlace(
             None,
             why_not=(
-                f"cgroup v2 does not hand the memory controller down from {base} "
+                f"cgroup v2 does not hand the {controller} controller down from {base} "
                 "(not in its cgroup.subtree_control)"
             ),
         )
@@ -169,17 +186,20 @@ def _v2_place(root: Path, path: str) -> CapPlace:
     return CapPlace(CGROUP_V2, parent=base / PARENT_NAME, home=own)
 
 
-def _v1_place(root: Path, path: str) -> CapPlace:
-    mount = root / "memory"
+def _v1_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
+    mount = root / controller
     own = mount / path.lstrip("/")
-    if not (own / "memory.limit_in_bytes").exists():
+    if not (own / _V1_MARK[controller]).exists():
         return CapPlace(
-            None, why_not=f"this process's cgroup v1 memory cgroup {path} is not under {mount}"
+            None,
+            why_not=f"this process's cgroup v1 {controller} cgroup {path} is not under {mount}",
         )
     if not (_may_write(own) and _may_write(own / "cgroup.procs")):
         return CapPlace(
             None,
-            why_not=f"this user may not make cgroups under its cgroup v1 memory cgroup {own}",
+            why_not=(
+                f"this user may not make cgroups under its cgroup v1 {controller} cgroup {own}"
+            ),
         )
     return CapPlace(CGROUP_V1, parent=own / PARENT_NAME, home=own)
 
@@ -202,16 +222,18 @@ def _words(path: Path) -> set[str]:
 
 WATCHED = f"watched every {SAMPLE_INTERVAL_S:g} s"
 
-_places: dict[tuple[Path, Path], CapPlace] = {}
+_places: dict[tuple[Path, Path, str], CapPlace] = {}
 _places_lock = threading.Lock()
 
 
-def cap_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> CapPlace:
+def cap_place(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP, controller: str = "memory"
+) -> CapPlace:
     """:func:`find_cap_place`, found once per process: the answer cannot change under it."""
-    key = (root, proc_cgroup)
+    key = (root, proc_cgroup, controller)
     with _places_lock:
         if key not in _places:
-            _places[key] = find_cap_place(root, proc_cgroup)
+            _places[key] = find_cap_place(root, proc_cgroup, controller)
         return _places[key]
 
 
@@ -249,11 +271,15 @@ class ClaimCgroup:
     Any thread may call any method; removal is idempotent.
     """
 
-    def __init__(self, path: Path, version: str, home: Path, budget_bytes: int) -> None:
+    def __init__(
+        self, path: Path, version: str, home: Path, budget_bytes: int, controller: str = "memory"
+    ) -> None:
         self.path = path
         self.version = version
         self.home = home
         self.budget_bytes = budget_bytes
+        #: ``"memory"``, or ``"cpu"`` for a quota-only cgroup in v1's cpu hierarchy.
+        self.controller = controller
         #: What the first process moved in held as it came, uncharged here.
         self.baseline_bytes = 0
         self._limited = False
@@ -263,23 +289,57 @@ class ClaimCgroup:
     @classmethod
     def make(cls, place: CapPlace, budget_bytes: int) -> ClaimCgroup:
         """A fresh cgroup limited to ``budget_bytes`` with swap off; raises :class:`CapNotMade`."""
+        made = cls._new(place, budget_bytes, "memory")
+        try:
+            made._limit(budget_bytes)
+            made._swap_off()
+        except OSError as error:
+            made.remove()
+            raise CapNotMade(f"{made.path} could not be limited: {error.strerror}") from None
+        return made
+
+    @classmethod
+    def make_quota(cls, place: CapPlace, cpus: int) -> ClaimCgroup:
+        """A fresh cgroup whose processes get ``cpus`` cores' worth of time; :class:`CapNotMade`."""
+        made = cls._new(place, 0, "cpu")
+        try:
+            made.limit_cpus(cpus)
+        except OSError as error:
+            made.remove()
+            raise CapNotMade(f"{made.path} could not be limited: {error.strerror}") from None
+        return made
+
+    @classmethod
+    def _new(cls, place: CapPlace, budget_bytes: int, controller: str) -> ClaimCgroup:
         assert place.parent is not None and place.home is not None and place.version is not None
         try:
-            _make_parent(place)
+            _make_parent(place, controller)
         except OSError as error:
             raise CapNotMade(f"{place.parent} could not be made: {error.strerror}") from None
         sweep_stale(place.parent)
         pid = os.getpid()
         name = f"fluksio_nb-{pid}-{process_start(pid)}-{next(_claim_numbers)}"
-        made = cls(place.parent / name, place.version, place.home, budget_bytes)
+        made = cls(place.parent / name, place.version, place.home, budget_bytes, controller)
         try:
             made.path.mkdir()
-            made._limit(budget_bytes)
-            made._swap_off()
         except OSError as error:
-            made.remove()
             raise CapNotMade(f"{made.path} could not be made: {error.strerror}") from None
         return made
+
+    def limit_cpus(self, cpus: int) -> None:
+        """At most ``cpus`` cores' worth of time per period, for all its processes together.
+
+        On cgroup v2 a claim's one cgroup holds its memory limit and its quota
+        both: a process is in one v2 cgroup only.
+        """
+        quota = max(1, cpus) * CPU_PERIOD_US
+        if self.version == CGROUP_V1:
+            _write(self.path / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            _write(self.path / "cpu.cfs_quota_us", str(quota))
+        else:
+            if "cpu" not in _words(self.path.parent / "cgroup.subtree_control"):
+                _write(self.path.parent / "cgroup.subtree_control", "+cpu")
+            _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
 
     def admit(self, pid: int, held_bytes: int = 0) -> None:
         """Move ``pid`` (all its threads) in; ``held_bytes`` is what it holds as it comes."""
@@ -294,7 +354,7 @@ class ClaimCgroup:
         charges say what the claim holds.
         """
         with self._lock:
-            if self._limited:
+            if self._limited or self.controller != "memory":
                 return
             self._limited = True
             self.baseline_bytes = held_bytes
@@ -364,14 +424,14 @@ class ClaimCgroup:
                 _write(self.path / "memory.swap.max", "0")
 
 
-def _make_parent(place: CapPlace) -> None:
+def _make_parent(place: CapPlace, controller: str = "memory") -> None:
     assert place.parent is not None
     with contextlib.suppress(FileExistsError):
         place.parent.mkdir()
-    # Ours, and holding no process: under v2 it may hand memory down to the claims.
+    # Ours, and holding no process: under v2 it may hand the controller down to the claims.
     handed_down = _words(place.parent / "cgroup.subtree_control")
-    if place.version == CGROUP_V2 and "memory" not in handed_down:
-        _write(place.parent / "cgroup.subtree_control", "+memory")
+    if place.version == CGROUP_V2 and controller not in handed_down:
+        _write(place.parent / "cgroup.subtree_control", f"+{controller}")
 
 
 def remove_cgroup(path: Path, grace_s: float = _KILL_GRACE_S) -> bool:
@@ -434,26 +494,26 @@ def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 
 def own_memory_cgroup(
-    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP, controller: str = "memory"
 ) -> Path | None:
-    """This process's memory cgroup directory: the v1 memory one, else the v2 one."""
+    """This process's ``controller`` cgroup directory: the v1 one, else the v2 one."""
     paths = _cgroup_paths(proc_cgroup)
-    if "memory" in paths and (root / "memory").is_dir():
-        return root / "memory" / paths["memory"].lstrip("/")
+    if controller in paths and (root / controller).is_dir():
+        return root / controller / paths[controller].lstrip("/")
     mount = _v2_mount(root)
     if "" in paths and mount is not None:
         return mount / paths[""].lstrip("/")
     return None
 
 
-def leave_claim_cgroup(home: Path | None) -> None:
+def leave_claim_cgroup(home: Path | None, controller: str = "memory") -> None:
     """Move this process home and remove the claim cgroup it is in, if it is in one.
 
     For a worker whose kernel is gone: nobody else will remove the cgroup,
     and a cgroup cannot be removed while the process removing it is inside.
     ``home`` is the cgroup the worker was born in, its kernel's.
     """
-    here = own_memory_cgroup()
+    here = own_memory_cgroup(controller=controller)
     if home is None or here is None or not CLAIM_NAME.match(here.name) or here == home:
         return
     with contextlib.suppress(OSError):

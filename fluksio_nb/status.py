@@ -123,7 +123,7 @@ def _share(status: ClaimStatus) -> str:
     if cores is not None and cores.capped and allocation.cores:
         words[0] += f" (cores {format_cpu_list(allocation.cores)})"
     elif cores is not None:
-        words[0] += f" ({cores.label} only)"
+        words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
     words.append("gpus=" + (",".join(map(str, allocation.gpus)) if allocation.gpus else "none"))
     if allocation.ram_bytes:
         memory = status.memory_enforcement

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from tests.unix_users import UnixUser, as_user, user_environ
@@ -67,6 +68,21 @@ class Ran:
     def json(self) -> Any:
         """The last line of stdout, read as JSON: how cells report facts to tests."""
         return json.loads(self.stdout.strip().splitlines()[-1])
+
+
+def run_in(client: BlockingKernelClient, code: str) -> str:
+    """Run ``code`` through a client of a kernel somebody else started; its output."""
+    out: list[str] = []
+
+    def keep(message: dict[str, Any]) -> None:
+        if message["msg_type"] == "stream":
+            out.append(message["content"]["text"])
+        elif message["msg_type"] == "error":
+            out.append("\n".join(message["content"]["traceback"]))
+
+    reply = client.execute_interactive(code, timeout=60, output_hook=keep)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)
 
 
 class _ReadableConnectionFile(KernelManager):

@@ -279,3 +279,66 @@ def test_a_warm_worker_moves_every_thread_to_its_next_claims_core(tmp_path):
         assert psutil.Process(first["pid"]).num_threads() > 1
     finally:
         kernel.shutdown()
+
+
+# -----------------------------------------------------------------------------
+# Where a claim cannot have cores of its own: a CPU quota
+# -----------------------------------------------------------------------------
+
+
+def test_a_cpu_quota_place_is_found_in_v1s_cpu_hierarchy_and_in_delegated_v2(tmp_path):
+    from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
+    from fluksio_nb.memory_cap import CapPlace, find_cap_place
+
+    root = tmp_path / "v1"
+    proc = tmp_path / "v1-cgroup"
+    proc.write_text("4:memory:/pod\n2:cpu,cpuacct:/pod\n")
+    (root / "cpu" / "pod").mkdir(parents=True)
+    for name in ("cpu.cfs_quota_us", "cgroup.procs"):
+        (root / "cpu" / "pod" / name).write_text("")
+    own = root / "cpu" / "pod"
+    assert find_cap_place(root, proc, "cpu") == CapPlace(CGROUP_V1, own / "fluksio_nb", own)
+    assert not find_cap_place(root, proc, "memory").available
+
+    root = tmp_path / "v2"
+    proc = tmp_path / "v2-cgroup"
+    proc.write_text("0::/app.slice/k.scope\n")
+    (root / "app.slice" / "k.scope").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "app.slice" / "cgroup.subtree_control").write_text("memory\n")
+    (root / "app.slice" / "cgroup.procs").write_text("")
+    place = find_cap_place(root, proc, "cpu")
+    assert not place.available and "does not hand the cpu controller down" in place.why_not
+    (root / "app.slice" / "cgroup.subtree_control").write_text("cpu memory\n")
+    app = root / "app.slice"
+    assert find_cap_place(root, proc, "cpu") == CapPlace(
+        CGROUP_V2, app / "fluksio_nb", app / "k.scope"
+    )
+
+
+def cpu_quota_place():
+    from fluksio_nb.memory_cap import find_cap_place
+
+    found = find_cap_place(controller="cpu")
+    if not found.available:
+        pytest.skip(f"needs a child cpu cgroup, which cannot be made here: {found.why_not}")
+    return found
+
+
+def test_a_claim_that_cannot_have_cores_of_its_own_is_held_to_a_quota(tmp_path):
+    """More cpus declared than there are cores: nothing to pin, so a cgroup quota holds it."""
+    place = cpu_quota_place()
+    kernel = cores_kernel(tmp_path, FLUKSIO_CPUS=str(4 * len(HERE)))
+    try:
+        ran = kernel.run(GREEDY, check=True)
+        got = ran.json()
+        assert got["processes"] >= 5 and got["cores_used"] <= 1.1, got
+        assert any(f"on cpus=1 (quota of 1 core ({place.version}))" in t for t in ran.texts)
+        held = kernel.books()["enforcement"]["cores"]
+        assert held["label"] == f"a quota per claim ({place.version})", held
+        assert "more than the cores there are to pin" in held["why"]
+        assert not [
+            p for p in place.parent.iterdir() if p.name.startswith(f"fluksio_nb-{kernel.pid}-")
+        ], "the claim's cpu cgroup outlived it"
+    finally:
+        kernel.shutdown()

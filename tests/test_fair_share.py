@@ -26,6 +26,7 @@ from jupyter_client import BlockingKernelClient
 from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.fair_share import held_cores, unclaimed
 from tests.browser.lab import JupyterLab
+from tests.kernels import run_in
 from tests.machines import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,17 +98,7 @@ def kernel(lab: JupyterLab, name: str = "python3") -> Iterator[dict[str, Any]]:
     client.start_channels()
     try:
         client.wait_for_ready(timeout=60)
-        out: list[str] = []
-
-        def keep(message: dict[str, Any]) -> None:
-            if message["msg_type"] == "stream":
-                out.append(message["content"]["text"])
-            elif message["msg_type"] == "error":
-                out.append("\n".join(message["content"]["traceback"]))
-
-        reply = client.execute_interactive(REPORT, timeout=60, output_hook=keep)
-        assert reply["content"]["status"] == "ok", "".join(out)
-        yield json.loads("".join(out).strip().splitlines()[-1])
+        yield json.loads(run_in(client, REPORT).strip().splitlines()[-1])
     finally:
         client.stop_channels()
         lab.api("DELETE", f"api/kernels/{started['id']}")

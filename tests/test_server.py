@@ -25,6 +25,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from tests.browser.lab import JupyterLab
+from tests.kernels import run_in
 from tests.machines import machine, machine_env
 from tests.unix_users import USER_A, UnixUser, as_user, require_unix_users, unix_user, user_environ
 
@@ -260,20 +261,6 @@ def test_a_claim_number_of_thousands_of_digits_is_404_not_a_crash(server):
     status, _, body = call(server, "POST", f"fluksio/api/claims/{'9' * 5000}/cancel")
 
     assert status == 404, body
-
-
-def run_in(client: BlockingKernelClient, code: str) -> str:
-    out: list[str] = []
-
-    def keep(message: dict[str, Any]) -> None:
-        if message["msg_type"] == "stream":
-            out.append(message["content"]["text"])
-        elif message["msg_type"] == "error":
-            out.append("\n".join(message["content"]["traceback"]))
-
-    reply = client.execute_interactive(code, timeout=60, output_hook=keep)
-    assert reply["content"]["status"] == "ok", "".join(out)
-    return "".join(out)
 
 
 def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:

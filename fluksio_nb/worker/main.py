@@ -682,7 +682,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
 
     # Read now, while the worker is where its kernel started it: moved into a
     # claim's cgroup later, that is where it goes back to.
-    born_in = memory_cap.own_memory_cgroup()
+    born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu")}
 
     def watch() -> None:
         # Any thread may take a signal sent to the process, and a SIGINT taken
@@ -694,8 +694,9 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
             if readable or os.getppid() != kernel_pid:
                 break
         sweep_after(kernel_pid)
-        with contextlib.suppress(Exception):
-            memory_cap.leave_claim_cgroup(born_in)
+        for controller, home in born_in.items():
+            with contextlib.suppress(Exception):
+                memory_cap.leave_claim_cgroup(home, controller)
         # os._exit runs no atexit: let go of the memory kept for the next
         # cell's outputs now rather than with the process.
         with contextlib.suppress(Exception):

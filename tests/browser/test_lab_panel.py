@@ -21,7 +21,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from tests.browser.lab import OUTPUT
-from tests.test_server import run_in
+from tests.kernels import run_in
 
 pytestmark = pytest.mark.timeout(240)
 
