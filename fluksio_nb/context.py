@@ -209,6 +209,17 @@ class Claim:
                 _ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
             )
             raise
+        try:
+            self._start(ticket, allocation)
+        except BaseException as error:
+            # Granted, but not started: the cgroups made so far, the share and
+            # the place all go, as they would at the block's end.
+            self.release(error)
+            raise
+        return self
+
+    def _start(self, ticket: Ticket, allocation: Allocation) -> None:
+        """From a share granted to a claim running: its env, budget, cgroups and status."""
         self.allocation = allocation
         self.env = derive_env(ticket.resources, allocation)
         stages = settings()
@@ -227,12 +238,9 @@ class Claim:
         if ticket.cancelled is not None:
             # Cancelled between its grant and now, when the stop found no work
             # to stop: nothing has started, so nothing starts.
-            error = ClaimCancelled(
+            raise ClaimCancelled(
                 f"{self.status.label} was cancelled as it started: {ticket.cancelled}"
             )
-            self._queue.release(ticket)
-            self._end("cancelled", str(error))
-            raise error
         self.status.memory_enforcement = self._make_cap(self.budget)
         self.status.cores_enforcement = self._hold_to_cores(allocation)
         self.status.phase, self.status.allocation = "running", allocation
@@ -243,7 +251,6 @@ class Claim:
             from threadpoolctl import threadpool_limits
 
             self._thread_limits = threadpool_limits(limits=allocation.cpus)
-        return self
 
     def _make_cap(self, budget: Budget) -> Enforcement:
         """The claim's memory cgroup, where one can be made; what holds the claim either way."""
