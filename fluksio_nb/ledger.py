@@ -89,6 +89,7 @@ from fluksio_nb.queue import (
     ClaimCancelled,
     ClaimTimeout,
     Ticket,
+    books_changing,
     fit_to_capacity,
     timeout_message,
     who_goes_next,
@@ -479,7 +480,9 @@ class LedgerFile:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[dict[str, Any]]:
         """The document, locked against every other process, written back on success."""
-        with self._thread_lock, self._locked(fcntl.LOCK_EX):
+        # The stop button waits for the lock like everyone, but never lands
+        # between reading the document and writing it back.
+        with self._thread_lock, self._locked(fcntl.LOCK_EX), books_changing():
             state, before = self._load_for_update()
             yield state
             after = _dump(state)
@@ -500,8 +503,9 @@ class LedgerFile:
     def _locked(self, how: int) -> Iterator[None]:
         if self._lock_fd is None:
             self._lock_fd = self._open(LOCK_FILE)
-        fcntl.flock(self._lock_fd, how)
         try:
+            # Inside the try: a stop that lands as the lock is taken leaves it free.
+            fcntl.flock(self._lock_fd, how)
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -815,6 +819,7 @@ class MachineQueue:
     def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
         fitted = self.fit_to_machine(wanted)
         waker = None
+        ticket: Ticket | None = None
         try:
             with self.ledger.transaction() as state:
                 number = state["next"]
@@ -833,16 +838,21 @@ class MachineQueue:
                 if entry["state"] == "waiting":
                     waker = _Waker()
                     entry["wake"] = waker.address
+            with self._lock:
+                self._mine[number] = ticket
+                if waker is not None:
+                    self._wakers[number] = waker
+            self._adopt(state)
+            wake(woken)
         except BaseException:
+            # The stop button may land after the ledger has the claim and
+            # before the caller does: nobody would ever give it back.
+            if ticket is not None:
+                with contextlib.suppress(Exception):
+                    self.release(ticket)
             if waker is not None:
                 waker.close()
             raise
-        with self._lock:
-            self._mine[number] = ticket
-            if waker is not None:
-                self._wakers[number] = waker
-        self._adopt(state)
-        wake(woken)
         return ticket
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:

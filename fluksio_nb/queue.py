@@ -17,12 +17,21 @@ Oversized claims are shrunk to what the machine has, with a warning, so a
 notebook written on a large box still runs on a laptop; ``strict`` refuses
 them instead. Every way a claim can end (its block returns or raises, the
 wait times out, it is cancelled, the user presses stop) gives its share back.
+
+The stop button is a ``KeyboardInterrupt`` raised in the kernel's main thread
+between any two calls, so it can land halfway through a change to the books:
+cores taken and no ticket holding them, or a ticket granted that its caller
+never received. Every change to the books is made with those signals held
+back (:func:`books_changing`); one that arrives meanwhile is raised as the
+change is whole, where the caller's cleanup can see what it has to give back.
+Waiting is never held back: a claim in the queue stops at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import signal
 import threading
 import time
 import warnings
@@ -103,15 +112,23 @@ class ClaimQueue:
     def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
         """Join the queue. The ticket may already be granted when this returns."""
         fitted = self.fit_to_machine(wanted)
-        with self._cond:
-            number = next(self._numbers)
-            ticket = Ticket(
-                number=number,
-                resources=fitted,
-                label=label or wanted.label or f"claim {number}",
-            )
-            self._waiting.append(ticket)
-            self._dispatch()
+        ticket: Ticket | None = None
+        try:
+            with books_changing(), self._cond:
+                number = next(self._numbers)
+                ticket = Ticket(
+                    number=number,
+                    resources=fitted,
+                    label=label or wanted.label or f"claim {number}",
+                )
+                self._waiting.append(ticket)
+                self._dispatch()
+        except BaseException:
+            # The stop button may land after the books have the claim and
+            # before the caller does: nobody would ever give it back.
+            if ticket is not None:
+                self.release(ticket)
+            raise
         return ticket
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
@@ -125,8 +142,8 @@ class ClaimQueue:
 
     def release(self, ticket: Ticket) -> None:
         """Leave the queue, or give the share back: safe to call on any ticket, twice."""
-        with self._cond:
-            if ticket.state == "waiting":
+        with books_changing(), self._cond:
+            if ticket.state == "waiting" and ticket in self._waiting:
                 self._waiting.remove(ticket)
             elif ticket.state == "running":
                 del self._running[ticket.number]
@@ -156,7 +173,7 @@ class ClaimQueue:
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop. False if unknown."""
         stop = None
-        with self._cond:
+        with books_changing(), self._cond:
             ticket = self._running.get(number) or next(
                 (t for t in self._waiting if t.number == number), None
             )
@@ -258,6 +275,29 @@ Need = tuple[int, int, int]
 
 def _need(resources: Resources) -> Need:
     return (resources.cpus, resources.gpus, resources.ram_bytes)
+
+
+#: The signals that raise in the main thread while it changes the books: the
+#: stop button's, and what a test or a timer uses in its place.
+_HELD_BACK = frozenset({signal.SIGINT, signal.SIGALRM, signal.SIGTERM})
+
+
+@contextmanager
+def books_changing() -> Iterator[None]:
+    """Hold the stop button back while the books change; it lands as the change is whole.
+
+    Only the main thread takes Python's signals, so only it holds them; a
+    change to the books takes microseconds, or a ledger transaction, so the
+    stop is late by that much at most.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_BACK)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def who_goes_next(needs: list[Need], free: Need) -> list[int]:

@@ -294,3 +294,17 @@ def test_the_command_line_prints_every_kernels_claims(tmp_path):
     holder.stdin.write("\n")
     holder.stdin.flush()
     holder.wait(timeout=10)
+
+
+def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_ledger(tmp_path):
+    """Guards against a claim the ledger recorded that its kernel never received."""
+    from tests.test_queue import run_interrupted
+
+    got = run_interrupted(
+        "from fluksio_nb.inventory import Inventory\n"
+        "from fluksio_nb.ledger import MachineQueue\n"
+        "inventory = Inventory(cpus=2, machine_cpus=2, ram_bytes=0, machine_ram_bytes=0)\n"
+        f"make = lambda: MachineQueue({str(tmp_path)!r}, inventory)\n"
+    )
+    assert got["interrupted"] > 0, got
+    assert (got["running"], got["waiting"], got["free"]) == (0, 0, 2), got

@@ -7,6 +7,9 @@ was doing, so the arithmetic is what is checked, under real threads.
 """
 
 import _thread
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -336,3 +339,61 @@ def test_the_kernel_has_one_accountant_made_from_the_settings(monkeypatch):
     snap = accountant().snapshot()
     assert snap["cpus"]["total"] == 4
     assert snap["gpus"]["total"] == 2
+
+
+INTERRUPTED = """
+import json, random, signal, sys
+from fluksio_nb.resources import Resources
+
+armed = False
+
+def interrupt(*_):
+    if armed:
+        raise KeyboardInterrupt
+
+signal.signal(signal.SIGALRM, interrupt)
+random.seed(int(sys.argv[1]))
+q = make()
+interrupted = 0
+for _ in range(400):
+    ticket = None
+    armed = True
+    try:
+        # The stop button, at a moment nobody chose: asking, waiting or returning.
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.000005, 0.0005))
+        ticket = q.enqueue(Resources(cpus=1))
+        q.wait(ticket, 5)
+    except KeyboardInterrupt:
+        interrupted += 1
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if ticket is not None:
+            q.release(ticket)
+shown = q.snapshot()
+print(json.dumps({"interrupted": interrupted, "running": len(shown["running"]),
+                  "waiting": len(shown["waiting"]), "free": shown["cpus"]["free"]}))
+"""
+
+
+def run_interrupted(make: str, seed: int = 0) -> dict:
+    """Four hundred claims, a random one in three stopped at a moment nobody chose."""
+    ran = subprocess.run(
+        [sys.executable, "-c", make + INTERRUPTED, str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(ran.stdout.splitlines()[-1])
+
+
+def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_kernels_books():
+    """Guards against a ticket the books granted that its caller never received."""
+    got = run_interrupted(
+        "from fluksio_nb.books import ResourceAccountant\n"
+        "from fluksio_nb.queue import ClaimQueue\n"
+        "make = lambda: ClaimQueue(ResourceAccountant(cpus=2))\n"
+    )
+    assert got["interrupted"] > 0, got
+    assert (got["running"], got["waiting"], got["free"]) == (0, 0, 2), got
