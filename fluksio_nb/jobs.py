@@ -32,6 +32,11 @@ from fluksio_nb.transfer import Parcel
 if TYPE_CHECKING:
     from fluksio_nb.on_ray import Packed, RayClaim
 
+#: How long starting a job granted on the spot waits for it to be running,
+#: so that the cell says it runs. Its cgroups and its worker's checkout take
+#: milliseconds; this only bounds a machine that is badly stuck.
+STARTS_WITHIN_S = 5.0
+
 
 class Job:
     """A handle on a background claim: ``.result()``, ``.done()``, ``.cancel()``, ``.status``."""
@@ -64,12 +69,18 @@ class Job:
         self._by_hand = by_hand
         self._output = CellOutput()
         self._finished = threading.Event()
+        #: Set once the claim is running, or failed to start.
+        self._started = threading.Event()
         self._values: dict[str, object] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"fluksio-job-{self.label}", daemon=True
         )
         self._thread.start()
+        if claimed.granted_at is not None:
+            # Granted on the spot: what the cell shows is that it runs, not a
+            # race between this thread and the job's (cgroups take a moment).
+            self._started.wait(STARTS_WITHIN_S)
 
     @property
     def label(self) -> str:
@@ -106,6 +117,7 @@ class Job:
     def _run(self) -> None:
         try:
             with self._claim as claimed:
+                self._started.set()
                 outcome = claimed.run_code(
                     self._code,
                     self._inputs,
@@ -127,6 +139,7 @@ class Job:
             self._output.stderr(f"{type(error).__name__}: {error}\n")
         finally:
             self._inputs.discard()
+            self._started.set()
             self._finished.set()
 
     def __repr__(self) -> str:

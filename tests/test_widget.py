@@ -613,7 +613,10 @@ def test_a_claimed_cell_shows_the_widget_and_ends_with_its_summary(kernel):
     updates = [
         m for m in kernel.seen if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model
     ]
-    assert 3 <= len(updates) <= 2 * took + 2, f"{len(updates)} updates in {took:.1f} s"
+    # At most twice a second; and at least the ending, which a cell asleep
+    # may be all there is to send (its readings do not move).
+    assert 1 <= len(updates) <= 2 * took + 2, f"{len(updates)} updates in {took:.1f} s"
+    assert updates[-1]["content"]["data"]["state"]["phase"] == "done"
 
 
 def test_claims_shows_the_live_monitor(kernel):
