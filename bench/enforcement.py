@@ -23,6 +23,8 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from bench.harness import percentile, table
@@ -30,23 +32,22 @@ from bench.overload import alone, probe_while
 from fluksio_nb.budget import human
 from tests.kernels import Kernel
 
-#: Everything a cell can do to take more than its share, for ``seconds``.
+#: Everything a cell can do to take more than its share, until ``stop`` exists.
 GREEDY = """%%claim cpus=1 --background --label greedy
-import multiprocessing, time, threadpoolctl, numpy
+import multiprocessing, os, threadpoolctl, numpy
 
-def spin(seconds):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
+def spin(stop):
+    while not os.path.exists(stop):
+        for _ in range(10_000):
+            pass
 
 threadpoolctl.threadpool_limits(8)
 with multiprocessing.get_context("fork").Pool(4) as pool:
-    waiting = pool.map_async(spin, [{seconds}] * 4)
+    waiting = pool.map_async(spin, [{stop!r}] * 4)
     a = numpy.random.rand(500, 500)
     a @ a
     open({ready!r}, "w").close()
-    end = time.monotonic() + {seconds}
-    while time.monotonic() < end:
+    while not os.path.exists({stop!r}):
         a @ a
     waiting.get()
 """
@@ -96,34 +97,33 @@ def _kernel(directory: str, name: str, **env: str) -> Kernel:
     )
 
 
-def start_greedy(kernel: Kernel, seconds: float) -> None:
-    """A greedy claim in the background, returning once all of it is busy."""
+@contextmanager
+def greedy(kernel: Kernel) -> Iterator[None]:
+    """A greedy claim in the background, all of it busy, for as long as the block lasts."""
     with tempfile.TemporaryDirectory() as marks:
-        ready = Path(marks) / "ready"
-        kernel.start_job(GREEDY.format(seconds=seconds, ready=str(ready)), "greedy")
+        ready, stop = Path(marks) / "ready", Path(marks) / "stop"
+        kernel.start_job(GREEDY.format(ready=str(ready), stop=str(stop)), "greedy")
         while not ready.exists():
             time.sleep(0.01)
+        try:
+            yield
+        finally:
+            stop.touch()
+            kernel.run("greedy.result()", check=True)
 
 
 def greedy_beside_the_kernel(kernel: Kernel, seconds: float) -> list[float]:
     """The kernel's round trips while a greedy claim runs."""
-    start_greedy(kernel, seconds + 0.5)
-    until = time.monotonic() + seconds
-    latencies = probe_while(kernel, lambda: time.monotonic() < until)
-    kernel.run("greedy.result()", check=True)
-    return latencies
+    with greedy(kernel):
+        until = time.monotonic() + seconds
+        return probe_while(kernel, lambda: time.monotonic() < until)
 
 
 def polite_rate(kernel: Kernel, seconds: float, beside_greedy: bool) -> float:
     """The polite claim's throughput, alone or with a greedy claim on the other core."""
-    if beside_greedy:
-        # Longer than the polite claim, counting its worker's start.
-        start_greedy(kernel, seconds + 2.0)
-    kernel.run(POLITE.format(seconds=seconds), check=True)
-    rate = kernel.facts("rate")
-    if beside_greedy:
-        kernel.run("greedy.result()", check=True)
-    return rate
+    with greedy(kernel) if beside_greedy else nullcontext():
+        kernel.run(POLITE.format(seconds=seconds), check=True)
+    return kernel.facts("rate")
 
 
 def fast_allocations(directory: str, repeats: int) -> list[list[str]]:

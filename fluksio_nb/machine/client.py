@@ -37,7 +37,6 @@ from fluksio_nb.queue import (
     ClaimTooLarge,
     ClampedWarning,
     Ticket,
-    books_changing,
     fit_to_capacity,
     timeout_message,
     wait_for_grant,
@@ -199,8 +198,7 @@ class ServiceQueue:
         self._sock, self._lines = sock, lines
 
     def _send(self, message: dict[str, Any]) -> None:
-        # Never half a line: the service would take the rest of the stream for garbage.
-        with books_changing(), self._send_lock:
+        with self._send_lock:
             sock = self._sock
             if sock is None:
                 raise ServiceUnavailable(f"the books service at {self.path} went away")
