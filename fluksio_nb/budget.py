@@ -140,9 +140,9 @@ def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> 
         )
     else:
         message = (
-            f"halted: the claim's processes reached {human(used_bytes)}, all its memory budget of "
-            f"{human(budget.applied_bytes)}{why}{stage} allows, and was stopped by the "
-            f"kernel's memory cap ({enforced_by}), which no allocation gets past. "
+            f"halted: the claim's processes reached {human(used_bytes)}, all that its memory "
+            f"budget of {human(budget.applied_bytes)}{why}{stage} allows, and were stopped by "
+            f"the kernel's memory cap ({enforced_by}), which no allocation gets past. "
             "Ask for more with ram=, or use less."
         )
     return HaltDecision(

@@ -540,11 +540,14 @@ class Claim:
         warn_at = None if budget is None else budget.warn_bytes
         if warn_at is None or sample.rss_bytes < warn_at:
             return
+        assert budget is not None and budget.halt_bytes is not None
+        if sample.rss_bytes >= budget.halt_bytes:
+            # Past the warning and the stop in one reading: the halt says it all.
+            return
         with self._lock:
             if self.status.memory_warning:
                 return
             self.status.memory_warning = True
-        assert budget is not None
         enforcement = self.status.memory_enforcement
         line = memory_warning(
             sample.rss_bytes, budget, enforcement.by if enforcement else "sampler"
