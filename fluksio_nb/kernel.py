@@ -98,7 +98,9 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     reader's (``mine``); ``books`` says which books these are, and ``ledger``
     where. Blocking: the server calls it from a worker thread.
     """
-    books = books or books_in_force()
+    # Read once: the server asks for this every second or so.
+    settings = load_settings()
+    books = books or books_in_force(settings=settings)
     if books.mode == "machine":
         from fluksio_nb.machine.client import read_snapshot
 
@@ -117,7 +119,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
         # them: the machine is shown, and nothing more can be known.
         from fluksio_nb.ledger import identity, machine_snapshot
 
-        found = take_inventory(load_settings())
+        found = take_inventory(settings)
         inventory = {
             "cpus": found.cpus,
             "gpu_ids": list(found.gpu_ids),
@@ -130,7 +132,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     held = {c for claim in snapshot["running"] for c in claim["allocation"].get("cores") or ()}
     core_ids = set(snapshot["cpus"].get("free_ids") or ()) | held
     snapshot["enforcement"] = enforcement_in_force(
-        load_settings(), sorted(core_ids), snapshot["cpus"]["total"]
+        settings, sorted(core_ids), snapshot["cpus"]["total"]
     )
     return snapshot
 
@@ -156,7 +158,9 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
 
     Raises ``NotYours`` (a ``PermissionError``) for a claim this user may not cancel.
     """
-    books = books or books_in_force()
+    # Read once: the server asks for this every second or so.
+    settings = load_settings()
+    books = books or books_in_force(settings=settings)
     if books.mode == "machine":
         from fluksio_nb.machine.client import cancel_claim
 

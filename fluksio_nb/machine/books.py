@@ -132,6 +132,9 @@ class MachineBooks:
         )
 
     def free_cores(self) -> list[int]:
+        if not self.core_ids:
+            # Nothing to pin to: no walk over the running claims on every grant.
+            return []
         held = {c for e in self.running for c in e.cores}
         return [c for c in self.core_ids if c not in held]
 
