@@ -334,19 +334,24 @@ from fluksio_nb.kernel import accountant
 from fluksio_nb.queue import ClaimTimeout
 from fluksio_nb.resources import Resources
 
+armed = False
+
 def interrupt(*_):
-    raise KeyboardInterrupt
+    # A timer that fired just as it was disarmed must not hit the cleanup.
+    if armed:
+        raise KeyboardInterrupt
 
 signal.signal(signal.SIGALRM, interrupt)
 random.seed(int(sys.argv[1]))
 q = accountant()
 counts = {"held": 0, "interrupted": 0, "timed_out": 0}
 for n in range(100):
-    if random.random() < 0.25:
-        # The stop button, at a moment nobody chose: asking, waiting or holding.
-        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.02))
     ticket = None
+    armed = True
     try:
+        if random.random() < 0.25:
+            # The stop button, at a moment nobody chose: asking, waiting or holding.
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.02))
         ticket = q.enqueue(Resources(cpus=random.choice([1, 1, 2]), gpus=random.choice([0, 1])))
         q.wait(ticket, 20)
         start = time.time()
@@ -361,6 +366,7 @@ for n in range(100):
     except ClaimTimeout:
         counts["timed_out"] += 1
     finally:
+        armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         if ticket is not None:
             q.release(ticket)
