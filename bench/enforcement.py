@@ -70,7 +70,7 @@ rate = done / (time.perf_counter() - started)
 FAST_ALLOCATOR = """
 import json, numpy
 from fluksio_nb import claim
-from fluksio_nb.context import ClaimHalted
+from fluksio_nb.errors import ClaimHalted
 ending, by = "ok", "-"
 try:
     with claim(ram="300M") as c:

@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from fluksio_nb.budget import human
+from fluksio_nb.errors import BadClaim
 from fluksio_nb.flavors import describe_flavors
 from fluksio_nb.inventory import format_cpu_list
-from fluksio_nb.resources import BadClaim
 
 
 def describe_snapshot(snapshot: dict) -> str:

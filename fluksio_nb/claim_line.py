@@ -24,14 +24,8 @@ import shlex
 from dataclasses import dataclass
 from typing import NoReturn
 
-from fluksio_nb.resources import (
-    ENV_NAME,
-    LINE_KEYS,
-    BadClaim,
-    Resources,
-    ask,
-    unknown_keys_message,
-)
+from fluksio_nb.errors import BadClaim
+from fluksio_nb.resources import ENV_NAME, LINE_KEYS, Resources, ask, unknown_keys_message
 
 
 @dataclass(frozen=True)

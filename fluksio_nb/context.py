@@ -53,6 +53,7 @@ from fluksio_nb.enforcement import (
     quota_enforcement,
 )
 from fluksio_nb.env import derive_env, worker_environ
+from fluksio_nb.errors import ClaimCancelled, ClaimHalted, ClaimTimeout, RemoteError, WorkerDied
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.inventory import confine_tree, host_memory
 from fluksio_nb.kernel import accountant, inventory, settings
@@ -63,7 +64,7 @@ from fluksio_nb.memory_cap import (
     memory_enforcement,
     sampled,
 )
-from fluksio_nb.queue import ClaimCancelled, ClaimQueue, ClaimTimeout, Ticket
+from fluksio_nb.queue import ClaimQueue, Ticket
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources, ask
 from fluksio_nb.sampler import Readings, Sample, Sampler, is_news
@@ -83,30 +84,6 @@ _STATUS_EVERY_S = 0.5
 #: read it costs more than the cell (measured: most of a trivial claimed
 #: cell's time went to drawing it).
 SHOW_AFTER_S = 0.25
-
-
-class ClaimHalted(RuntimeError):
-    """A claim stopped for memory: over its budget (sampler or cgroup), or the host short."""
-
-    def __init__(self, decision: HaltDecision) -> None:
-        super().__init__(decision.message)
-        self.decision = decision
-
-
-class WorkerDied(RuntimeError):
-    """The worker process ended in the middle of the work."""
-
-
-class RemoteError(Exception):
-    """The claimed code raised; its traceback is the worker's, not the kernel's."""
-
-    def __init__(
-        self, ename: str, evalue: str, traceback: list[str], outcome: Outcome | None = None
-    ) -> None:
-        super().__init__(f"{ename}: {evalue}")
-        self.ename, self.evalue, self.traceback = ename, evalue, traceback
-        #: What the cell had bound before it raised, as a normal cell keeps it.
-        self.outcome = outcome
 
 
 class Claim:

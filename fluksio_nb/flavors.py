@@ -11,7 +11,8 @@ run on a size nobody chose is worse than a cell that says what is wrong.
 
 from __future__ import annotations
 
-from fluksio_nb.resources import BadClaim, Resources
+from fluksio_nb.errors import UnknownFlavor
+from fluksio_nb.resources import Resources
 from fluksio_nb.settings import Flavor, Settings, config_path
 
 #: Sizes every installation has. They are deliberately generous, because an
@@ -23,10 +24,6 @@ BUILT_IN_FLAVORS: dict[str, Flavor] = {
     "gpu-small": Flavor(cpus=4, gpus=1, ram="16G"),
     "gpu-large": Flavor(cpus=8, gpus=2, ram="64G"),
 }
-
-
-class UnknownFlavor(BadClaim):
-    """A claim names a size that is defined nowhere."""
 
 
 def all_flavors(settings: Settings) -> dict[str, Flavor]:

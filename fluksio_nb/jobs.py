@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fluksio_nb import random_streams
-from fluksio_nb.context import Claim, RemoteError
+from fluksio_nb.context import Claim
+from fluksio_nb.errors import RemoteError
 from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources

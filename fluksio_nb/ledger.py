@@ -83,19 +83,11 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
+from fluksio_nb.errors import BadSettings, ClaimCancelled, ClaimTimeout, NotYours
 from fluksio_nb.identity import user_name
 from fluksio_nb.inventory import Inventory
-from fluksio_nb.queue import (
-    ClaimCancelled,
-    ClaimTimeout,
-    Ticket,
-    books_changing,
-    fit_to_capacity,
-    timeout_message,
-    who_goes_next,
-)
+from fluksio_nb.queue import Ticket, books_changing, fit_to_capacity, timeout_message, who_goes_next
 from fluksio_nb.resources import Resources, explain
-from fluksio_nb.settings import BadSettings
 
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
@@ -721,10 +713,6 @@ def dispatch(state: dict[str, Any], checked: bool = False) -> list[str]:
 def _free_cores(inventory: dict[str, Any], running: list[dict[str, Any]]) -> list[int]:
     held = {c for t in running for c in t["allocation"].get("cores", ())}
     return sorted(set(inventory.get("core_ids", ())) - held)
-
-
-class NotYours(PermissionError):
-    """A claim may only be cancelled by the user who made it."""
 
 
 def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None = None) -> bool:

@@ -24,11 +24,17 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from fluksio_nb import random_streams, transfer
 from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
-from fluksio_nb.context import Claim, ClaimHalted, RemoteError, WorkerDied
+from fluksio_nb.context import Claim
+from fluksio_nb.errors import (
+    BadClaim,
+    ClaimCancelled,
+    ClaimHalted,
+    ClaimTimeout,
+    RemoteError,
+    WorkerDied,
+)
 from fluksio_nb.namespaces import each_at_home, globals_assigned
-from fluksio_nb.queue import ClaimCancelled, ClaimTimeout
 from fluksio_nb.relay import CellOutput
-from fluksio_nb.resources import BadClaim
 from fluksio_nb.status import new_view
 from fluksio_nb.variables import (
     choose_if_changed,

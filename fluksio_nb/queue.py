@@ -43,27 +43,12 @@ from typing import Any, Literal
 from pydantic import ByteSize
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.resources import BadClaim, Resources
+from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
+from fluksio_nb.resources import Resources
 
 #: How often a waiter looks at its own deadline when nothing wakes it. Grants
 #: and cancellations wake it at once; this only bounds how late a timeout is.
 _WAKE_S = 0.25
-
-
-class ClaimTooLarge(BadClaim):
-    """A strict claim asks for more than the machine has."""
-
-
-class ClaimTimeout(TimeoutError):
-    """A claim waited longer than its timeout allowed."""
-
-
-class ClaimCancelled(RuntimeError):
-    """Somebody cancelled a claim before or while it ran."""
-
-
-class ClampedWarning(UserWarning):
-    """A claim asked for more than the machine has and was given what there is."""
 
 
 @dataclass(eq=False)

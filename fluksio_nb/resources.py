@@ -34,6 +34,8 @@ from pydantic import (
     model_validator,
 )
 
+from fluksio_nb.errors import BadClaim
+
 #: What an environment variable handed to the worker may be called. Upper
 #: case only on the ``%%claim`` line, which is how ``OMP_NUM_THREADS=1`` is told
 #: apart from a resource such as ``cpus=1``.
@@ -50,10 +52,6 @@ LINE_KEYS = ("cpus", "gpus", "ram", "flavor")
 
 
 _SIZE = TypeAdapter(ByteSize)
-
-
-class BadClaim(ValueError):
-    """A claim that cannot be understood, with what was wrong and how to fix it."""
 
 
 class Resources(BaseModel):

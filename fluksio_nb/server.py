@@ -43,7 +43,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from fluksio_nb.resources import BadClaim
+from fluksio_nb.errors import BadClaim
 
 #: What the server's authorizer is asked about: ``read`` for the snapshot,
 #: ``write`` for a cancel.

@@ -34,7 +34,8 @@ from pydantic import (
     model_validator,
 )
 
-from fluksio_nb.resources import BadClaim, explain, unknown_keys_message
+from fluksio_nb.errors import BadSettings
+from fluksio_nb.resources import explain, unknown_keys_message
 
 CONFIG_FILE_NAME = "fluksio_nb.json"
 
@@ -64,10 +65,6 @@ DEFAULT_RESERVE_CPUS = 1
 #: with room left to act, and only then the stop.
 DEFAULT_MEMORY_WARN_AT = 0.8
 DEFAULT_MEMORY_HALT_AT = 1.0
-
-
-class BadSettings(BadClaim):
-    """A setting that cannot be used, with where it came from."""
 
 
 class Flavor(BaseModel):

@@ -602,8 +602,9 @@ def usage_dirs() -> list[Path]:
     machine's records directory, as its service names it. No accountant is
     made: a terminal makes no claims.
     """
+    from fluksio_nb.errors import ServiceUnavailable
     from fluksio_nb.kernel import books_in_force
-    from fluksio_nb.machine.client import ServiceUnavailable, ask_once
+    from fluksio_nb.machine.client import ask_once
 
     dirs = [default_usage_dir()]
     books = books_in_force()

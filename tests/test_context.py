@@ -16,7 +16,8 @@ from threadpoolctl import threadpool_info
 
 from fluksio_nb import ClaimHalted, RemoteError, accountant, claim
 from fluksio_nb.context import Claim
-from fluksio_nb.resources import BadClaim, ask
+from fluksio_nb.errors import BadClaim
+from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,9 +19,9 @@ import warnings
 
 import pytest
 
+from fluksio_nb.errors import ClaimCancelled
 from fluksio_nb.inventory import Gpu, Inventory
 from fluksio_nb.ledger import LedgerBroken, MachineQueue, ledger_location
-from fluksio_nb.queue import ClaimCancelled
 from fluksio_nb.resources import Resources
 
 pytestmark = pytest.mark.timeout(120)

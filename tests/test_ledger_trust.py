@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from fluksio_nb.errors import BadClaim, BadSettings
 from fluksio_nb.ledger import (
     LEDGER_FILE,
     LOCK_FILE,
@@ -34,8 +35,7 @@ from fluksio_nb.ledger import (
     process_started,
     read_snapshot,
 )
-from fluksio_nb.resources import BadClaim, Resources
-from fluksio_nb.settings import BadSettings
+from fluksio_nb.resources import Resources
 from tests.test_ledger import inventory
 from tests.waiting import gone
 

@@ -331,7 +331,7 @@ def test_usage_counts_a_users_claims_and_nobody_else_reads_them(users, kernels):
 STRESS = r"""
 import json, random, signal, sys, time
 from fluksio_nb.kernel import accountant
-from fluksio_nb.queue import ClaimTimeout
+from fluksio_nb.errors import ClaimTimeout
 from fluksio_nb.resources import Resources
 
 armed = False

@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
+from fluksio_nb.errors import BadSettings
 from fluksio_nb.memory_cap import (
     CLAIM_NAME,
     WATCHED,
@@ -33,7 +34,7 @@ from fluksio_nb.memory_cap import (
     remove_cgroup,
     sweep_stale,
 )
-from fluksio_nb.settings import BadSettings, Settings, load_settings
+from fluksio_nb.settings import Settings, load_settings
 from tests.kernels import Kernel
 from tests.machines import wait_until
 from tests.unix_users import REPO_ROOT, USER_A, as_user, ready_user, shared_tmp_dir, user_environ
@@ -270,7 +271,7 @@ def test_a_fast_allocation_is_stopped_at_its_budget_by_the_kernel(kernels, place
     kernel = kernels()
     facts = kernel.run(
         "import json, numpy\nfrom fluksio_nb import claim\n"
-        "from fluksio_nb.context import ClaimHalted\n"
+        "from fluksio_nb.errors import ClaimHalted\n"
         "try:\n"
         "    with claim(ram='300M') as c:\n"
         "        c.run(numpy.ones, 2 * 2**30 // 8)\n"

@@ -27,8 +27,9 @@ import pytest
 
 from fluksio_nb.claim_line import parse_claim_line
 from fluksio_nb.env import THREAD_VARS
+from fluksio_nb.errors import BadClaim
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
-from fluksio_nb.resources import BadClaim, ask
+from fluksio_nb.resources import ask
 from tests.kernels import Kernel
 from tests.waiting import gone
 

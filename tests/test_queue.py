@@ -16,13 +16,8 @@ import time
 import pytest
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.queue import (
-    ClaimCancelled,
-    ClaimQueue,
-    ClaimTimeout,
-    ClaimTooLarge,
-    ClampedWarning,
-)
+from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
+from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
 
 

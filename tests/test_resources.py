@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fluksio_nb.claim_line import claim_parser, parse_claim_line
-from fluksio_nb.flavors import UnknownFlavor, describe_flavors, resolve_flavor
-from fluksio_nb.resources import BadClaim, Resources, ask
-from fluksio_nb.settings import BadSettings, load_settings
+from fluksio_nb.errors import BadClaim, BadSettings, UnknownFlavor
+from fluksio_nb.flavors import describe_flavors, resolve_flavor
+from fluksio_nb.resources import Resources, ask
+from fluksio_nb.settings import load_settings
 
 # -----------------------------------------------------------------------------
 # Resources

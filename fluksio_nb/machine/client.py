@@ -30,28 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.ledger import NotYours
+from fluksio_nb.errors import ClaimTooLarge, ClampedWarning, NotYours, ServiceUnavailable
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap
-from fluksio_nb.queue import (
-    ClaimTooLarge,
-    ClampedWarning,
-    Ticket,
-    fit_to_capacity,
-    timeout_message,
-    wait_for_grant,
-)
-from fluksio_nb.resources import BadClaim, Resources
+from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message, wait_for_grant
+from fluksio_nb.resources import Resources
 
 #: How long a request waits for the service's answer before it is an error.
 ANSWER_WITHIN_S = 10.0
 #: How long a kernel keeps trying to reach a service that is set up but not
 #: answering, before a claim says so.
 REACH_WITHIN_S = 3.0
-
-
-class ServiceUnavailable(BadClaim):
-    """The machine's books are set up but their service does not answer."""
 
 
 def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:

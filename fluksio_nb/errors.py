@@ -1,0 +1,83 @@
+"""Every way a claim can fail, in one place.
+
+A user who writes ``except fluksio_nb.ClaimTimeout`` should not need to know
+which floor of the package raised it, and a new place to run a claim should
+raise the errors the magic already knows how to show. So the errors are
+defined here, on the bottom floor, and raised from wherever the failure is
+found.
+
+What each one decides is how the user reads it. Subclasses of
+:class:`BadClaim` are input the user can fix: refused before anything waits
+or starts, shown as one line with what to change. :class:`ClaimHalted`,
+:class:`WorkerDied`, :class:`ClaimTimeout` and :class:`ClaimCancelled` are
+whole stories in their message, shown as one paragraph. :class:`RemoteError`
+is the cell's own exception, shown with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fluksio_nb.budget import HaltDecision
+    from fluksio_nb.worker.client import Outcome
+
+
+class BadClaim(ValueError):
+    """A claim that cannot be understood, with what was wrong and how to fix it."""
+
+
+class UnknownFlavor(BadClaim):
+    """A claim names a size that is defined nowhere."""
+
+
+class BadSettings(BadClaim):
+    """A setting that cannot be used, with where it came from."""
+
+
+class ClaimTooLarge(BadClaim):
+    """A strict claim asks for more than the machine has."""
+
+
+class ServiceUnavailable(BadClaim):
+    """The machine's books are set up but their service does not answer."""
+
+
+class ClampedWarning(UserWarning):
+    """A claim asked for more than the machine has and was given what there is."""
+
+
+class ClaimTimeout(TimeoutError):
+    """A claim waited longer than its timeout allowed."""
+
+
+class ClaimCancelled(RuntimeError):
+    """Somebody cancelled a claim before or while it ran."""
+
+
+class NotYours(PermissionError):
+    """A claim may only be cancelled by the user who made it."""
+
+
+class ClaimHalted(RuntimeError):
+    """A claim stopped for memory: over its budget (sampler or cgroup), or the host short."""
+
+    def __init__(self, decision: HaltDecision) -> None:
+        super().__init__(decision.message)
+        self.decision = decision
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended in the middle of the work."""
+
+
+class RemoteError(Exception):
+    """The claimed code raised; its traceback is the worker's, not the kernel's."""
+
+    def __init__(
+        self, ename: str, evalue: str, traceback: list[str], outcome: Outcome | None = None
+    ) -> None:
+        super().__init__(f"{ename}: {evalue}")
+        self.ename, self.evalue, self.traceback = ename, evalue, traceback
+        #: What the cell had bound before it raised, as a normal cell keeps it.
+        self.outcome = outcome
