@@ -9,74 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fluksio_nb.budget import human
 from fluksio_nb.errors import BadClaim
 from fluksio_nb.flavors import describe_flavors
-from fluksio_nb.inventory import format_cpu_list
-
-
-def describe_snapshot(snapshot: dict) -> str:
-    """The snapshot as a few lines of text: every user's claims, the reader's marked."""
-    cpus, gpus, ram = snapshot["cpus"], snapshot["gpus"], snapshot["ram_bytes"]
-    lines = [
-        f"cpus  {cpus['free']}/{cpus['total']} free",
-        f"gpus  {gpus['free']}/{gpus['total']} free",
-        f"ram   {human(ram['free'])}/{human(ram['total'])} free",
-    ]
-    held = snapshot.get("enforcement") or {}
-    if held:
-        said = " · ".join(f"{name}: {how['label']}" for name, how in held.items())
-        lines.append(f"held by  {said}")
-    for claim in snapshot.get("running", []):
-        held = claim["allocation"]
-        cards = ",".join(str(g) for g in held["gpus"]) or "-"
-        cores = f" cores={format_cpu_list(held['cores'])}" if held.get("cores") else ""
-        lines.append(
-            f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']}{cores} "
-            f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
-        )
-    for claim in snapshot.get("waiting", []):
-        asked = claim["asked"]
-        lines.append(
-            f"waiting  {claim['position']}. #{claim['ticket']} {_whose(claim)}: "
-            f"cpus={asked['cpus']} gpus={asked['gpus']} ram={human(asked['ram_bytes'])}"
-        )
-    return "\n".join(lines)
-
-
-def _whose(claim: dict) -> str:
-    """The label, marked as the reader's; another user's name where it is theirs."""
-    label = claim.get("label")
-    if claim.get("mine", True):
-        return f"{label} (yours)" if "mine" in claim else str(label)
-    return f"{label} ({claim.get('user')})" if label else f"a claim of {claim.get('user')}"
-
-
-def _where(claim: dict) -> str:
-    return claim.get("notebook") or f"pid {claim['pid']}"
-
-
-def ray_now() -> dict | None:
-    """This kernel's Ray cluster and its claims on it; ``None`` while Ray is not connected.
-
-    Ray is looked for in ``sys.modules`` first, and never imported just to
-    look: a kernel that has not imported Ray pays one dictionary lookup.
-    """
-    if sys.modules.get("ray") is None:
-        return None
-    from fluksio_nb.on_ray import ray_snapshot
-
-    return ray_snapshot()
-
-
-def describe_monitor(snapshot: dict, ray: dict | None = None) -> str:
-    """What ``%claims`` says as text: the machine's books, then the Ray cluster if connected."""
-    text = describe_snapshot(snapshot)
-    if ray is None:
-        return text
-    from fluksio_nb.on_ray import describe_ray
-
-    return f"{text}\n{describe_ray(ray)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
     options = parser.parse_args(argv)
-    from fluksio_nb.kernel import read_books
+    from fluksio_nb.overview import describe_snapshot, read_books
     from fluksio_nb.settings import load_settings
 
     try:

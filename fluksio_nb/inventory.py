@@ -37,6 +37,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -98,6 +99,16 @@ class Inventory:
     @property
     def gpu_ids(self) -> tuple[GpuId, ...]:
         return tuple(gpu.index for gpu in self.gpus)
+
+    def for_books(self) -> dict[str, Any]:
+        """What the books are kept over, as a ledger document and a snapshot carry it."""
+        return {
+            "cpus": self.cpus,
+            "gpu_ids": list(self.gpu_ids),
+            "ram_bytes": self.ram_bytes,
+            "core_ids": list(self.core_ids),
+            "core_nodes": {str(core): node for core, node in self.core_nodes.items()},
+        }
 
 
 # -----------------------------------------------------------------------------

@@ -91,52 +91,6 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
     )
 
 
-def read_books(books: Books | None = None) -> dict[str, Any]:
-    """The machine as a reader that makes no claims sees it: the server, the terminal.
-
-    Every claim in it says whose it is (``user``) and whether it is the
-    reader's (``mine``); ``books`` says which books these are, and ``ledger``
-    where. Blocking: the server calls it from a worker thread.
-    """
-    # Read once: the server asks for this every second or so.
-    settings = load_settings()
-    books = books or books_in_force(settings=settings)
-    if books.mode == "machine":
-        from fluksio_nb.machine.client import read_snapshot
-
-        assert books.socket is not None
-        snapshot = read_snapshot(books.socket)
-    elif books.mode == "user":
-        from fluksio_nb.ledger import identity, read_snapshot
-
-        assert books.where is not None
-        snapshot, me = read_snapshot(books.where), identity()["user"]
-        for claim in snapshot["running"] + snapshot["waiting"]:
-            claim["mine"] = claim.get("user") == me
-        snapshot["user"] = me
-    else:
-        # Kernel-only books live inside each kernel, where no reader can see
-        # them: the machine is shown, and nothing more can be known.
-        from fluksio_nb.ledger import identity, machine_snapshot
-
-        found = take_inventory(settings)
-        inventory = {
-            "cpus": found.cpus,
-            "gpu_ids": list(found.gpu_ids),
-            "ram_bytes": found.ram_bytes,
-        }
-        snapshot = {**machine_snapshot({}, inventory), "user": identity()["user"]}
-    snapshot["books"] = books.mode
-    snapshot["ledger"] = None if books.where is None else str(books.where)
-    # The books' own core ids: free or held, they are every one they hand out.
-    held = {c for claim in snapshot["running"] for c in claim["allocation"].get("cores") or ()}
-    core_ids = set(snapshot["cpus"].get("free_ids") or ()) | held
-    snapshot["enforcement"] = enforcement_in_force(
-        settings, sorted(core_ids), snapshot["cpus"]["total"]
-    )
-    return snapshot
-
-
 def enforcement_in_force(
     settings: Settings, core_ids: Sequence[int], cpus: int
 ) -> dict[str, dict[str, str]]:

@@ -85,9 +85,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
 from fluksio_nb.errors import BadSettings, ClaimCancelled, ClaimTimeout, NotYours
 from fluksio_nb.identity import user_name
-from fluksio_nb.inventory import Inventory
+from fluksio_nb.inventory import Inventory, take_inventory
 from fluksio_nb.queue import Ticket, books_changing, fit_to_capacity, timeout_message, who_goes_next
 from fluksio_nb.resources import Resources, explain
+from fluksio_nb.settings import Settings, load_settings
 
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
@@ -756,16 +757,12 @@ def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
             return machine_snapshot(state, state["inventory"], checked=True)
     finally:
         ledger.close()
-    from fluksio_nb.inventory import take_inventory
-    from fluksio_nb.settings import load_settings
+    return machine_as_found()
 
-    found = take_inventory(load_settings())
-    inventory = {
-        "cpus": found.cpus,
-        "gpu_ids": list(found.gpu_ids),
-        "ram_bytes": found.ram_bytes,
-        "core_ids": list(found.core_ids),
-    }
+
+def machine_as_found(settings: Settings | None = None) -> dict[str, Any]:
+    """A snapshot of books nobody has claimed from: the machine as this process finds it."""
+    inventory = take_inventory(settings or load_settings()).for_books()
     return machine_snapshot(_empty_state(inventory), inventory)
 
 
@@ -781,13 +778,7 @@ class MachineQueue:
         self.books = ResourceAccountant.from_inventory(inventory)
         self.ledger = LedgerFile(
             directory,
-            {
-                "cpus": inventory.cpus,
-                "gpu_ids": list(inventory.gpu_ids),
-                "ram_bytes": inventory.ram_bytes,
-                "core_ids": list(inventory.core_ids),
-                "core_nodes": {str(core): node for core, node in inventory.core_nodes.items()},
-            },
+            inventory.for_books(),
         )
         self.owner = identity()
         #: What holds claims made here to their share, per resource, as

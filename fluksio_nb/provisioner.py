@@ -59,7 +59,8 @@ from jupyter_client.provisioning import KernelProvisionerFactory, LocalProvision
 from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
-from fluksio_nb.kernel import Books, books_in_force, read_books
+from fluksio_nb.kernel import Books, books_in_force
+from fluksio_nb.overview import read_books
 from fluksio_nb.settings import load_settings
 
 #: The name the package registers under ``jupyter_client.kernel_provisioners``.

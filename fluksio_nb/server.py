@@ -8,7 +8,7 @@ say that ``train.ipynb`` holds GPU 1 and a second notebook waits for it.
 What it decides:
 
 - **It reads and never claims.** The snapshot is the machine's books read as
-  ``fluksio-nb`` reads them (:func:`~fluksio_nb.kernel.read_books`). The
+  ``fluksio-nb`` reads them (:func:`~fluksio_nb.overview.read_books`). The
   server makes no claim of its own, however often a browser polls.
 - **Nothing slow runs on the event loop.** Reading the file, and taking the
   inventory when there is no ledger yet (NVML, or ``nvidia-smi`` if NVML is
@@ -93,7 +93,7 @@ class SnapshotHandler(_LedgerHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        from fluksio_nb.kernel import read_books
+        from fluksio_nb.overview import read_books
 
         try:
             snapshot = await _off_the_loop(read_books)

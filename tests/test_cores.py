@@ -184,7 +184,7 @@ def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tm
             core for claim in snapshot["running"] for core in claim["allocation"]["cores"]
         )
         assert held == sorted(a["cores"] + c["cores"])
-        from fluksio_nb.__main__ import describe_snapshot
+        from fluksio_nb.overview import describe_snapshot
 
         said = describe_snapshot(snapshot)
         assert snapshot["enforcement"]["cores"]["by"] == "affinity"

@@ -25,9 +25,9 @@ import ipykernel.ipkernel  # noqa: F401  (it replaces comm's hooks when first im
 import pytest
 from comm.base_comm import BaseComm, CommManager
 
-from fluksio_nb.__main__ import describe_snapshot
 from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.budget import Budget
+from fluksio_nb.overview import describe_snapshot
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample

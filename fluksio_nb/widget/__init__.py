@@ -302,8 +302,8 @@ class MonitorWidget(_Widget):
                 self._watch.unwatch(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from fluksio_nb.__main__ import describe_monitor, ray_now
         from fluksio_nb.kernel import accountant
+        from fluksio_nb.overview import describe_monitor, ray_now
 
         data, metadata = super()._repr_mimebundle_(**kwargs)
         text = describe_monitor(accountant().snapshot(), ray_now())

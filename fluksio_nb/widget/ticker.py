@@ -109,8 +109,8 @@ class MachineReader:
         self._available: int | None = None
 
     def __call__(self) -> dict[str, Any]:
-        from fluksio_nb.__main__ import ray_now
         from fluksio_nb.kernel import accountant
+        from fluksio_nb.overview import ray_now
         from fluksio_nb.status import running_statuses
 
         snapshot = accountant().snapshot()
