@@ -48,7 +48,7 @@ from tests.kernels import Kernel
 #: return at once and the kernel's main thread is idle while it is measured.
 SETUP = """
 import subprocess, sys, threading
-from fluksio_nb.context import Claim
+from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.widget import WidgetView, monitor
 _bench = {"stop": threading.Event(), "threads": [], "ready": threading.Semaphore(0)}

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "claim": "fluksio_nb.context",
-    "Claim": "fluksio_nb.context",
+    "Claim": "fluksio_nb.local_claim",
     "accountant": "fluksio_nb.kernel",
     "monitor": "fluksio_nb.widget",
     "Resources": "fluksio_nb.resources",

@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import ByteSize
 
-from fluksio_nb.inventory import system_headroom_bytes
+from fluksio_nb.inventory import host_memory, system_headroom_bytes
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S, Sample
 
 
@@ -87,6 +87,25 @@ def resolve_budget(
         return Budget(None, None, warn_at, halt_at)
     spare = max(0, host_available_bytes - system_headroom_bytes(host_total_bytes))
     return Budget(granted_bytes, min(granted_bytes, spare), warn_at, halt_at)
+
+
+def budget_here(granted_bytes: int | None, *, warn_at: float = 0.8, halt_at: float = 1.0) -> Budget:
+    """:func:`resolve_budget` with this host's memory as it is now, where the claim starts.
+
+    Called where the work runs: in the kernel for a claim on its machine, in
+    the task on a Ray node for one there, since the spare memory that matters
+    is the host's that runs it.
+    """
+    if not granted_bytes:
+        return Budget(None, None, warn_at, halt_at)
+    total, available = host_memory()
+    return resolve_budget(
+        granted_bytes,
+        host_total_bytes=total,
+        host_available_bytes=available,
+        warn_at=warn_at,
+        halt_at=halt_at,
+    )
 
 
 class HaltReason(str, Enum):

@@ -1,11 +1,14 @@
-"""``%%claim --background``: a claimed cell that returns at once with a handle.
+"""A claimed cell as a job: run here and waited for, or ``--background`` with a handle.
 
-The cell joins the kernel's queue before the magic returns, in the main
-thread, so eight background cells started in order are granted in that order
-and never more at once than the inventory holds. It then waits and runs on a
-thread of its own while the user goes on working. A cell ``--on ray`` has
-connected to its cluster by then, and been refused if no node can hold it;
-Ray's queue is its queue.
+Every ``%%claim`` cell is a :class:`Job`, wherever it runs; a foreground cell
+is a job run in the cell's own thread (:meth:`Job.run`), as a blocking call in
+ipyparallel is a task plus a wait. A background cell has taken its place
+before the magic returns (:meth:`~fluksio_nb.lifecycle.ClaimLifecycle.take_place`),
+in the main thread, so eight background cells started in order are granted in
+that order and never more at once than the inventory holds. It then waits and
+runs on a thread of its own while the user goes on working. A cell ``--on
+ray`` has connected to its cluster by then, and been refused if no node can
+hold it; Ray's queue is its queue.
 
 Two things a background cell must not do. Its output must not land in
 whichever cell happens to be executing when it prints, so it is sent to the
@@ -19,19 +22,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fluksio_nb import random_streams
-from fluksio_nb.context import Claim
 from fluksio_nb.errors import RemoteError
+from fluksio_nb.lifecycle import ClaimLifecycle
 from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.relay import CellOutput
-from fluksio_nb.resources import Resources
-from fluksio_nb.status import describe, new_view
-from fluksio_nb.transfer import Parcel
-
-if TYPE_CHECKING:
-    from fluksio_nb.on_ray import Packed, RayClaim
+from fluksio_nb.status import describe
+from fluksio_nb.worker.client import Outcome, Sink
 
 #: How long starting a job granted on the spot waits for it to be running,
 #: so that the cell says it runs. Its cgroups and its worker's checkout take
@@ -40,48 +39,45 @@ STARTS_WITHIN_S = 5.0
 
 
 class Job:
-    """A handle on a background claim: ``.result()``, ``.done()``, ``.cancel()``, ``.status``."""
+    """A handle on a claimed cell: ``.result()``, ``.done()``, ``.cancel()``, ``.status``."""
 
     def __init__(
         self,
-        claimed: Claim | RayClaim,
+        claimed: ClaimLifecycle,
         code: str,
-        inputs: Parcel | Packed,
+        inputs: Any,
         outputs: Sequence[str] | None,
+        *,
         by_hand: bool = False,
         if_changed: Sequence[str] = (),
         home: dict[str, object] | None = None,
+        output: Sink | None = None,
+        random_state: dict[str, Any] | None = None,
     ) -> None:
         """Run ``code`` under ``claimed``, which has already taken its place.
 
-        ``home`` is the namespace the job's names are for: the functions and
-        classes it makes read their globals from it, as if made there. Made
-        in the thread that starts the job, in order, so the random streams it
-        is seeded with (:func:`fluksio_nb.random_streams.spawn`) are the same
-        on every run of the notebook; they do not come back.
+        ``inputs`` were packed by the claim's place to run, and are discarded
+        once the cell is over. ``home`` is the namespace the job's names are
+        for: the functions and classes it makes read their globals from it, as
+        if made there. ``random_state`` is the random streams the cell draws
+        from; by default new ones, made in the thread that starts the job, in
+        order, so that they are the same on every run of the notebook
+        (:func:`fluksio_nb.random_streams.spawn`); they do not come back.
         """
         self._claim = claimed
         self._code, self._inputs, self._outputs = code, inputs, outputs
         self._if_changed = if_changed
         self._home = home
-        self._random_state = random_streams.spawn()
+        self._random_state = random_streams.spawn() if random_state is None else random_state
         #: Whether the user named ``outputs`` with ``--out``: only then is a
         #: name the cell ended without worth a warning.
         self._by_hand = by_hand
-        self._output = CellOutput()
+        self._output = output or CellOutput()
         self._finished = threading.Event()
         #: Set once the claim is running, or failed to start.
         self._started = threading.Event()
         self._values: dict[str, object] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"fluksio-job-{self.label}", daemon=True
-        )
-        self._thread.start()
-        if claimed.granted_at is not None:
-            # Granted on the spot: what the cell shows is that it runs, not a
-            # race between this thread and the job's (cgroups take a moment).
-            self._started.wait(STARTS_WITHIN_S)
 
     @property
     def label(self) -> str:
@@ -115,11 +111,18 @@ class Job:
             return False
         return self._claim.cancel("cancelled from its job handle")
 
-    def _run(self) -> None:
+    def run(self) -> Outcome:
+        """Wait for the share and run the cell in this thread; raise how it failed."""
+        try:
+            return self._run()
+        finally:
+            self._finished.set()
+
+    def _run(self) -> Outcome:
         try:
             with self._claim as claimed:
                 self._started.set()
-                outcome = claimed.run_code(
+                return claimed.run_code(
                     self._code,
                     self._inputs,
                     self._outputs,
@@ -127,6 +130,25 @@ class Job:
                     if_changed=self._if_changed,
                     random_state=self._random_state,
                 )
+        finally:
+            self._inputs.discard()
+            self._started.set()
+
+    def start(self) -> Job:
+        """Run the cell on a thread of its own; the handle, at once."""
+        thread = threading.Thread(
+            target=self._in_the_background, name=f"fluksio-job-{self.label}", daemon=True
+        )
+        thread.start()
+        if self._claim.granted_at is not None:
+            # Granted on the spot: what the cell shows is that it runs, not a
+            # race between this thread and the job's (cgroups take a moment).
+            self._started.wait(STARTS_WITHIN_S)
+        return self
+
+    def _in_the_background(self) -> None:
+        try:
+            outcome = self._run()
             home = self._home
             self._values = outcome.outputs if home is None else each_at_home(outcome.outputs, home)
             warning = outcome.warning(self._by_hand)
@@ -139,29 +161,7 @@ class Job:
             self._error = error
             self._output.stderr(f"{type(error).__name__}: {error}\n")
         finally:
-            self._inputs.discard()
-            self._started.set()
             self._finished.set()
 
     def __repr__(self) -> str:
         return f"<Job {self.label!r}: {describe(self._claim.status).splitlines()[0]}>"
-
-
-def start_job(
-    wanted: Resources,
-    code: str,
-    inputs: Parcel,
-    outputs: Sequence[str] | None,
-    by_hand: bool = False,
-    if_changed: Sequence[str] = (),
-    home: dict[str, object] | None = None,
-) -> Job:
-    """Start a background claim; ``by_hand`` says the user chose ``outputs`` with ``--out``.
-
-    ``if_changed`` names inputs whose changes in place the handle holds too.
-    """
-    # Shown at once, from this thread: a background job's status belongs in
-    # the cell that started it, which is only the executing one now.
-    claimed = Claim(wanted, view=new_view(), show_after=None)
-    claimed.enqueue()
-    return Job(claimed, code, inputs, outputs, by_hand, if_changed, home)

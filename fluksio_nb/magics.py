@@ -24,7 +24,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from fluksio_nb import random_streams, transfer
 from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
-from fluksio_nb.context import Claim
+from fluksio_nb.context import place_to_run
 from fluksio_nb.errors import (
     BadClaim,
     ClaimCancelled,
@@ -33,9 +33,11 @@ from fluksio_nb.errors import (
     RemoteError,
     WorkerDied,
 )
+from fluksio_nb.jobs import Job
+from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.relay import CellOutput
-from fluksio_nb.status import new_view
+from fluksio_nb.status import StatusView, TextView, can_show_widgets
 from fluksio_nb.variables import (
     choose_if_changed,
     choose_inputs,
@@ -66,67 +68,58 @@ class ClaimMagics(Magics):
 
     @cell_magic
     def claim(self, line: str, cell: str) -> Any:
+        namespace = self.shell.user_ns
         try:
             parsed = parse_claim_line(line)
-            inputs, outputs, deleted, if_changed = _names(cell, parsed, self.shell.user_ns)
+            inputs, outputs, deleted, if_changed = _names(cell, parsed, namespace)
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
-        if parsed.on is not None:
-            from fluksio_nb import on_ray
-
-            if parsed.background:
-                return on_ray.start_job(
-                    self.shell,
-                    parsed,
-                    cell,
-                    inputs,
-                    outputs,
-                    by_hand=parsed.outputs is not None,
-                    if_changed=if_changed,
-                )
-            with self._keeping_what_came_back(deleted):
-                outcome = on_ray.run_cell(
-                    self.shell, parsed, cell, inputs, outputs, ForegroundOutput(), if_changed
-                )
-            self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
-            return None
+        place = place_to_run(parsed.on)
         # Packed now, before the claim waits: an input that cannot travel is
         # refused before it takes a place in the queue, and a background cell
         # ships its inputs as they were when it was started.
-        parcel = transfer.pack({name: self.shell.user_ns[name] for name in inputs}, reuse=True)
-        if parcel.failures:
-            parcel.discard()
-            raise UsageError(_unsendable_message(parcel.failures))
+        packed = place.pack_inputs({name: namespace[name] for name in inputs})
+        if packed.failures:
+            packed.discard()
+            raise UsageError(_unsendable_message(packed.failures, place.reached_as))
+        by_hand = parsed.outputs is not None
         try:
-            if parsed.background:
-                from fluksio_nb.jobs import start_job
-
-                return start_job(
-                    parsed.resources,
-                    cell,
-                    parcel,
-                    outputs,
-                    by_hand=parsed.outputs is not None,
-                    if_changed=if_changed,
-                    home=self.shell.user_ns,
-                )
-            claimed = Claim(parsed.resources, view=new_view())
+            # A background claim's status is shown at once, from this thread:
+            # it belongs in the cell that started it, which is only the
+            # executing one now.
+            claimed = place.for_cell(
+                parsed.resources,
+                parsed.on,
+                view=new_view(),
+                show_after=None if parsed.background else SHOW_AFTER_S,
+            )
+            claimed.take_place()
         except BadClaim as error:
-            parcel.discard()
+            packed.discard()
             raise UsageError(str(error)) from None
-        try:
-            with self._keeping_what_came_back(deleted), claimed:
-                outcome = claimed.run_code(
-                    cell,
-                    parcel,
-                    outputs,
-                    ForegroundOutput(),
-                    if_changed=if_changed,
-                    random_state=random_streams.capture(),
-                )
-        finally:
-            parcel.discard()
-        self._bring_back(outcome, deleted, by_hand=parsed.outputs is not None)
+        if parsed.background:
+            job = Job(
+                claimed,
+                cell,
+                packed,
+                outputs,
+                by_hand=by_hand,
+                if_changed=if_changed,
+                home=namespace,
+            )
+            return job.start()
+        job = Job(
+            claimed,
+            cell,
+            packed,
+            outputs,
+            if_changed=if_changed,
+            output=ForegroundOutput(),
+            random_state=random_streams.capture(),
+        )
+        with self._keeping_what_came_back(deleted):
+            outcome = job.run()
+        self._bring_back(outcome, deleted, by_hand=by_hand)
         return None
 
     @contextlib.contextmanager
@@ -161,8 +154,6 @@ class ClaimMagics(Magics):
     @line_magic
     def claims(self, line: str = "") -> Any:
         """Show the machine: totals, free, the queue and the running claims."""
-        from fluksio_nb.status import can_show_widgets
-
         if can_show_widgets():
             from fluksio_nb.widget import monitor
 
@@ -195,12 +186,21 @@ def _names(
     return inputs, outputs, deleted, choose_if_changed(cell, inputs, outputs)
 
 
-def _unsendable_message(failures: dict[str, str]) -> str:
+def _unsendable_message(failures: dict[str, str], to: str) -> str:
     names = ", ".join(f"'{name}' ({reason})" for name, reason in sorted(failures.items()))
     return (
-        f"%%claim: cannot send {names} to the worker. Create it inside the cell, "
+        f"%%claim: cannot send {names} to {to}. Create it inside the cell, "
         "or leave it out with --in."
     )
+
+
+def new_view() -> StatusView:
+    """The view a claimed cell draws its status with: the live widget where it can be drawn."""
+    if can_show_widgets():
+        from fluksio_nb.widget import WidgetView
+
+        return WidgetView()
+    return TextView()
 
 
 def _show_claim_error(shell, kind, error, traceback, tb_offset=None):

@@ -231,15 +231,6 @@ def can_show_widgets() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
-def new_view() -> StatusView:
-    """The view a claimed cell draws its status with: the live widget where it can be drawn."""
-    if can_show_widgets():
-        from fluksio_nb.widget import WidgetView
-
-        return WidgetView()
-    return TextView()
-
-
 # -----------------------------------------------------------------------------
 # This kernel's running claims
 # -----------------------------------------------------------------------------

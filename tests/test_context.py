@@ -15,8 +15,8 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from fluksio_nb import ClaimHalted, RemoteError, accountant, claim
-from fluksio_nb.context import Claim
 from fluksio_nb.errors import BadClaim
+from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
 

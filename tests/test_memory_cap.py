@@ -372,7 +372,7 @@ def test_no_claim_cgroup_outlives_any_ending(kernels, place):
         "import subprocess\nfrom fluksio_nb import claim\n"
         "with claim(ram='300M') as c:\n"
         "    p = c.popen(['setsid', 'sleep', '600'])\n"
-        "    strays = c._cap.pids()",
+        "    strays = c._confinement.cap.pids()",
         check=True,
     )
     strays = kernel.facts("strays")

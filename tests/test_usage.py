@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from fluksio_nb import claim
-from fluksio_nb.context import Claim
+from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.usage import (
     UsageDirRefused,

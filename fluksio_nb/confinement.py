@@ -1,0 +1,180 @@
+"""Holding one claim's processes to its share with the OS, not with their good manners.
+
+Much of the code on a shared machine ignores ``OMP_NUM_THREADS``. So a claim
+on this machine is also held by the kernel: its processes run on its own
+cores (affinity), its memory is capped by a cgroup of its own, and where the
+books could pin no cores, a CPU quota holds it to its cpus' worth of time.
+Each of those is made where the OS allows it; where it does not, the claim
+says what holds it instead, and the sampler and the thread variables do what
+they can (:mod:`fluksio_nb.enforcement`).
+
+What this module decides:
+
+- **Which holds are made, and what each claim is told.** :meth:`Confinement.make`
+  returns what holds the claim's memory and its cores, for its status.
+- **A process enters before it runs a line** (:meth:`Confinement.into_the_share`,
+  run in the child between fork and exec): moved after it started, what it
+  allocated first would be charged outside the cap, and what it started first
+  would run on any core. A warm worker that ran an earlier claim is moved,
+  every thread of it (:meth:`Confinement.admit`).
+- **A worker the cap's out-of-memory killer ended was halted for its budget**
+  (:meth:`Confinement.halt_by_the_cap`), not lost.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+import psutil
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import CGROUP_V2, Budget, HaltDecision, over_budget
+from fluksio_nb.enforcement import (
+    THREAD_VARIABLES,
+    Enforcement,
+    cores_enforcement,
+    quota_enforcement,
+)
+from fluksio_nb.inventory import Inventory, confine_tree
+from fluksio_nb.memory_cap import CapNotMade, ClaimCgroup, cap_place, memory_enforcement, sampled
+from fluksio_nb.settings import Settings
+
+
+class Confinement:
+    """One claim's cores, memory cgroup and CPU quota, from its grant to its end."""
+
+    def __init__(self, cores: frozenset[int]) -> None:
+        #: The cores the claim's processes run on: its own, or every claimable one.
+        self.cores = cores
+        #: The claim's memory cgroup, while the kernel caps its memory.
+        self.cap: ClaimCgroup | None = None
+        #: Where the claim has no cores of its own: the cgroup that holds it to
+        #: its cpus' worth of time (cgroup v1's cpu hierarchy; on v2 the quota
+        #: goes in :attr:`cap` when there is one).
+        self.quota: ClaimCgroup | None = None
+        #: What holds the claim's memory and its cores, as its status says.
+        self.memory: Enforcement | None = None
+        self.cpus: Enforcement | None = None
+
+    @classmethod
+    def make(
+        cls, allocation: Allocation, budget: Budget, settings: Settings, inventory: Inventory
+    ) -> Confinement:
+        """The holds the OS allows for this grant; :attr:`memory` and :attr:`cpus` say which."""
+        if allocation.cores and settings.pin_cores:
+            cores = frozenset(allocation.cores)
+        else:
+            cores = inventory.worker_cores or frozenset(os.sched_getaffinity(0))
+        made = cls(cores)
+        try:
+            made.memory = made._make_cap(budget, settings)
+            made.cpus = made._hold_to_cores(allocation, settings, inventory)
+        except BaseException:
+            made.remove()
+            raise
+        return made
+
+    def _make_cap(self, budget: Budget, settings: Settings) -> Enforcement:
+        if budget.halt_bytes is None:
+            return sampled("the claim named no ram=, so it has no budget of its own to cap")
+        enforcement = memory_enforcement(settings)
+        if not enforcement.capped:
+            return enforcement
+        try:
+            self.cap = ClaimCgroup.make(cap_place(), budget.halt_bytes)
+        except CapNotMade as error:
+            return sampled(str(error))
+        return enforcement
+
+    def _hold_to_cores(
+        self, allocation: Allocation, settings: Settings, inventory: Inventory
+    ) -> Enforcement:
+        """Own cores where the books pinned some; a CPU quota where they could not."""
+        pinning = cores_enforcement(allocation.cores, settings.pin_cores, inventory.cpus)
+        if pinning.capped or not settings.pin_cores:
+            return pinning
+        place = cap_place(controller="cpu")
+        if not place.available:
+            return replace(pinning, why=f"{pinning.why}; no CPU quota either: {place.why_not}")
+        assert place.version is not None
+        try:
+            cap = self.cap
+            if cap is not None and cap.version == place.version == CGROUP_V2:
+                cap.limit_cpus(allocation.cpus)
+            else:
+                self.quota = ClaimCgroup.make_quota(place, allocation.cpus)
+        except OSError as error:
+            return replace(pinning, why=f"{pinning.why}; the CPU quota was not set: {error}")
+        return quota_enforcement(allocation.cpus, place.version, pinning.why)
+
+    def cgroups(self) -> list[ClaimCgroup]:
+        return [cgroup for cgroup in (self.cap, self.quota) if cgroup is not None]
+
+    def admit(self, pid: int) -> None:
+        """Move a running worker, every thread of it, onto the claim's cores and into its cgroups.
+
+        A cgroup that cannot take it is let go, and :attr:`memory` or
+        :attr:`cpus` says what holds the claim instead.
+        """
+        confine_tree(pid, self.cores)
+        quota = self.quota
+        if quota is not None:
+            try:
+                quota.admit(pid)
+            except OSError as error:
+                self.quota = None
+                quota.remove()
+                self.cpus = Enforcement(
+                    THREAD_VARIABLES,
+                    THREAD_VARIABLES,
+                    f"the worker could not be moved into {quota.path}: {error}",
+                )
+        cap = self.cap
+        if cap is None:
+            return
+        try:
+            held = psutil.Process(pid).memory_info().rss
+            cap.admit(pid, held)
+        except (OSError, psutil.Error) as error:
+            self.cap = None
+            cap.remove()
+            self.memory = sampled(f"the worker could not be moved into {cap.path}: {error}")
+
+    def let_go(self, pid: int) -> None:
+        """A warm worker goes back to the pool as it came: outside any claim."""
+        for cgroup in self.cgroups():
+            cgroup.let_go(pid)
+
+    def into_the_share(self, then: Callable[[], None] | None = None) -> Callable[[], None]:
+        """What a new process runs between fork and exec to start inside the share."""
+        cgroups, cores = self.cgroups(), self.cores
+        for cgroup in cgroups:
+            cgroup.settle(0)
+
+        def enter() -> None:
+            os.sched_setaffinity(0, cores)
+            for cgroup in cgroups:
+                cgroup.enter_from_child()
+            if then is not None:
+                then()
+
+        return enter
+
+    def halt_by_the_cap(self, budget: Budget | None, peak_seen: int) -> HaltDecision | None:
+        """The halt to report for a process that died, if the cap's OOM killer is what killed it."""
+        cap = self.cap
+        if cap is None or budget is None or budget.halt_bytes is None or not cap.oom_kills():
+            return None
+        peak = cap.peak_bytes()
+        return over_budget(peak_seen if peak is None else peak, budget, cap.version)
+
+    def peak_bytes(self) -> int | None:
+        """What the kernel counted as the cap's peak: exact where a reading may have missed it."""
+        return None if self.cap is None else self.cap.peak_bytes()
+
+    def remove(self) -> None:
+        for cgroup in self.cgroups():
+            cgroup.remove()
+        self.cap = self.quota = None

@@ -1,0 +1,287 @@
+"""A claim's life, whatever runs it: wait, show, run, end, give back.
+
+A claim on this machine (:mod:`fluksio_nb.local_claim`) and a claim on a Ray
+cluster (:mod:`fluksio_nb.ray.claim`) must read the same to the user: the same
+status while they wait, the same live view once they run, the same summary
+left behind however they end, and the same ``with`` block, ``c.run`` and
+``c.readings``. So that is written once, here, in :class:`ClaimLifecycle`,
+and a place to run a claim says only how it acquires its share
+(:meth:`~ClaimLifecycle.acquire`), how it runs code in it
+(:meth:`~ClaimLifecycle.run_code`), how it gives it back
+(:meth:`~ClaimLifecycle._give_back`) and how it is cancelled.
+
+What this module decides:
+
+- **How it ended is one word and one paragraph** (:func:`ending_of`,
+  :func:`message_of`): the stop button is "interrupted", a memory halt
+  "halted", and so on, whichever place ran the claim.
+- **A summary is always left as text**, after the live view if there was one:
+  it is what a saved notebook shows without its widgets, and what nbval
+  compares. A claim that was over before its live view was due shows only
+  the summary (:data:`SHOW_AFTER_S`).
+- **``c.run(fn, ...)`` is a one-line claimed cell** (:func:`call_through`):
+  the function and its arguments travel as the cell's inputs and its result as
+  the cell's one output, so it needs nothing a place to run does not already
+  do for a cell.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import Budget
+from fluksio_nb.errors import (
+    ClaimCancelled,
+    ClaimHalted,
+    ClaimTimeout,
+    RemoteError,
+    WorkerDied,
+)
+from fluksio_nb.relay import CellOutput
+from fluksio_nb.resources import Resources
+from fluksio_nb.sampler import Readings
+from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView
+from fluksio_nb.worker.client import Interrupted, Outcome
+
+#: How long a claim waits before it is shown waiting. A running claim is shown
+#: at its first reading, one sampling interval in. A cell done sooner shows
+#: only its summary: a live view of a cell that is over before anyone could
+#: read it costs more than the cell (measured: most of a trivial claimed
+#: cell's time went to drawing it).
+SHOW_AFTER_S = 0.25
+
+
+class ClaimLifecycle:
+    """A share held from :meth:`acquire` until :meth:`release`, shown as it goes.
+
+    Subclasses say how to acquire, run, give back and cancel; the status, the
+    view, the summary, the ``with`` block and :meth:`run` are the same for all.
+    """
+
+    def __init__(
+        self,
+        wanted: Resources,
+        *,
+        label: str,
+        view: StatusView | None,
+        show_after: float | None,
+    ) -> None:
+        self.wanted = wanted
+        self.status = ClaimStatus(label=wanted.label or label, asked=wanted)
+        #: What was granted, once it was.
+        self.allocation: Allocation | None = None
+        #: The variables the claim's work runs with, derived from the share.
+        self.env: dict[str, str] = {}
+        self.budget: Budget | None = None
+        self._view = view
+        #: ``None``: shown at once; else shown once it has waited this long,
+        #: or at its first reading.
+        self._show_after = show_after
+        self._shown = False
+        #: Where the summary goes: the cell that asked (see :meth:`_remember_the_cell`).
+        self._cell: CellOutput | None = None
+        self._summary: TextView | None = None
+        self._lock = threading.Lock()
+        #: Why the claim was stopped from outside its work, if it was:
+        #: how it ended, the paragraph that says so, and the halt behind it.
+        self._stop_reason: tuple[Ending, str, Any] | None = None
+
+    # -- what a place to run says -------------------------------------------------
+
+    #: How the "cannot send" message names where the inputs were going.
+    reached_as = "the worker"
+
+    @classmethod
+    def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Any:
+        """The claim a ``with claim(...)`` block holds from entry to exit."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_cell(
+        cls, wanted: Resources, on: str | None, *, view: StatusView, show_after: float | None
+    ) -> Any:
+        """The claim a ``%%claim`` cell runs under; ``show_after=None`` shows it at once."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pack_inputs(values: Mapping[str, object]) -> Any:
+        """A cell's inputs packed to travel, with ``.failures`` by name and ``.discard()``."""
+        raise NotImplementedError
+
+    def take_place(self) -> None:
+        """What is settled before a cell waits or a background cell returns.
+
+        A place to run refuses here what it can never hold, as a
+        :class:`~fluksio_nb.errors.BadClaim`, and a local claim joins its
+        queue, so that background cells started in order are granted in order.
+        """
+        raise NotImplementedError
+
+    def acquire(self) -> ClaimLifecycle:
+        """Wait for the share, showing where the claim stands while it waits."""
+        raise NotImplementedError
+
+    def run_code(
+        self,
+        code: str,
+        inputs: Any,
+        outputs: Sequence[str] | None,
+        sink: Any,
+        *,
+        if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
+    ) -> Outcome:
+        """Run notebook code holding this share; raise how it failed.
+
+        ``if_changed`` names inputs to bring back too if the code changed them in
+        place; ``random_state`` is the global random streams the code draws from
+        (:mod:`fluksio_nb.random_streams`).
+        """
+        raise NotImplementedError
+
+    def cancel(self, reason: str) -> bool:
+        """Leave the queue, or stop the work if it is running. False if there is nothing to stop."""
+        raise NotImplementedError
+
+    def popen(self, args: Any, **kwargs: Any) -> Any:
+        """A subprocess holding this share, where the place to run can start one here."""
+        raise NotImplementedError
+
+    def _give_back(self) -> None:
+        """End what the claim started and hand its share back; called once, by :meth:`release`."""
+        raise NotImplementedError
+
+    @property
+    def granted_at(self) -> float | None:
+        """When the share was granted (``time.time()``), if it has been."""
+        raise NotImplementedError
+
+    # -- the same for every place -------------------------------------------------
+
+    @property
+    def readings(self) -> Readings:
+        """The latest, peak and mean readings of everything this claim ran."""
+        return self.status.readings
+
+    def release(self, error: BaseException | None = None) -> None:
+        """Give the share back and end everything this claim started; say how it went."""
+        self._give_back()
+        if self.status.phase == "done":
+            return
+        if self._stop_reason is not None:
+            ending, message, _ = self._stop_reason
+            self._end(ending, message)
+        elif error is None:
+            self._end("ok", "")
+        else:
+            self._end(ending_of(error), message_of(error))
+
+    def __enter__(self) -> ClaimLifecycle:
+        return self.acquire()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.release(error)
+
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)`` holding this share; return its result."""
+        return call_through(self.run_code, CellOutput(), fn, args, kwargs)
+
+    # -- showing --------------------------------------------------------------------
+
+    def _remember_the_cell(self) -> None:
+        """Aim the summary at the cell that asked: called from that cell, as the claim starts.
+
+        A background claim's summary belongs there, not in whichever cell is
+        running when it ends.
+        """
+        self._cell = CellOutput()
+        self._summary = TextView(self._cell)
+
+    def _show(self) -> None:
+        with self._lock:
+            if self._shown or self._view is None:
+                return
+            self._shown = True
+        self._view.show(self.status)
+
+    def _update_view(self) -> None:
+        if self._view is not None and self._shown:
+            self._view.update(self.status)
+
+    def _end(self, ending: Ending, message: str) -> None:
+        self.status.phase, self.status.ending, self.status.message = "done", ending, message
+        self.status.ended_at = time.monotonic()
+        if self.status.started_at is None:
+            self.status.started_at = self.status.ended_at
+        self._ended(ending)
+        self._update_view()
+        if self._view is not None and self._summary is not None:
+            # How it went is always left as text of its own, after the live
+            # view if there was one: nbval reads a live view as it was first
+            # drawn, never as it was updated.
+            self._shown = True
+            self._summary.show(self.status)
+
+    def _ended(self, ending: Ending) -> None:
+        """What a place to run does as the claim ends, before the summary: by default nothing."""
+
+
+def ending_of(error: BaseException) -> Ending:
+    """The one word for how a claim that raised ``error`` ended."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, ClaimHalted):
+        return "halted"
+    if isinstance(error, ClaimTimeout):
+        return "timed out"
+    if isinstance(error, ClaimCancelled):
+        return "cancelled"
+    if isinstance(error, WorkerDied):
+        return "died"
+    return "error"
+
+
+def message_of(error: BaseException) -> str:
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted by the user"
+    return str(error)
+
+
+def cell_raised(
+    ename: str, evalue: str, traceback: list[str], outcome: Outcome
+) -> RemoteError | Interrupted:
+    """What the kernel raises for a claimed cell that raised, wherever it ran.
+
+    The stop button is an interrupt, as in a normal cell; anything else is the
+    cell's own error. Either carries what the cell had bound.
+    """
+    if ename == "KeyboardInterrupt":
+        return Interrupted(outcome)
+    return RemoteError(ename, evalue, traceback, outcome)
+
+
+def call_through(
+    run_code: Callable[..., Outcome],
+    sink: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """``fn(*args, **kwargs)`` as a one-line claimed cell run by ``run_code``; its result."""
+    outcome = run_code(
+        "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
+        {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": dict(kwargs)},
+        ["__fluksio_result__"],
+        sink,
+    )
+    if "__fluksio_result__" in outcome.failed:
+        raise RemoteError(
+            "TransferError",
+            f"the result could not be sent back: {outcome.failed['__fluksio_result__']}",
+            [],
+        )
+    return outcome.outputs["__fluksio_result__"]

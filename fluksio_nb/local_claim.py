@@ -1,0 +1,486 @@
+"""A claim on this machine: the kernel's queue, a worker, and the OS holding it to its share.
+
+:class:`Claim` is what a ``%%claim`` cell, a ``--background`` job and a
+``with claim(...)`` block take on this machine. Its life (waiting visibly,
+the live view, the summary, the ``with`` block) is
+:class:`~fluksio_nb.lifecycle.ClaimLifecycle`'s; what is its own is how it
+acquires and runs: wait in the kernel's queue, derive the environment from
+what was granted, hold its processes to the share
+(:mod:`fluksio_nb.confinement`), run the work in a worker or a subprocess
+born with that environment, sample it, and give the share back however it
+ends.
+
+How it ends decides what the user reads. A cell that raised shows its own
+traceback. A cell that was halted for memory, ran out of time, was
+cancelled, or lost its worker says which of those happened and the numbers,
+in one paragraph, because there is no traceback in the user's code to read.
+A worker the kernel's out-of-memory killer ended inside the claim's memory
+cgroup was stopped for its budget, not lost: it ends as
+:class:`~fluksio_nb.errors.ClaimHalted`, like the sampler's halt, and says
+which of the two acted. Past the budget's warning stage the cell is told
+so, once.
+
+Inside a ``with claim(...)`` block, the kernel's own BLAS and OpenMP pools are
+also held to the share (threadpoolctl), and restored after: code run directly
+in the block is then as well-behaved as code sent to a worker. The ``%%claim``
+magic and background jobs do not do this, because their work is not in the
+kernel, and a background job limiting the kernel's pools would slow every
+other cell the user runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fluksio_nb import transfer
+from fluksio_nb.books import Allocation
+from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
+from fluksio_nb.confinement import Confinement
+from fluksio_nb.env import derive_env, worker_environ
+from fluksio_nb.errors import ClaimCancelled, ClaimHalted, ClaimTimeout, WorkerDied
+from fluksio_nb.flavors import resolve_flavor
+from fluksio_nb.kernel import accountant, inventory, settings
+from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
+from fluksio_nb.queue import ClaimQueue, Ticket
+from fluksio_nb.relay import CellOutput
+from fluksio_nb.resources import Resources
+from fluksio_nb.sampler import Sample, Sampler, is_news
+from fluksio_nb.status import Ending, StatusView, note_ended, note_running
+from fluksio_nb.transfer import Parcel
+from fluksio_nb.usage import UsageNotRecorded, UsageRecord, kernel_usage_log
+from fluksio_nb.watch import Watch, Watched, kernel_watch
+from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.pool import WorkerPool, kernel_pool
+
+#: How long the status may lag the queue while a claim waits.
+_STATUS_EVERY_S = 0.5
+
+
+class Claim(ClaimLifecycle):
+    """A share of this machine, held from :meth:`acquire` until :meth:`release`."""
+
+    def __init__(
+        self,
+        wanted: Resources,
+        *,
+        view: StatusView | None = None,
+        queue: ClaimQueue | None = None,
+        pool: WorkerPool | None = None,
+        watch: Watch | None = None,
+        limit_kernel_threads: bool = False,
+        show_after: float | None = SHOW_AFTER_S,
+    ) -> None:
+        super().__init__(
+            resolve_flavor(wanted, settings()), label="claim", view=view, show_after=show_after
+        )
+        self._queue = queue or accountant()
+        self._pool = pool or kernel_pool()
+        self._watch = watch or kernel_watch()
+        self._limit_kernel_threads = limit_kernel_threads
+        self._thread_limits: Any = None
+        self._ticket: Ticket | None = None
+        self._deadline: float | None = None
+        self._stoppers: list[Callable[[], None]] = []
+        self._processes: list[subprocess.Popen] = []
+        #: The reading last written to the machine's ledger.
+        self._told: Sample | None = None
+        #: Its cores and cgroups, once granted.
+        self._confinement: Confinement | None = None
+
+    @classmethod
+    def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Claim:
+        return cls(wanted, view=view, limit_kernel_threads=True)
+
+    @classmethod
+    def for_cell(
+        cls, wanted: Resources, on: str | None, *, view: StatusView, show_after: float | None
+    ) -> Claim:
+        return cls(wanted, view=view, show_after=show_after)
+
+    @staticmethod
+    def pack_inputs(values: Mapping[str, object]) -> Parcel:
+        return transfer.pack(values, reuse=True)
+
+    # -- the share --------------------------------------------------------------
+
+    def take_place(self) -> None:
+        self.enqueue()
+
+    def enqueue(self) -> Ticket:
+        """Take a place in the queue and show it; does not wait. Idempotent."""
+        if self._ticket is not None:
+            return self._ticket
+        if self.wanted.timeout is not None:
+            self._deadline = time.monotonic() + self.wanted.timeout
+        ticket = self._queue.enqueue(self.wanted)
+        self._ticket = ticket
+        self._remember_the_cell()
+        self.status.label, self.status.ticket = ticket.label, ticket.number
+        self.status.asked = ticket.resources
+        # A claim granted on the spot has no place in the queue to show, and
+        # reading the ledger for one cost a warm trivial cell two more reads.
+        if ticket.allocation is None:
+            self._refresh_queue_position()
+        if self._show_after is None:
+            self._show()
+        return ticket
+
+    @property
+    def granted_at(self) -> float | None:
+        """When the queue granted the share (``time.time()``), if it has."""
+        return None if self._ticket is None else self._ticket.granted_at
+
+    def cancel(self, reason: str) -> bool:
+        """Leave the queue, or stop the work if it is running. False if it never queued."""
+        if self._ticket is None:
+            return False
+        return self._queue.cancel(self._ticket.number, reason)
+
+    def acquire(self) -> Claim:
+        """Wait for the share, showing where the claim stands while it waits."""
+        try:
+            ticket = self.enqueue()
+            allocation = self._wait(ticket)
+        except BaseException as error:
+            # A `with` whose __enter__ raised never reaches __exit__: the place
+            # in the queue is given up here or nowhere, even when the stop
+            # button came between the queue's ticket and this claim's.
+            if self._ticket is not None:
+                self._queue.release(self._ticket)
+            self._end(
+                ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
+            )
+            raise
+        try:
+            self._start(ticket, allocation)
+        except BaseException as error:
+            # Granted, but not started: the cgroups made so far, the share and
+            # the place all go, as they would at the block's end.
+            self.release(error)
+            raise
+        return self
+
+    def _start(self, ticket: Ticket, allocation: Allocation) -> None:
+        """From a share granted to a claim running: its env, budget, cgroups and status."""
+        self.allocation = allocation
+        self.env = derive_env(ticket.resources, allocation)
+        stages = settings()
+        self.budget = budget_here(
+            allocation.ram_bytes, warn_at=stages.memory_warn_at, halt_at=stages.memory_halt_at
+        )
+        ticket.on_cancel = self._cancelled
+        if ticket.cancelled is not None:
+            # Cancelled between its grant and now, when the stop found no work
+            # to stop: nothing has started, so nothing starts.
+            raise ClaimCancelled(
+                f"{self.status.label} was cancelled as it started: {ticket.cancelled}"
+            )
+        held = self._confinement = Confinement.make(allocation, self.budget, stages, inventory())
+        self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+        self.status.phase, self.status.allocation = "running", allocation
+        self.status.budget, self.status.started_at = self.budget, time.monotonic()
+        note_running(self.status)
+        self._update_view()
+        if self._limit_kernel_threads:
+            from threadpoolctl import threadpool_limits
+
+            self._thread_limits = threadpool_limits(limits=allocation.cpus)
+
+    def _wait(self, ticket: Ticket) -> Allocation:
+        # The first look comes sooner: a claim still waiting then is shown
+        # waiting, and one granted by then never needed to be.
+        every = _STATUS_EVERY_S if self._show_after is None else self._show_after
+        while True:
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            try:
+                return self._queue.wait(ticket, every if left is None else min(max(left, 0), every))
+            except ClaimTimeout:
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise ClaimTimeout(
+                        self._queue.timeout_message(ticket, self.wanted.timeout)
+                    ) from None
+            every = _STATUS_EVERY_S
+            self._refresh_queue_position()
+            self._show()
+            self._update_view()
+
+    def _refresh_queue_position(self) -> None:
+        ticket = self._ticket
+        if ticket is None:
+            return
+        self.status.position = self._queue.position(ticket)
+        self.status.holders = [
+            f"{holder.label!r} (#{holder.number})"
+            for holder in self._queue.holders()
+            if holder.number != ticket.number
+        ]
+
+    def _give_back(self) -> None:
+        if self._thread_limits is not None:
+            self._thread_limits.restore_original_limits()
+            self._thread_limits = None
+        for process in self._processes:
+            if process.poll() is None:
+                _end_process_group(process)
+        held = self._confinement
+        if held is not None:
+            peak = held.peak_bytes()
+            if peak is not None and peak > self.status.readings.peak_rss_bytes:
+                self.status.readings.peak_rss_bytes = peak
+            held.remove()
+        if self._ticket is not None:
+            self._queue.release(self._ticket)
+
+    # -- running things under it -----------------------------------------------
+
+    def run_code(
+        self,
+        code: str,
+        inputs: Mapping[str, object] | Parcel,
+        outputs: Sequence[str] | None,
+        sink: Any,
+        *,
+        if_changed: Sequence[str] = (),
+        random_state: dict[str, Any] | None = None,
+    ) -> Outcome:
+        """Run notebook code in a worker that holds this share; raise how it failed."""
+        held = self._confinement
+        if self.allocation is None or held is None:
+            raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        worker = self._pool.checkout(self.env)
+        # A cold worker's start is not the cell running: the live view is due
+        # one reading into the cell, not into the worker's own imports, which
+        # take half a second on a slow machine and put a live view, then the
+        # summary, under every first claimed cell that was over at once.
+        try:
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            worker.wait_until_ready(timeout=30.0 if left is None else max(left, 0.0), sink=sink)
+        except BaseException:
+            worker.kill()
+            self._pool.checkin(worker, self.env)
+            raise
+        # A warm worker ran an earlier claim on other cores, and its thread
+        # pools are still there: every thread of it moves to this claim's.
+        held.admit(worker.pid)
+        self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+        watched = self._watch_process(worker.pid, stop=worker.kill)
+        try:
+            outcome = worker.run(
+                code,
+                inputs=inputs,
+                outputs=outputs,
+                sink=sink,
+                if_changed=if_changed,
+                random_state=random_state,
+                environ=worker_environ(self.env),
+            )
+        finally:
+            self._watch.discard(watched)
+            if not self.status.readings.count:
+                # Over before the first reading was due: one now, so that how
+                # it went still says what the worker held.
+                last = watched.sampler.sample()
+                if last is not None:
+                    self.status.readings.add(last)
+            watched.sampler.close()
+            self._stoppers.remove(worker.kill)
+            if worker.alive:
+                held.let_go(worker.pid)
+            self._pool.checkin(worker, self.env)
+        self._raise_for(outcome)
+        return outcome
+
+    def popen(self, args: Sequence[str] | str, **kwargs: Any) -> subprocess.Popen:
+        """Start a subprocess with this share's environment, sampled and held to its budget.
+
+        An ``env=`` given here is laid over the derived one, as a claim's own
+        ``env`` is. The process ends, if it has not already, when the claim does.
+        """
+        held = self._confinement
+        if self.allocation is None or held is None:
+            raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        extra = kwargs.pop("env", None) or {}
+        kwargs.setdefault("start_new_session", True)
+        kwargs["preexec_fn"] = held.into_the_share(then=kwargs.pop("preexec_fn", None))
+        process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
+        self._processes.append(process)
+        self._watch_process(process.pid, stop=lambda: _end_process_group(process))
+        return process
+
+    # -- stopping ----------------------------------------------------------------
+
+    def _watch_process(self, pid: int, stop: Callable[[], None]) -> Watched:
+        # A process of the claim the cap killed (a `c.popen`'s, a cell's
+        # child) stopped the claim: whatever it is asked to do next is refused.
+        if self._stop_reason is None:
+            capped = self._stopped_by_the_cap()
+            if capped is not None:
+                self._stop("halted", capped.message, capped)
+        with self._lock:
+            self._stoppers.append(stop)
+            stopped = self._stop_reason is not None
+        if stopped:
+            # Stopped (cancelled, out of time) before this process was there to
+            # stop, as while a cold worker started: it goes at once.
+            stop()
+        assert self.budget is not None and self._confinement is not None
+        return self._watch.add(
+            Watched(
+                sampler=Sampler(pid),
+                budget=self.budget,
+                on_sample=self._sampled,
+                on_halt=self._halt,
+                deadline=self._deadline,
+                capped=self._confinement.cap is not None,
+            )
+        )
+
+    def _sampled(self, sample: Sample) -> None:
+        self.status.readings.add(sample)
+        self._warn_if_amber(sample)
+        # The first reading comes one interval after the work started: a cell
+        # still running then is worth a live status.
+        self._show()
+        # Written to the machine's ledger only when it changed by more than
+        # drift: each report rewrites the file every other kernel and the
+        # server read, and a steady claim's readings are the same every tick.
+        if self._ticket is not None and is_news(self._told, sample):
+            self._told = sample
+            self._queue.report(
+                self._ticket,
+                {
+                    "rss_bytes": sample.rss_bytes,
+                    "peak_rss_bytes": self.status.readings.peak_rss_bytes,
+                    "cpu_percent": sample.cpu_percent,
+                    "processes": sample.processes,
+                    "at": time.time(),
+                },
+            )
+        self._update_view()
+
+    def _warn_if_amber(self, sample: Sample) -> None:
+        """Past the warning stage: the status turns amber and the cell is told, once."""
+        budget = self.budget
+        warn_at = None if budget is None else budget.warn_bytes
+        if warn_at is None or sample.rss_bytes < warn_at:
+            return
+        assert budget is not None and budget.halt_bytes is not None
+        if sample.rss_bytes >= budget.halt_bytes:
+            # Past the warning and the stop in one reading: the halt says it all.
+            return
+        with self._lock:
+            if self.status.memory_warning:
+                return
+            self.status.memory_warning = True
+        enforcement = self.status.memory_enforcement
+        line = memory_warning(
+            sample.rss_bytes, budget, enforcement.by if enforcement else "sampler"
+        )
+        (self._cell or CellOutput()).stderr(line)
+
+    def _halt(self, decision: HaltDecision | None) -> None:
+        if decision is None:
+            self._stop(
+                "timed out",
+                f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and was "
+                "stopped. Raise --timeout, or make the cell do less.",
+                None,
+            )
+        else:
+            self._stop("halted", decision.message, decision)
+
+    def _cancelled(self, reason: str) -> None:
+        self._stop("cancelled", f"{self.status.label} was cancelled while running: {reason}", None)
+
+    def _stop(self, ending: Ending, message: str, decision: HaltDecision | None) -> None:
+        with self._lock:
+            if self._stop_reason is None:
+                self._stop_reason = (ending, message, decision)
+            stoppers = list(self._stoppers)
+        for stop in stoppers:
+            stop()
+
+    def _raise_for(self, outcome: Outcome) -> None:
+        if self._stop_reason is not None:
+            ending, message, decision = self._stop_reason
+            if ending == "halted" and decision is not None:
+                raise ClaimHalted(decision)
+            if ending == "timed out":
+                raise ClaimTimeout(message)
+            raise ClaimCancelled(message)
+        if outcome.died is not None:
+            capped = self._stopped_by_the_cap()
+            if capped is not None:
+                self._stop("halted", capped.message, capped)
+                raise ClaimHalted(capped)
+            raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
+        if outcome.error is not None:
+            error = outcome.error
+            raise cell_raised(error.ename, error.evalue, error.traceback, outcome)
+
+    def _stopped_by_the_cap(self) -> HaltDecision | None:
+        """The halt to report for a worker that died, if the kernel's cap is what killed it."""
+        held = self._confinement
+        if held is None:
+            return None
+        return held.halt_by_the_cap(self.budget, self.status.readings.peak_rss_bytes)
+
+    # -- ending ------------------------------------------------------------------
+
+    def _ended(self, ending: Ending) -> None:
+        note_ended(self.status)
+        self._record_usage(ending)
+
+    def _record_usage(self, ending: Ending) -> None:
+        """Leave the line `fluksio-nb usage` counts; a claim that never queued has none."""
+        ticket = self._ticket
+        if ticket is None:
+            return
+        held = self.allocation or ticket.allocation
+        try:
+            kernel_usage_log().write(
+                UsageRecord(
+                    label=self.status.label,
+                    # jupyter_server tells the kernels it starts which notebook they serve.
+                    notebook=os.environ.get("JPY_SESSION_NAME"),
+                    cpus=held.cpus if held else 0,
+                    gpus=list(held.gpus) if held else [],
+                    ram_bytes=held.ram_bytes if held else 0,
+                    asked_at=ticket.since,
+                    granted_at=ticket.granted_at,
+                    ended_at=time.time(),
+                    ending=ending,
+                    peak_rss_bytes=self.status.readings.peak_rss_bytes,
+                )
+            )
+        except Exception as error:
+            # The log warns of its own failures; a cell never fails for its accounting.
+            warnings.warn(
+                f"{self.status.label}'s usage was not recorded: {error}",
+                UsageNotRecorded,
+                stacklevel=2,
+            )
+
+
+def _end_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process's group, then SIGKILL whatever is left a moment later."""
+    try:
+        group = os.getpgid(process.pid)
+    except ProcessLookupError:
+        return
+    for sig, grace in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=grace or 5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
