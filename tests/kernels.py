@@ -15,7 +15,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,33 @@ class Kernel:
         finally:
             if self.own_dir is not None:
                 shutil.rmtree(self.own_dir, ignore_errors=True)
+
+
+@contextmanager
+def started_kernel(
+    place: Path | None = None, *, user: UnixUser | None = None, **env: str
+) -> Iterator[Kernel]:
+    """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
+
+    With ``place``, a directory of the test's, the kernel's config file
+    (``fluksio_nb.json``, named but never written) and its ledger
+    (``ledger/``) are there, unless ``env`` names others: nothing of the
+    developer's is read and no book of the machine's is touched. ``user`` and
+    ``env`` are the kernel's own, as for :class:`Kernel`. A module's kernel is::
+
+        @pytest.fixture(scope="module")
+        def kernel(tmp_path_factory):
+            with started_kernel(tmp_path_factory.mktemp("kernel"), FLUKSIO_CPUS="2") as k:
+                yield k
+    """
+    if place is not None:
+        env = {
+            "FLUKSIO_CONFIG": str(place / "fluksio_nb.json"),
+            "FLUKSIO_LEDGER": str(place / "ledger"),
+            **env,
+        }
+    kernel = Kernel(user=user, **env)
+    try:
+        yield kernel
+    finally:
+        kernel.shutdown()

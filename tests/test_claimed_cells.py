@@ -16,24 +16,23 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
-from tests.kernels import Kernel
+from tests.kernels import started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
 
+INVENTORY = {
+    "FLUKSIO_CPUS": "2",
+    "FLUKSIO_GPUS": "2",
+    "FLUKSIO_RAM": "8G",
+    "FLUKSIO_RESERVE_CPUS": "0",
+}
+
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    k = Kernel(
-        FLUKSIO_CPUS="2",
-        FLUKSIO_GPUS="2",
-        FLUKSIO_RAM="8G",
-        FLUKSIO_RESERVE_CPUS="0",
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    yield k
-    k.shutdown()
+    with started_kernel(tmp_path_factory.mktemp("kernel"), **INVENTORY) as k:
+        yield k
 
 
 def assert_books_balanced(kernel):
@@ -67,12 +66,7 @@ def test_claimed_work_runs_off_the_reserved_core(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to keep back and one to claim")
-    reserved = Kernel(
-        FLUKSIO_RESERVE_CPUS="1",
-        FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path / "ledger"),
-    )
-    try:
+    with started_kernel(tmp_path, FLUKSIO_RESERVE_CPUS="1") as reserved:
         in_worker = reserved.run(
             "%%claim cpus=1\nimport json, os\nprint(json.dumps(sorted(os.sched_getaffinity(0))))",
             check=True,
@@ -86,8 +80,6 @@ def test_claimed_work_runs_off_the_reserved_core(tmp_path):
             check=True,
         ).json()
         in_kernel = reserved.facts("sorted(__import__('os').sched_getaffinity(0))")
-    finally:
-        reserved.shutdown()
     assert in_worker == in_popen == cores[1:]
     assert in_kernel == cores, "the kernel itself is not confined"
 

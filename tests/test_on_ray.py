@@ -29,7 +29,7 @@ from fluksio_nb.claim_line import parse_claim_line
 from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
 from fluksio_nb.resources import BadClaim, ask
-from tests.kernels import Kernel
+from tests.kernels import Kernel, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,23 +67,21 @@ def ray_state():
 @pytest.fixture(scope="module")
 def kernel(ray_state, tmp_path_factory):
     state, _ = ray_state
-    k = Kernel(
+    with started_kernel(
+        tmp_path_factory.mktemp("kernel"),
         RAY_TMPDIR=state,
         # A token of its own: without one, Ray writes a new one to ~/.ray.
         RAY_AUTH_TOKEN=secrets.token_hex(16),
         RAY_USAGE_STATS_ENABLED="0",
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    k.run(
-        "import ray\n"
-        f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-        "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
-        check=True,
-    )
-    yield k
-    k.run("ray.shutdown()", timeout=60)
-    k.shutdown()
+    ) as k:
+        k.run(
+            "import ray\n"
+            f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+            "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
+            check=True,
+        )
+        yield k
+        k.run("ray.shutdown()", timeout=60)
     deadline = time.monotonic() + 15
     while _processes_using(state) and time.monotonic() < deadline:
         time.sleep(0.2)
