@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
-from tests.kernels import started_kernel
+from tests.kernels import printed, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -367,12 +367,8 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     msg_id = kernel.client.execute(
         "%%claim\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)"
     )
-    worker_pid = None
-    deadline = time.monotonic() + 30
-    while worker_pid is None and time.monotonic() < deadline:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            worker_pid = int(msg["content"]["text"].split()[0])
+    # Its worker's pid: the cell is running.
+    kernel.messages_of(msg_id, until=printed("\n"))
     started = time.monotonic()
     kernel.interrupt()
     ename = kernel.error_when_idle(msg_id)
@@ -409,10 +405,7 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
         "%%claim\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
         "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)"
     )
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            break
+    kernel.messages_of(msg_id, until=printed("training"))
     kernel.interrupt()
     assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
     assert kernel.facts("steps") > 0
@@ -426,20 +419,9 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):
         "child = subprocess.Popen(['sleep', '60'])\n"
         "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
     )
-    pids = None
-    while pids is None:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            pids = [int(p) for p in msg["content"]["text"].split()]
+    pids = [int(p) for p in kernel.messages_of(msg_id, until=printed("\n")).stdout.split()]
     kernel.interrupt()
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if (
-            msg["parent_header"].get("msg_id") == msg_id
-            and msg["msg_type"] == "status"
-            and msg["content"]["execution_state"] == "idle"
-        ):
-            break
+    kernel.messages_of(msg_id)
     assert all(gone(pid) for pid in pids), "the worker's process group outlived the cell"
     assert_books_balanced(kernel)
 
@@ -670,11 +652,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
 
 def test_claim_help_is_the_parser_that_reads_the_line(kernel):
     """`%%claim?` must be real help: every option the line accepts."""
-    msg_id = kernel.client.execute("%%claim?")
-    while True:
-        reply = kernel.client.get_shell_msg(timeout=20)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
+    reply = kernel.reply_to(kernel.client.execute("%%claim?"), timeout=20)
     pages = [p["data"]["text/plain"] for p in reply["content"]["payload"] if p.get("data")]
     help_text = "".join(pages)
     for option in ("--in", "--out", "--timeout", "--background", "--label", "--strict", "cpus=N"):

@@ -29,7 +29,7 @@ from fluksio_nb.claim_line import parse_claim_line
 from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
 from fluksio_nb.resources import BadClaim, ask
-from tests.kernels import Kernel, started_kernel
+from tests.kernels import Kernel, printed, sent, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -429,22 +429,11 @@ def test_the_stop_button_cancels_the_task(kernel):
         "child = subprocess.Popen(['sleep', '60'])\n"
         "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
     )
-    pids = None
-    while pids is None:
-        msg = kernel.client.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            pids = [int(pid) for pid in msg["content"]["text"].split()]
+    printing = kernel.messages_of(msg_id, until=printed("\n"), timeout=60)
+    pids = [int(pid) for pid in printing.stdout.split()]
     started = time.monotonic()
     kernel.interrupt()
-    ename = None
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "error":
-            ename = msg["content"]["ename"]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    ename = kernel.error_when_idle(msg_id)
     assert time.monotonic() - started < 3
     assert ename == "KeyboardInterrupt"
     assert all(gone(pid, within=10) for pid in pids), (
@@ -500,13 +489,8 @@ def test_a_claim_block_on_ray_waits_for_its_share_and_gives_up_at_its_timeout(ke
 
 def stream_of(kernel, msg_id: str, within: float = 60) -> str:
     """The first output a cell started by ``msg_id`` printed, whenever it printed it."""
-    deadline = time.monotonic() + within
-    while True:
-        for msg in kernel.seen:
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                return msg["content"]["text"]
-        assert time.monotonic() < deadline, "the background cell printed nothing"
-        kernel.seen.append(kernel.client.get_iopub_msg(timeout=within))
+    ran = kernel.messages_of(msg_id, until=sent("stream"), timeout=within, past_idle=True)
+    return ran.of("stream")[0]["content"]["text"]
 
 
 def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(kernel):
