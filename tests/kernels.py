@@ -15,6 +15,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,36 @@ class Ran:
     def json(self) -> Any:
         """The last line of stdout, read as JSON: how cells report facts to tests."""
         return json.loads(self.stdout.strip().splitlines()[-1])
+
+    def so_far(self) -> str:
+        """What the cell has shown, for a test that gave up waiting on it."""
+        shown = f"stdout {self.stdout!r}, stderr {self.stderr!r}"
+        if self.error is not None:
+            shown += f", {self.error['ename']}: {self.error['evalue']}"
+        return shown
+
+
+@dataclass(frozen=True)
+class Until:
+    """What a test waits for a started cell to do, and how to say that it did not."""
+
+    #: What the cell did not do, as in "the cell did not {does} in 30 s".
+    does: str
+    met: Callable[[Ran], bool]
+
+
+#: The cell went idle: everything it sent has arrived.
+FINISHED = Until("finish", lambda ran: ran.finished_at > 0)
+
+
+def printed(text: str) -> Until:
+    """The cell's stdout has shown ``text``: it says where it has got to."""
+    return Until(f"print {text!r}", lambda ran: text in ran.stdout)
+
+
+def sent(msg_type: str) -> Until:
+    """The cell has sent a message of ``msg_type``, a ``stream`` on either channel say."""
+    return Until(f"send a {msg_type}", lambda ran: bool(ran.of(msg_type)))
 
 
 def run_in(client: BlockingKernelClient, code: str) -> str:
@@ -132,6 +164,8 @@ class Kernel:
         self.pid = self.manager.provisioner.process.pid
         #: Every IOPub message read so far, whichever cell it belongs to.
         self.seen: list[dict[str, Any]] = []
+        #: When each of ``seen`` arrived.
+        self.seen_at: list[float] = []
         self.run("%load_ext fluksio_nb", check=True)
 
     def _start_as(self, user: UnixUser, env: dict[str, str]) -> None:
@@ -177,38 +211,78 @@ class Kernel:
         and recorded in the result's ``prompts``.
         """
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
-        ran = Ran(status="unknown", msg_id=msg_id)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the cell did not finish in {timeout} s:\n{code}")
-            if answers is not None:
-                self._answer(ran, answers)
-                try:
-                    msg = self.client.get_iopub_msg(timeout=min(left, 0.05))
-                except queue.Empty:
-                    continue
-            else:
-                msg = self.client.get_iopub_msg(timeout=left)
-            self.seen.append(msg)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "status":
-                if msg["content"]["execution_state"] == "idle":
-                    break
-                continue
-            ran.messages.append(msg)
-            ran.arrived.append(time.monotonic())
-        ran.finished_at = time.monotonic()
-        while True:
-            reply = self.client.get_shell_msg(timeout=10)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        ran.status = reply["content"]["status"]
+        between = None if answers is None else (lambda ran: self._answer(ran, answers))
+        try:
+            ran = self.messages_of(msg_id, timeout=timeout, between=between)
+        except TimeoutError as late:
+            raise TimeoutError(f"{late}\n{code}") from None
+        ran.status = self.reply_to(msg_id)["content"]["status"]
         if check and ran.status != "ok":
             raise AssertionError(f"cell failed: {ran.error}\n{ran.stderr}\n{code}")
         return ran
+
+    def messages_of(
+        self,
+        msg_id: str,
+        *,
+        until: Until = FINISHED,
+        timeout: float = 30,
+        past_idle: bool = False,
+        between: Callable[[Ran], None] | None = None,
+    ) -> Ran:
+        """The IOPub messages of the cell ``msg_id``, read until ``until`` is met.
+
+        The cell's messages already read while waiting on another cell (in
+        ``seen``) count, in the order they arrived, then the channel is read on;
+        everything read is kept in ``seen``, whichever cell it belongs to. The
+        result holds the cell's messages but its status ones, and ``finished_at``
+        once the cell went idle; its ``status`` is the shell reply's, not read here.
+
+        Fails as soon as the cell goes idle without ``until`` met, unless
+        ``past_idle``: a background job's output arrives after its cell ended.
+        Fails too if ``timeout`` seconds pass first, saying what the cell showed.
+        ``between`` is called with the result so far while the channel is quiet,
+        every 50 ms at most: a front end answering input requests.
+        """
+        ran = Ran(status="unknown", msg_id=msg_id)
+        for msg, at in zip(self.seen, self.seen_at, strict=True):
+            self._keep(ran, msg, at)
+        deadline = time.monotonic() + timeout
+        while not until.met(ran):
+            if ran.finished_at and not past_idle:
+                raise AssertionError(f"the cell ended and did not {until.does}: {ran.so_far()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the cell did not {until.does} in {timeout} s: {ran.so_far()}")
+            if between is not None:
+                between(ran)
+                left = min(left, 0.05)
+            try:
+                msg = self.client.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            at = time.monotonic()
+            self.seen.append(msg)
+            self.seen_at.append(at)
+            self._keep(ran, msg, at)
+        return ran
+
+    @staticmethod
+    def _keep(ran: Ran, msg: dict[str, Any], at: float) -> None:
+        if msg["parent_header"].get("msg_id") != ran.msg_id:
+            return
+        if msg["msg_type"] != "status":
+            ran.messages.append(msg)
+            ran.arrived.append(at)
+        elif msg["content"]["execution_state"] == "idle":
+            ran.finished_at = at
+
+    def reply_to(self, msg_id: str, timeout: float = 10) -> dict[str, Any]:
+        """The shell reply to the request ``msg_id``, skipping replies to earlier ones."""
+        while True:
+            reply = self.client.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     def _answer(self, ran: Ran, answers: list[str]) -> None:
         while self.client.stdin_channel.msg_ready():
@@ -252,16 +326,8 @@ class Kernel:
 
     def error_when_idle(self, msg_id: str, timeout: float = 30) -> str | None:
         """Read a started cell's messages until it is idle; the name of its error, if any."""
-        ename = None
-        while True:
-            msg = self.client.get_iopub_msg(timeout=timeout)
-            self.seen.append(msg)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "error":
-                ename = msg["content"]["ename"]
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                return ename
+        error = self.messages_of(msg_id, timeout=timeout).error
+        return error["ename"] if error else None
 
     def wait_for_output(self, msg_id: str, text: str, timeout: float = 30) -> None:
         """Read a started cell's IOPub messages until its stdout has shown ``text``.
@@ -269,24 +335,7 @@ class Kernel:
         For a test that must act while the cell runs: what it printed says
         where it has got to. Fails if the cell ends first.
         """
-        printed = ""
-        deadline = time.monotonic() + timeout
-        while text not in printed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the cell did not print {text!r} in {timeout} s: {printed!r}")
-            try:
-                msg = self.client.get_iopub_msg(timeout=left)
-            except queue.Empty:
-                continue
-            self.seen.append(msg)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            content = msg["content"]
-            if msg["msg_type"] == "stream" and content["name"] == "stdout":
-                printed += content["text"]
-            elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
-                raise AssertionError(f"the cell ended without printing {text!r}: {printed!r}")
+        self.messages_of(msg_id, until=printed(text), timeout=timeout)
 
     def shutdown(self) -> None:
         self.client.stop_channels()
@@ -295,3 +344,33 @@ class Kernel:
         finally:
             if self.own_dir is not None:
                 shutil.rmtree(self.own_dir, ignore_errors=True)
+
+
+@contextmanager
+def started_kernel(
+    place: Path | None = None, *, user: UnixUser | None = None, **env: str
+) -> Iterator[Kernel]:
+    """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
+
+    With ``place``, a directory of the test's, the kernel's config file
+    (``fluksio_nb.json``, named but never written) and its ledger
+    (``ledger/``) are there, unless ``env`` names others: nothing of the
+    developer's is read and no book of the machine's is touched. ``user`` and
+    ``env`` are the kernel's own, as for :class:`Kernel`. A module's kernel is::
+
+        @pytest.fixture(scope="module")
+        def kernel(tmp_path_factory):
+            with started_kernel(tmp_path_factory.mktemp("kernel"), FLUKSIO_CPUS="2") as k:
+                yield k
+    """
+    if place is not None:
+        env = {
+            "FLUKSIO_CONFIG": str(place / "fluksio_nb.json"),
+            "FLUKSIO_LEDGER": str(place / "ledger"),
+            **env,
+        }
+    kernel = Kernel(user=user, **env)
+    try:
+        yield kernel
+    finally:
+        kernel.shutdown()

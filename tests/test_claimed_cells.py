@@ -16,24 +16,23 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
-from tests.kernels import Kernel
+from tests.kernels import printed, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
 
+INVENTORY = {
+    "FLUKSIO_CPUS": "2",
+    "FLUKSIO_GPUS": "2",
+    "FLUKSIO_RAM": "8G",
+    "FLUKSIO_RESERVE_CPUS": "0",
+}
+
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    k = Kernel(
-        FLUKSIO_CPUS="2",
-        FLUKSIO_GPUS="2",
-        FLUKSIO_RAM="8G",
-        FLUKSIO_RESERVE_CPUS="0",
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    yield k
-    k.shutdown()
+    with started_kernel(tmp_path_factory.mktemp("kernel"), **INVENTORY) as k:
+        yield k
 
 
 def assert_books_balanced(kernel):
@@ -67,12 +66,7 @@ def test_claimed_work_runs_off_the_reserved_core(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to keep back and one to claim")
-    reserved = Kernel(
-        FLUKSIO_RESERVE_CPUS="1",
-        FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path / "ledger"),
-    )
-    try:
+    with started_kernel(tmp_path, FLUKSIO_RESERVE_CPUS="1") as reserved:
         in_worker = reserved.run(
             "%%claim cpus=1\nimport json, os\nprint(json.dumps(sorted(os.sched_getaffinity(0))))",
             check=True,
@@ -86,8 +80,6 @@ def test_claimed_work_runs_off_the_reserved_core(tmp_path):
             check=True,
         ).json()
         in_kernel = reserved.facts("sorted(__import__('os').sched_getaffinity(0))")
-    finally:
-        reserved.shutdown()
     assert in_worker == in_popen == cores[1:]
     assert in_kernel == cores, "the kernel itself is not confined"
 
@@ -375,12 +367,8 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     msg_id = kernel.client.execute(
         "%%claim\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)"
     )
-    worker_pid = None
-    deadline = time.monotonic() + 30
-    while worker_pid is None and time.monotonic() < deadline:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            worker_pid = int(msg["content"]["text"].split()[0])
+    # Its worker's pid: the cell is running.
+    kernel.messages_of(msg_id, until=printed("\n"))
     started = time.monotonic()
     kernel.interrupt()
     ename = kernel.error_when_idle(msg_id)
@@ -417,10 +405,7 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
         "%%claim\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
         "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)"
     )
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            break
+    kernel.messages_of(msg_id, until=printed("training"))
     kernel.interrupt()
     assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
     assert kernel.facts("steps") > 0
@@ -434,20 +419,9 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):
         "child = subprocess.Popen(['sleep', '60'])\n"
         "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
     )
-    pids = None
-    while pids is None:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            pids = [int(p) for p in msg["content"]["text"].split()]
+    pids = [int(p) for p in kernel.messages_of(msg_id, until=printed("\n")).stdout.split()]
     kernel.interrupt()
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if (
-            msg["parent_header"].get("msg_id") == msg_id
-            and msg["msg_type"] == "status"
-            and msg["content"]["execution_state"] == "idle"
-        ):
-            break
+    kernel.messages_of(msg_id)
     assert all(gone(pid) for pid in pids), "the worker's process group outlived the cell"
     assert_books_balanced(kernel)
 
@@ -678,11 +652,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
 
 def test_claim_help_is_the_parser_that_reads_the_line(kernel):
     """`%%claim?` must be real help: every option the line accepts."""
-    msg_id = kernel.client.execute("%%claim?")
-    while True:
-        reply = kernel.client.get_shell_msg(timeout=20)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
+    reply = kernel.reply_to(kernel.client.execute("%%claim?"), timeout=20)
     pages = [p["data"]["text/plain"] for p in reply["content"]["payload"] if p.get("data")]
     help_text = "".join(pages)
     for option in ("--in", "--out", "--timeout", "--background", "--label", "--strict", "cpus=N"):

@@ -30,7 +30,7 @@ from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.errors import BadClaim
 from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
 from fluksio_nb.resources import ask
-from tests.kernels import Kernel
+from tests.kernels import Kernel, printed, sent, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -68,23 +68,21 @@ def ray_state():
 @pytest.fixture(scope="module")
 def kernel(ray_state, tmp_path_factory):
     state, _ = ray_state
-    k = Kernel(
+    with started_kernel(
+        tmp_path_factory.mktemp("kernel"),
         RAY_TMPDIR=state,
         # A token of its own: without one, Ray writes a new one to ~/.ray.
         RAY_AUTH_TOKEN=secrets.token_hex(16),
         RAY_USAGE_STATS_ENABLED="0",
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    k.run(
-        "import ray\n"
-        f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-        "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
-        check=True,
-    )
-    yield k
-    k.run("ray.shutdown()", timeout=60)
-    k.shutdown()
+    ) as k:
+        k.run(
+            "import ray\n"
+            f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+            "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
+            check=True,
+        )
+        yield k
+        k.run("ray.shutdown()", timeout=60)
     deadline = time.monotonic() + 15
     while _processes_using(state) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -432,22 +430,11 @@ def test_the_stop_button_cancels_the_task(kernel):
         "child = subprocess.Popen(['sleep', '60'])\n"
         "print(os.getpid(), child.pid, flush=True)\ntime.sleep(60)"
     )
-    pids = None
-    while pids is None:
-        msg = kernel.client.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            pids = [int(pid) for pid in msg["content"]["text"].split()]
+    printing = kernel.messages_of(msg_id, until=printed("\n"), timeout=60)
+    pids = [int(pid) for pid in printing.stdout.split()]
     started = time.monotonic()
     kernel.interrupt()
-    ename = None
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "error":
-            ename = msg["content"]["ename"]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    ename = kernel.error_when_idle(msg_id)
     assert time.monotonic() - started < 3
     assert ename == "KeyboardInterrupt"
     assert all(gone(pid, within=10) for pid in pids), (
@@ -503,13 +490,8 @@ def test_a_claim_block_on_ray_waits_for_its_share_and_gives_up_at_its_timeout(ke
 
 def stream_of(kernel, msg_id: str, within: float = 60) -> str:
     """The first output a cell started by ``msg_id`` printed, whenever it printed it."""
-    deadline = time.monotonic() + within
-    while True:
-        for msg in kernel.seen:
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                return msg["content"]["text"]
-        assert time.monotonic() < deadline, "the background cell printed nothing"
-        kernel.seen.append(kernel.client.get_iopub_msg(timeout=within))
+    ran = kernel.messages_of(msg_id, until=sent("stream"), timeout=within, past_idle=True)
+    return ran.of("stream")[0]["content"]["text"]
 
 
 def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(kernel):

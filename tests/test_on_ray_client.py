@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernels import Kernel
+from tests.kernels import started_kernel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -75,13 +75,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def kernel(cluster, tmp_path_factory):
     _, env = cluster
-    k = Kernel(
-        **env,
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    yield k
-    k.shutdown()
+    with started_kernel(tmp_path_factory.mktemp("kernel"), **env) as k:
+        yield k
 
 
 def test_a_claim_on_a_ray_address_runs_there_with_its_share(kernel, cluster):

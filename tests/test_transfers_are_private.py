@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from fluksio_nb.transfer import SEGMENT_DIR, SEGMENT_PREFIX
-from tests.kernels import Kernel
+from tests.kernels import started_kernel
 from tests.unix_users import USER_A, USER_B, ready_user, run_as, shared_tmp_dir
 from tests.waiting import wait_until
 
@@ -85,16 +85,15 @@ def shared():
 
 @pytest.fixture(scope="module")
 def kernel(users, shared):
-    k = Kernel(
+    with started_kernel(
         user=users[0],
         FLUKSIO_CPUS="2",
         FLUKSIO_RESERVE_CPUS="0",
         # The kernel keeps its books to itself: nothing here is about the ledger.
         FLUKSIO_LEDGER="kernel",
         FLUKSIO_CONFIG=str(shared / "fluksio_nb.json"),
-    )
-    yield k
-    k.shutdown()
+    ) as k:
+        yield k
 
 
 def processes_of(kernel) -> list[psutil.Process]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernels import Kernel
+from tests.kernels import started_kernel
 from tests.unix_users import USER_A, ready_user
 from tests.waiting import gone
 
@@ -29,9 +29,8 @@ def user_a():
 
 @pytest.fixture(scope="module")
 def kernel(user_a):
-    k = Kernel(user=user_a, **INVENTORY)
-    yield k
-    k.shutdown()
+    with started_kernel(user=user_a, **INVENTORY) as k:
+        yield k
 
 
 def test_a_kernel_started_as_another_user_runs_as_that_user(kernel, user_a):
@@ -58,14 +57,11 @@ def test_user_root_in_the_environment_does_not_make_the_kernel_root(user_a):
     Who a process is comes from its uid; ``USER=root`` is only a string an
     attacker can set.
     """
-    k = Kernel(user=user_a, USER="root", **INVENTORY)
-    try:
+    with started_kernel(user=user_a, USER="root", **INVENTORY) as k:
         seen = k.facts(
             "[__import__('os').environ['USER'], "
             "__import__('pwd').getpwuid(__import__('os').geteuid()).pw_name]"
         )
-    finally:
-        k.shutdown()
     assert seen == ["root", user_a.name]
 
 
@@ -80,14 +76,11 @@ def test_another_users_kernel_stops_on_interrupt_and_still_answers(kernel):
 
 def test_shutting_down_another_users_kernel_ends_its_processes_and_removes_its_files(user_a):
     """Guards against a multi-user test leaving the user's kernel, worker or files behind."""
-    k = Kernel(user=user_a, **INVENTORY)
-    own_dir = k.own_dir
-    try:
+    with started_kernel(user=user_a, **INVENTORY) as k:
+        own_dir = k.own_dir
         k.run("%%claim cpus=1\nx = 1", check=True)
         processes = [k.pid, *(p.pid for p in psutil.Process(k.pid).children(recursive=True))]
         assert len(processes) >= 2, "no worker to watch: the claimed cell left none warm"
-    finally:
-        k.shutdown()
     assert all(gone(pid, within=30) for pid in processes)
     assert own_dir is not None and not Path(own_dir).exists()
     assert not os.path.exists(k.manager.connection_file)

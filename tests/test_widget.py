@@ -583,20 +583,20 @@ def test_monitor_is_public_and_its_text_is_the_snapshot(wire, declared_machine):
 # -----------------------------------------------------------------------------
 
 
+IN_A_KERNEL = {
+    "FLUKSIO_CPUS": "2",
+    "FLUKSIO_GPUS": "0",
+    "FLUKSIO_RAM": "4G",
+    "FLUKSIO_RESERVE_CPUS": "0",
+}
+
+
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    from tests.kernels import Kernel
+    from tests.kernels import started_kernel
 
-    k = Kernel(
-        FLUKSIO_CPUS="2",
-        FLUKSIO_GPUS="0",
-        FLUKSIO_RAM="4G",
-        FLUKSIO_RESERVE_CPUS="0",
-        FLUKSIO_CONFIG=str(tmp_path_factory.mktemp("config") / "fluksio_nb.json"),
-        FLUKSIO_LEDGER=str(tmp_path_factory.mktemp("ledger")),
-    )
-    yield k
-    k.shutdown()
+    with started_kernel(tmp_path_factory.mktemp("kernel"), **IN_A_KERNEL) as k:
+        yield k
 
 
 def test_a_claimed_cell_shows_the_widget_and_ends_with_its_summary(kernel):
