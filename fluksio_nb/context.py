@@ -765,7 +765,7 @@ def claim(
 
     ``on="ray"`` (or a Ray address) holds the share on one node of a Ray
     cluster instead, and runs each ``c.run`` there as a Ray task: see
-    :class:`fluksio_nb.on_ray.RayClaim`.
+    :class:`fluksio_nb.ray.claim.RayClaim`.
     """
     fields: dict[str, Any] = {
         name: value
@@ -774,7 +774,7 @@ def claim(
     }
     wanted = ask(**fields, env=dict(env or {}), label=label, timeout=timeout, strict=strict)
     if on is not None:
-        from fluksio_nb.on_ray import RayClaim
+        from fluksio_nb.ray.claim import RayClaim
 
         return RayClaim(wanted, on, view=view, hold=True)  # type: ignore[return-value]
     return Claim(wanted, view=view, limit_kernel_threads=True)

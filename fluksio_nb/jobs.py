@@ -30,7 +30,8 @@ from fluksio_nb.status import describe, new_view
 from fluksio_nb.transfer import Parcel
 
 if TYPE_CHECKING:
-    from fluksio_nb.on_ray import Packed, RayClaim
+    from fluksio_nb.ray.claim import RayClaim
+    from fluksio_nb.ray.values import Packed
 
 #: How long starting a job granted on the spot waits for it to be running,
 #: so that the cell says it runs. Its cgroups and its worker's checkout take

@@ -66,7 +66,7 @@ class ClaimMagics(Magics):
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
         if parsed.on is not None:
-            from fluksio_nb import on_ray
+            from fluksio_nb.ray import cell as on_ray
 
             if parsed.background:
                 return on_ray.start_job(
