@@ -16,7 +16,7 @@ The bare task is what a user would write by hand: no thread variables in its
 as names. Those are what the claim adds, so they are what is measured.
 
 The local Ray is one machine, so a claim's values go through the kernel's
-shared memory rather than the object store (:mod:`fluksio_nb.on_ray`); on a
+shared memory rather than the object store (:mod:`fluksio_nb.ray.claim`); on a
 cluster of several machines they go by the object store, as a bare task's do.
 """
 

@@ -43,6 +43,14 @@ class ServiceUnavailable(BadClaim):
     """The machine's books are set up but their service does not answer."""
 
 
+class RayMissing(BadClaim):
+    """``--on ray`` was asked for where Ray is not installed."""
+
+
+class ClaimTooBigForCluster(BadClaim):
+    """No node of the cluster could ever hold the claim, so Ray would wait forever."""
+
+
 class ClampedWarning(UserWarning):
     """A claim asked for more than the machine has and was given what there is."""
 

@@ -111,7 +111,7 @@ def ray_now() -> dict | None:
     """
     if sys.modules.get("ray") is None:
         return None
-    from fluksio_nb.on_ray import ray_snapshot
+    from fluksio_nb.ray.monitor import ray_snapshot
 
     return ray_snapshot()
 
@@ -121,6 +121,6 @@ def describe_monitor(snapshot: dict, ray: dict | None = None) -> str:
     text = describe_snapshot(snapshot)
     if ray is None:
         return text
-    from fluksio_nb.on_ray import describe_ray
+    from fluksio_nb.ray.monitor import describe_ray
 
     return f"{text}\n{describe_ray(ray)}"

@@ -27,8 +27,9 @@ import pytest
 
 from fluksio_nb.claim_line import parse_claim_line
 from fluksio_nb.env import THREAD_VARS
-from fluksio_nb.errors import BadClaim
-from fluksio_nb.on_ray import ClaimTooBigForCluster, check_fits, parse_target, task_options
+from fluksio_nb.errors import BadClaim, ClaimTooBigForCluster
+from fluksio_nb.ray.connection import parse_target
+from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
 from tests.kernels import Kernel, printed, sent, started_kernel
 from tests.waiting import gone
@@ -289,8 +290,8 @@ def test_a_task_that_lands_off_the_kernels_machine_gets_its_values_by_the_object
     """
     kernel.run(OWNERS + "import numpy as np\nsent = np.ones(2_000_000)", check=True)
     kernel.run(
-        "from fluksio_nb import on_ray\n_machine = on_ray.this_machine\n"
-        "on_ray.this_machine = lambda: ('another boot', *_machine()[1:])",
+        "from fluksio_nb.ray import connection\n_machine = connection.this_machine\n"
+        "connection.this_machine = lambda: ('another boot', *_machine()[1:])",
         check=True,
     )
     try:
@@ -298,11 +299,14 @@ def test_a_task_that_lands_off_the_kernels_machine_gets_its_values_by_the_object
         assert ran.stdout == "ran\n", "the cell ran more than once, or not at all"
         facts = kernel.facts(
             "[owners(doubled)[-1], doubled.flags.writeable, float(doubled.sum()), "
-            "len(on_ray._elsewhere)]"
+            "len(connection.ray_connection.elsewhere)]"
         )
         assert facts == ["bytearray", True, 4_000_000.0, 1]
     finally:
-        kernel.run("on_ray.this_machine = _machine\non_ray._elsewhere.clear()", check=True)
+        kernel.run(
+            "connection.this_machine = _machine\nconnection.ray_connection.elsewhere.clear()",
+            check=True,
+        )
 
 
 def test_an_input_a_method_changed_in_place_comes_back_from_the_task(kernel):
@@ -559,7 +563,7 @@ def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
     hold_a_ray_claim(kernel, "held", 4)
     deadline = time.monotonic() + 30
     while True:
-        snapshot = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()")
+        snapshot = kernel.facts("__import__('fluksio_nb.ray.monitor').ray.monitor.ray_snapshot()")
         held = [c for c in snapshot["claims"] if c["label"] == "held"]
         # Its cards are Ray's to name once its task runs; the block holds its share before.
         if held and held[0]["phase"] == "running" and held[0]["gpus"]:
@@ -572,7 +576,9 @@ def test_the_monitor_sees_the_cluster_and_this_kernels_claims_on_it(kernel):
     assert held[0]["asked"] == {"cpus": 1, "gpus": 1, "ram_bytes": 100_000_000}
     assert held[0]["gpus"] in ([0], [1])
     kernel.run("holder.join()", check=True)
-    after = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['claims']")
+    after = kernel.facts(
+        "__import__('fluksio_nb.ray.monitor').ray.monitor.ray_snapshot()['claims']"
+    )
     assert after == [], "a claim that ended should leave the monitor"
 
 
@@ -583,7 +589,9 @@ def test_claims_shows_the_cluster_and_a_running_claim_of_this_kernel(kernel):
     deadline = time.monotonic() + 30
     while True:
         # Running, with a reading: what the monitor should then show of it.
-        claims = kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['claims']")
+        claims = kernel.facts(
+            "__import__('fluksio_nb.ray.monitor').ray.monitor.ray_snapshot()['claims']"
+        )
         if claims and claims[0]["phase"] == "running" and claims[0]["rss_bytes"]:
             break
         assert time.monotonic() < deadline, claims
@@ -636,7 +644,7 @@ def test_the_snapshot_is_none_where_ray_is_not_connected():
     """The monitor may ask every second; asking must never start or join a cluster."""
     import sys
 
-    from fluksio_nb.on_ray import ray_snapshot
+    from fluksio_nb.ray.monitor import ray_snapshot
 
     assert ray_snapshot() is None
     ray = sys.modules.get("ray")

@@ -98,7 +98,10 @@ def test_a_claim_on_a_ray_address_runs_there_with_its_share(kernel, cluster):
     assert ran.finished_at - printed > 1.5, "the output only arrived when the task ended"
     assert kernel.facts("[float(w[1]), bool(w.flags.writeable)]") == [2.0, True]
     assert (
-        kernel.facts("__import__('fluksio_nb.on_ray').on_ray.ray_snapshot()['total']['gpus']") == 1
+        kernel.facts(
+            "__import__('fluksio_nb.ray.monitor').ray.monitor.ray_snapshot()['total']['gpus']"
+        )
+        == 1
     )
 
 

@@ -143,7 +143,7 @@ def machine_facts(
     """Everything the monitor shows, from one reading of the books, the host and the cards.
 
     ``cards`` is what NVML says of each card by index, or ``None`` without NVML.
-    ``ray`` is :func:`fluksio_nb.on_ray.ray_snapshot`, or ``None`` when this
+    ``ray`` is :func:`fluksio_nb.ray.monitor.ray_snapshot`, or ``None`` when this
     kernel is not connected to Ray, which leaves ``"ray"`` out of the facts.
     """
     pid = os.getpid() if pid is None else pid

@@ -105,7 +105,7 @@ def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, not
                 "_ = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, "
                 f"_temp_dir={state!r}, object_store_memory=256 * 2**20, "
                 "_node_ip_address='127.0.0.1', log_to_driver=False)",
-                "import threading, time\nfrom fluksio_nb import claim\nfrom fluksio_nb.on_ray "
+                "import threading, time\nfrom fluksio_nb import claim\nfrom fluksio_nb.ray.monitor "
                 "import ray_snapshot\n"
                 "def _hold():\n"
                 f"    with claim(cpus=1, gpus=1, ram='100M', label={HOSTILE!r}, on='ray') as c:\n"
