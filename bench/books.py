@@ -28,7 +28,8 @@ from fluksio_nb.resources import Resources
 
 SETUP = """
 import json, sys, time
-from fluksio_nb.inventory import Gpu, Inventory
+from fluksio_nb.gpus import Gpu
+from fluksio_nb.inventory import Inventory
 from fluksio_nb.ledger import MachineQueue
 from fluksio_nb.resources import Resources
 inv = Inventory(cpus=64, machine_cpus=64, ram_bytes=0, machine_ram_bytes=0, gpus=())

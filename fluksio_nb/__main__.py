@@ -20,8 +20,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return usage_main(argv[1:])
     if argv[:1] == ["machine"]:
-        from fluksio_nb.machine.setup import main as machine_main
-
         return machine_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="fluksio-nb",
@@ -43,6 +41,52 @@ def main(argv: list[str] | None = None) -> int:
             print(describe_snapshot(read_books()))
     except BadClaim as error:
         print(f"fluksio-nb: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def machine_main(argv: list[str]) -> int:
+    """``fluksio-nb machine init|status|remove|serve``."""
+    from fluksio_nb.kernel import books_in_force
+    from fluksio_nb.machine.setup import Layout, init, remove, serve
+
+    parser = argparse.ArgumentParser(
+        prog="fluksio-nb machine",
+        description="Books every user of this machine shares: set up, see, take down.",
+    )
+    parser.add_argument("action", choices=["init", "status", "remove", "serve"])
+    parser.add_argument("--prefix", default="/", help="where the books live (default /)")
+    parser.add_argument("--group", help="init: only this group's members may use the books")
+    parser.add_argument("--admin-group", help="init: this group's members may cancel any claim")
+    parser.add_argument("--cpus", type=int, help="init: declare the cores instead of detecting")
+    parser.add_argument("--gpus", type=int, help="init: declare N cards instead of detecting")
+    parser.add_argument("--ram", help="init: declare the memory claims may take, e.g. 64G")
+    options = parser.parse_args(argv)
+    layout = Layout(options.prefix)
+    try:
+        if options.action == "init":
+            declared = {
+                key: getattr(options, key)
+                for key in ("cpus", "gpus", "ram")
+                if getattr(options, key) is not None
+            }
+            print(
+                init(
+                    layout,
+                    group=options.group,
+                    admin_group=options.admin_group,
+                    inventory=declared,
+                )
+            )
+        elif options.action == "remove":
+            print(remove(layout))
+        elif options.action == "serve":
+            serve(layout)
+        else:
+            # Which books this user's kernels use, and why.
+            print(books_in_force(layout).describe())
+    except BadClaim as error:
+        print(f"fluksio-nb machine {options.action}: {error}", file=sys.stderr)
         return 2
     return 0
 

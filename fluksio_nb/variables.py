@@ -32,6 +32,11 @@ The source is what the user typed, IPython syntax included, so it goes through
 IPython's own translation first. A magic that runs code (``%time x = f()``) is
 read as that code; ``{expr}`` and ``$name`` in a shell line or a magic are
 reads, since IPython expands them from the namespace.
+
+It is long because it is one walk over one syntax tree: which names a cell
+reads, binds, deletes and may change in place are answered together, by one
+visitor that knows Python's scoping rules, and split apart they would each
+need those rules again.
 """
 
 from __future__ import annotations

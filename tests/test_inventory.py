@@ -11,19 +11,16 @@ import stat
 
 import pytest
 
+from fluksio_nb.gpus import Gpu, detect_gpus, gpus_from_nvml, visible_to_kernel
 from fluksio_nb.inventory import (
-    Gpu,
     _OwnMemory,
     cgroup_cpu_limit,
     cgroup_memory_limit,
     cores_past_reserve,
-    detect_gpus,
-    gpus_from_nvml,
     host_memory,
     system_headroom_bytes,
     take_inventory,
     usable_cpus,
-    visible_to_kernel,
 )
 from fluksio_nb.settings import Settings
 

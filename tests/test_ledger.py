@@ -20,7 +20,8 @@ import warnings
 import pytest
 
 from fluksio_nb.errors import ClaimCancelled
-from fluksio_nb.inventory import Gpu, Inventory
+from fluksio_nb.gpus import Gpu
+from fluksio_nb.inventory import Inventory
 from fluksio_nb.ledger import LedgerBroken, MachineQueue, ledger_location
 from fluksio_nb.resources import Resources
 
@@ -42,7 +43,8 @@ def other_process(directory, body: str, cpus=4, gpus=1) -> subprocess.Popen:
     script = textwrap.dedent(
         f"""
         import json, sys, time
-        from fluksio_nb.inventory import Gpu, Inventory
+        from fluksio_nb.gpus import Gpu
+        from fluksio_nb.inventory import Inventory
         from fluksio_nb.ledger import MachineQueue
         from fluksio_nb.resources import Resources
         inv = Inventory(cpus={cpus}, machine_cpus={cpus}, ram_bytes=0, machine_ram_bytes=0,
