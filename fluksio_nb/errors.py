@@ -4,7 +4,8 @@ A user who writes ``except fluksio_nb.ClaimTimeout`` should not need to know
 which floor of the package raised it, and a new place to run a claim should
 raise the errors the magic already knows how to show. So the errors are
 defined here, on the bottom floor, and raised from wherever the failure is
-found.
+found. This module imports nothing of the package, not even for annotations,
+so that any module may raise any of them.
 
 What each one decides is how the user reads it. Subclasses of
 :class:`BadClaim` are input the user can fix: refused before anything waits
@@ -16,11 +17,7 @@ is the cell's own exception, shown with the worker's traceback.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fluksio_nb.budget import HaltDecision
-    from fluksio_nb.worker.client import Outcome
+from typing import Any
 
 
 class BadClaim(ValueError):
@@ -70,8 +67,9 @@ class NotYours(PermissionError):
 class ClaimHalted(RuntimeError):
     """A claim stopped for memory: over its budget (sampler or cgroup), or the host short."""
 
-    def __init__(self, decision: HaltDecision) -> None:
+    def __init__(self, decision: Any) -> None:
         super().__init__(decision.message)
+        #: The :class:`~fluksio_nb.budget.HaltDecision` behind it: the numbers.
         self.decision = decision
 
 
@@ -82,10 +80,9 @@ class WorkerDied(RuntimeError):
 class RemoteError(Exception):
     """The claimed code raised; its traceback is the worker's, not the kernel's."""
 
-    def __init__(
-        self, ename: str, evalue: str, traceback: list[str], outcome: Outcome | None = None
-    ) -> None:
+    def __init__(self, ename: str, evalue: str, traceback: list[str], outcome: Any = None) -> None:
         super().__init__(f"{ename}: {evalue}")
         self.ename, self.evalue, self.traceback = ename, evalue, traceback
-        #: What the cell had bound before it raised, as a normal cell keeps it.
+        #: What the cell had bound before it raised, as a normal cell keeps it:
+        #: the worker's :class:`~fluksio_nb.worker.client.Outcome`.
         self.outcome = outcome
