@@ -16,7 +16,7 @@ from fluksio_nb.flavors import describe_flavors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["usage"]:
-        from fluksio_nb.usage import usage_main
+        from fluksio_nb.usage.report import usage_main
 
         return usage_main(argv[1:])
     if argv[:1] == ["machine"]:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.enforcement import Enforcement, cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
-from fluksio_nb.ledger import MachineQueue, default_ledger_dir
+from fluksio_nb.ledger.directory import default_ledger_dir
+from fluksio_nb.ledger.queue import MachineQueue
 from fluksio_nb.memory_cap import cap_place, memory_enforcement
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.settings import Settings, load_settings
@@ -121,7 +122,9 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
         assert books.socket is not None
         return cancel_claim(books.socket, number, reason)
     if books.mode == "user":
-        from fluksio_nb.ledger import LedgerFile, cancel_claim, identity
+        from fluksio_nb.ledger.file import LedgerFile
+        from fluksio_nb.ledger.owner import identity
+        from fluksio_nb.ledger.rules import cancel_claim
 
         assert books.where is not None
         ledger = LedgerFile(books.where)

@@ -53,7 +53,8 @@ from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
 from fluksio_nb.status import Ending, StatusView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
-from fluksio_nb.usage import UsageNotRecorded, UsageRecord, kernel_usage_log
+from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
+from fluksio_nb.usage.record import UsageRecord
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import Outcome
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool

@@ -38,7 +38,8 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
         assert books.socket is not None
         snapshot = read_snapshot(books.socket)
     elif books.mode == "user":
-        from fluksio_nb.ledger import identity, read_snapshot
+        from fluksio_nb.ledger.owner import identity
+        from fluksio_nb.ledger.snapshot import read_snapshot
 
         assert books.where is not None
         snapshot, me = read_snapshot(books.where), identity()["user"]
@@ -48,7 +49,8 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     else:
         # Kernel-only books live inside each kernel, where no reader can see
         # them: the machine is shown, and nothing more can be known.
-        from fluksio_nb.ledger import identity, machine_as_found
+        from fluksio_nb.ledger.owner import identity
+        from fluksio_nb.ledger.snapshot import machine_as_found
 
         snapshot = {**machine_as_found(settings), "user": identity()["user"]}
     snapshot["books"] = books.mode

@@ -93,7 +93,7 @@ def test_a_waiter_in_another_process_is_woken_when_the_share_frees(tmp_path):
         tmp_path,
         # It would not look again by itself for a minute: only a wake-up can
         # get it out of its wait in time.
-        "import fluksio_nb.ledger\nfluksio_nb.ledger.LOOK_EVERY_S = 60\n"
+        "import fluksio_nb.ledger.queue\nfluksio_nb.ledger.queue.LOOK_EVERY_S = 60\n"
         "t = q.enqueue(Resources(), 'waiting'); say(state=t.state)\n"
         "q.wait(t); say(granted=time.time()); q.release(t)\n",
         cpus=1,

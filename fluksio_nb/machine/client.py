@@ -73,7 +73,7 @@ def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
 
 
 def _hello(share_labels: bool) -> dict[str, Any]:
-    from fluksio_nb.ledger import identity
+    from fluksio_nb.ledger.owner import identity
 
     me = identity()
     return {

@@ -251,7 +251,7 @@ def stop_service(layout: Layout) -> None:
         pid = int(layout.pidfile.read_text())
     except (OSError, ValueError):
         return
-    from fluksio_nb.ledger import process_started
+    from fluksio_nb.ledger.owner import process_started
 
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)

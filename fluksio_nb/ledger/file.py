@@ -1,0 +1,262 @@
+"""The ledger's document and its lock: every grant a transaction across processes.
+
+Several kernels of one user change the same books at once, and each of them
+may be stopped at any moment: by the stop button, or by SIGKILL halfway
+through a write. Each must see the books whole, and leave them whole.
+
+What it decides:
+
+- **A file and a lock, no daemon.** The state is one small JSON document,
+  rewritten under an exclusive ``flock`` on a separate lock file. That gives
+  real transactions across processes with less code than SQLite, and readers
+  take the lock shared, so they never see half a document.
+- **A broken file is rebuilt, never fatal.** A truncated or corrupted
+  document is copied aside with a warning and started afresh; this kernel's
+  own claims are written back into it, and other kernels put back theirs
+  the next time they look (their running claims check their entries every
+  half second).
+- **Only files of this user's alone.** Every file is opened through the
+  checked directory (:mod:`fluksio_nb.ledger.directory`), and a file that is
+  not this user's alone is refused, not repaired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from fluksio_nb.ledger.directory import UnsafeLedgerDir, open_directory, untrusted_file
+from fluksio_nb.ledger.document import (
+    VERSION,
+    Document,
+    LedgerBroken,
+    empty_state,
+    trusted,
+    warn_left_out,
+)
+from fluksio_nb.queue import books_changing
+from fluksio_nb.resources import explain
+
+LEDGER_FILE = "ledger.json"
+LOCK_FILE = "ledger.lock"
+_FILE_MODE = 0o600
+
+
+def _dump(state: dict[str, Any]) -> str:
+    return json.dumps(state, separators=(",", ":"))
+
+
+class LedgerFile:
+    """The document and its lock: transactions, shared reads, and repair.
+
+    The document is rewritten in place, under the lock, rather than written
+    aside and renamed over: on ext4 a rename over an existing file flushes the
+    new file to disk first, which measured 1.7 ms, most of a transaction. So
+    readers take the lock too, shared, and never see half a document. A
+    process that dies between writing and trimming the file leaves trailing
+    bytes, which read as a broken document and are rebuilt like one.
+
+    Raises :class:`UnsafeLedgerDir` when it is made, and when a file is first
+    opened, if what it finds is not this user's alone.
+    """
+
+    def __init__(
+        self, directory: Path, inventory: dict[str, Any] | None = None, shared: bool = False
+    ):
+        # ``shared`` is ignored: a ledger is one user's books, and books
+        # several users share are the machine service's. It stays until the
+        # callers that pass it are updated.
+        del shared
+        #: What this process says the machine has; ``None`` for a reader that
+        #: takes the ledger's word for it (the server).
+        self.inventory = inventory
+        self.directory = Path(directory)
+        self.path = self.directory / LEDGER_FILE
+        self._lock_fd: int | None = None
+        self._data_fd: int | None = None
+        # Every file is opened relative to this descriptor, checked once: what
+        # the path leads to later (a swapped directory, a new link) is never used.
+        self._dir_fd: int | None = open_directory(self.directory)
+        self._thread_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let go of the directory and the files. The ledger cannot be used after."""
+        for name in ("_data_fd", "_lock_fd", "_dir_fd"):
+            fd = getattr(self, name, None)
+            setattr(self, name, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __del__(self) -> None:
+        # A server makes one of these per request: descriptors must not pile up.
+        # At interpreter exit, what close() uses may be gone already.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def has_document(self) -> bool:
+        """Whether there is a document yet, without creating one or following a link."""
+        try:
+            os.stat(LEDGER_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[dict[str, Any]]:
+        """The document, locked against every other process, written back on success."""
+        # The stop button waits for the lock like everyone, but never lands
+        # between reading the document and writing it back.
+        with self._thread_lock, self._locked(fcntl.LOCK_EX), books_changing():
+            state, before = self._load_for_update()
+            yield state
+            after = _dump(state)
+            if after != before:
+                self._write(after)
+
+    def read(self) -> dict[str, Any]:
+        """The document as it stands; a missing or broken one reads as empty."""
+        with self._thread_lock, self._locked(fcntl.LOCK_SH):
+            # Outside the try: a file that is not ours is refused, not read as empty.
+            fd = self._document()
+            try:
+                return self._parse(self._read_text(fd), self.inventory)
+            except (OSError, ValueError):
+                return empty_state(self.inventory)
+
+    @contextlib.contextmanager
+    def _locked(self, how: int) -> Iterator[None]:
+        if self._lock_fd is None:
+            self._lock_fd = self._open(LOCK_FILE)
+        try:
+            # Inside the try: a stop that lands as the lock is taken leaves it free.
+            fcntl.flock(self._lock_fd, how)
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _open(self, name: str) -> int:
+        """A file of the ledger's, made if missing, refused unless it is ours alone."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        path = self.directory / name
+        try:
+            fd = os.open(name, flags, _FILE_MODE, dir_fd=self._dir_fd)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            fd, wrong = None, f"is a symbolic link. Fix it: remove it (`rm {path}`)"
+        else:
+            wrong = untrusted_file(path, os.fstat(fd))
+        if wrong is not None:
+            if fd is not None:
+                os.close(fd)
+            raise UnsafeLedgerDir(
+                f"fluksio_nb's ledger file {path} is not used: the books are kept only in "
+                f"files this user alone can change, and it {wrong}. A missing file is made "
+                "afresh, and kernels write their claims back into it."
+            )
+        return fd
+
+    def _document(self) -> int:
+        """The document's descriptor, reopened if the file was removed or replaced."""
+        fd = self._data_fd
+        if fd is not None:
+            try:
+                current = os.stat(LEDGER_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+                opened = os.fstat(fd)
+                if (opened.st_ino, opened.st_dev) == (current.st_ino, current.st_dev):
+                    return fd
+            except FileNotFoundError:
+                pass
+            self._data_fd = None
+            os.close(fd)
+        self._data_fd = self._open(LEDGER_FILE)
+        return self._data_fd
+
+    @staticmethod
+    def _read_text(fd: int) -> str:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, size, 0).decode() if size else ""
+
+    def _load_for_update(self) -> tuple[dict[str, Any], str]:
+        """The document to change, and its text as read, to tell whether it changed."""
+        try:
+            text = self._read_text(self._document())
+        except UnicodeDecodeError:
+            text = "\0"  # not a ledger: rebuilt below
+        if not text:
+            return empty_state(self.inventory), ""
+        try:
+            # The kernel that wrote the inventory last describes the machine: a
+            # restarted kernel with a new FLUKSIO_* setting means it.
+            return self._parse(text, self.inventory), text
+        except ValueError as error:
+            aside = f"{LEDGER_FILE}.broken-{int(time.time())}"
+            kept = self._keep_aside(aside, text)
+            warnings.warn(
+                f"fluksio_nb: the ledger {self.path} could not be read ({error}); "
+                f"{kept}, and it was started afresh. Claims running in other kernels "
+                "are written back as those kernels next look.",
+                LedgerBroken,
+                stacklevel=4,
+            )
+            fresh = empty_state(self.inventory)
+            # Numbering restarts above anything the lost document can have
+            # handed out, so a ticket other kernels still hold is never reissued.
+            fresh["next"] = int(time.time())
+            return fresh, text
+
+    def _keep_aside(self, name: str, text: str) -> str:
+        """A copy of a broken document, for whoever wants to know what broke it.
+
+        Made only as a new file: whatever is already there under that name,
+        a link above all, is left as it is. Returns what became of the copy.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, _FILE_MODE, dir_fd=self._dir_fd)
+        except FileExistsError:
+            return f"no copy was kept, since {name} is already there"
+        except OSError as error:
+            return f"no copy was kept ({error.strerror})"
+        try:
+            os.write(fd, text.encode(errors="replace"))
+        except OSError as error:
+            return f"the copy {name} is incomplete ({error.strerror})"
+        finally:
+            os.close(fd)
+        return f"a copy was kept as {name}"
+
+    def _parse(self, text: str, inventory: dict[str, Any] | None) -> dict[str, Any]:
+        """The document, with what cannot be trusted left out. ValueError if it is no ledger."""
+        state = json.loads(text)
+        if not isinstance(state, dict) or state.get("version") != VERSION:
+            raise ValueError("not a fluksio_nb ledger of this version")
+        try:
+            Document.model_validate(state)
+        except ValidationError as error:
+            raise ValueError(f"the document is incomplete: {explain(error)}") from None
+        if inventory is not None:
+            state["inventory"] = inventory
+        state["tickets"], problems = trusted(state["tickets"], state["inventory"])
+        warn_left_out(self.path, problems)
+        # A ticket number is never handed out twice, whatever "next" said.
+        state["next"] = max([state["next"], *(t["number"] + 1 for t in state["tickets"])])
+        return state
+
+    def _write(self, text: str) -> None:
+        fd = self._document()
+        data = text.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))

@@ -1,0 +1,55 @@
+"""Who used how much of the machine: one record per claim, and ``fluksio-nb usage``.
+
+A shared box raises the questions a cluster's ``sacct`` answers: who ran
+what, how many core-hours and card-hours it took, how much memory it
+peaked at, and how long people waited for their share. The books only know
+what is held now, so every claim, however it ends (ok, an error, the stop
+button, halted, timed out, a dead worker, cancelled, even while still
+waiting), leaves one record behind when it ends.
+
+The modules, from the bottom up; each imports only those before it:
+
+- :mod:`.record`: one record, :class:`~.record.UsageRecord`: what a claim
+  held and when, from which its waits and hours are worked out.
+- :mod:`.log`: writing: each process appends to a file of its own, only in a
+  directory nobody else can tamper with, and never fails a cell for it.
+- :mod:`.read`: reading back, trusting nothing in the directory: a record is
+  counted against its file's owner, never a name written in it.
+- :mod:`.report`: ``fluksio-nb usage``, the records added up per user and
+  notebook, as a table or JSON.
+
+What is imported from here is what the rest of fluksio_nb and its tests have
+always imported from ``fluksio_nb.usage``.
+"""
+
+from fluksio_nb.usage.log import (
+    UsageDirRefused,
+    UsageLog,
+    UsageNotRecorded,
+    default_usage_dir,
+    kernel_usage_log,
+)
+from fluksio_nb.usage.read import read_usage
+from fluksio_nb.usage.record import UsageRecord
+from fluksio_nb.usage.report import (
+    describe_usage,
+    parse_since,
+    summarise,
+    usage_main,
+    user_totals,
+)
+
+__all__ = [
+    "UsageDirRefused",
+    "UsageLog",
+    "UsageNotRecorded",
+    "UsageRecord",
+    "default_usage_dir",
+    "describe_usage",
+    "kernel_usage_log",
+    "parse_since",
+    "read_usage",
+    "summarise",
+    "usage_main",
+    "user_totals",
+]

@@ -1,0 +1,304 @@
+"""``fluksio-nb usage``: the records added up per user and notebook, as a table or JSON.
+
+The questions are a cluster's ``sacct``'s: who ran what, how many core-hours
+and card-hours it took, how much memory it peaked at, and how long people
+waited for their share. The report answers them from the records alone, in a
+terminal, and makes no claims of its own.
+
+What it decides:
+
+- **One row per user and notebook**, with a total for each user who used
+  several notebooks. Times and hours add up; peak memory is the largest any
+  one claim reached.
+- **What could not be read is said**, not silently left out: other users'
+  files, entries that are not plain files, and lines that are not records.
+- **By default, the user's own records and the machine's**: their own
+  directory, and on a machine whose books every user shares, the records
+  directory its service names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fluksio_nb.budget import human
+from fluksio_nb.usage.log import default_usage_dir
+from fluksio_nb.usage.read import UsageRows, read_usage
+from fluksio_nb.usage.record import UsageRecord
+
+# -- adding up -----------------------------------------------------------------
+
+
+def _totals(**keys: Any) -> dict[str, Any]:
+    return {
+        **keys,
+        "claims": 0,
+        "core_hours": 0.0,
+        "card_hours": 0.0,
+        "peak_rss_bytes": 0,
+        "waited_s": 0.0,
+        "ran_s": 0.0,
+        "endings": {},
+    }
+
+
+def _add(into: dict[str, Any], part: dict[str, Any]) -> None:
+    into["claims"] += part["claims"]
+    for name in ("core_hours", "card_hours", "waited_s", "ran_s"):
+        into[name] += part[name]
+    into["peak_rss_bytes"] = max(into["peak_rss_bytes"], part["peak_rss_bytes"])
+    for ending, count in part["endings"].items():
+        into["endings"][ending] = into["endings"].get(ending, 0) + count
+
+
+def _one(record: UsageRecord) -> dict[str, Any]:
+    return {
+        "claims": 1,
+        "core_hours": record.core_hours,
+        "card_hours": record.card_hours,
+        "peak_rss_bytes": record.peak_rss_bytes,
+        "waited_s": record.waited_s,
+        "ran_s": record.ran_s,
+        "endings": {record.ending: 1},
+    }
+
+
+def summarise(rows: Iterable[tuple[str, UsageRecord]]) -> list[dict[str, Any]]:
+    """One row per user and notebook: claims, core- and card-hours, peak memory, time waited.
+
+    Peak memory is the largest any one claim reached; times and hours add up.
+    """
+    groups: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for user, record in rows:
+        row = groups.get((user, record.notebook))
+        if row is None:
+            row = groups[(user, record.notebook)] = _totals(user=user, notebook=record.notebook)
+        _add(row, _one(record))
+    return [groups[key] for key in sorted(groups, key=_by_user_then_notebook)]
+
+
+def _by_user_then_notebook(key: tuple[str, str | None]) -> tuple[str, bool, str]:
+    user, notebook = key
+    return (user, notebook is None, notebook or "")
+
+
+def user_totals(summary: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The summary's rows added up per user, with how many notebooks each used."""
+    users: dict[str, dict[str, Any]] = {}
+    for row in summary:
+        total = users.get(row["user"])
+        if total is None:
+            total = users[row["user"]] = _totals(user=row["user"], notebooks=0)
+        total["notebooks"] += 1
+        _add(total, row)
+    return [users[name] for name in sorted(users)]
+
+
+# -- telling -------------------------------------------------------------------
+
+
+def _span(seconds: float) -> str:
+    whole = round(seconds)
+    if whole < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _endings(endings: dict[str, int]) -> str:
+    return ", ".join(f"{count} {ending}" for ending, count in sorted(endings.items()))
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def describe_usage(
+    summary: list[dict[str, Any]], skipped: int = 0, *, not_plain: int = 0, bad_lines: int = 0
+) -> str:
+    """The summary as a table, a total for each user with several notebooks, and what was not read.
+
+    ``skipped`` counts other users' files that could not be read.
+    """
+    lines: list[str] = []
+    if summary:
+        header = [
+            "USER",
+            "NOTEBOOK",
+            "CLAIMS",
+            "CORE-H",
+            "CARD-H",
+            "PEAK RSS",
+            "WAITED",
+            "RAN",
+            "ENDINGS",
+        ]
+        table = [header]
+        totals = {total["user"]: total for total in user_totals(summary)}
+        for index, row in enumerate(summary):
+            table.append(_cells(row, row["user"], row["notebook"] or "-"))
+            last_of_user = index + 1 == len(summary) or summary[index + 1]["user"] != row["user"]
+            if last_of_user and totals[row["user"]]["notebooks"] > 1:
+                table.append(_cells(totals[row["user"]], row["user"], "(all notebooks)"))
+        widths = [max(len(cells[i]) for cells in table) for i in range(len(header))]
+        for cells in table:
+            # Names left, numbers right, how the claims ended last, as it is ragged.
+            text = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1])]
+            text += [cell.rjust(width) for cell, width in zip(cells[2:8], widths[2:8], strict=True)]
+            lines.append("  ".join(text + cells[8:]).rstrip())
+    else:
+        lines.append("No claims recorded.")
+    if skipped:
+        lines.append(
+            f"{_plural(skipped, 'file', 'files')} of other users "
+            f"{'is' if skipped == 1 else 'are'} not readable: records are private to their "
+            "owner and root."
+        )
+    if not_plain:
+        lines.append(
+            f"{_plural(not_plain, 'entry', 'entries')} named like records "
+            f"{'is' if not_plain == 1 else 'are'} not a plain file (a link, a pipe) and "
+            f"{'was' if not_plain == 1 else 'were'} not read."
+        )
+    if bad_lines:
+        lines.append(
+            f"{_plural(bad_lines, 'line', 'lines')} that {'is' if bad_lines == 1 else 'are'} "
+            "not a usage record (cut short by a crash, or not written by fluksio_nb) "
+            f"{'was' if bad_lines == 1 else 'were'} skipped."
+        )
+    return "\n".join(lines)
+
+
+def _cells(row: dict[str, Any], user: str, notebook: str) -> list[str]:
+    return [
+        user,
+        notebook,
+        str(row["claims"]),
+        f"{row['core_hours']:.2f}",
+        f"{row['card_hours']:.2f}",
+        human(row["peak_rss_bytes"]),
+        _span(row["waited_s"]),
+        _span(row["ran_s"]),
+        _endings(row["endings"]),
+    ]
+
+
+# -- the command ---------------------------------------------------------------
+
+
+class BadSince(ValueError):
+    """``--since`` is neither a date nor a span back from now."""
+
+
+_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*$")
+_SPAN_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """``--since`` as a ``time.time()``: an ISO date or time (local unless it says), or ``7d``."""
+    span = _SPAN.match(text)
+    if span:
+        now = time.time() if now is None else now
+        return now - float(span.group(1)) * _SPAN_SECONDS[span.group(2)]
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        raise BadSince(
+            f"--since {text!r} is neither a date nor a span: give a date or time like "
+            "2026-11-30 or 2026-11-30T12:00, or a span back from now like 90m, 24h or 7d"
+        ) from None
+
+
+def usage_dirs() -> list[Path]:
+    """The directories ``fluksio-nb usage`` reads when given no ``--dir``.
+
+    The user's own, and on a machine whose books every user shares, the
+    machine's records directory, as its service names it. No accountant is
+    made: a terminal makes no claims.
+    """
+    from fluksio_nb.errors import ServiceUnavailable
+    from fluksio_nb.kernel import books_in_force
+    from fluksio_nb.machine.client import ask_once
+
+    dirs = [default_usage_dir()]
+    books = books_in_force()
+    found = books.socket
+    if found is not None:
+        try:
+            records = ask_once(found, {"op": "snapshot"})["welcome"].get("records")
+        except (ServiceUnavailable, OSError) as error:
+            warnings.warn(f"the machine's usage records were not read: {error}", stacklevel=2)
+            records = None
+        if records:
+            dirs.insert(0, Path(records))
+    return dirs
+
+
+def usage_main(argv: list[str]) -> int:
+    """``fluksio-nb usage``: claims, core-hours, card-hours, peak memory and waits, per notebook."""
+    parser = argparse.ArgumentParser(
+        prog="fluksio-nb usage",
+        description="What past claims used, per user and notebook, like Slurm's sacct.",
+    )
+    parser.add_argument(
+        "--since", metavar="WHEN", help="claims ended since: 2026-11-30, 2026-11-30T12:00, 24h, 7d"
+    )
+    parser.add_argument("--user", metavar="NAME", help="only this user's claims")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--dir",
+        metavar="DIR",
+        action="append",
+        type=Path,
+        help="read the records in DIR (repeatable); by default, your own",
+    )
+    options = parser.parse_args(argv)
+    try:
+        since = None if options.since is None else parse_since(options.since)
+    except BadSince as error:
+        print(f"fluksio-nb usage: {error}", file=sys.stderr)
+        return 2
+    rows = UsageRows()
+    for directory in options.dir or usage_dirs():
+        try:
+            rows.absorb(read_usage(directory, since=since, user=options.user))
+        except OSError as error:
+            print(
+                f"fluksio-nb usage: cannot read the records in {directory}: "
+                f"{error.strerror or error}",
+                file=sys.stderr,
+            )
+            return 1
+    summary = summarise(rows)
+    if options.json:
+        report = {
+            "rows": summary,
+            "users": user_totals(summary),
+            "skipped_files": rows.skipped_files,
+            "unreadable_files": rows.unreadable_files,
+            "not_plain_files": rows.not_plain_files,
+            "bad_lines": rows.bad_lines,
+        }
+        print(json.dumps(report, indent=1))
+    else:
+        print(
+            describe_usage(
+                summary,
+                rows.unreadable_files,
+                not_plain=rows.not_plain_files,
+                bad_lines=rows.bad_lines,
+            )
+        )
+    return 0
