@@ -113,7 +113,7 @@ class ClaimLifecycle:
         raise NotImplementedError
 
     def take_place(self) -> None:
-        """What is settled before a cell waits or a background cell returns.
+        """What is settled before a background cell's handle returns; :meth:`acquire` does it too.
 
         A place to run refuses here what it can never hold, as a
         :class:`~fluksio_nb.errors.BadClaim`, and a local claim joins its

@@ -93,7 +93,11 @@ class ClaimMagics(Magics):
                 view=new_view(),
                 show_after=None if parsed.background else SHOW_AFTER_S,
             )
-            claimed.take_place()
+            if parsed.background:
+                # In the queue, in order, and refused if it can never run,
+                # before the handle returns: a foreground cell does both as it
+                # waits, and shows a refusal as the claim's own error.
+                claimed.take_place()
         except BadClaim as error:
             packed.discard()
             raise UsageError(str(error)) from None
