@@ -251,7 +251,7 @@ def wait_for_grant(
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise ClaimTimeout(timeout_message(ticket, timeout))
-            granted.wait(_WAKE_S if left is None else min(left, _WAKE_S))
+            wait_on(granted, _WAKE_S if left is None else min(left, _WAKE_S))
         return ticket.allocation
 
 
@@ -283,6 +283,19 @@ def books_changing() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def wait_on(condition: threading.Condition, timeout: float) -> None:
+    """``condition.wait(timeout)``, the stop button landing once the lock is held again.
+
+    ``Condition.wait`` takes its lock back in a ``finally``. A stop raised in
+    there before it has leaves the caller's ``with`` releasing a lock it no
+    longer holds, and the user reads "cannot release un-acquired lock" instead
+    of the interrupt. Held back, the stop lands as the wait returns: at most
+    ``timeout`` late, which every caller keeps to a fraction of a second.
+    """
+    with books_changing():
+        condition.wait(timeout)
 
 
 def who_goes_next(needs: list[Need], free: Need) -> list[int]:

@@ -33,7 +33,7 @@ from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.errors import ClaimTooLarge, ClampedWarning, NotYours, ServiceUnavailable
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap
-from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message, wait_for_grant
+from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message, wait_for_grant, wait_on
 from fluksio_nb.resources import Resources
 
 #: How long a request waits for the service's answer before it is an error.
@@ -213,7 +213,7 @@ class ServiceQueue:
                             f"the books service at {self.path} did not answer within "
                             f"{ANSWER_WITHIN_S:g} s"
                         )
-                    self._cond.wait(min(left, 0.25))
+                    wait_on(self._cond, min(left, 0.25))
                 return self._answers.pop(number)  # type: ignore[return-value]
         except BaseException:
             with self._cond:
