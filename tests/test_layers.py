@@ -57,6 +57,18 @@ def test_every_module_of_the_package_has_a_layer():
     assert placed - modules == set(), "layers naming modules that do not exist"
 
 
+def test_the_readmes_table_names_every_module_of_the_package():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What is in the package") :]
+    named = {
+        path.name + ("/" if path.is_dir() else "")
+        for path in PACKAGE.iterdir()
+        if (path.suffix == ".py" and path.name != "__init__.py")
+        or (path.is_dir() and (path / "__init__.py").exists())
+    }
+    assert {name for name in named if f"`{name}`" not in table} == set()
+
+
 def test_a_cycle_planted_in_a_function_breaks_the_contracts(tmp_path):
     shutil.copytree(PACKAGE, tmp_path / "fluksio_nb", ignore=shutil.ignore_patterns("*.pyc"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
