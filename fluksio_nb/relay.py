@@ -21,18 +21,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-#: Why a claimed cell's ``input()`` found nobody to ask.
-BACKGROUND_CANNOT_ASK = (
-    "input() in a claimed cell asks the notebook only from a cell the kernel is waiting on, "
-    "not from a --background cell or a Ray task. Ask in a normal cell, and use the answer here."
-)
+from fluksio_nb.worker.messages import BACKGROUND_CANNOT_ASK, NoOneToAsk, Sink
 
 
-class NoOneToAsk(Exception):
-    """A claimed cell asked for input where no one can answer it."""
-
-
-class CellOutput:
+class CellOutput(Sink):
     """Sends a worker's output to one cell, from any thread, at any time."""
 
     def __init__(self) -> None:

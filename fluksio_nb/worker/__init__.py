@@ -3,8 +3,9 @@
 The kernel cannot give itself a share of the machine after the fact — the
 knobs that matter are read when a library is imported — so a claimed cell runs
 in a worker that was started with them. :mod:`~fluksio_nb.worker.client` is the
-kernel's side, :mod:`~fluksio_nb.worker.main` the worker's, and
-:mod:`~fluksio_nb.worker.protocol` what passes between them.
+kernel's side, :mod:`~fluksio_nb.worker.main` the worker's,
+:mod:`~fluksio_nb.worker.messages` what passes between them, and
+:mod:`~fluksio_nb.worker.protocol` how.
 """
 
 from fluksio_nb.worker.client import CellError, Outcome, Sink, UnsendableInput, Worker

@@ -6,13 +6,15 @@ with that process, and it decides:
 
 - **One thread does all the listening.** :meth:`Worker.run` waits on the
   channel and on the worker's stdout and stderr pipes with one selector, in the
-  thread that called it, and calls the :class:`Sink` from that thread as bytes
-  and frames arrive. No reader threads means nothing to join, nothing racing
-  the end of a cell, and a ``KeyboardInterrupt`` from the stop button lands
-  exactly where the waiting happens. Python's own output arrives as frames,
-  in order with everything else the cell shows. The pipes carry what child
-  processes and C code write; they are drained before each frame is handled,
-  which keeps that output close to where it was written.
+  thread that called it, and hands the :class:`Sink` each output message
+  (:mod:`fluksio_nb.worker.messages`) from that thread as it arrives. No
+  reader threads means nothing to join, nothing racing the end of a cell, and
+  a ``KeyboardInterrupt`` from the stop button lands exactly where the waiting
+  happens. Python's own output arrives as messages, in order with everything
+  else the cell shows. The pipes carry what child processes and C code write,
+  passed on as :class:`~fluksio_nb.worker.messages.Stream` messages too; they
+  are drained before each message is handled, which keeps that output close to
+  where it was written.
 - **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
   button sends the kernel does not reach it behind the kernel's back. Stopping
   a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
@@ -59,7 +61,21 @@ import psutil
 from fluksio_nb import transfer
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
-from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
+from fluksio_nb.worker.messages import (
+    ClearOutput,
+    Display,
+    Done,
+    Error,
+    Exit,
+    InputReply,
+    InputRequest,
+    Message,
+    Ready,
+    Result,
+    Run,
+    Sink,
+    Stream,
+)
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -122,39 +138,8 @@ def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 # -----------------------------------------------------------------------------
-# Where output goes, and what came of a cell
+# What came of a cell
 # -----------------------------------------------------------------------------
-
-
-class Sink:
-    """Where a running cell's output goes; subclass it and override what you relay.
-
-    Every method is called from the thread that called :meth:`Worker.run`,
-    while the cell is still running, in the order the worker produced the
-    output. The defaults drop everything.
-    """
-
-    def stdout(self, text: str) -> None:
-        pass
-
-    def stderr(self, text: str) -> None:
-        pass
-
-    def display(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        pass
-
-    def result(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        pass
-
-    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
-        pass
-
-    def clear_output(self, wait: bool) -> None:
-        pass
-
-    def input(self, prompt: str, password: bool) -> str:
-        """What the user answers to the cell's ``input(prompt)``; raise to refuse."""
-        raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
 
 
 @dataclass(frozen=True)
@@ -289,7 +274,7 @@ class _Stream:
                 return True
             text = self.decoder.decode(chunk, final=not chunk)
             if text:
-                getattr(sink, self.name)(text)
+                sink.forward(Stream(self.name, text))
             if not chunk:
                 return False
         return True
@@ -450,18 +435,17 @@ class Worker:
             cell = _Cell(sink, forward=forward_outputs)
             self._cell = cell
             try:
-                request = {
-                    "type": "run",
-                    "code": code,
-                    "inputs": parcel,
-                    "outputs": outputs,
-                    "keep_outputs": keep_outputs,
-                    "if_changed": list(if_changed),
-                    "random_state": self._streams_to_send(cell, random_state),
-                    "environ": self._environ_to_send(environ),
-                    "path": list(sys.path),
-                    "cwd": os.getcwd(),
-                }
+                request = Run(
+                    code,
+                    inputs=parcel,
+                    outputs=outputs,
+                    keep_outputs=keep_outputs,
+                    if_changed=list(if_changed),
+                    random_state=self._streams_to_send(cell, random_state),
+                    environ=self._environ_to_send(environ),
+                    path=list(sys.path),
+                    cwd=os.getcwd(),
+                )
                 return self._run(cell, request)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
@@ -516,7 +500,7 @@ class Worker:
             for name, state in random_state.items()
         }
 
-    def _run(self, cell: _Cell, request: dict[str, Any]) -> Outcome:
+    def _run(self, cell: _Cell, request: Run) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
@@ -557,70 +541,59 @@ class Worker:
             # pipes by now, and belongs before it.
             self._drain_streams(cell.sink)
             try:
-                frame = self._channel.receive()
+                message = self._channel.receive()
             except ChannelClosed:
                 return self._died(cell)
             except Exception as error:
-                cell.sink.stderr(f"[fluksio] a message from the worker was unreadable: {error}\n")
+                unreadable = f"[fluksio] a message from the worker was unreadable: {error}\n"
+                cell.sink.forward(Stream("stderr", unreadable))
                 continue
-            outcome = self._take(frame, cell)
+            outcome = self._take(message, cell)
             if outcome is not None:
                 return outcome
             if until_ready and self._ready:
                 return None
 
-    def _take(self, frame: dict[str, Any], cell: _Cell) -> Outcome | None:
-        """Hand one frame to the sink; the outcome if it was the cell's last."""
-        kind = frame.get("type")
-        sink = cell.sink
-        if kind == "stream":
-            getattr(sink, "stderr" if frame["name"] == "stderr" else "stdout")(frame["text"])
-        elif kind == "display":
-            sink.display(frame["data"], frame.get("metadata") or {})
-        elif kind == "result":
-            sink.result(frame["data"], frame.get("metadata") or {})
-        elif kind == "error":
-            if cell.error is None:
-                cell.error = CellError(frame["ename"], frame["evalue"], frame["traceback"])
-            sink.error(frame["ename"], frame["evalue"], frame["traceback"])
-        elif kind == "clear_output":
-            # Not one of the five methods a sink must have; one without it
-            # simply keeps the output.
-            clear_output = getattr(sink, "clear_output", None)
-            if clear_output is not None:
-                clear_output(frame.get("wait", False))
-        elif kind == "input_request":
-            self._answer(frame, sink)
-        elif kind == "ready":
-            self._ready = True
-        elif kind == "done":
-            cell.over = True
-            self._drain_streams(sink)
-            return self._finished(frame, cell)
+    def _take(self, message: Message, cell: _Cell) -> Outcome | None:
+        """Act on one message from the worker; the outcome if it was the cell's last."""
+        match message:
+            case Stream() | Display() | Result() | ClearOutput():
+                cell.sink.forward(message)
+            case Error():
+                if cell.error is None:
+                    cell.error = CellError(message.ename, message.evalue, message.traceback)
+                cell.sink.forward(message)
+            case InputRequest():
+                self._answer(message, cell.sink)
+            case Ready():
+                self._ready = True
+            case Done():
+                cell.over = True
+                self._drain_streams(cell.sink)
+                return self._finished(message, cell)
         return None
 
-    def _answer(self, request: dict[str, Any], sink: Sink) -> None:
+    def _answer(self, request: InputRequest, sink: Sink) -> None:
         """Ask the sink what the cell's ``input()`` asks, and send the answer, or why none."""
-        ask = getattr(sink, "input", None) or Sink().input
         try:
-            reply = {"type": "input_reply", "value": ask(request["prompt"], request["password"])}
+            reply = InputReply(value=sink.input(request.prompt, request.password))
         except Exception as error:
             # ipykernel's own refusal (a front end that takes no input) included.
-            reply = {"type": "input_reply", "refused": str(error) or type(error).__name__}
+            reply = InputReply(refused=str(error) or type(error).__name__)
         with contextlib.suppress(ChannelClosed):
             self._channel.send(reply)
 
-    def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
-        self._leaving = bool(done.get("exiting"))
-        streams = done.get("random_state") or None
+    def _finished(self, done: Done, cell: _Cell) -> Outcome:
+        self._leaving = done.exiting
+        streams = done.random_state or None
         if cell.streams_sent is not None:
             # Known from now on: what was sent, as the cell left it, for each
             # stream the worker holds; one it never took up is sent again.
             held = {**cell.streams_sent, **(streams or {})}
-            self._streams_there = {name: held[name] for name in done.get("streams_held", ())}
-        parcel = done.get("outputs")
+            self._streams_there = {name: held[name] for name in done.streams_held}
+        parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
-        ok = bool(done.get("ok"))
+        ok = done.ok
         error = None if ok else cell.error
         if ok:
             description = "the cell finished"
@@ -634,8 +607,8 @@ class Worker:
             "ok" if ok else "error",
             description,
             values,
-            {**done.get("failed", {}), **unreadable},
-            tuple(done.get("absent", ())),
+            {**done.failed, **unreadable},
+            tuple(done.absent),
             error=error,
             interrupted=cell.interrupted,
             random_state=streams,
@@ -731,7 +704,7 @@ class Worker:
             )
             if not self._released and not self._has_exited():
                 with contextlib.suppress(ChannelClosed):
-                    self._channel.send({"type": "exit"})
+                    self._channel.send(Exit())
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._wait_without_reaping(GRACE_TO_EXIT)
             self._end_group(strays)

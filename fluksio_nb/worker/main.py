@@ -11,8 +11,9 @@ What it decides:
 - **A cell should feel like a notebook cell.** It runs in a real IPython
   ``InteractiveShell``, so magics, ``!cmd``, ``display()`` and
   ``%matplotlib inline`` behave as they do in the kernel. What a notebook would
-  show is sent as frames instead of printed: display data, the last
-  expression's value as the cell's result, an exception as IPython formats it.
+  show is sent to the kernel instead of printed, as the messages of
+  :mod:`fluksio_nb.worker.messages`: display data, the last expression's value
+  as the cell's result, an exception as IPython formats it.
 - **A cell sees the kernel as it is now**, not as it was when the worker
   started: its ``sys.path``, working directory and environment
   (:func:`follow_the_kernel`), its random streams
@@ -70,10 +71,21 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 from fluksio_nb import memory_cap, namespaces, random_streams, transfer
-from fluksio_nb.worker.protocol import (
-    Channel,
-    ChannelClosed,
+from fluksio_nb.worker.messages import (
+    ClearOutput,
+    Display,
+    Done,
+    Error,
+    Exit,
+    FromWorker,
+    InputReply,
+    InputRequest,
+    Ready,
+    Result,
+    Run,
+    Stream,
 )
+from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How often the worker asks who its parent is, for the case the lifeline
 #: cannot see: a process forked from the kernel that still holds its write end.
@@ -265,12 +277,12 @@ class Interrupts:
 
 
 # -----------------------------------------------------------------------------
-# The shell: IPython, with everything it would print sent as frames
+# The shell: IPython, with everything it would print sent as messages
 # -----------------------------------------------------------------------------
 
 
 class Reporter:
-    """Sends frames to the kernel, whole, with Python's own output sent ahead of them."""
+    """Sends messages to the kernel, whole, with Python's own output sent ahead of them."""
 
     def __init__(self, channel: Channel, interrupts: Interrupts) -> None:
         self.channel = channel
@@ -278,14 +290,14 @@ class Reporter:
 
     def __call__(
         self,
-        frame: dict[str, Any],
+        message: FromWorker,
         deliver_held_back: bool = True,
         flush_first: bool = True,
     ) -> None:
         if flush_first:
             flush_streams()
         with self.interrupts.frame_in_flight(deliver_held_back):
-            self.channel.send(frame)
+            self.channel.send(message)
 
 
 def flush_streams() -> None:
@@ -345,23 +357,18 @@ class FrameStream(io.TextIOBase):
             text = "".join(self._pending)
             self._pending.clear()
         if text:
-            self._reporter({"type": "stream", "name": self.name, "text": text}, flush_first=False)
+            self._reporter(Stream(self.name, text), flush_first=False)
 
 
 class FramePublisher(DisplayPublisher):
     """``display()`` and friends, sent to the kernel as they happen."""
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
-        frame = {"type": "display", "data": data, "metadata": metadata or {}}
-        # Carried for the kernel to honour display ids; nothing here depends on them.
-        if transient:
-            frame["transient"] = transient
-        if update:
-            frame["update"] = True
-        self.shell.report(frame)
+        # Display ids are carried for the kernel to honour; nothing here depends on them.
+        self.shell.report(Display(data, metadata or {}, transient or None, bool(update)))
 
     def clear_output(self, wait=False):
-        self.shell.report({"type": "clear_output", "wait": wait})
+        self.shell.report(ClearOutput(wait))
 
 
 class ResultHook(DisplayHook):
@@ -371,7 +378,7 @@ class ResultHook(DisplayHook):
         pass
 
     def write_format_data(self, format_dict, md_dict=None):
-        self.shell.report({"type": "result", "data": format_dict, "metadata": md_dict or {}})
+        self.shell.report(Result(format_dict, md_dict or {}))
 
     def log_output(self, format_dict):
         # IPython keeps every result's reprs in its history; a worker that lives
@@ -383,7 +390,7 @@ class ResultHook(DisplayHook):
 
 
 class WorkerShell(InteractiveShell):
-    """An ``InteractiveShell`` whose tracebacks go to the kernel as error frames."""
+    """An ``InteractiveShell`` whose tracebacks go to the kernel as :class:`Error` messages."""
 
     report: Reporter
     #: Python's stdout and stderr as frames; put back before every cell, in
@@ -394,12 +401,7 @@ class WorkerShell(InteractiveShell):
         # The cell is already ending in an error; a held-back interrupt would
         # only end it a second time.
         self.report(
-            {
-                "type": "error",
-                "ename": getattr(etype, "__name__", str(etype)),
-                "evalue": str(evalue),
-                "traceback": list(stb),
-            },
+            Error(getattr(etype, "__name__", str(etype)), str(evalue), list(stb)),
             deliver_held_back=False,
         )
 
@@ -412,12 +414,7 @@ class WorkerShell(InteractiveShell):
         # A mistyped magic is an error like any other, and a notebook should
         # show it as one, not as a stray line on stderr.
         self.report(
-            {
-                "type": "error",
-                "ename": "UsageError",
-                "evalue": str(exc),
-                "traceback": [f"UsageError: {exc}"],
-            },
+            Error("UsageError", str(exc), [f"UsageError: {exc}"]),
             deliver_held_back=False,
         )
 
@@ -490,7 +487,7 @@ def ask_the_notebook(channel: Channel, reporter: Reporter) -> None:
     """``input()`` and ``getpass()`` in a cell ask the notebook, as in the kernel itself.
 
     The worker's stdin is not a terminal nobody watches: a cell that asks
-    sends its prompt as a frame and waits for the kernel's answer on the same
+    sends an :class:`InputRequest` and waits for the kernel's answer on the same
     channel, which carries nothing else while a cell runs. Where nobody can
     answer (a background cell, a front end without input) the kernel says
     so, and the cell gets the error ipykernel itself raises.
@@ -499,14 +496,12 @@ def ask_the_notebook(channel: Channel, reporter: Reporter) -> None:
     import getpass
 
     def ask(prompt: object = "", password: bool = False) -> str:
-        reporter({"type": "input_request", "prompt": str(prompt), "password": password})
-        while True:
-            reply = channel.receive()
-            if reply.get("type") == "input_reply":
-                break
-        if "refused" in reply:
-            raise StdinNotImplementedError(reply["refused"])
-        return reply["value"]
+        reporter(InputRequest(str(prompt), password))
+        while not isinstance(reply := channel.receive(), InputReply):
+            pass
+        if reply.refused is not None:
+            raise StdinNotImplementedError(reply.refused)
+        return reply.value
 
     def ask_secretly(prompt: str = "Password: ", stream: object = None) -> str:
         return ask(prompt, password=True)
@@ -544,23 +539,23 @@ _fflush: Any = None
 # -----------------------------------------------------------------------------
 
 
-def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interrupts) -> None:
-    """Run one cell and answer with exactly one ``done`` frame, however it ends."""
+def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> None:
+    """Run one cell and answer with exactly one :class:`Done`, however it ends."""
     ok = False
     inputs: dict[str, Any] = {}
-    given = request.get("random_state")
+    given = request.random_state
     streams_before: dict[str, Any] = {}
     try:
-        follow_the_kernel(request.get("path"), request.get("cwd"), request.get("environ"))
+        follow_the_kernel(request.path, request.cwd, request.environ)
         if given is not None:
             streams_before = random_streams.arrive(given)
-        inputs = settle_inputs(shell.user_ns, unpack_inputs(request.get("inputs")))
+        inputs = settle_inputs(shell.user_ns, unpack_inputs(request.inputs))
     except Exception as error:
         report_exception_only(shell, error)
     else:
         try:
             with interrupts.cell_running():
-                ok = shell.run_cell(request["code"], store_history=True).success
+                ok = shell.run_cell(request.code, store_history=True).success
         except (KeyboardInterrupt, Exception) as escaped:
             # Raised in IPython's own machinery around the cell's code rather
             # than in the code itself — typically an interrupt landing just
@@ -568,25 +563,23 @@ def run_one_cell(shell: WorkerShell, request: dict[str, Any], interrupts: Interr
             report_exception_only(shell, escaped)
     drawn, held = random_streams.drawn_since(streams_before, given) if given else ({}, [])
     random_streams.forget_pending()
-    wanted = request.get("outputs")
+    wanted = request.outputs
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
-    candidates = request.get("if_changed") or ()
-    names += changed_in_place(shell.user_ns, candidates, request.get("inputs"), inputs)
-    keep = bool(request.get("keep_outputs"))
+    names += changed_in_place(shell.user_ns, request.if_changed, request.inputs, inputs)
+    keep = request.keep_outputs
     outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()
     shell.report(
-        {
-            "type": "done",
-            "ok": ok,
-            "outputs": outputs,
-            "failed": failed,
-            "absent": absent,
-            "random_state": drawn,
-            "streams_held": held,
+        Done(
+            ok,
+            outputs,
+            failed,
+            absent,
+            random_state=drawn,
+            streams_held=held,
             # Said here, so the kernel never hands the next cell to a worker on its way out.
-            "exiting": shell.exit_now,
-        }
+            exiting=shell.exit_now,
+        )
     )
     if keep:
         # Every file in it is kept, and back on the shelf only for the next
@@ -712,31 +705,27 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
 
 def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
     """Answer requests until the kernel says exit (True) or stops listening (False)."""
-    shell.report({"type": "ready", "pid": os.getpid()})
+    shell.report(Ready(os.getpid()))
     while True:
         try:
             request = channel.receive()
         except ChannelClosed:
             return False
-        kind = request.get("type")
-        if kind == "exit":
-            return True
-        if kind == "run":
-            run_one_cell(shell, request, interrupts)
-            if shell.exit_now:
+        match request:
+            case Exit():
                 return True
-        elif kind == "input_reply":
-            # An answer that crossed the stop button on its way: its cell is over.
-            continue
-        else:
-            shell.report(
-                {
-                    "type": "error",
-                    "ename": "ProtocolError",
-                    "evalue": f"the worker does not know requests of type {kind!r}",
-                    "traceback": [],
-                }
-            )
+            case Run():
+                run_one_cell(shell, request, interrupts)
+                if shell.exit_now:
+                    return True
+            case InputReply():
+                # An answer that crossed the stop button on its way: its cell is over.
+                continue
+            case _:
+                kind = type(request).__name__
+                shell.report(
+                    Error("ProtocolError", f"the worker does not know requests of type {kind}", [])
+                )
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
