@@ -76,6 +76,7 @@ from fluksio_nb.worker.messages import (
     Sink,
     Stream,
 )
+from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, signal_name
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -135,100 +136,6 @@ def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
     if parcel is None:
         return {}, {}
     return transfer.unpack(parcel)
-
-
-# -----------------------------------------------------------------------------
-# What came of a cell
-# -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CellError:
-    """The exception a cell raised, as IPython formatted it in the worker."""
-
-    ename: str
-    evalue: str
-    #: Lines with IPython's ANSI colours, as a notebook shows them.
-    traceback: list[str]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one cell ended, and what it handed back."""
-
-    status: Literal["ok", "error", "died"]
-    #: A sentence for the notebook: "the cell was interrupted", "the worker
-    #: died from SIGSEGV (signal 11) while running the cell".
-    description: str
-    outputs: dict[str, Any] = field(default_factory=dict)
-    #: Output names that did not come back, with the reason for each.
-    failed: dict[str, str] = field(default_factory=dict)
-    #: Output names the cell ended without, such as a name it deleted or only
-    #: binds on a branch it did not take. Whether that is a failure is the
-    #: caller's to say: it is if the user asked for the name by hand.
-    absent: tuple[str, ...] = ()
-    #: The first exception the cell raised, when it raised one.
-    error: CellError | None = None
-    #: How the worker died, as a sentence, when it did; None while it lives.
-    died: str | None = None
-    #: For a worker that died: its exit code, or minus the signal that ended it.
-    returncode: int | None = None
-    #: Whether :meth:`Worker.interrupt` (or a KeyboardInterrupt in ``run``) was
-    #: applied to this cell.
-    interrupted: bool = False
-    #: The worker's global random streams after the cell, those the cell drew
-    #: from (:mod:`fluksio_nb.random_streams`); None if it drew from none.
-    random_state: dict[str, Any] | None = None
-    #: The outputs as the worker packed them, for a caller that asked to
-    #: forward them (``outputs`` is empty then); whoever ends up with it
-    #: unpacks it or discards it.
-    parcel: Any = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def not_brought_back(self, by_hand: bool) -> dict[str, str]:
-        """The names worth a warning, with why: those that could not travel,
-        and those the cell ended without if the user named them by hand."""
-        failed = dict(self.failed)
-        if by_hand:
-            failed.update({name: "the cell did not define it" for name in self.absent})
-        return failed
-
-    def warning(self, by_hand: bool) -> str:
-        """What to tell the user of :meth:`not_brought_back`; ``""`` when all came back."""
-        failed = self.not_brought_back(by_hand)
-        if not failed:
-            return ""
-        lines = "".join(f"  {name}: {reason}\n" for name, reason in sorted(failed.items()))
-        return f"fluksio_nb: these names could not be brought back:\n{lines}"
-
-    @property
-    def signal_name(self) -> str | None:
-        """``"SIGSEGV"`` for a worker a signal ended, else None."""
-        if self.returncode is None or self.returncode >= 0:
-            return None
-        return _signal_name(-self.returncode)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-class Interrupted(KeyboardInterrupt):
-    """The stop button ended the cell; ``outcome`` is what it had bound by then, if it said.
-
-    A cell stopped by SIGINT ends like any other: the worker sends back the
-    names it had bound, which a normal cell stopped halfway would also keep.
-    """
-
-    def __init__(self, outcome: Outcome | None = None) -> None:
-        super().__init__()
-        self.outcome = outcome
 
 
 @dataclass
@@ -646,7 +553,7 @@ class Worker:
         if returncode >= 0:
             return f"the worker exited with code {returncode} {when}"
         number = -returncode
-        how = f"the worker died from {_signal_name(number)} (signal {number}) {when}"
+        how = f"the worker died from {signal_name(number)} (signal {number}) {when}"
         if number == signal.SIGKILL:
             how += (
                 " — a SIGKILL nobody here sent is most often the out-of-memory "
