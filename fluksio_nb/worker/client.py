@@ -27,10 +27,9 @@ with that process, and it decides:
   says which, in a sentence a notebook can show. Only ``KeyboardInterrupt``
   (re-raised once the worker has been stopped) and :class:`UnsendableInput`
   (raised before anything starts) leave ``run`` as exceptions.
-- **Nothing the worker started outlives it.** Ending a worker ends its process
-  group and any descendant that left the group, and reaps the worker. The group
-  is signalled only while the worker is unreaped, because after that its
-  number may already belong to somebody else's process.
+- **Nothing the worker started outlives it.** Killing or closing a worker
+  ends everything it started and reaps it; how, safely, is
+  :mod:`fluksio_nb.worker.process`'s to decide.
 
 How values are packed is decided in exactly two functions here,
 :func:`pack_inputs` and :func:`unpack_outputs`, mirroring the two in
@@ -51,12 +50,9 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import psutil
 
 from fluksio_nb import transfer
 from fluksio_nb.inventory import confine
@@ -77,6 +73,7 @@ from fluksio_nb.worker.messages import (
     Stream,
 )
 from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, signal_name
+from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -221,39 +218,17 @@ class Worker:
                 )
         self.env: dict[str, str] = {**env, "PYTHONUNBUFFERED": "1"}
         kernel_end, worker_end = socket.socketpair()
-        # The worker watches the read end for the end-of-file that the kernel's
-        # death causes; the kernel never writes to it.
-        lifeline_read, lifeline_write = os.pipe()
         try:
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "fluksio_nb.worker",
-                    f"--channel-fd={worker_end.fileno()}",
-                    f"--lifeline-fd={lifeline_read}",
-                    f"--kernel-pid={os.getpid()}",
-                ],
-                env=self.env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(worker_end.fileno(), lifeline_read),
-                start_new_session=True,
-            )
+            self._process = WorkerProcess(self.env, cwd, worker_end)
         except BaseException:
             kernel_end.close()
-            os.close(lifeline_write)
             raise
         finally:
             worker_end.close()
-            os.close(lifeline_read)
         self.pid: int = self._process.pid
         # Before the worker has started a thread of its own: threads inherit
         # the mask of the thread that starts them, and this sets the main one's.
         confine(self.pid, cores)
-        self._lifeline = lifeline_write
         self._channel = Channel(kernel_end)
         self._streams = [
             _Stream("stdout", self._process.stdout),
@@ -278,8 +253,6 @@ class Worker:
         #: reported as a crash.
         self._ending: str | None = None
         self._death: Outcome | None = None
-        # A Worker dropped without close() must not leave its process behind.
-        self._finalizer = weakref.finalize(self, _end_unreaped, self._process, lifeline_write)
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {'alive' if self.alive else 'ended'}>"
@@ -297,7 +270,7 @@ class Worker:
             not self._released
             and not self._leaving
             and not self._channel.broken
-            and not self._has_exited()
+            and not self._process.has_exited()
         )
 
     # -- running cells ---------------------------------------------------------
@@ -525,7 +498,7 @@ class Worker:
     def _died(self, cell: _Cell) -> Outcome:
         cell.over = True
         self._drain_streams(cell.sink)
-        self._end_group()
+        self._process.end()
         returncode = self._process.returncode
         how = self._describe_death(returncode, cell)
         self._death = Outcome(
@@ -586,7 +559,7 @@ class Worker:
     def kill(self) -> None:
         """End the worker and every process it started, now, and reap it."""
         self._ending = self._ending or "kill() was called"
-        self._end_group()
+        self._process.end()
         if self._run_lock.acquire(blocking=False):
             try:
                 self._release()
@@ -606,30 +579,28 @@ class Worker:
         try:
             # Found now: once the worker has exited, what it started under a
             # session of its own is nobody's descendant any more.
-            strays = (
-                _descendants_outside_group(self.pid) if self._process.returncode is None else []
-            )
-            if not self._released and not self._has_exited():
+            strays = self._process.strays()
+            if not self._released and not self._process.has_exited():
                 with contextlib.suppress(ChannelClosed):
                     self._channel.send(Exit())
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._wait_without_reaping(GRACE_TO_EXIT)
-            self._end_group(strays)
+                    self._process.wait_without_reaping(GRACE_TO_EXIT)
+            self._process.end(strays)
             self._release()
         finally:
             self._run_lock.release()
 
     def _ladder(self, cell: _Cell, cell_ended_within: Callable[[float], bool]) -> None:
         cell.interrupted = True
-        self._signal_group(signal.SIGINT)
+        self._process.signal_group(signal.SIGINT)
         if cell_ended_within(GRACE_AFTER_SIGINT):
             return
         cell.escalated_to = "SIGTERM"
-        self._signal_group(signal.SIGTERM)
+        self._process.signal_group(signal.SIGTERM)
         if cell_ended_within(GRACE_AFTER_SIGTERM):
             return
         cell.escalated_to = "SIGKILL"
-        self._signal_group(signal.SIGKILL)
+        self._process.signal_group(signal.SIGKILL)
         cell_ended_within(GRACE_AFTER_SIGKILL)
 
     def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
@@ -655,44 +626,7 @@ class Worker:
             self.kill()
             raise
 
-    # -- the process -----------------------------------------------------------------
-
-    def _signal_group(self, signum: int) -> None:
-        # Once reaped, the worker's number may already be someone else's group.
-        if self._process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
-
-    def _end_group(self, strays: list[psutil.Process] | None = None) -> None:
-        """SIGKILL the worker's group and its strays, then reap the worker."""
-        if self._process.returncode is not None:
-            return
-        if strays is None:
-            strays = _descendants_outside_group(self.pid)
-        self._signal_group(signal.SIGKILL)
-        for stray in strays:
-            with contextlib.suppress(psutil.Error):
-                stray.kill()
-        self._process.wait()
-
-    def _has_exited(self) -> bool:
-        """Whether the worker has exited, without reaping it: see :meth:`_signal_group`."""
-        if self._process.returncode is not None:
-            return True
-        if not hasattr(os, "waitid"):
-            return self._process.poll() is not None
-        try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
-
-    def _wait_without_reaping(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._has_exited():
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self._process.args, timeout)
-            time.sleep(0.01)
+    # -- the pipes and the end -------------------------------------------------------
 
     def _drain_streams(self, sink: Sink) -> None:
         for stream in list(self._streams):
@@ -713,30 +647,4 @@ class Worker:
             self._forget_stream(stream)
         self._selector.close()
         self._channel.close()
-        # At interpreter exit the finalizer may have run first and closed it.
-        if self._finalizer.detach() is not None:
-            os.close(self._lifeline)
-
-
-def _descendants_outside_group(pid: int) -> list[psutil.Process]:
-    """Processes the worker started that left its group — ``setsid`` daemons, mostly."""
-    try:
-        descendants = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-    strays = []
-    for process in descendants:
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getpgid(process.pid) != pid:
-                strays.append(process)
-    return strays
-
-
-def _end_unreaped(process: subprocess.Popen[bytes], lifeline: int) -> None:
-    """The finalizer of a Worker nobody closed: its process must not outlive it."""
-    with contextlib.suppress(OSError):
-        os.close(lifeline)
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        self._process.close()
