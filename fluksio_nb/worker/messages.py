@@ -22,13 +22,16 @@ The conversation, one worker and one kernel:
   the user's answer or why nobody could give one (a background cell, a front
   end without input). A reply that crosses the stop button arrives after its
   cell is over, and the worker drops it.
-- **:class:`Done` ends the cell**: exactly one for each :class:`Run`, however
-  the cell ended — error, interrupt, or ``exit()``, which it announces, so the
-  kernel never hands the next cell to a worker on its way out. The first
-  :class:`Error` of the cell is the one the kernel reports as its failure.
-- **Nothing ends the conversation but** :class:`Exit` from the kernel between
-  cells, the kernel closing its end, or the worker dying, which the kernel
+- **The cell ends with** :class:`Done`, exactly one for each :class:`Run`,
+  however the cell ended: error, interrupt, or ``exit()``, which it
+  announces, so the kernel never hands the next cell to a worker on its way
+  out. The first :class:`Error` of the cell is the one the kernel reports as
+  its failure.
+- **The conversation ends** with :class:`Exit` from the kernel between cells,
+  with the kernel closing its end, or with the worker dying, which the kernel
   hears as the channel closing, not as a message.
+- **A request the worker does not know** is answered with an :class:`Error`
+  (``ProtocolError``) rather than ignored.
 
 Stopping a cell is not a message: the kernel signals the worker's process
 group (:meth:`fluksio_nb.worker.client.Worker.interrupt`), which works even
@@ -39,12 +42,14 @@ which by default calls the sink's method for its kind (:func:`relay`), so a
 sink that relays the messages further on unchanged — to a Ray task's
 outbox — overrides one method rather than five.
 
-A ``print`` in a cell is a message, so they are cheap to pickle: as their
-class and their fields in order. A frozen dataclass with slots otherwise
-pickles through ``dataclasses.fields()`` and unpickles with a ``__setattr__``
-per field: 4 µs each way for a line of output, against 2.5 µs this way, which
-is also a little less than a ``NamedTuple``. What is left over the 0.8 µs of
-the dict it replaced is the class itself, looked up by name on both sides.
+A ``print`` in a cell is a message, so messages pickle as cheaply as a class
+can: as the class and its fields in order. A frozen dataclass with slots
+otherwise pickles through ``dataclasses.fields()`` and unpickles with a
+``__setattr__`` per field: about 4 µs each way for a line of output, against
+2 to 2.5 µs this way, a little less than a ``NamedTuple`` too. What is left
+over the 0.8 µs of the dict this replaced is the class itself, looked up by
+name on both sides; next to the rest of a ``print``'s trip to the notebook
+it does not show.
 """
 
 from __future__ import annotations
@@ -64,10 +69,11 @@ class NoOneToAsk(Exception):
     """A claimed cell asked for input where no one can answer it."""
 
 
-class _Pickled:
-    """Pickled as the class and its fields, in the order the class declares them."""
+class _Message:
+    """What every message shares: it pickles as its class and its fields, in order."""
 
     __slots__ = ()
+    #: The fields in the order they are declared, as ``@dataclass`` fills it in.
     __match_args__: tuple[str, ...] = ()
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
@@ -80,7 +86,7 @@ class _Pickled:
 
 
 @dataclass(frozen=True, slots=True)
-class Run(_Pickled):
+class Run(_Message):
     """Run one cell; answered by output, then exactly one :class:`Done`."""
 
     code: str
@@ -105,7 +111,7 @@ class Run(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class InputReply(_Pickled):
+class InputReply(_Message):
     """The answer to an :class:`InputRequest`, or why there is none."""
 
     value: str | None = None
@@ -114,7 +120,7 @@ class InputReply(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Exit(_Pickled):
+class Exit(_Message):
     """Exit between cells; sent by :meth:`fluksio_nb.worker.client.Worker.close`."""
 
 
@@ -124,14 +130,14 @@ class Exit(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Ready(_Pickled):
+class Ready(_Message):
     """The worker has started and waits for its first :class:`Run`."""
 
     pid: int
 
 
 @dataclass(frozen=True, slots=True)
-class Stream(_Pickled):
+class Stream(_Message):
     """Text the cell wrote to ``sys.stdout`` or ``sys.stderr``."""
 
     name: Literal["stdout", "stderr"]
@@ -139,7 +145,7 @@ class Stream(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Display(_Pickled):
+class Display(_Message):
     """A ``display()``: a MIME bundle and its metadata."""
 
     data: dict[str, Any]
@@ -150,7 +156,7 @@ class Display(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Result(_Pickled):
+class Result(_Message):
     """The value of the cell's last expression, as a MIME bundle."""
 
     data: dict[str, Any]
@@ -158,7 +164,7 @@ class Result(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Error(_Pickled):
+class Error(_Message):
     """An exception the cell raised, as IPython formatted it in the worker."""
 
     ename: str
@@ -168,14 +174,14 @@ class Error(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class ClearOutput(_Pickled):
+class ClearOutput(_Message):
     """``clear_output()``: now, or when the next output arrives if ``wait``."""
 
     wait: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class InputRequest(_Pickled):
+class InputRequest(_Message):
     """The cell called ``input()`` (or ``getpass()``, with ``password``) and waits."""
 
     prompt: str
@@ -183,7 +189,7 @@ class InputRequest(_Pickled):
 
 
 @dataclass(frozen=True, slots=True)
-class Done(_Pickled):
+class Done(_Message):
     """The cell is over, and what it leaves: the last message of every :class:`Run`."""
 
     #: Whether the cell finished without raising.
