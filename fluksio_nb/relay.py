@@ -21,10 +21,18 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from fluksio_nb.worker.messages import BACKGROUND_CANNOT_ASK, NoOneToAsk, Sink
+#: Why a claimed cell's ``input()`` found nobody to ask.
+BACKGROUND_CANNOT_ASK = (
+    "input() in a claimed cell asks the notebook only from a cell the kernel is waiting on, "
+    "not from a --background cell or a Ray task. Ask in a normal cell, and use the answer here."
+)
 
 
-class CellOutput(Sink):
+class NoOneToAsk(Exception):
+    """A claimed cell asked for input where no one can answer it."""
+
+
+class CellOutput:
     """Sends a worker's output to one cell, from any thread, at any time."""
 
     def __init__(self) -> None:

@@ -27,6 +27,7 @@ from fluksio_nb.worker.messages import (
     Run,
     Sink,
     Stream,
+    forwarder,
     relay,
 )
 from fluksio_nb.worker.protocol import Channel
@@ -148,3 +149,35 @@ def test_a_sink_that_overrides_forward_gets_the_messages_themselves():
     sink.forward(message)
     assert sink.forwarded == [message]
     assert sink.calls == []
+
+
+def test_a_sink_that_is_no_sink_is_shown_through_relay_and_may_lack_clear_output():
+    """The notebook's CellOutput sits below the worker, so it has the methods but no forward."""
+
+    class Duck:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def stdout(self, text):
+            self.calls.append(("stdout", text))
+
+        def stderr(self, text):
+            self.calls.append(("stderr", text))
+
+        def display(self, data, metadata):
+            self.calls.append(("display", data))
+
+        def result(self, data, metadata):
+            self.calls.append(("result", data))
+
+        def error(self, ename, evalue, traceback):
+            self.calls.append(("error", ename))
+
+    duck = Duck()
+    show = forwarder(duck)
+    show(Stream("stdout", "out"))
+    show(ClearOutput(wait=False))
+    show(Error("E", "v", []))
+    assert duck.calls == [("stdout", "out"), ("error", "E")]
+    sink = Recorder()
+    assert forwarder(sink) == sink.forward

@@ -66,11 +66,13 @@ from fluksio_nb.worker.messages import (
     InputReply,
     InputRequest,
     Message,
+    Output,
     Ready,
     Result,
     Run,
     Sink,
     Stream,
+    forwarder,
 )
 from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, signal_name
 from fluksio_nb.worker.process import WorkerProcess
@@ -156,6 +158,11 @@ class _Cell:
     error: CellError | None = None
     #: Whether its outputs are left packed, for another process to unpack.
     forward: bool = False
+    #: Where each output message goes: the sink's ``forward``, or relayed to it.
+    show: Callable[[Output], None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.show = forwarder(self.sink)
 
 
 class _Stream:
@@ -169,7 +176,7 @@ class _Stream:
         # Incremental, because a read can end in the middle of a UTF-8 character.
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def drain(self, sink: Sink) -> bool:
+    def drain(self, show: Callable[[Output], None]) -> bool:
         """Relay what is waiting in the pipe; False once the pipe has reached its end."""
         for _ in range(_READS_PER_DRAIN):
             try:
@@ -178,7 +185,7 @@ class _Stream:
                 return True
             text = self.decoder.decode(chunk, final=not chunk)
             if text:
-                sink.forward(Stream(self.name, text))
+                show(Stream(self.name, text))
             if not chunk:
                 return False
         return True
@@ -384,7 +391,7 @@ class Worker:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
-        self._drain_streams(cell.sink)
+        self._drain_streams(cell.show)
         try:
             self._channel.send(request)
         except ChannelClosed:
@@ -413,20 +420,20 @@ class Worker:
             for key, _ in self._selector.select(timeout):
                 if key.data is self._channel:
                     frame_waiting = True
-                elif not key.data.drain(cell.sink):
+                elif not key.data.drain(cell.show):
                     self._forget_stream(key.data)
             if not frame_waiting:
                 continue
             # Whatever the worker wrote before sending this frame is in the
             # pipes by now, and belongs before it.
-            self._drain_streams(cell.sink)
+            self._drain_streams(cell.show)
             try:
                 message = self._channel.receive()
             except ChannelClosed:
                 return self._died(cell)
             except Exception as error:
                 unreadable = f"[fluksio] a message from the worker was unreadable: {error}\n"
-                cell.sink.forward(Stream("stderr", unreadable))
+                cell.show(Stream("stderr", unreadable))
                 continue
             outcome = self._take(message, cell)
             if outcome is not None:
@@ -438,25 +445,26 @@ class Worker:
         """Act on one message from the worker; the outcome if it was the cell's last."""
         match message:
             case Stream() | Display() | Result() | ClearOutput():
-                cell.sink.forward(message)
+                cell.show(message)
             case Error():
                 if cell.error is None:
                     cell.error = CellError(message.ename, message.evalue, message.traceback)
-                cell.sink.forward(message)
+                cell.show(message)
             case InputRequest():
                 self._answer(message, cell.sink)
             case Ready():
                 self._ready = True
             case Done():
                 cell.over = True
-                self._drain_streams(cell.sink)
+                self._drain_streams(cell.show)
                 return self._finished(message, cell)
         return None
 
     def _answer(self, request: InputRequest, sink: Sink) -> None:
         """Ask the sink what the cell's ``input()`` asks, and send the answer, or why none."""
+        ask = getattr(sink, "input", None) or Sink().input
         try:
-            reply = InputReply(value=sink.input(request.prompt, request.password))
+            reply = InputReply(value=ask(request.prompt, request.password))
         except Exception as error:
             # ipykernel's own refusal (a front end that takes no input) included.
             reply = InputReply(refused=str(error) or type(error).__name__)
@@ -497,7 +505,7 @@ class Worker:
 
     def _died(self, cell: _Cell) -> Outcome:
         cell.over = True
-        self._drain_streams(cell.sink)
+        self._drain_streams(cell.show)
         self._process.end()
         returncode = self._process.returncode
         how = self._describe_death(returncode, cell)
@@ -628,9 +636,9 @@ class Worker:
 
     # -- the pipes and the end -------------------------------------------------------
 
-    def _drain_streams(self, sink: Sink) -> None:
+    def _drain_streams(self, show: Callable[[Output], None]) -> None:
         for stream in list(self._streams):
-            if not stream.drain(sink):
+            if not stream.drain(show):
                 self._forget_stream(stream)
 
     def _forget_stream(self, stream: _Stream) -> None:

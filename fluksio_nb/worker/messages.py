@@ -54,19 +54,12 @@ it does not show.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-#: Why a claimed cell's ``input()`` found nobody to ask.
-BACKGROUND_CANNOT_ASK = (
-    "input() in a claimed cell asks the notebook only from a cell the kernel is waiting on, "
-    "not from a --background cell or a Ray task. Ask in a normal cell, and use the answer here."
-)
-
-
-class NoOneToAsk(Exception):
-    """A claimed cell asked for input where no one can answer it."""
+from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
 
 
 class _Message:
@@ -231,6 +224,12 @@ class Sink:
     running, in the order the worker produced the output. Each output arrives
     at :meth:`forward` first, which hands it to the method for its kind; the
     defaults drop everything.
+
+    A sink need not be a ``Sink``: anything with the five methods ``stdout``,
+    ``stderr``, ``display``, ``result`` and ``error`` will do, and is shown
+    through :func:`relay`. The notebook's own, :class:`fluksio_nb.relay.CellOutput`,
+    is one: it sits below the worker in the package's layers, so it cannot
+    subclass this.
     """
 
     def forward(self, message: Output) -> None:
@@ -260,6 +259,12 @@ class Sink:
         raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
 
 
+def forwarder(sink: Sink) -> Callable[[Output], None]:
+    """Where each output for ``sink`` goes: its ``forward``, or :func:`relay` to it."""
+    forward = getattr(sink, "forward", None)
+    return forward if forward is not None else functools.partial(relay, sink=sink)
+
+
 def relay(message: Output, sink: Sink) -> None:
     """Show one output message on ``sink``, through the method for its kind."""
     match message:
@@ -274,6 +279,10 @@ def relay(message: Output, sink: Sink) -> None:
         case Error(ename=ename, evalue=evalue, traceback=traceback):
             sink.error(ename, evalue, traceback)
         case ClearOutput(wait=wait):
-            sink.clear_output(wait)
+            # Not one of the five methods a sink must have; one without it
+            # simply keeps the output.
+            clear_output = getattr(sink, "clear_output", None)
+            if clear_output is not None:
+                clear_output(wait)
         case _:
             raise TypeError(f"{message!r} is not output a sink can show")
