@@ -35,6 +35,14 @@ How values are packed is decided in exactly two functions here,
 :func:`pack_inputs` and :func:`unpack_outputs`, mirroring the two in
 :mod:`fluksio_nb.worker.main`.
 
+It is long because running a cell, relaying what it shows and stopping it
+are one conversation over one cell's state, held by the thread that waits:
+the stop ladder listens for the cell's end with the same loop that relays its
+output. What could stand apart has: the messages
+(:mod:`~fluksio_nb.worker.messages`), the process
+(:mod:`~fluksio_nb.worker.process`) and what came of the cell
+(:mod:`~fluksio_nb.worker.outcome`).
+
 POSIX only: process groups, ``killpg`` and ``select`` on pipes.
 """
 
@@ -74,7 +82,7 @@ from fluksio_nb.worker.messages import (
     Stream,
     forwarder,
 )
-from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, signal_name
+from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, how_it_died, how_it_ended
 from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
@@ -483,17 +491,9 @@ class Worker:
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
         ok = done.ok
         error = None if ok else cell.error
-        if ok:
-            description = "the cell finished"
-        elif error is None:
-            description = "the cell failed without saying why"
-        elif cell.interrupted and error.ename == "KeyboardInterrupt":
-            description = "the cell was interrupted"
-        else:
-            description = f"the cell raised {error.ename}: {error.evalue}"
         return Outcome(
             "ok" if ok else "error",
-            description,
+            how_it_ended(error, failed=not ok, interrupted=cell.interrupted),
             values,
             {**done.failed, **unreadable},
             tuple(done.absent),
@@ -508,39 +508,18 @@ class Worker:
         self._drain_streams(cell.show)
         self._process.end()
         returncode = self._process.returncode
-        how = self._describe_death(returncode, cell)
-        self._death = Outcome(
-            "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
-        )
-        self._release()
-        return self._death
-
-    def _describe_death(self, returncode: int | None, cell: _Cell) -> str:
         if not self._ready:
             when = "while starting"
         elif not cell.sent:
             when = "between cells"
         else:
             when = "while running the cell"
-        if self._ending:
-            return f"the worker was ended {when}, because {self._ending}"
-        if cell.escalated_to:
-            return (
-                f"the cell did not stop when interrupted, so the worker was "
-                f"ended with {cell.escalated_to}"
-            )
-        if returncode is None:
-            return f"the worker closed its channel {when}"
-        if returncode >= 0:
-            return f"the worker exited with code {returncode} {when}"
-        number = -returncode
-        how = f"the worker died from {signal_name(number)} (signal {number}) {when}"
-        if number == signal.SIGKILL:
-            how += (
-                " — a SIGKILL nobody here sent is most often the out-of-memory "
-                "killer; claim more ram= or make the cell use less"
-            )
-        return how
+        how = how_it_died(returncode, when, self._ending, cell.escalated_to)
+        self._death = Outcome(
+            "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
+        )
+        self._release()
+        return self._death
 
     # -- stopping ------------------------------------------------------------------
 

@@ -3,10 +3,13 @@
 A claimed cell can end in more ways than a normal one: besides finishing or
 raising, its worker can die under it, and its outputs can fail to come back.
 :meth:`fluksio_nb.worker.client.Worker.run` says which in one
-:class:`Outcome`, and decides here:
+:class:`Outcome`, and what is decided here is:
 
-- **A dead worker is a status, not an exception**, with the sentence that
-  says how it died, so that whoever ran the cell decides what to raise.
+- **A dead worker is a status, not an exception**, so that whoever ran the
+  cell decides what to raise.
+- **Every ending is a sentence a notebook can show** (:func:`how_it_ended`,
+  :func:`how_it_died`): an interrupted cell is not reported as one that
+  raised, and a SIGKILL nobody here sent is named for what it most often is.
 - **What did not come back is told apart**: values that could not travel
   (``failed``) from names the cell ended without (``absent``), which are only
   worth a warning when the user named them by hand.
@@ -90,6 +93,45 @@ class Outcome:
         if self.returncode is None or self.returncode >= 0:
             return None
         return signal_name(-self.returncode)
+
+
+def how_it_ended(error: CellError | None, failed: bool, interrupted: bool) -> str:
+    """The sentence for a cell its worker saw to the end."""
+    if not failed:
+        return "the cell finished"
+    if error is None:
+        return "the cell failed without saying why"
+    if interrupted and error.ename == "KeyboardInterrupt":
+        return "the cell was interrupted"
+    return f"the cell raised {error.ename}: {error.evalue}"
+
+
+def how_it_died(
+    returncode: int | None, when: str, ending: str | None, escalated_to: str | None
+) -> str:
+    """The sentence for a worker that died ``when`` ("while running the cell").
+
+    ``ending`` is why the kernel ended it, if it did; ``escalated_to`` the
+    signal the stop button's ladder had to reach, if it went past SIGINT.
+    """
+    if ending:
+        return f"the worker was ended {when}, because {ending}"
+    if escalated_to:
+        return (
+            f"the cell did not stop when interrupted, so the worker was ended with {escalated_to}"
+        )
+    if returncode is None:
+        return f"the worker closed its channel {when}"
+    if returncode >= 0:
+        return f"the worker exited with code {returncode} {when}"
+    number = -returncode
+    how = f"the worker died from {signal_name(number)} (signal {number}) {when}"
+    if number == signal.SIGKILL:
+        how += (
+            " — a SIGKILL nobody here sent is most often the out-of-memory "
+            "killer; claim more ram= or make the cell use less"
+        )
+    return how
 
 
 def signal_name(number: int) -> str:
