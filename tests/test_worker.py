@@ -256,6 +256,29 @@ def test_output_keeps_the_order_the_cell_produced_it_in(worker):
     assert order == ["before", "display", "after"]
 
 
+def test_a_sink_that_overrides_forward_gets_every_output_as_a_message(worker):
+    """The Ray outbox forwards messages unchanged; what the pipes carry must be one too."""
+
+    class Forwarding(Sink):
+        def __init__(self) -> None:
+            self.messages: list[object] = []
+
+        def forward(self, message) -> None:
+            self.messages.append(message)
+
+    sink = Forwarding()
+    outcome = worker.run(
+        "import os\nprint('framed')\nos.system('echo piped')\ndisplay('shown')\n1 / 0",
+        sink=sink,
+    )
+    assert outcome.error.ename == "ZeroDivisionError"
+    kinds = {type(message).__name__ for message in sink.messages}
+    assert kinds == {"Stream", "Display", "Error"}
+    streamed = "".join(message.text for message in sink.messages if hasattr(message, "text"))
+    assert "framed\n" in streamed
+    assert "piped\n" in streamed
+
+
 def test_display_data_and_the_last_expression_come_back_as_mime_bundles(worker):
     """Rich output is why people use notebooks; a text-only worker would lose it."""
     recorder = Recorder()

@@ -6,13 +6,15 @@ with that process, and it decides:
 
 - **One thread does all the listening.** :meth:`Worker.run` waits on the
   channel and on the worker's stdout and stderr pipes with one selector, in the
-  thread that called it, and calls the :class:`Sink` from that thread as bytes
-  and frames arrive. No reader threads means nothing to join, nothing racing
-  the end of a cell, and a ``KeyboardInterrupt`` from the stop button lands
-  exactly where the waiting happens. Python's own output arrives as frames,
-  in order with everything else the cell shows. The pipes carry what child
-  processes and C code write; they are drained before each frame is handled,
-  which keeps that output close to where it was written.
+  thread that called it, and hands the :class:`Sink` each output message
+  (:mod:`fluksio_nb.worker.messages`) from that thread as it arrives. No
+  reader threads means nothing to join, nothing racing the end of a cell, and
+  a ``KeyboardInterrupt`` from the stop button lands exactly where the waiting
+  happens. Python's own output arrives as messages, in order with everything
+  else the cell shows. The pipes carry what child processes and C code write,
+  passed on as :class:`~fluksio_nb.worker.messages.Stream` messages too; they
+  are drained before each message is handled, which keeps that output close to
+  where it was written.
 - **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
   button sends the kernel does not reach it behind the kernel's back. Stopping
   a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
@@ -25,14 +27,21 @@ with that process, and it decides:
   says which, in a sentence a notebook can show. Only ``KeyboardInterrupt``
   (re-raised once the worker has been stopped) and :class:`UnsendableInput`
   (raised before anything starts) leave ``run`` as exceptions.
-- **Nothing the worker started outlives it.** Ending a worker ends its process
-  group and any descendant that left the group, and reaps the worker. The group
-  is signalled only while the worker is unreaped, because after that its
-  number may already belong to somebody else's process.
+- **Nothing the worker started outlives it.** Killing or closing a worker
+  ends everything it started and reaps it; how, safely, is
+  :mod:`fluksio_nb.worker.process`'s to decide.
 
 How values are packed is decided in exactly two functions here,
 :func:`pack_inputs` and :func:`unpack_outputs`, mirroring the two in
 :mod:`fluksio_nb.worker.main`.
+
+It is long because running a cell, relaying what it shows and stopping it
+are one conversation over one cell's state, held by the thread that waits:
+the stop ladder listens for the cell's end with the same loop that relays its
+output. What could stand apart has: the messages
+(:mod:`~fluksio_nb.worker.messages`), the process
+(:mod:`~fluksio_nb.worker.process`) and what came of the cell
+(:mod:`~fluksio_nb.worker.outcome`).
 
 POSIX only: process groups, ``killpg`` and ``select`` on pipes.
 """
@@ -49,17 +58,32 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import psutil
-
 from fluksio_nb import transfer
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
-from fluksio_nb.relay import BACKGROUND_CANNOT_ASK, NoOneToAsk
+from fluksio_nb.worker.messages import (
+    ClearOutput,
+    Display,
+    Done,
+    Error,
+    Exit,
+    InputReply,
+    InputRequest,
+    Message,
+    Output,
+    Ready,
+    Result,
+    Run,
+    Sink,
+    Stream,
+    forwarder,
+)
+from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, how_it_died, how_it_ended
+from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
@@ -121,131 +145,6 @@ def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
     return transfer.unpack(parcel)
 
 
-# -----------------------------------------------------------------------------
-# Where output goes, and what came of a cell
-# -----------------------------------------------------------------------------
-
-
-class Sink:
-    """Where a running cell's output goes; subclass it and override what you relay.
-
-    Every method is called from the thread that called :meth:`Worker.run`,
-    while the cell is still running, in the order the worker produced the
-    output. The defaults drop everything.
-    """
-
-    def stdout(self, text: str) -> None:
-        pass
-
-    def stderr(self, text: str) -> None:
-        pass
-
-    def display(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        pass
-
-    def result(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        pass
-
-    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
-        pass
-
-    def clear_output(self, wait: bool) -> None:
-        pass
-
-    def input(self, prompt: str, password: bool) -> str:
-        """What the user answers to the cell's ``input(prompt)``; raise to refuse."""
-        raise NoOneToAsk(BACKGROUND_CANNOT_ASK)
-
-
-@dataclass(frozen=True)
-class CellError:
-    """The exception a cell raised, as IPython formatted it in the worker."""
-
-    ename: str
-    evalue: str
-    #: Lines with IPython's ANSI colours, as a notebook shows them.
-    traceback: list[str]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one cell ended, and what it handed back."""
-
-    status: Literal["ok", "error", "died"]
-    #: A sentence for the notebook: "the cell was interrupted", "the worker
-    #: died from SIGSEGV (signal 11) while running the cell".
-    description: str
-    outputs: dict[str, Any] = field(default_factory=dict)
-    #: Output names that did not come back, with the reason for each.
-    failed: dict[str, str] = field(default_factory=dict)
-    #: Output names the cell ended without, such as a name it deleted or only
-    #: binds on a branch it did not take. Whether that is a failure is the
-    #: caller's to say: it is if the user asked for the name by hand.
-    absent: tuple[str, ...] = ()
-    #: The first exception the cell raised, when it raised one.
-    error: CellError | None = None
-    #: How the worker died, as a sentence, when it did; None while it lives.
-    died: str | None = None
-    #: For a worker that died: its exit code, or minus the signal that ended it.
-    returncode: int | None = None
-    #: Whether :meth:`Worker.interrupt` (or a KeyboardInterrupt in ``run``) was
-    #: applied to this cell.
-    interrupted: bool = False
-    #: The worker's global random streams after the cell, those the cell drew
-    #: from (:mod:`fluksio_nb.random_streams`); None if it drew from none.
-    random_state: dict[str, Any] | None = None
-    #: The outputs as the worker packed them, for a caller that asked to
-    #: forward them (``outputs`` is empty then); whoever ends up with it
-    #: unpacks it or discards it.
-    parcel: Any = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def not_brought_back(self, by_hand: bool) -> dict[str, str]:
-        """The names worth a warning, with why: those that could not travel,
-        and those the cell ended without if the user named them by hand."""
-        failed = dict(self.failed)
-        if by_hand:
-            failed.update({name: "the cell did not define it" for name in self.absent})
-        return failed
-
-    def warning(self, by_hand: bool) -> str:
-        """What to tell the user of :meth:`not_brought_back`; ``""`` when all came back."""
-        failed = self.not_brought_back(by_hand)
-        if not failed:
-            return ""
-        lines = "".join(f"  {name}: {reason}\n" for name, reason in sorted(failed.items()))
-        return f"fluksio_nb: these names could not be brought back:\n{lines}"
-
-    @property
-    def signal_name(self) -> str | None:
-        """``"SIGSEGV"`` for a worker a signal ended, else None."""
-        if self.returncode is None or self.returncode >= 0:
-            return None
-        return _signal_name(-self.returncode)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-class Interrupted(KeyboardInterrupt):
-    """The stop button ended the cell; ``outcome`` is what it had bound by then, if it said.
-
-    A cell stopped by SIGINT ends like any other: the worker sends back the
-    names it had bound, which a normal cell stopped halfway would also keep.
-    """
-
-    def __init__(self, outcome: Outcome | None = None) -> None:
-        super().__init__()
-        self.outcome = outcome
-
-
 @dataclass
 class _Cell:
     """What is known about the cell in flight, shared with :meth:`Worker.interrupt`."""
@@ -267,6 +166,11 @@ class _Cell:
     error: CellError | None = None
     #: Whether its outputs are left packed, for another process to unpack.
     forward: bool = False
+    #: Where each output message goes: the sink's ``forward``, or relayed to it.
+    show: Callable[[Output], None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.show = forwarder(self.sink)
 
 
 class _Stream:
@@ -280,7 +184,7 @@ class _Stream:
         # Incremental, because a read can end in the middle of a UTF-8 character.
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def drain(self, sink: Sink) -> bool:
+    def drain(self, show: Callable[[Output], None]) -> bool:
         """Relay what is waiting in the pipe; False once the pipe has reached its end."""
         for _ in range(_READS_PER_DRAIN):
             try:
@@ -289,7 +193,7 @@ class _Stream:
                 return True
             text = self.decoder.decode(chunk, final=not chunk)
             if text:
-                getattr(sink, self.name)(text)
+                show(Stream(self.name, text))
             if not chunk:
                 return False
         return True
@@ -329,39 +233,17 @@ class Worker:
                 )
         self.env: dict[str, str] = {**env, "PYTHONUNBUFFERED": "1"}
         kernel_end, worker_end = socket.socketpair()
-        # The worker watches the read end for the end-of-file that the kernel's
-        # death causes; the kernel never writes to it.
-        lifeline_read, lifeline_write = os.pipe()
         try:
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "fluksio_nb.worker",
-                    f"--channel-fd={worker_end.fileno()}",
-                    f"--lifeline-fd={lifeline_read}",
-                    f"--kernel-pid={os.getpid()}",
-                ],
-                env=self.env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(worker_end.fileno(), lifeline_read),
-                start_new_session=True,
-            )
+            self._process = WorkerProcess(self.env, cwd, worker_end)
         except BaseException:
             kernel_end.close()
-            os.close(lifeline_write)
             raise
         finally:
             worker_end.close()
-            os.close(lifeline_read)
         self.pid: int = self._process.pid
         # Before the worker has started a thread of its own: threads inherit
         # the mask of the thread that starts them, and this sets the main one's.
         confine(self.pid, cores)
-        self._lifeline = lifeline_write
         self._channel = Channel(kernel_end)
         self._streams = [
             _Stream("stdout", self._process.stdout),
@@ -386,8 +268,6 @@ class Worker:
         #: reported as a crash.
         self._ending: str | None = None
         self._death: Outcome | None = None
-        # A Worker dropped without close() must not leave its process behind.
-        self._finalizer = weakref.finalize(self, _end_unreaped, self._process, lifeline_write)
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {'alive' if self.alive else 'ended'}>"
@@ -405,7 +285,7 @@ class Worker:
             not self._released
             and not self._leaving
             and not self._channel.broken
-            and not self._has_exited()
+            and not self._process.has_exited()
         )
 
     # -- running cells ---------------------------------------------------------
@@ -450,18 +330,17 @@ class Worker:
             cell = _Cell(sink, forward=forward_outputs)
             self._cell = cell
             try:
-                request = {
-                    "type": "run",
-                    "code": code,
-                    "inputs": parcel,
-                    "outputs": outputs,
-                    "keep_outputs": keep_outputs,
-                    "if_changed": list(if_changed),
-                    "random_state": self._streams_to_send(cell, random_state),
-                    "environ": self._environ_to_send(environ),
-                    "path": list(sys.path),
-                    "cwd": os.getcwd(),
-                }
+                request = Run(
+                    code,
+                    inputs=parcel,
+                    outputs=outputs,
+                    keep_outputs=keep_outputs,
+                    if_changed=list(if_changed),
+                    random_state=self._streams_to_send(cell, random_state),
+                    environ=self._environ_to_send(environ),
+                    path=list(sys.path),
+                    cwd=os.getcwd(),
+                )
                 return self._run(cell, request)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
@@ -516,11 +395,11 @@ class Worker:
             for name, state in random_state.items()
         }
 
-    def _run(self, cell: _Cell, request: dict[str, Any]) -> Outcome:
+    def _run(self, cell: _Cell, request: Run) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
-        self._drain_streams(cell.sink)
+        self._drain_streams(cell.show)
         try:
             self._channel.send(request)
         except ChannelClosed:
@@ -549,93 +428,75 @@ class Worker:
             for key, _ in self._selector.select(timeout):
                 if key.data is self._channel:
                     frame_waiting = True
-                elif not key.data.drain(cell.sink):
+                elif not key.data.drain(cell.show):
                     self._forget_stream(key.data)
             if not frame_waiting:
                 continue
             # Whatever the worker wrote before sending this frame is in the
             # pipes by now, and belongs before it.
-            self._drain_streams(cell.sink)
+            self._drain_streams(cell.show)
             try:
-                frame = self._channel.receive()
+                message = self._channel.receive()
             except ChannelClosed:
                 return self._died(cell)
             except Exception as error:
-                cell.sink.stderr(f"[fluksio] a message from the worker was unreadable: {error}\n")
+                unreadable = f"[fluksio] a message from the worker was unreadable: {error}\n"
+                cell.show(Stream("stderr", unreadable))
                 continue
-            outcome = self._take(frame, cell)
+            outcome = self._take(message, cell)
             if outcome is not None:
                 return outcome
             if until_ready and self._ready:
                 return None
 
-    def _take(self, frame: dict[str, Any], cell: _Cell) -> Outcome | None:
-        """Hand one frame to the sink; the outcome if it was the cell's last."""
-        kind = frame.get("type")
-        sink = cell.sink
-        if kind == "stream":
-            getattr(sink, "stderr" if frame["name"] == "stderr" else "stdout")(frame["text"])
-        elif kind == "display":
-            sink.display(frame["data"], frame.get("metadata") or {})
-        elif kind == "result":
-            sink.result(frame["data"], frame.get("metadata") or {})
-        elif kind == "error":
-            if cell.error is None:
-                cell.error = CellError(frame["ename"], frame["evalue"], frame["traceback"])
-            sink.error(frame["ename"], frame["evalue"], frame["traceback"])
-        elif kind == "clear_output":
-            # Not one of the five methods a sink must have; one without it
-            # simply keeps the output.
-            clear_output = getattr(sink, "clear_output", None)
-            if clear_output is not None:
-                clear_output(frame.get("wait", False))
-        elif kind == "input_request":
-            self._answer(frame, sink)
-        elif kind == "ready":
-            self._ready = True
-        elif kind == "done":
-            cell.over = True
-            self._drain_streams(sink)
-            return self._finished(frame, cell)
+    def _take(self, message: Message, cell: _Cell) -> Outcome | None:
+        """Act on one message from the worker; the outcome if it was the cell's last."""
+        match message:
+            case Stream() | Display() | Result() | ClearOutput():
+                cell.show(message)
+            case Error():
+                if cell.error is None:
+                    cell.error = CellError(message.ename, message.evalue, message.traceback)
+                cell.show(message)
+            case InputRequest():
+                self._answer(message, cell.sink)
+            case Ready():
+                self._ready = True
+            case Done():
+                cell.over = True
+                self._drain_streams(cell.show)
+                return self._finished(message, cell)
         return None
 
-    def _answer(self, request: dict[str, Any], sink: Sink) -> None:
+    def _answer(self, request: InputRequest, sink: Sink) -> None:
         """Ask the sink what the cell's ``input()`` asks, and send the answer, or why none."""
         ask = getattr(sink, "input", None) or Sink().input
         try:
-            reply = {"type": "input_reply", "value": ask(request["prompt"], request["password"])}
+            reply = InputReply(value=ask(request.prompt, request.password))
         except Exception as error:
             # ipykernel's own refusal (a front end that takes no input) included.
-            reply = {"type": "input_reply", "refused": str(error) or type(error).__name__}
+            reply = InputReply(refused=str(error) or type(error).__name__)
         with contextlib.suppress(ChannelClosed):
             self._channel.send(reply)
 
-    def _finished(self, done: dict[str, Any], cell: _Cell) -> Outcome:
-        self._leaving = bool(done.get("exiting"))
-        streams = done.get("random_state") or None
+    def _finished(self, done: Done, cell: _Cell) -> Outcome:
+        self._leaving = done.exiting
+        streams = done.random_state or None
         if cell.streams_sent is not None:
             # Known from now on: what was sent, as the cell left it, for each
             # stream the worker holds; one it never took up is sent again.
             held = {**cell.streams_sent, **(streams or {})}
-            self._streams_there = {name: held[name] for name in done.get("streams_held", ())}
-        parcel = done.get("outputs")
+            self._streams_there = {name: held[name] for name in done.streams_held}
+        parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
-        ok = bool(done.get("ok"))
+        ok = done.ok
         error = None if ok else cell.error
-        if ok:
-            description = "the cell finished"
-        elif error is None:
-            description = "the cell failed without saying why"
-        elif cell.interrupted and error.ename == "KeyboardInterrupt":
-            description = "the cell was interrupted"
-        else:
-            description = f"the cell raised {error.ename}: {error.evalue}"
         return Outcome(
             "ok" if ok else "error",
-            description,
+            how_it_ended(error, failed=not ok, interrupted=cell.interrupted),
             values,
-            {**done.get("failed", {}), **unreadable},
-            tuple(done.get("absent", ())),
+            {**done.failed, **unreadable},
+            tuple(done.absent),
             error=error,
             interrupted=cell.interrupted,
             random_state=streams,
@@ -644,42 +505,21 @@ class Worker:
 
     def _died(self, cell: _Cell) -> Outcome:
         cell.over = True
-        self._drain_streams(cell.sink)
-        self._end_group()
+        self._drain_streams(cell.show)
+        self._process.end()
         returncode = self._process.returncode
-        how = self._describe_death(returncode, cell)
-        self._death = Outcome(
-            "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
-        )
-        self._release()
-        return self._death
-
-    def _describe_death(self, returncode: int | None, cell: _Cell) -> str:
         if not self._ready:
             when = "while starting"
         elif not cell.sent:
             when = "between cells"
         else:
             when = "while running the cell"
-        if self._ending:
-            return f"the worker was ended {when}, because {self._ending}"
-        if cell.escalated_to:
-            return (
-                f"the cell did not stop when interrupted, so the worker was "
-                f"ended with {cell.escalated_to}"
-            )
-        if returncode is None:
-            return f"the worker closed its channel {when}"
-        if returncode >= 0:
-            return f"the worker exited with code {returncode} {when}"
-        number = -returncode
-        how = f"the worker died from {_signal_name(number)} (signal {number}) {when}"
-        if number == signal.SIGKILL:
-            how += (
-                " — a SIGKILL nobody here sent is most often the out-of-memory "
-                "killer; claim more ram= or make the cell use less"
-            )
-        return how
+        how = how_it_died(returncode, when, self._ending, cell.escalated_to)
+        self._death = Outcome(
+            "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
+        )
+        self._release()
+        return self._death
 
     # -- stopping ------------------------------------------------------------------
 
@@ -706,7 +546,7 @@ class Worker:
     def kill(self) -> None:
         """End the worker and every process it started, now, and reap it."""
         self._ending = self._ending or "kill() was called"
-        self._end_group()
+        self._process.end()
         if self._run_lock.acquire(blocking=False):
             try:
                 self._release()
@@ -726,30 +566,28 @@ class Worker:
         try:
             # Found now: once the worker has exited, what it started under a
             # session of its own is nobody's descendant any more.
-            strays = (
-                _descendants_outside_group(self.pid) if self._process.returncode is None else []
-            )
-            if not self._released and not self._has_exited():
+            strays = self._process.strays()
+            if not self._released and not self._process.has_exited():
                 with contextlib.suppress(ChannelClosed):
-                    self._channel.send({"type": "exit"})
+                    self._channel.send(Exit())
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._wait_without_reaping(GRACE_TO_EXIT)
-            self._end_group(strays)
+                    self._process.wait_without_reaping(GRACE_TO_EXIT)
+            self._process.end(strays)
             self._release()
         finally:
             self._run_lock.release()
 
     def _ladder(self, cell: _Cell, cell_ended_within: Callable[[float], bool]) -> None:
         cell.interrupted = True
-        self._signal_group(signal.SIGINT)
+        self._process.signal_group(signal.SIGINT)
         if cell_ended_within(GRACE_AFTER_SIGINT):
             return
         cell.escalated_to = "SIGTERM"
-        self._signal_group(signal.SIGTERM)
+        self._process.signal_group(signal.SIGTERM)
         if cell_ended_within(GRACE_AFTER_SIGTERM):
             return
         cell.escalated_to = "SIGKILL"
-        self._signal_group(signal.SIGKILL)
+        self._process.signal_group(signal.SIGKILL)
         cell_ended_within(GRACE_AFTER_SIGKILL)
 
     def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
@@ -775,48 +613,11 @@ class Worker:
             self.kill()
             raise
 
-    # -- the process -----------------------------------------------------------------
+    # -- the pipes and the end -------------------------------------------------------
 
-    def _signal_group(self, signum: int) -> None:
-        # Once reaped, the worker's number may already be someone else's group.
-        if self._process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
-
-    def _end_group(self, strays: list[psutil.Process] | None = None) -> None:
-        """SIGKILL the worker's group and its strays, then reap the worker."""
-        if self._process.returncode is not None:
-            return
-        if strays is None:
-            strays = _descendants_outside_group(self.pid)
-        self._signal_group(signal.SIGKILL)
-        for stray in strays:
-            with contextlib.suppress(psutil.Error):
-                stray.kill()
-        self._process.wait()
-
-    def _has_exited(self) -> bool:
-        """Whether the worker has exited, without reaping it: see :meth:`_signal_group`."""
-        if self._process.returncode is not None:
-            return True
-        if not hasattr(os, "waitid"):
-            return self._process.poll() is not None
-        try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
-
-    def _wait_without_reaping(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._has_exited():
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self._process.args, timeout)
-            time.sleep(0.01)
-
-    def _drain_streams(self, sink: Sink) -> None:
+    def _drain_streams(self, show: Callable[[Output], None]) -> None:
         for stream in list(self._streams):
-            if not stream.drain(sink):
+            if not stream.drain(show):
                 self._forget_stream(stream)
 
     def _forget_stream(self, stream: _Stream) -> None:
@@ -833,30 +634,4 @@ class Worker:
             self._forget_stream(stream)
         self._selector.close()
         self._channel.close()
-        # At interpreter exit the finalizer may have run first and closed it.
-        if self._finalizer.detach() is not None:
-            os.close(self._lifeline)
-
-
-def _descendants_outside_group(pid: int) -> list[psutil.Process]:
-    """Processes the worker started that left its group — ``setsid`` daemons, mostly."""
-    try:
-        descendants = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-    strays = []
-    for process in descendants:
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getpgid(process.pid) != pid:
-                strays.append(process)
-    return strays
-
-
-def _end_unreaped(process: subprocess.Popen[bytes], lifeline: int) -> None:
-    """The finalizer of a Worker nobody closed: its process must not outlive it."""
-    with contextlib.suppress(OSError):
-        os.close(lifeline)
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        self._process.close()

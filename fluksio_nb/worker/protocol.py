@@ -2,11 +2,12 @@
 
 A claimed cell's variables can be arrays of gigabytes, and the same channel
 carries a ``print`` every few milliseconds, so the framing has to be cheap for
-both. Each frame is a pickle (protocol 5) of a dict with a ``type``; whatever
-the pickle hands out of band — numpy arrays, ``bytearray``, ``PickleBuffer`` —
-travels as its own run of bytes after the pickle, written from where it already
-lies in memory with ``sendmsg`` and read into a buffer allocated once at its
-final size with ``recv_into``. Nothing is concatenated, so a frame costs one
+both. Each frame is a pickle (protocol 5) of one message of
+:mod:`fluksio_nb.worker.messages` (the channel itself frames any picklable
+object); whatever the pickle hands out of band — numpy arrays, ``bytearray``,
+``PickleBuffer`` — travels as its own run of bytes after the pickle, written
+from where it already lies in memory with ``sendmsg`` and read into a buffer
+allocated once at its final size with ``recv_into``. Nothing is concatenated, so a frame costs one
 copy through the kernel whatever its size.
 
 The peer is the same user's own process, started by this package, so unpickling
@@ -71,10 +72,10 @@ class Channel:
     def broken(self) -> bool:
         return self._broken is not None
 
-    def send(self, frame: dict[str, Any]) -> None:
+    def send(self, message: Any) -> None:
         """Write one frame, blocking until the peer's socket buffer has taken all of it."""
         buffers: list[pickle.PickleBuffer] = []
-        body = pickle.dumps(frame, protocol=5, buffer_callback=buffers.append)
+        body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
         views = [buffer.raw() for buffer in buffers]
         header = _PREFIX.pack(len(body), len(views)) + b"".join(
             _BUFFER_LENGTH.pack(view.nbytes) for view in views
@@ -90,8 +91,8 @@ class Channel:
                 self._broken = "a send was interrupted halfway through a frame"
                 raise
 
-    def receive(self) -> dict[str, Any]:
-        """Read one whole frame, blocking until it has arrived."""
+    def receive(self) -> Any:
+        """Read one whole frame, blocking until it has arrived: the object that was sent."""
         self._check_usable()
         started = False
         try:

@@ -1,0 +1,383 @@
+"""The worker's IPython: a cell behaves as in the notebook, and what it shows goes to the kernel.
+
+A claimed cell runs in a real IPython ``InteractiveShell``, so that magics,
+``!cmd``, ``display()`` and ``%matplotlib inline`` behave as they do in the
+kernel. This module bends that shell to a process with no notebook of its own,
+and decides:
+
+- **What a notebook would show is sent, not printed**, as the messages of
+  :mod:`fluksio_nb.worker.messages`: display data, the last expression's value
+  as the cell's result, an exception as IPython formats it, and the prompt of
+  an ``input()``, which waits for the kernel's answer (:func:`ask_the_notebook`).
+- **Python's output is messages; everything else's is the pipe.** ``print``
+  goes through :class:`FrameStream` as messages on the same channel as
+  ``display``, so the two arrive in the order the cell made them. The
+  process's real stdout and stderr are pipes the kernel relays, which is how
+  ``!cmd``, ``os.system`` and C code writing to fd 1 are heard at all; those
+  arrive live, but not ordered against the messages.
+- **SIGINT stops the cell, never the worker** (:class:`Interrupts`). It raises
+  ``KeyboardInterrupt`` only while a cell's code runs; while the worker is
+  idle, it is an interrupt that arrived after its cell ended and is dropped;
+  while a frame is on its way out, it waits until the frame is whole, because
+  a half-written frame would leave the kernel unable to find the next one.
+- **A worker that lives for many cells holds on to none of them**: no
+  history, no output cache, no copy of what a cell printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import io
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.error import StdinNotImplementedError, UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from fluksio_nb.worker.messages import (
+    ClearOutput,
+    Display,
+    Error,
+    FromWorker,
+    InputReply,
+    InputRequest,
+    Result,
+    Stream,
+)
+from fluksio_nb.worker.protocol import Channel
+
+#: What a cell that awaits at top level must contain.
+_MAY_AWAIT = re.compile(r"\b(await|async)\b")
+
+
+# -----------------------------------------------------------------------------
+# What SIGINT means right now
+# -----------------------------------------------------------------------------
+
+
+class Interrupts:
+    """Turns SIGINT into ``KeyboardInterrupt`` only where that is safe.
+
+    The client signals the worker's whole process group, so the signal can
+    land at any moment: before a cell starts, halfway through a frame, or
+    after the cell ended. While the cell's own code runs, Python's default
+    handler is in place: it raises from C, so the traceback the user sees ends
+    on their line rather than in here. Everywhere else, this object decides.
+    """
+
+    def __init__(self) -> None:
+        self._in_cell = False
+        self._held_back = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._outside_user_code)
+
+    @contextlib.contextmanager
+    def cell_running(self) -> Iterator[None]:
+        self._in_cell, self._held_back = True, False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._outside_user_code)
+            self._in_cell = False
+
+    @contextlib.contextmanager
+    def frame_in_flight(self, deliver_held_back: bool = True) -> Iterator[None]:
+        # Signals are only delivered to, and handlers only changed from, the
+        # main thread: a frame a cell's own thread sends cannot be cut short.
+        if not self._in_cell or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        during_the_cell = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._outside_user_code)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, during_the_cell)
+        if self._held_back:
+            self._held_back = False
+            # Raised again rather than turned into KeyboardInterrupt here, so
+            # that whatever the cell set for SIGINT — ignore it, or a handler
+            # that stops a training loop gently — is what answers it.
+            if deliver_held_back:
+                signal.raise_signal(signal.SIGINT)
+
+    def _outside_user_code(self, signum: int, frame: Any) -> None:
+        # Outside a cell there is nothing to stop: the interrupt arrived after
+        # its cell had already ended, and is dropped.
+        if self._in_cell:
+            self._held_back = True
+
+
+# -----------------------------------------------------------------------------
+# The shell: IPython, with everything it would print sent as messages
+# -----------------------------------------------------------------------------
+
+
+class Reporter:
+    """Sends messages to the kernel, whole, with Python's own output sent ahead of them."""
+
+    def __init__(self, channel: Channel, interrupts: Interrupts) -> None:
+        self.channel = channel
+        self.interrupts = interrupts
+
+    def __call__(
+        self,
+        message: FromWorker,
+        deliver_held_back: bool = True,
+        flush_first: bool = True,
+    ) -> None:
+        if flush_first:
+            flush_streams()
+        with self.interrupts.frame_in_flight(deliver_held_back):
+            self.channel.send(message)
+
+
+def flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+class FrameStream(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` in the worker: Python's own writes, sent as frames.
+
+    Frames rather than the pipe underneath, because a pipe and the channel are
+    read separately and nothing says which came first: a ``print`` followed by
+    a ``display`` would sometimes arrive after it. Line-buffered like a
+    terminal, so a loop of prints costs a frame per line, not per ``write``.
+
+    :meth:`fileno` is the real descriptor — the pipe the kernel relays — so code
+    that hands ``sys.stdout`` to a subprocess, or writes to it from C, is still
+    heard, just without that ordering guarantee.
+    """
+
+    def __init__(self, name: str, fd: int, reporter: Reporter) -> None:
+        super().__init__()
+        self.name = name
+        self._fd = fd
+        self._reporter = reporter
+        self._pending: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._pending.append(text)
+        # "\r" too: a progress bar redraws its line without ever ending it.
+        if "\n" in text or "\r" in text:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        # Taken out before sending, so an interrupt raised once the frame is
+        # out cannot leave the same text behind to be sent a second time.
+        with self._lock:
+            text = "".join(self._pending)
+            self._pending.clear()
+        if text:
+            self._reporter(Stream(self.name, text), flush_first=False)
+
+
+class FramePublisher(DisplayPublisher):
+    """``display()`` and friends, sent to the kernel as they happen."""
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
+        # Display ids are carried for the kernel to honour; nothing here depends on them.
+        self.shell.report(Display(data, metadata or {}, transient or None, bool(update)))
+
+    def clear_output(self, wait=False):
+        self.shell.report(ClearOutput(wait))
+
+
+class ResultHook(DisplayHook):
+    """The last expression's value, sent as the cell's result instead of ``Out[n]``."""
+
+    def write_output_prompt(self):
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None):
+        self.shell.report(Result(format_dict, md_dict or {}))
+
+    def log_output(self, format_dict):
+        # IPython keeps every result's reprs in its history; a worker that lives
+        # for many cells would keep every image it ever returned.
+        pass
+
+    def finish_displayhook(self):
+        self._is_active = False
+
+
+class WorkerShell(InteractiveShell):
+    """An ``InteractiveShell`` whose tracebacks go to the kernel as :class:`Error` messages."""
+
+    report: Reporter
+    #: Python's stdout and stderr as frames; put back before every cell, in
+    #: case the last one replaced them and never restored them.
+    streams: tuple[FrameStream, FrameStream]
+
+    def _showtraceback(self, etype, evalue, stb):
+        # The cell is already ending in an error; a held-back interrupt would
+        # only end it a second time.
+        self.report(
+            Error(getattr(etype, "__name__", str(etype)), str(evalue), list(stb)),
+            deliver_held_back=False,
+        )
+
+    def ask_exit(self):
+        # `exit()` in a kernel's cell ends the kernel; in a claimed cell, the
+        # worker: after this cell, and its claim gets a fresh one next time.
+        self.exit_now = True
+
+    def show_usage_error(self, exc):
+        # A mistyped magic is an error like any other, and a notebook should
+        # show it as one, not as a stray line on stderr.
+        self.report(
+            Error("UsageError", str(exc), [f"UsageError: {exc}"]),
+            deliver_held_back=False,
+        )
+
+    def enable_gui(self, gui=None):
+        # Called by %matplotlib for every backend; None (IPython 9) or "inline"
+        # (IPython 8) for the ones that draw without a window, which need no
+        # event loop at all.
+        if gui not in (None, "inline"):
+            raise UsageError(
+                f"a worker has no screen to open a {gui} window on — "
+                "use %matplotlib inline to see figures under the cell"
+            )
+
+    def should_run_async(self, raw_cell, *, transformed_cell=None, preprocessing_exc_tuple=None):
+        # IPython compiles every cell once more just to learn whether it awaits
+        # at top level, which only a cell with `await` or `async` in it can: in
+        # a worker that sat idle 100 ms, that compile was a quarter of `x = 1`.
+        if transformed_cell is not None and not _MAY_AWAIT.search(transformed_cell):
+            return False
+        return super().should_run_async(
+            raw_cell,
+            transformed_cell=transformed_cell,
+            preprocessing_exc_tuple=preprocessing_exc_tuple,
+        )
+
+    @contextlib.contextmanager
+    def _tee(self, channel):
+        # IPython 9 copies everything a cell prints into its history. A training
+        # loop printing for a day would keep the whole day in the worker's memory.
+        yield
+
+
+def make_shell(reporter: Reporter) -> WorkerShell:
+    config = Config()
+    # A worker's cells are not history anyone will search, and a sqlite file
+    # shared with the user's real IPython sessions is a lock to contend for.
+    config.HistoryManager.enabled = False
+    shell = WorkerShell.instance(
+        config=config,
+        # The output cache (Out, _1, _2...) holds every result; the namespace
+        # is emptied between cells anyway.
+        cache_size=0,
+        colors="linux",
+        display_pub_class=FramePublisher,
+        displayhook_class=ResultHook,
+    )
+    shell.report = reporter
+    shell.streams = (
+        FrameStream("stdout", 1, reporter),
+        FrameStream("stderr", 2, reporter),
+    )
+    sys.stdout, sys.stderr = shell.streams
+    return shell
+
+
+def start_fresh(shell: WorkerShell) -> None:
+    """Empty the namespace a previous cell left behind; keep what was imported."""
+    shell.reset(new_session=False)
+    sys.stdout, sys.stderr = shell.streams
+    history = shell.history_manager
+    del history.input_hist_parsed[1:]
+    del history.input_hist_raw[1:]
+    # A traceback keeps the locals of every frame in it alive.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+
+
+def ask_the_notebook(channel: Channel, reporter: Reporter) -> None:
+    """``input()`` and ``getpass()`` in a cell ask the notebook, as in the kernel itself.
+
+    The worker's stdin is not a terminal nobody watches: a cell that asks
+    sends an :class:`InputRequest` and waits for the kernel's answer on the same
+    channel, which carries nothing else while a cell runs. Where nobody can
+    answer (a background cell, a front end without input) the kernel says
+    so, and the cell gets the error ipykernel itself raises.
+    """
+    import builtins
+    import getpass
+
+    def ask(prompt: object = "", password: bool = False) -> str:
+        reporter(InputRequest(str(prompt), password))
+        while not isinstance(reply := channel.receive(), InputReply):
+            pass
+        if reply.refused is not None:
+            raise StdinNotImplementedError(reply.refused)
+        return reply.value
+
+    def ask_secretly(prompt: str = "Password: ", stream: object = None) -> str:
+        return ask(prompt, password=True)
+
+    builtins.input = ask
+    getpass.getpass = ask_secretly
+
+
+def default_to_inline_figures() -> None:
+    """Figures appear under the cell, as in a kernel, unless the user chose a backend.
+
+    ipykernel makes the same choice for the same reason: a worker has no
+    screen, and the alternative is figures silently drawn to nowhere.
+    """
+    if "MPLBACKEND" not in os.environ and importlib.util.find_spec("matplotlib_inline"):
+        os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+
+
+def flush_c_streams() -> None:
+    """C code's ``printf`` sits in stdio's buffer, which ``sys.stdout`` cannot reach."""
+    global _fflush
+    with contextlib.suppress(Exception):
+        # Looked up once: opening the C library and finding the function each
+        # time took 1.9 ms of a cell in a worker that sat idle, the call 0.5 ms.
+        if _fflush is None:
+            _fflush = ctypes.CDLL(None).fflush
+        _fflush(None)
+
+
+_fflush: Any = None
+
+
+def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
+    lines = shell.InteractiveTB.get_exception_only(type(error), error)
+    shell._showtraceback(type(error), error, lines)

@@ -1,0 +1,183 @@
+"""The messages between kernel and worker: they cross the channel as sent, and show as meant.
+
+The worker's own behaviour is tested in ``test_worker.py`` through real
+processes; this is the vocabulary both sides share, which the Ray side forwards
+as it is.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from fluksio_nb.worker.messages import (
+    ClearOutput,
+    Display,
+    Done,
+    Error,
+    Exit,
+    InputReply,
+    InputRequest,
+    Ready,
+    Result,
+    Run,
+    Sink,
+    Stream,
+    forwarder,
+    relay,
+)
+from fluksio_nb.worker.protocol import Channel
+
+EVERY_MESSAGE = [
+    Run("x = 1", outputs=["x"], if_changed=["y"], random_state={"random": 3}, cwd="/tmp"),
+    InputReply(value="yes"),
+    InputReply(refused="nobody to ask"),
+    Exit(),
+    Ready(1234),
+    Stream("stdout", "epoch 1\n"),
+    Stream("stderr", "warning\n"),
+    Display({"text/plain": "1"}, {}, {"display_id": "a"}, update=True),
+    Result({"text/plain": "2"}, {"isolated": True}),
+    Error("ZeroDivisionError", "division by zero", ["line 1", "line 2"]),
+    ClearOutput(wait=True),
+    InputRequest("name? ", password=False),
+    Done(True, None, {"f": "cannot pickle"}, ["gone"], {"random": 4}, ["random"], exiting=True),
+]
+
+
+@pytest.fixture
+def channel_pair():
+    ends = [Channel(end) for end in socket.socketpair()]
+    yield ends
+    for end in ends:
+        end.close()
+
+
+@pytest.mark.parametrize("message", EVERY_MESSAGE, ids=lambda message: type(message).__name__)
+def test_every_message_crosses_the_channel_as_it_was_sent(channel_pair, message):
+    sending, receiving = channel_pair
+    sending.send(message)
+    assert receiving.receive() == message
+
+
+def test_a_big_array_inside_a_message_still_travels_out_of_band():
+    """Parcels of variables travel inside Run and Done; their buffers must not be copied in."""
+    ours, theirs = socket.socketpair()
+    sending = Channel(ours)
+    array = np.arange(1_000_000, dtype=np.float64)
+    sender = threading.Thread(target=sending.send, args=(Run("b = a", inputs={"a": array}),))
+    sender.start()
+    body_length, buffer_count = struct.unpack("<QI", theirs.recv(12, socket.MSG_WAITALL))
+    assert buffer_count == 1
+    assert body_length < 1000
+    (buffer_length,) = struct.unpack("<Q", theirs.recv(8, socket.MSG_WAITALL))
+    assert buffer_length == array.nbytes
+    rest = body_length + buffer_length
+    while rest:
+        rest -= len(theirs.recv(min(rest, 1 << 20)))
+    sender.join()
+    sending.close()
+    theirs.close()
+
+
+class Recorder(Sink):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def stdout(self, text):
+        self.calls.append(("stdout", text))
+
+    def stderr(self, text):
+        self.calls.append(("stderr", text))
+
+    def display(self, data, metadata):
+        self.calls.append(("display", data, metadata))
+
+    def result(self, data, metadata):
+        self.calls.append(("result", data, metadata))
+
+    def error(self, ename, evalue, traceback):
+        self.calls.append(("error", ename, evalue, traceback))
+
+    def clear_output(self, wait):
+        self.calls.append(("clear_output", wait))
+
+
+def test_each_output_reaches_the_sink_method_for_its_kind():
+    sink = Recorder()
+    for message in [
+        Stream("stdout", "out"),
+        Stream("stderr", "err"),
+        Display({"text/plain": "d"}, {"m": 1}),
+        Result({"text/plain": "r"}, {}),
+        Error("E", "v", ["tb"]),
+        ClearOutput(True),
+    ]:
+        sink.forward(message)
+    assert sink.calls == [
+        ("stdout", "out"),
+        ("stderr", "err"),
+        ("display", {"text/plain": "d"}, {"m": 1}),
+        ("result", {"text/plain": "r"}, {}),
+        ("error", "E", "v", ["tb"]),
+        ("clear_output", True),
+    ]
+
+
+def test_a_message_that_is_not_output_is_refused_rather_than_dropped():
+    with pytest.raises(TypeError, match="not output"):
+        relay(Done(True), Recorder())
+
+
+def test_a_sink_that_overrides_forward_gets_the_messages_themselves():
+    """What the Ray outbox does: pass the worker's messages on without taking them apart."""
+
+    class Forwarding(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forwarded: list[object] = []
+
+        def forward(self, message):
+            self.forwarded.append(message)
+
+    sink = Forwarding()
+    message = Display({"text/plain": "d"}, {})
+    sink.forward(message)
+    assert sink.forwarded == [message]
+    assert sink.calls == []
+
+
+def test_a_sink_that_is_no_sink_is_shown_through_relay_and_may_lack_clear_output():
+    """The notebook's CellOutput sits below the worker, so it has the methods but no forward."""
+
+    class Duck:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def stdout(self, text):
+            self.calls.append(("stdout", text))
+
+        def stderr(self, text):
+            self.calls.append(("stderr", text))
+
+        def display(self, data, metadata):
+            self.calls.append(("display", data))
+
+        def result(self, data, metadata):
+            self.calls.append(("result", data))
+
+        def error(self, ename, evalue, traceback):
+            self.calls.append(("error", ename))
+
+    duck = Duck()
+    show = forwarder(duck)
+    show(Stream("stdout", "out"))
+    show(ClearOutput(wait=False))
+    show(Error("E", "v", []))
+    assert duck.calls == [("stdout", "out"), ("error", "E")]
+    sink = Recorder()
+    assert forwarder(sink) == sink.forward
