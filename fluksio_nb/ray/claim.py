@@ -56,14 +56,14 @@ from fluksio_nb.ray.connection import (
     parse_target,
     ray_connection,
 )
-from fluksio_nb.ray.mailbox import FIRST_SEND_AFTER_S, Mailboxes
+from fluksio_nb.ray.mailbox import FIRST_SEND_AFTER_S, Mail, Mailboxes, Sampled, Started
 from fluksio_nb.ray.task import TaskCell, _check_fits, ray_env, ray_resources, task_options
 from fluksio_nb.ray.task_side import _inputs_as_parcel, run_claimed_cell
 from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
-from fluksio_nb.sampler import Sample
 from fluksio_nb.status import StatusView
 from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.messages import forwarder
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
 #: button: Python only runs signal handlers between calls into Ray.
@@ -433,31 +433,20 @@ class RayClaim(ClaimLifecycle):
         self._take(result["unsent"], sink)
         return result
 
-    def _take(self, items: list[Any], sink: Any) -> None:
-        """Show what the task sent."""
-        for item in items:
-            kind = item[0]
-            if kind == "stdout":
-                sink.stdout(item[1])
-            elif kind == "stderr":
-                sink.stderr(item[1])
-            elif kind == "display":
-                sink.display(item[1], item[2])
-            elif kind == "result":
-                sink.result(item[1], item[2])
-            elif kind == "error":
-                sink.error(item[1], item[2], item[3])
-            elif kind == "clear_output":
-                clear_output = getattr(sink, "clear_output", None)
-                if clear_output is not None:
-                    clear_output(item[1])
-            elif kind == "sample":
-                self.status.readings.add(Sample(**item[1]))
-                # A running claim is shown at its first reading, as a local one is.
-                self._show()
-                self._update_view()
-            elif kind == "started":
-                self._started(item[1])
+    def _take(self, mail: list[Mail], sink: Any) -> None:
+        """Show what the task sent: the worker's output as a local claim's, and its readings."""
+        forward = forwarder(sink)
+        for item in mail:
+            match item:
+                case Sampled(reading=reading):
+                    self.status.readings.add(reading)
+                    # A running claim is shown at its first reading, as a local one is.
+                    self._show()
+                    self._update_view()
+                case Started(facts=facts):
+                    self._started(facts)
+                case _:
+                    forward(item)
 
     def _started(self, facts: dict[str, Any]) -> None:
         self.node = facts["node"]

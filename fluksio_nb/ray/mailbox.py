@@ -11,6 +11,10 @@ What this module decides:
   while it waits for the task. Ray's streaming generators would be lighter,
   but Ray Client (``ray://``) does not support them, and a mailbox works the
   same both ways.
+- **The worker's messages go as they are** (:mod:`fluksio_nb.worker.messages`),
+  with the task's own two (:class:`Sampled`, :class:`Started`) beside them:
+  the kernel shows them with the same :func:`~fluksio_nb.worker.messages.relay`
+  as a local claim's.
 - **The task sends in batches** (:class:`_Outbox`), at most every
   :data:`SEND_EVERY_S`, from one thread per Ray worker process
   (:class:`_Sender`). What the task has not sent when the cell ends comes
@@ -24,10 +28,12 @@ import contextlib
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
+from fluksio_nb.sampler import Sample
 from fluksio_nb.watch import ensure_running
-from fluksio_nb.worker.client import Sink
+from fluksio_nb.worker.messages import Output, Sink
 
 #: The least time between two sends of the task's output: a loop printing
 #: thousands of lines costs fifty actor calls a second, not thousands.
@@ -203,26 +209,30 @@ class _Sender:
             batch._send(items)
 
 
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A reading of the task's worker, as its sampler took it."""
+
+    reading: Sample
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The task's worker is running the cell: where, on which cards, with what."""
+
+    facts: dict[str, Any]
+
+
+#: What goes through the mailbox: the worker's output messages as the worker
+#: sent them, and the task's own word on its worker.
+Mail = Output | Sampled | Started
+
+
 class _OutboxSink(Sink):
-    """What the cell shows, put in the outbox in the order it was shown."""
+    """The worker's output, put in the outbox unchanged, in the order it was shown."""
 
     def __init__(self, outbox: _Outbox) -> None:
         self._outbox = outbox
 
-    def stdout(self, text: str) -> None:
-        self._outbox.put(("stdout", text))
-
-    def stderr(self, text: str) -> None:
-        self._outbox.put(("stderr", text))
-
-    def display(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        self._outbox.put(("display", data, metadata))
-
-    def result(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        self._outbox.put(("result", data, metadata))
-
-    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
-        self._outbox.put(("error", ename, evalue, traceback))
-
-    def clear_output(self, wait: bool) -> None:
-        self._outbox.put(("clear_output", wait))
+    def forward(self, message: Output) -> None:
+        self._outbox.put(message)

@@ -29,14 +29,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from fluksio_nb import transfer
 from fluksio_nb.budget import HaltDecision
 from fluksio_nb.env import THREAD_VARS, worker_environ
 from fluksio_nb.ray.connection import ElsewhereThanTheKernel, Machine, _machine_of
-from fluksio_nb.ray.mailbox import _Outbox, _OutboxSink, _Sender
+from fluksio_nb.ray.mailbox import Sampled, Started, _Outbox, _OutboxSink, _Sender
 from fluksio_nb.ray.task import TaskCell
 from fluksio_nb.ray.values import Frozen, freeze, portable
 from fluksio_nb.worker.client import Outcome
@@ -154,7 +153,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
             Watched(
                 sampler=Sampler(worker.pid),
                 budget=budget,
-                on_sample=lambda sample: outbox.put(("sample", asdict(sample))),
+                on_sample=lambda sample: outbox.put(Sampled(sample)),
                 on_halt=halt,
             )
         )
@@ -165,7 +164,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
             "env": derived,
             "budget": budget,
         }
-        outbox.put(("started", started))
+        outbox.put(Started(started))
         try:
             # On the kernel's machine, the outputs go to the kernel as the
             # worker packed them, and the kernel maps them. Elsewhere, they are
