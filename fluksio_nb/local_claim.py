@@ -279,7 +279,6 @@ class Claim(ClaimLifecycle):
                 sink=sink,
                 if_changed=if_changed,
                 random_state=random_state,
-                environ=worker_environ(self.env),
             )
         finally:
             self._watch.discard(watched)

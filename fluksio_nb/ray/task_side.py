@@ -33,7 +33,7 @@ from typing import Any
 
 from fluksio_nb import transfer
 from fluksio_nb.budget import HaltDecision
-from fluksio_nb.env import THREAD_VARS, worker_environ
+from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.ray.connection import ElsewhereThanTheKernel, Machine, _machine_of
 from fluksio_nb.ray.mailbox import Sampled, Started, _Outbox, _OutboxSink, _Sender
 from fluksio_nb.ray.task import TaskCell
@@ -180,7 +180,6 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
                 forward_outputs=here,
                 if_changed=cell.if_changed,
                 random_state=cell.random_state,
-                environ=worker_environ(derived),
             )
         finally:
             kernel_watch().discard(watched)

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb import transfer
+from fluksio_nb.env import worker_environ
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
 from fluksio_nb.worker.messages import (
@@ -209,11 +210,10 @@ class Worker:
 
     Construction starts the process and returns at once; the first
     :meth:`run` waits for it to be ready (about a quarter of a second, most of
-    it importing IPython). ``env`` is the worker's whole environment — the
-    caller merges ``os.environ`` with what the share implies —
-    plus ``PYTHONUNBUFFERED=1``, so that a ``print`` reaches the notebook while
-    the cell is still running. ``cores``, when given, are the only cores it
-    and everything it starts may run on.
+    it importing IPython). ``env`` is what the share implies, laid over the
+    kernel's own environment as it is at each cell (:meth:`_whole_environ`).
+    ``cores``, when given, are the only cores it and everything it starts may
+    run on.
 
     :meth:`run` is for one thread at a time; :meth:`interrupt`, :meth:`kill`
     and :attr:`alive` are for any thread.
@@ -231,7 +231,9 @@ class Worker:
                     f"env[{name!r}] is {value!r}; a process environment holds only "
                     f"strings — pass str({value!r})"
                 )
-        self.env: dict[str, str] = {**env, "PYTHONUNBUFFERED": "1"}
+        self._derived = dict(env)
+        #: The whole environment the worker was started with.
+        self.env = self._whole_environ()
         kernel_end, worker_end = socket.socketpair()
         try:
             self._process = WorkerProcess(self.env, cwd, worker_end)
@@ -301,7 +303,6 @@ class Worker:
         forward_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
-        environ: Mapping[str, str] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -320,9 +321,9 @@ class Worker:
         for a caller that hands them to another process on this machine.
         ``random_state`` is put in place of the worker's global random streams
         before the cell (only where the worker's differ), and those the cell
-        drew from are in the outcome.
-        ``environ`` is the whole environment the cell runs with, for a worker
-        started before the kernel's environment last changed.
+        drew from are in the outcome. A variable the kernel set or dropped
+        since the worker started is set or dropped in the worker too, as a
+        normal cell would see it.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -337,7 +338,7 @@ class Worker:
                     keep_outputs=keep_outputs,
                     if_changed=list(if_changed),
                     random_state=self._streams_to_send(cell, random_state),
-                    environ=self._environ_to_send(environ),
+                    environ=self._environ_to_send(),
                     path=list(sys.path),
                     cwd=os.getcwd(),
                 )
@@ -370,11 +371,17 @@ class Worker:
             outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
             return self._ready and outcome is None
 
-    def _environ_to_send(self, environ: Mapping[str, str] | None) -> dict[str, str] | None:
+    def _whole_environ(self) -> dict[str, str]:
+        """The kernel's environment as it is now, the share's on top, and output unbuffered.
+
+        Unbuffered, so that a ``print`` reaches the notebook while the cell is
+        still running.
+        """
+        return {**worker_environ(self._derived), "PYTHONUNBUFFERED": "1"}
+
+    def _environ_to_send(self) -> dict[str, str] | None:
         """The whole environment for the worker to keep, if it differs from what it has."""
-        if environ is None:
-            return None
-        wanted = {**environ, "PYTHONUNBUFFERED": "1"}
+        wanted = self._whole_environ()
         if wanted == self._environ_there:
             return None
         self._environ_there = wanted

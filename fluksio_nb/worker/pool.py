@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from fluksio_nb.env import worker_environ
 from fluksio_nb.worker.client import Worker
 
 #: Idle workers kept at once. Each is an interpreter with its imports, about
@@ -76,7 +75,7 @@ class WorkerPool:
                     del self._idle[index]
                     return worker
         self.started += 1
-        return self._start(worker_environ(derived))
+        return self._start(derived)
 
     def checkin(self, worker: Worker, derived: Mapping[str, str]) -> None:
         """Take a worker back after its claim: keep it warm, or end it."""
