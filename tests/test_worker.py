@@ -26,6 +26,7 @@ import numpy as np
 import psutil
 import pytest
 
+import fluksio_nb
 from fluksio_nb import transfer
 from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
@@ -119,6 +120,19 @@ def test_the_cell_sees_the_environment_the_worker_was_started_with():
             outputs=["seen"],
         )
     assert outcome.outputs["seen"] == {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_a_fluksio_nb_folder_where_the_kernel_works_does_not_replace_the_workers_package(
+    tmp_path,
+):
+    """A checkout of this project opened in JupyterLab must not become the worker's code."""
+    decoy = tmp_path / "fluksio_nb"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
+    with Worker(dict(os.environ), cwd=tmp_path) as worker:
+        outcome = worker.run("import fluksio_nb\nwhere = fluksio_nb.__file__", outputs=["where"])
+    assert outcome.ok, outcome.description
+    assert outcome.outputs["where"] == fluksio_nb.__file__
 
 
 def test_inputs_arrive_and_outputs_come_back(worker):

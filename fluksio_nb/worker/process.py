@@ -37,9 +37,22 @@ from typing import IO
 
 import psutil
 
+#: Where this process found ``fluksio_nb``: where its worker must find it too.
+_PACKAGE_HOME = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: How a worker starts: ``python -m fluksio_nb.worker``, with the kernel's own
+#: copy of the package first on the path. ``-m`` alone puts the working
+#: directory first, and a folder named ``fluksio_nb`` there (a checkout of
+#: this project, opened in JupyterLab) would be imported instead: a worker of
+#: another version than its kernel, whose messages the kernel cannot read.
+_START = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from fluksio_nb.worker.main import main; raise SystemExit(main())"
+)
+
 
 class WorkerProcess:
-    """``python -m fluksio_nb.worker`` with ``env``, talking over ``channel_end``.
+    """The worker's process: ``python -m fluksio_nb.worker`` with ``env``, over ``channel_end``.
 
     ``channel_end`` is the worker's end of the kernel's socket; the worker
     inherits it, and the caller closes its own copy once this is made.
@@ -58,8 +71,9 @@ class WorkerProcess:
             self._popen = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "fluksio_nb.worker",
+                    "-c",
+                    _START,
+                    _PACKAGE_HOME,
                     f"--channel-fd={channel_end.fileno()}",
                     f"--lifeline-fd={lifeline_read}",
                     f"--kernel-pid={os.getpid()}",
