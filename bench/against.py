@@ -16,6 +16,7 @@ sees.
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 import tempfile
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     other = options.other.resolve()
     cells = {**CELLS, **({"cell --on ray": RAY_CELL} if options.ray else {})}
     with tempfile.TemporaryDirectory() as scratch:
+        # The kernels work outside both checkouts: an older worker looks for
+        # its package in its working directory first.
+        os.chdir(scratch)
         kernels = {
             "this": start(HERE, Path(scratch, "this"), options.ray),
             "other": start(other, Path(scratch, "other"), options.ray),
