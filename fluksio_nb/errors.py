@@ -48,6 +48,10 @@ class ClaimTooBigForCluster(BadClaim):
     """No node of the cluster could ever hold the claim, so Ray would wait forever."""
 
 
+class UnsendableInput(ValueError):
+    """An input the cell asked for cannot be pickled, so the cell was not run."""
+
+
 class ClampedWarning(UserWarning):
     """A claim asked for more than the machine has and was given what there is."""
 
@@ -85,4 +89,17 @@ class RemoteError(Exception):
         self.ename, self.evalue, self.traceback = ename, evalue, traceback
         #: What the cell had bound before it raised, as a normal cell keeps it:
         #: the worker's :class:`~fluksio_nb.worker.client.Outcome`.
+        self.outcome = outcome
+
+
+class Interrupted(KeyboardInterrupt):
+    """The stop button ended the cell; ``outcome`` is what it had bound by then, if it said.
+
+    A cell stopped by SIGINT ends like any other: the worker sends back the
+    names it had bound, which a normal cell stopped halfway would also keep.
+    """
+
+    def __init__(self, outcome: Any = None) -> None:
+        super().__init__()
+        #: The worker's :class:`~fluksio_nb.worker.client.Outcome`, when it said.
         self.outcome = outcome

@@ -38,6 +38,7 @@ from fluksio_nb.errors import (
     ClaimCancelled,
     ClaimHalted,
     ClaimTimeout,
+    Interrupted,
     RemoteError,
     WorkerDied,
 )
@@ -45,7 +46,7 @@ from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView
-from fluksio_nb.worker.client import Interrupted, Outcome
+from fluksio_nb.worker.client import Outcome
 
 #: How long a claim waits before it is shown waiting. A running claim is shown
 #: at its first reading, one sampling interval in. A cell done sooner shows

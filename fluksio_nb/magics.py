@@ -30,6 +30,7 @@ from fluksio_nb.errors import (
     ClaimCancelled,
     ClaimHalted,
     ClaimTimeout,
+    Interrupted,
     RemoteError,
     WorkerDied,
 )
@@ -44,7 +45,7 @@ from fluksio_nb.variables import (
     choose_outputs,
     names_deleted,
 )
-from fluksio_nb.worker.client import Interrupted, Outcome
+from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.

@@ -28,7 +28,8 @@ import pytest
 
 import fluksio_nb
 from fluksio_nb import transfer
-from fluksio_nb.worker.client import Sink, UnsendableInput, Worker
+from fluksio_nb.errors import UnsendableInput
+from fluksio_nb.worker.client import Sink, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from tests.waiting import has_ended, wait_until
 

@@ -46,6 +46,7 @@ from fluksio_nb.errors import (
     ClaimHalted,
     ClaimTimeout,
     RemoteError,
+    UnsendableInput,
     WorkerDied,
 )
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised
@@ -251,13 +252,7 @@ class RayClaim(ClaimLifecycle):
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
     ) -> Outcome:
-        """Run notebook code as a Ray task holding this share; raise how it failed.
-
-        ``if_changed`` names inputs to bring back too if the code changed them in
-        place; ``random_state`` is the global random streams the code draws from.
-        """
-        from fluksio_nb.worker.client import UnsendableInput
-
+        """Run notebook code as a Ray task holding this share; raise how it failed."""
         ray = self.acquire()._ray
         packed = inputs if isinstance(inputs, Packed) else pack_inputs(inputs)
         if packed.failures:

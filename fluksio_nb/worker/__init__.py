@@ -8,7 +8,8 @@ kernel's side, :mod:`~fluksio_nb.worker.main` the worker's,
 :mod:`~fluksio_nb.worker.protocol` how.
 """
 
-from fluksio_nb.worker.client import UnsendableInput, Worker
+from fluksio_nb.errors import UnsendableInput
+from fluksio_nb.worker.client import Worker
 from fluksio_nb.worker.messages import Sink
 from fluksio_nb.worker.outcome import CellError, Outcome
 from fluksio_nb.worker.protocol import ChannelClosed

@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 from fluksio_nb import transfer
 from fluksio_nb.env import worker_environ
+from fluksio_nb.errors import Interrupted, UnsendableInput
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
 from fluksio_nb.worker.messages import (
@@ -83,7 +84,7 @@ from fluksio_nb.worker.messages import (
     Stream,
     forwarder,
 )
-from fluksio_nb.worker.outcome import CellError, Interrupted, Outcome, how_it_died, how_it_ended
+from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_ended
 from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
@@ -109,10 +110,6 @@ _SIGNAL_CHECK_SECONDS = 0.1
 #: looking at the channel again, so a child flooding stdout cannot starve the frames.
 _READ_CHUNK = 1 << 16
 _READS_PER_DRAIN = 16
-
-
-class UnsendableInput(ValueError):
-    """An input the cell asked for cannot be pickled, so the cell was not run."""
 
 
 class WorkerMisuse(RuntimeError):

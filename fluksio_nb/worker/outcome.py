@@ -13,7 +13,7 @@ raising, its worker can die under it, and its outputs can fail to come back.
 - **What did not come back is told apart**: values that could not travel
   (``failed``) from names the cell ended without (``absent``), which are only
   worth a warning when the user named them by hand.
-- **The stop button is** :class:`Interrupted`, a ``KeyboardInterrupt`` that
+- **The stop button is** :class:`~fluksio_nb.errors.Interrupted`, a ``KeyboardInterrupt`` that
   carries whatever the cell had bound when it stopped.
 """
 
@@ -140,15 +140,3 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-class Interrupted(KeyboardInterrupt):
-    """The stop button ended the cell; ``outcome`` is what it had bound by then, if it said.
-
-    A cell stopped by SIGINT ends like any other: the worker sends back the
-    names it had bound, which a normal cell stopped halfway would also keep.
-    """
-
-    def __init__(self, outcome: Outcome | None = None) -> None:
-        super().__init__()
-        self.outcome = outcome
