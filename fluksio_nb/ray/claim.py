@@ -71,7 +71,7 @@ from fluksio_nb.worker.messages import forwarder
 _SIGNAL_CHECK_S = 0.1
 
 #: How long a cancelled task gets to end its cell itself before Ray kills it:
-#: the worker's ladder from SIGINT to SIGKILL takes under three seconds.
+#: a deaf cell's worker is past SIGINT's grace and SIGTERM's by then.
 _GRACE_TO_STOP_S = 3.0
 
 #: How long one read of the mailbox waits for output before asking again.

@@ -88,11 +88,15 @@ from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_en
 from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
-#: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
-#: and how long after SIGTERM before SIGKILL. A Python cell in ``time.sleep``
-#: or a numpy loop takes well under a millisecond to raise KeyboardInterrupt;
-#: the rest is room for a ``finally`` block to tidy up.
-GRACE_AFTER_SIGINT = 0.3
+#: How long a cell gets to end by itself after SIGINT before SIGTERM follows.
+#: A Python cell in ``time.sleep`` or a numpy loop raises KeyboardInterrupt
+#: within a millisecond, but a worker's first traceback took 180-200 ms to
+#: format on an idle machine (IPython's traceback code is imported then), and
+#: several times that on a loaded one: at 0.3 s, a worker that had stopped was
+#: killed as deaf, and what its cell had bound was lost with it. The rest is
+#: room for a ``finally`` block to tidy up.
+GRACE_AFTER_SIGINT = 1.5
+#: And after SIGTERM, before SIGKILL.
 GRACE_AFTER_SIGTERM = 0.3
 #: SIGKILL cannot be refused, but a process stuck in the kernel (a hung NFS
 #: read, a GPU driver call) only dies when that returns.
