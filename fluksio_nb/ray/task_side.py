@@ -111,8 +111,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
     """
     import ray
 
-    from fluksio_nb.budget import Budget, resolve_budget
-    from fluksio_nb.inventory import host_memory
+    from fluksio_nb.budget import budget_here
     from fluksio_nb.sampler import Sampler
     from fluksio_nb.watch import Watched, kernel_watch
     from fluksio_nb.worker.pool import kernel_pool
@@ -131,15 +130,8 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
         parcel = cell.parcel if here else _inputs_as_parcel(cell.names, inputs)
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
         derived = _worker_env(gpus)
-        if cell.ram_bytes is None:
-            # Reading the host's and the cgroup's memory is a dozen files, a
-            # fifth of a millisecond: only a budget needs it.
-            budget = Budget(None, None)
-        else:
-            total, available = host_memory()
-            budget = resolve_budget(
-                cell.ram_bytes, host_total_bytes=total, host_available_bytes=available
-            )
+        # As a local claim's, from this node's memory as the cell starts.
+        budget = budget_here(cell.ram_bytes)
         pool = kernel_pool()
         worker = pool.checkout(derived)
         halted: list[HaltDecision] = []
