@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,7 +57,7 @@ from fluksio_nb.worker.client import Outcome
 SHOW_AFTER_S = 0.25
 
 
-class ClaimLifecycle:
+class ClaimLifecycle(ABC):
     """A share held from :meth:`acquire` until :meth:`release`, shown as it goes.
 
     Subclasses say how to acquire, run, give back and cancel; the status, the
@@ -97,22 +98,23 @@ class ClaimLifecycle:
     reached_as = "the worker"
 
     @classmethod
+    @abstractmethod
     def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Any:
         """The claim a ``with claim(...)`` block holds from entry to exit."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def for_cell(
         cls, wanted: Resources, on: str | None, *, view: StatusView, show_after: float | None
     ) -> Any:
         """The claim a ``%%claim`` cell runs under; ``show_after=None`` shows it at once."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def pack_inputs(values: Mapping[str, object]) -> Any:
         """A cell's inputs packed to travel, with ``.failures`` by name and ``.discard()``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def take_place(self) -> None:
         """What is settled before a background cell's handle returns; :meth:`acquire` does it too.
 
@@ -120,12 +122,12 @@ class ClaimLifecycle:
         :class:`~fluksio_nb.errors.BadClaim`, and a local claim joins its
         queue, so that background cells started in order are granted in order.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def acquire(self) -> ClaimLifecycle:
         """Wait for the share, showing where the claim stands while it waits."""
-        raise NotImplementedError
 
+    @abstractmethod
     def run_code(
         self,
         code: str,
@@ -142,24 +144,23 @@ class ClaimLifecycle:
         place; ``random_state`` is the global random streams the code draws from
         (:mod:`fluksio_nb.random_streams`).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def cancel(self, reason: str) -> bool:
         """Leave the queue, or stop the work if it is running. False if there is nothing to stop."""
-        raise NotImplementedError
 
+    @abstractmethod
     def popen(self, args: Any, **kwargs: Any) -> Any:
         """A subprocess holding this share, where the place to run can start one here."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _give_back(self) -> None:
-        """End what the claim started and hand its share back; called once, by :meth:`release`."""
-        raise NotImplementedError
+        """End what the claim started and hand its share back; :meth:`release` calls it."""
 
     @property
+    @abstractmethod
     def granted_at(self) -> float | None:
         """When the share was granted (``time.time()``), if it has been."""
-        raise NotImplementedError
 
     # -- the same for every place -------------------------------------------------
 
@@ -227,7 +228,7 @@ class ClaimLifecycle:
             self._shown = True
             self._summary.show(self.status)
 
-    def _ended(self, ending: Ending) -> None:
+    def _ended(self, ending: Ending) -> None:  # noqa: B027 (a hook; most places need none)
         """What a place to run does as the claim ends, before the summary: by default nothing."""
 
 
