@@ -35,6 +35,7 @@ CELLS = {
     "claimed cell importing numpy": "%%claim cpus=1\nimport numpy\nx = 1",
     "64 MiB in and back": "%%claim cpus=1 --out b\nb = a",
     "with claim(): c.run(fn)": "with claim(cpus=1) as c:\n    c.run(int, '1')",
+    "2000 prints": "%%claim cpus=1\nfor i in range(2000):\n    print(i)",
 }
 SETUP = (
     "%load_ext fluksio_nb\n"
