@@ -136,6 +136,21 @@ def test_a_fluksio_nb_folder_where_the_kernel_works_does_not_replace_the_workers
     assert outcome.outputs["where"] == fluksio_nb.__file__
 
 
+def test_a_message_the_kernel_cannot_read_ends_the_worker_instead_of_hanging():
+    """Guards against a kernel waiting forever for a cell's end that it could not read."""
+    with Worker(dict(os.environ)) as worker:
+        outcome = worker.run(
+            "class Unreadable:\n"
+            "    def __reduce__(self):\n"
+            "        return (int, ('not a number',))\n"
+            "get_ipython().report.channel.send(Unreadable())\n"
+            "import time\ntime.sleep(60)"
+        )
+        assert outcome.status == "died"
+        assert "sent a message this kernel cannot read" in outcome.died
+        assert not worker.alive
+
+
 def test_inputs_arrive_and_outputs_come_back(worker):
     """Inputs missing in the worker, or results left behind in it, make claiming useless."""
     array = np.arange(1_000_000, dtype=np.float64)

@@ -448,9 +448,14 @@ class Worker:
             except ChannelClosed:
                 return self._died(cell)
             except Exception as error:
-                unreadable = f"[fluksio] a message from the worker was unreadable: {error}\n"
-                cell.show(Stream("stderr", unreadable))
-                continue
+                # Whole, but not something this kernel can read: a worker of
+                # another fluksio_nb. Skipped, its cell's end could be what
+                # was lost, and the kernel would wait for it forever.
+                self._ending = (
+                    f"it sent a message this kernel cannot read ({error}): is it "
+                    "running another version of fluksio_nb?"
+                )
+                return self._died(cell)
             outcome = self._take(message, cell)
             if outcome is not None:
                 return outcome
