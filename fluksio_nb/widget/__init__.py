@@ -23,7 +23,7 @@ What is decided here:
   the widget view go ``text/plain`` and escaped HTML. nbval reads a display
   as it was first drawn and a saved notebook keeps it as it was last
   redrawn, so live text there could never match; how a claim went is left
-  as a text line of its own when it ends (``Claim._end``), which is what a
+  as a text line of its own when it ends (``ClaimLifecycle._end``), which is what a
   notebook opened without its kernel, nbconvert and nbval all read.
 - **The monitor is refreshed by one thread for all monitors**
   (:mod:`fluksio_nb.widget.ticker`), only while one is watched, and pushes
@@ -163,7 +163,7 @@ class ClaimWidget(_Widget):
         # The fallback never changes. nbval reads a display as it was first
         # drawn, and a saved notebook keeps it as it was last redrawn, so any
         # live text here would differ between the two; how the claim went is
-        # left as a line of its own when it ends (see ``Claim._end``).
+        # left as a line of its own when it ends (see ``ClaimLifecycle._end``).
         data, metadata = super()._repr_mimebundle_(**kwargs)
         text = f"{self.label}: live status (how it went follows below)"
         data["text/plain"] = text
