@@ -31,7 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fluksio_nb.inventory import GpuId, Inventory
+from fluksio_nb.gpus import GpuId
+from fluksio_nb.inventory import Inventory
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,9 +113,7 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
 
     Raises ``NotYours`` (a ``PermissionError``) for a claim this user may not cancel.
     """
-    # Read once: the server asks for this every second or so.
-    settings = load_settings()
-    books = books or books_in_force(settings=settings)
+    books = books or books_in_force()
     if books.mode == "machine":
         from fluksio_nb.machine.client import cancel_claim
 

@@ -42,7 +42,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
         from fluksio_nb.ledger.snapshot import read_snapshot
 
         assert books.where is not None
-        snapshot, me = read_snapshot(books.where), identity()["user"]
+        snapshot, me = read_snapshot(books.where, settings=settings), identity()["user"]
         for claim in snapshot["running"] + snapshot["waiting"]:
             claim["mine"] = claim.get("user") == me
         snapshot["user"] = me

@@ -43,16 +43,21 @@ def test_the_package_keeps_its_layers_and_has_no_import_cycles():
     assert "2 kept, 0 broken" in ran.stdout
 
 
+def top_floor_modules() -> list[Path]:
+    """The package's own modules and subpackages, one level down."""
+    return [
+        path
+        for path in PACKAGE.iterdir()
+        if (path.suffix == ".py" and path.name != "__init__.py")
+        or (path.is_dir() and (path / "__init__.py").exists())
+    ]
+
+
 def test_every_module_of_the_package_has_a_layer():
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     (layered,) = [c for c in contracts["contracts"] if c["type"] == "layers"]
     placed = {name.strip() for layer in layered["layers"] for name in layer.split("|")}
-    modules = {
-        path.stem if path.is_file() else path.name
-        for path in PACKAGE.iterdir()
-        if (path.suffix == ".py" and path.name != "__init__.py")
-        or (path.is_dir() and (path / "__init__.py").exists())
-    }
+    modules = {path.stem if path.is_file() else path.name for path in top_floor_modules()}
     assert modules - placed == set(), "modules in no layer of pyproject.toml"
     assert placed - modules == set(), "layers naming modules that do not exist"
 
@@ -60,12 +65,7 @@ def test_every_module_of_the_package_has_a_layer():
 def test_the_readmes_table_names_every_module_of_the_package():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## What is in the package") :]
-    named = {
-        path.name + ("/" if path.is_dir() else "")
-        for path in PACKAGE.iterdir()
-        if (path.suffix == ".py" and path.name != "__init__.py")
-        or (path.is_dir() and (path / "__init__.py").exists())
-    }
+    named = {path.name + ("/" if path.is_dir() else "") for path in top_floor_modules()}
     assert {name for name in named if f"`{name}`" not in table} == set()
 
 

@@ -27,12 +27,15 @@ from fluksio_nb.ledger.rules import free_core_ids
 from fluksio_nb.settings import Settings, load_settings
 
 
-def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
+def read_snapshot(
+    directory: Path, shared: bool = False, *, settings: Settings | None = None
+) -> dict[str, Any]:
     """The machine as its ledger describes it, read under the shared lock.
 
     For the server and the command line, which make no claims of their own:
-    with no ledger yet, the machine is described as this process sees it.
-    ``shared`` is ignored, as by :class:`LedgerFile`.
+    with no ledger yet, the machine is described as this process sees it,
+    with ``settings`` when the caller has read them already. ``shared`` is
+    ignored, as by :class:`LedgerFile`.
     """
     ledger = LedgerFile(directory)
     try:
@@ -41,7 +44,7 @@ def read_snapshot(directory: Path, shared: bool = False) -> dict[str, Any]:
             return machine_snapshot(state, state["inventory"], checked=True)
     finally:
         ledger.close()
-    return machine_as_found()
+    return machine_as_found(settings)
 
 
 def machine_as_found(settings: Settings | None = None) -> dict[str, Any]:

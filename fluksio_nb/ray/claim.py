@@ -63,7 +63,12 @@ from fluksio_nb.ray.task_side import _inputs_as_parcel, run_claimed_cell
 from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import StatusView
-from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.client import (
+    GRACE_AFTER_SIGINT,
+    GRACE_AFTER_SIGKILL,
+    GRACE_AFTER_SIGTERM,
+    Outcome,
+)
 from fluksio_nb.worker.messages import forwarder
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
@@ -71,8 +76,9 @@ from fluksio_nb.worker.messages import forwarder
 _SIGNAL_CHECK_S = 0.1
 
 #: How long a cancelled task gets to end its cell itself before Ray kills it:
-#: a deaf cell's worker is past SIGINT's grace and SIGTERM's by then.
-_GRACE_TO_STOP_S = 3.0
+#: the worker's whole ladder, SIGINT to SIGKILL, taken from the worker's own
+#: graces so that the two cannot drift apart.
+_GRACE_TO_STOP_S = GRACE_AFTER_SIGINT + GRACE_AFTER_SIGTERM + GRACE_AFTER_SIGKILL
 
 #: How long one read of the mailbox waits for output before asking again.
 _TAKE_WAIT_S = 1.0

@@ -150,7 +150,6 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
             )
         )
         started = {
-            "pid": worker.pid,
             "node": ray.get_runtime_context().get_node_id(),
             "gpus": gpus,
             "env": derived,
