@@ -264,7 +264,7 @@ def _need(resources: Resources) -> Need:
 
 #: The signals that raise in the main thread while it changes the books: the
 #: stop button's, and what a test or a timer uses in its place.
-_HELD_BACK = frozenset({signal.SIGINT, signal.SIGALRM, signal.SIGTERM})
+_HELD_BACK = (signal.SIGINT, signal.SIGALRM, signal.SIGTERM)
 
 
 @contextmanager
@@ -274,15 +274,33 @@ def books_changing() -> Iterator[None]:
     Only the main thread takes Python's signals, so only it holds them; a
     change to the books takes microseconds, or a ledger transaction, so the
     stop is late by that much at most.
+
+    The handlers are swapped for one that writes the signal down, rather than
+    the signals masked: a mask holds back only the main thread's share of
+    them. A kernel has other threads, the signal goes to one of those, and
+    Python runs the handler in the main thread at its next bytecode, halfway
+    through the change, or late enough to stop the next one.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_BACK)
+    arrived: list[int] = []
+
+    def write_down(signum: int, _frame: Any) -> None:
+        arrived.append(signum)
+
+    before = {}
+    for signum in _HELD_BACK:
+        # A handler not set from Python cannot be put back from Python: leave it.
+        if signal.getsignal(signum) is not None:
+            before[signum] = signal.signal(signum, write_down)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
 
 
 def wait_on(condition: threading.Condition, timeout: float) -> None:

@@ -392,3 +392,39 @@ def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_kernels_books
     )
     assert got["interrupted"] > 0, got
     assert (got["running"], got["waiting"], got["free"]) == (0, 0, 2), got
+
+
+HELD_BACK_FROM_ANOTHER_THREAD = """
+import os, select, signal, sys, threading
+from fluksio_nb.queue import books_changing
+
+# A kernel has threads besides the main one: the stop is delivered to one of
+# them, and Python runs its handler in the main thread all the same.
+sleeper = threading.Thread(target=lambda: select.select([], [], [], 60), daemon=True)
+sleeper.start()
+read_end, write_end = os.pipe()
+os.set_blocking(write_end, False)
+signal.set_wakeup_fd(write_end)
+changed = False
+try:
+    with books_changing():
+        signal.pthread_kill(sleeper.ident, signal.SIGINT)
+        os.read(read_end, 1)  # the signal has arrived: its handler is due
+        sum(range(1000))  # bytecodes, each a moment the handler could run at
+        changed = True
+    print("not at all")
+except KeyboardInterrupt:
+    print("after the change" if changed else "during the change")
+"""
+
+
+def test_a_stop_delivered_to_another_thread_lands_after_the_books_change():
+    """Guards against the stop landing halfway through a change in a kernel with threads."""
+    ran = subprocess.run(
+        [sys.executable, "-c", HELD_BACK_FROM_ANOTHER_THREAD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert ran.stdout.split() == ["after", "the", "change"], ran.stderr

@@ -10,7 +10,9 @@ What it decides:
 - **A claim granted on the spot opens no socket.** Only a claim that has to
   wait gets one to be woken on (:class:`~fluksio_nb.ledger.wake.Waker`).
 - **A claim the ledger recorded is never lost to the stop button.** If
-  asking is interrupted after the ledger has the claim, it is given back.
+  asking is interrupted after the ledger has the claim, it is given back,
+  and giving back is never cut in half, by a second stop or by this
+  kernel's own looking thread writing back what it is giving back.
 - **A kernel holding a share keeps looking.** Every half second it reads
   the ledger: a cancel from another process reaches its claim, its claims'
   readings are written, and claims a rebuilt ledger lost are written back.
@@ -32,7 +34,7 @@ from fluksio_nb.ledger.owner import identity
 from fluksio_nb.ledger.rules import cancel_claim, dispatch
 from fluksio_nb.ledger.snapshot import machine_snapshot
 from fluksio_nb.ledger.wake import Waker, wake
-from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message
+from fluksio_nb.queue import Ticket, books_changing, fit_to_capacity, timeout_message
 from fluksio_nb.resources import Resources
 
 #: How often a waiter or a running claim looks at the ledger when nobody wakes
@@ -60,6 +62,10 @@ class MachineQueue:
         self.enforcement: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._mine: dict[int, Ticket] = {}
+        #: Claims being given back: no look may write them back or adopt a
+        #: grant for them, though they stay in ``_mine`` until the ledger is
+        #: written (a failed write leaves them to be given back again).
+        self._giving_back: set[int] = set()
         self._wakers: dict[int, Waker] = {}
         self._readings: dict[int, dict[str, Any]] = {}
         self._looker: threading.Thread | None = None
@@ -74,29 +80,32 @@ class MachineQueue:
         waker = None
         ticket: Ticket | None = None
         try:
-            with self.ledger.transaction() as state:
-                number = state["next"]
-                state["next"] += 1
-                ticket = Ticket(
-                    number=number,
-                    resources=fitted,
-                    label=label or wanted.label or f"claim {number}",
-                )
-                self._restore_missing(state)
-                entry = self._entry(ticket, None)
-                state["tickets"].append(entry)
-                woken = dispatch(state, checked=True)
-                # Only a claim that has to wait needs waking: one granted on
-                # the spot, as most are, opens no socket.
-                if entry["state"] == "waiting":
-                    waker = Waker()
-                    entry["wake"] = waker.address
-            with self._lock:
-                self._mine[number] = ticket
-                if waker is not None:
-                    self._wakers[number] = waker
-            self._adopt(state)
-            wake(woken)
+            # Held back throughout, the stop lands once this kernel knows the
+            # claim as well as the ledger does.
+            with books_changing():
+                with self.ledger.transaction() as state:
+                    number = state["next"]
+                    state["next"] += 1
+                    ticket = Ticket(
+                        number=number,
+                        resources=fitted,
+                        label=label or wanted.label or f"claim {number}",
+                    )
+                    self._restore_missing(state)
+                    entry = self._entry(ticket, None)
+                    state["tickets"].append(entry)
+                    woken = dispatch(state, checked=True)
+                    # Only a claim that has to wait needs waking: one granted on
+                    # the spot, as most are, opens no socket.
+                    if entry["state"] == "waiting":
+                        waker = Waker()
+                        entry["wake"] = waker.address
+                with self._lock:
+                    self._mine[number] = ticket
+                    if waker is not None:
+                        self._wakers[number] = waker
+                self._adopt(state)
+                wake(woken)
         except BaseException:
             # The stop button may land after the ledger has the claim and
             # before the caller does: nobody would ever give it back.
@@ -131,14 +140,22 @@ class MachineQueue:
     def release(self, ticket: Ticket) -> None:
         if ticket.state == "done" and ticket.number not in self._mine:
             return
-        with self.ledger.transaction() as state:
-            self._restore_missing(state)
-            state["tickets"] = [t for t in state["tickets"] if t["number"] != ticket.number]
-            woken = dispatch(state, checked=True)
-        ticket.state = "done"
-        self._forget(ticket.number)
-        self._adopt(state)
-        wake(woken)
+        # Held back throughout: a second stop, landing while the first one's
+        # cleanup gives the claim back, would leave it in the ledger.
+        with books_changing():
+            # Marked before the ledger changes: the looking thread may take the
+            # ledger between this transaction and the forgetting below, and
+            # write back a claim still "running" here, held by nobody.
+            with self._lock:
+                self._giving_back.add(ticket.number)
+            with self.ledger.transaction() as state:
+                self._restore_missing(state)
+                state["tickets"] = [t for t in state["tickets"] if t["number"] != ticket.number]
+                woken = dispatch(state, checked=True)
+            ticket.state = "done"
+            self._forget(ticket.number)
+            self._adopt(state)
+            wake(woken)
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop, in any kernel of this user."""
@@ -176,6 +193,8 @@ class MachineQueue:
         with self._lock:
             for number, ticket in list(self._mine.items()):
                 entry = by_number.get(number)
+                if number in self._giving_back:
+                    continue
                 if entry is None:
                     if ticket.state == "waiting" and ticket.cancelled is None:
                         ticket.cancelled = "cancelled from another process"
@@ -196,7 +215,8 @@ class MachineQueue:
         present = {t["number"] for t in state["tickets"]}
         with self._lock:
             for number, ticket in self._mine.items():
-                if number not in present and ticket.state == "running":
+                lost = number not in present and number not in self._giving_back
+                if lost and ticket.state == "running":
                     state["tickets"].append(self._entry(ticket, None, restored=True))
                     state["next"] = max(state["next"], number + 1)
             state["tickets"].sort(key=lambda t: t["number"])
@@ -228,6 +248,7 @@ class MachineQueue:
     def _forget(self, number: int) -> None:
         with self._lock:
             self._mine.pop(number, None)
+            self._giving_back.discard(number)
             self._readings.pop(number, None)
             waker = self._wakers.pop(number, None)
         if waker is not None:
