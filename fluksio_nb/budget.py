@@ -6,9 +6,10 @@ machine has already taken: processes outside any claim use memory the books
 know nothing about, so on a busy host the same claim legitimately runs under
 a lower ceiling. Both are shown, and only the applied one is enforced.
 
-The halt decision looks at memory only, for two reasons:
+The halt decision looks at memory only, for three reasons:
 
 - the claim's own process tree is over its applied budget, or
+- over its card memory budget (``gpu_ram=``) on one of its cards, or
 - the host is short of its headroom (a tenth of RAM or 1 GiB, whichever is
   more), whoever caused it.
 
@@ -31,14 +32,15 @@ the other hand, stays over budget until something frees it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from pydantic import ByteSize
 
+from fluksio_nb.gpu_usage import GPU_INTERVAL_S
 from fluksio_nb.inventory import host_memory, system_headroom_bytes
-from fluksio_nb.sampler import SAMPLE_INTERVAL_S, Sample
+from fluksio_nb.sampler import SAMPLE_INTERVAL_S, CardShare, Sample
 
 
 def human(n: int | None) -> str:
@@ -58,6 +60,8 @@ class Budget:
     #: (``memory_warn_at`` and ``memory_halt_at`` in the settings).
     warn_at: float = 0.8
     halt_at: float = 1.0
+    #: Card memory each of the claim's cards may hold (``gpu_ram=``), or ``None``.
+    gpu_bytes: int | None = None
 
     @property
     def limited_by_host(self) -> bool:
@@ -89,7 +93,13 @@ def resolve_budget(
     return Budget(granted_bytes, min(granted_bytes, spare), warn_at, halt_at)
 
 
-def budget_here(granted_bytes: int | None, *, warn_at: float = 0.8, halt_at: float = 1.0) -> Budget:
+def budget_here(
+    granted_bytes: int | None,
+    *,
+    warn_at: float = 0.8,
+    halt_at: float = 1.0,
+    gpu_bytes: int | None = None,
+) -> Budget:
     """:func:`resolve_budget` with this host's memory as it is now, where the claim starts.
 
     Called where the work runs: in the kernel for a claim on its machine, in
@@ -99,15 +109,16 @@ def budget_here(granted_bytes: int | None, *, warn_at: float = 0.8, halt_at: flo
     if not granted_bytes:
         # Reading the host's and the cgroup's memory is a dozen files, a fifth
         # of a millisecond: only a budget needs it.
-        return Budget(None, None, warn_at, halt_at)
+        return Budget(None, None, warn_at, halt_at, gpu_bytes)
     total, available = host_memory()
-    return resolve_budget(
+    budget = resolve_budget(
         granted_bytes,
         host_total_bytes=total,
         host_available_bytes=available,
         warn_at=warn_at,
         halt_at=halt_at,
     )
+    return replace(budget, gpu_bytes=gpu_bytes)
 
 
 class HaltReason(str, Enum):
@@ -115,6 +126,7 @@ class HaltReason(str, Enum):
 
     NONE = "none"
     OVER_BUDGET = "over_budget"
+    OVER_GPU_BUDGET = "over_gpu_budget"
     HOST_SHORT = "host_short"
 
 
@@ -175,6 +187,24 @@ def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> 
     )
 
 
+def over_gpu_budget(card: CardShare, budget: Budget) -> HaltDecision:
+    """The stop of a claim holding more of one of its cards than its ``gpu_ram=``."""
+    assert budget.gpu_bytes is not None, "no card budget, nothing to be over"
+    of_card = f" of the card's {human(card.total_bytes)}" if card.total_bytes is not None else ""
+    return HaltDecision(
+        should_halt=True,
+        reason=HaltReason.OVER_GPU_BUDGET,
+        message=(
+            f"halted: the worker held {human(card.held_bytes)}{of_card} on card {card.index}, "
+            f"over its card memory budget of {human(budget.gpu_bytes)} a card. It was halted "
+            f"by the sampler, which reads the cards every {GPU_INTERVAL_S:g} s, so a fast "
+            "allocation can get further before it is seen. Ask for more with gpu_ram=, "
+            "or use less."
+        ),
+        detail={"card": card.index, "gpu_bytes": card.held_bytes, "limit_bytes": budget.gpu_bytes},
+    )
+
+
 def memory_warning(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> str:
     """The one line a claim is told, once, when it reaches the warning stage."""
     assert budget.applied_bytes is not None, "no budget, nothing to warn of"
@@ -203,6 +233,10 @@ def halt_decision(sample: Sample, budget: Budget, *, capped: bool = False) -> Ha
     limit = budget.halt_bytes
     if not capped and limit is not None and sample.rss_bytes > limit:
         return over_budget(sample.rss_bytes, budget)
+    if budget.gpu_bytes is not None:
+        for card in sample.cards:
+            if card.held_bytes > budget.gpu_bytes:
+                return over_gpu_budget(card, budget)
 
     headroom = system_headroom_bytes(sample.host_total_bytes)
     if sample.host_available_bytes < headroom:

@@ -83,8 +83,9 @@ def claim_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="NAME=VALUE",
         help=(
-            "cpus=N (default 1), gpus=N (default 0), ram=SIZE, flavor=NAME; "
-            "an UPPER_CASE=value pair is set in the worker's environment"
+            "cpus=N (default 1), gpus=N (default 0), ram=SIZE, gpu_ram=SIZE (a "
+            "card's memory budget), flavor=NAME; an UPPER_CASE=value pair is set in "
+            "the worker's environment"
         ),
     )
     parser.add_argument(

@@ -34,6 +34,7 @@ def claim(
     gpus: int | None = None,
     ram: int | str | None = None,
     *,
+    gpu_ram: int | str | None = None,
     env: Mapping[str, str] | None = None,
     flavor: str | None = None,
     label: str | None = None,
@@ -55,7 +56,13 @@ def claim(
     """
     fields: dict[str, Any] = {
         name: value
-        for name, value in {"cpus": cpus, "gpus": gpus, "ram": ram, "flavor": flavor}.items()
+        for name, value in {
+            "cpus": cpus,
+            "gpus": gpus,
+            "ram": ram,
+            "gpu_ram": gpu_ram,
+            "flavor": flavor,
+        }.items()
         if value is not None
     }
     wanted = ask(**fields, env=dict(env or {}), label=label, timeout=timeout, strict=strict)

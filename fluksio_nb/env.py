@@ -16,6 +16,13 @@ from taking most of a card's memory the moment they start
 what a person reads when they look for who holds it, and a framework that
 took 90% of it for a model of 1 GB says nothing true.
 
+A claim with a card memory budget (``gpu_ram=``) also tells the frameworks
+that take a cap: JAX through ``XLA_PYTHON_CLIENT_MEM_FRACTION``, torch through
+:data:`GPU_FRACTION_VAR`, which the worker hands to
+``torch.cuda.set_per_process_memory_fraction``. Both are a share of the card,
+so they need its size; without a reading of the cards only the sampler holds
+the budget.
+
 ``XLA_FLAGS`` and friends are deliberately not derived. They are composed
 strings whose contents depend on the version installed, and writing one here
 would silently replace what the author put there. They travel in the claim's
@@ -53,12 +60,19 @@ GPU_MEMORY_VARS = {
 }
 
 
-def derive_env(wanted: Resources, allocation: Allocation) -> dict[str, str]:
+#: The share of each card a claim's ``gpu_ram=`` is, for the worker to give torch.
+GPU_FRACTION_VAR = "FLUKSIO_GPU_MEMORY_FRACTION"
+
+
+def derive_env(
+    wanted: Resources, allocation: Allocation, card_bytes: Mapping[int, int] | None = None
+) -> dict[str, str]:
     """The variables a worker holding this allocation is started with.
 
     A claim that asked for no GPU has the cards hidden rather than left all
     visible: a CPU cell that imports torch would otherwise create a context on
-    card 0, which is someone else's.
+    card 0, which is someone else's. ``card_bytes`` is the size of each card,
+    where known, for the share ``gpu_ram=`` is of the smallest of them.
     """
     env = {var: str(allocation.cpus) for var in THREAD_VARS}
     # CUDA numbers cards fastest-first by default; PCI order is NVML's order,
@@ -67,6 +81,10 @@ def derive_env(wanted: Resources, allocation: Allocation) -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
     if allocation.gpus:
         env.update(GPU_MEMORY_VARS)
+        sizes = [(card_bytes or {}).get(index) for index in allocation.gpus]
+        if wanted.gpu_ram_bytes is not None and all(sizes):
+            fraction = f"{min(1.0, wanted.gpu_ram_bytes / min(sizes)):.3f}"  # type: ignore[type-var]
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env[GPU_FRACTION_VAR] = fraction
     env.update(wanted.env)
     return env
 

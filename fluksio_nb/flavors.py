@@ -43,8 +43,8 @@ def resolve_flavor(wanted: Resources, settings: Settings) -> Resources:
         )
     from_flavor = {
         name: getattr(flavor, name)
-        for name in ("cpus", "gpus", "ram")
-        if name not in wanted.model_fields_set
+        for name in ("cpus", "gpus", "ram", "gpu_ram")
+        if name not in wanted.model_fields_set and (name != "gpu_ram" or flavor.gpu_ram)
     }
     # Built anew rather than copied with model_copy, so the validators run on
     # the result and a flavor cannot smuggle in something a claim could not say.
@@ -53,11 +53,14 @@ def resolve_flavor(wanted: Resources, settings: Settings) -> Resources:
 
 def describe_flavors(settings: Settings) -> str:
     """The table ``fluksio-nb flavors`` prints."""
-    rows = [("flavor", "cpus", "gpus", "ram")]
+    rows = [("flavor", "cpus", "gpus", "ram", "gpu_ram")]
     for name, flavor in sorted(all_flavors(settings).items()):
-        ram = flavor.ram.human_readable(decimal=True) if flavor.ram else "-"
-        rows.append((name, str(flavor.cpus), str(flavor.gpus), ram))
-    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+        ram, gpu_ram = (
+            size.human_readable(decimal=True) if size else "-"
+            for size in (flavor.ram, flavor.gpu_ram)
+        )
+        rows.append((name, str(flavor.cpus), str(flavor.gpus), ram, gpu_ram))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows

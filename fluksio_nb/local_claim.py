@@ -43,8 +43,9 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
-from fluksio_nb.errors import ClaimCancelled, ClaimHalted, ClaimTimeout, WorkerDied
+from fluksio_nb.errors import BadClaim, ClaimCancelled, ClaimHalted, ClaimTimeout, WorkerDied
 from fluksio_nb.flavors import resolve_flavor
+from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
 from fluksio_nb.queue import ClaimQueue, Ticket
@@ -170,10 +171,13 @@ class Claim(ClaimLifecycle):
     def _start(self, ticket: Ticket, allocation: Allocation) -> None:
         """From a share granted to a claim running: its env, budget, cgroups and status."""
         self.allocation = allocation
-        self.env = derive_env(ticket.resources, allocation)
+        self.env = derive_env(ticket.resources, allocation, self._card_sizes(ticket, allocation))
         stages = settings()
         self.budget = budget_here(
-            allocation.ram_bytes, warn_at=stages.memory_warn_at, halt_at=stages.memory_halt_at
+            allocation.ram_bytes,
+            warn_at=stages.memory_warn_at,
+            halt_at=stages.memory_halt_at,
+            gpu_bytes=ticket.resources.gpu_ram_bytes,
         )
         ticket.on_cancel = self._cancelled
         if ticket.cancelled is not None:
@@ -192,6 +196,22 @@ class Claim(ClaimLifecycle):
             from threadpoolctl import threadpool_limits
 
             self._thread_limits = threadpool_limits(limits=allocation.cpus)
+
+    def _card_sizes(self, ticket: Ticket, allocation: Allocation) -> dict[int, int] | None:
+        """Each granted card's size, for a claim with ``gpu_ram=``, which cannot go unread."""
+        if ticket.resources.gpu_ram is None or not allocation.gpus:
+            return None
+        reading = kernel_cards().read()
+        if reading is None:
+            asked = ticket.resources.gpu_ram.human_readable(decimal=True)
+            raise BadClaim(
+                f"{self.status.label} asks for gpu_ram={asked}, "
+                "and nothing here reads the cards' memory to hold it to that: install the "
+                "[gpu] extra (nvidia-ml-py), or put nvidia-smi on PATH, or drop gpu_ram="
+            )
+        return {
+            card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
+        }
 
     def _wait(self, ticket: Ticket) -> Allocation:
         # The first look comes sooner: a claim still waiting then is shown
@@ -285,7 +305,8 @@ class Claim(ClaimLifecycle):
             if not self.status.readings.count:
                 # Over before the first reading was due: one now, so that how
                 # it went still says what the worker held.
-                last = watched.sampler.sample()
+                cards = kernel_cards().read() if watched.sampler.gpus else None
+                last = watched.sampler.sample(cards=cards)
                 if last is not None:
                     self.status.readings.add(last)
             watched.sampler.close()
@@ -332,7 +353,7 @@ class Claim(ClaimLifecycle):
         assert self.budget is not None and self._confinement is not None
         return self._watch.add(
             Watched(
-                sampler=Sampler(pid),
+                sampler=Sampler(pid, gpus=tuple(self.allocation.gpus) if self.allocation else ()),
                 budget=self.budget,
                 on_sample=self._sampled,
                 on_halt=self._halt,
@@ -359,6 +380,9 @@ class Claim(ClaimLifecycle):
                     "peak_rss_bytes": self.status.readings.peak_rss_bytes,
                     "cpu_percent": sample.cpu_percent,
                     "processes": sample.processes,
+                    "gpu_bytes": sample.gpu_bytes,
+                    "peak_gpu_bytes": self.status.readings.peak_gpu_bytes,
+                    "gpu_percent": sample.gpu_percent,
                     "at": time.time(),
                 },
             )

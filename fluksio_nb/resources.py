@@ -48,7 +48,7 @@ FLAVOR_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 #: What the line may say as NAME=VALUE, lower case. The rest of the fields are
 #: spelt as options (``--label``) or are not a resource at all (``env``).
-LINE_KEYS = ("cpus", "gpus", "ram", "flavor")
+LINE_KEYS = ("cpus", "gpus", "ram", "gpu_ram", "flavor")
 
 
 _SIZE = TypeAdapter(ByteSize)
@@ -68,6 +68,9 @@ class Resources(BaseModel):
     cpus: int = Field(default=1, ge=1)
     gpus: int = Field(default=0, ge=0)
     ram: ByteSize | None = None
+    #: Card memory each of the claim's cards may hold; a budget only, since
+    #: cards are handed out whole.
+    gpu_ram: ByteSize | None = None
     env: dict[str, str] = Field(default_factory=dict)
     flavor: str | None = None
     timeout: float | None = Field(default=None, gt=0)
@@ -95,6 +98,11 @@ class Resources(BaseModel):
                 f"card{'s' if self.gpus > 1 else ''} this claim is granted with one another "
                 "claim may hold; drop it and let gpus= pick a free card"
             )
+        if self.gpu_ram is not None and not self.gpus:
+            raise ValueError(
+                f"gpu_ram={self.gpu_ram.human_readable(decimal=True)} is card memory, and "
+                "this claim asks for no card; add gpus=1 (or more), or drop gpu_ram="
+            )
         return self
 
     @field_validator("cpus", "gpus", mode="before")
@@ -119,25 +127,26 @@ class Resources(BaseModel):
             raise ValueError(f"{what} must be at least {least}, not {value}")
         return value
 
-    @field_validator("ram", mode="before")
+    @field_validator("ram", "gpu_ram", mode="before")
     @classmethod
-    def _ram_says_how_to_write_a_size(cls, value: Any) -> Any:
+    def _sizes_say_how_to_write_a_size(cls, value: Any, info: Any) -> Any:
+        what = info.field_name
         if value is None:
             return None
         if isinstance(value, bool):
-            raise ValueError(f"ram must be a size such as 8G or 512MiB, not {value!r}")
+            raise ValueError(f"{what} must be a size such as 8G or 512MiB, not {value!r}")
         if isinstance(value, int | float) and value <= 0:
-            raise ValueError(f"ram must be more than zero bytes, not {value}")
+            raise ValueError(f"{what} must be more than zero bytes, not {value}")
         if isinstance(value, str):
             try:
                 size = _SIZE.validate_python(value)
             except (ValueError, TypeError):
                 raise ValueError(
-                    f"ram={value!r} is not a size: write a number and a unit, "
+                    f"{what}={value!r} is not a size: write a number and a unit, "
                     "such as 8G, 512M, 1.5GiB, or a plain number of bytes"
                 ) from None
             if size <= 0:
-                raise ValueError(f"ram must be more than zero bytes, not {value!r}")
+                raise ValueError(f"{what} must be more than zero bytes, not {value!r}")
         return value
 
     @field_validator("env")
@@ -170,7 +179,14 @@ class Resources(BaseModel):
             words.append(f"gpus={self.gpus}")
         if self.ram is not None:
             words.append(f"ram={self.ram.human_readable(decimal=True)}")
+        if self.gpu_ram is not None:
+            words.append(f"gpu_ram={self.gpu_ram.human_readable(decimal=True)}")
         return " ".join(words)
+
+    @property
+    def gpu_ram_bytes(self) -> int | None:
+        """Card memory each card may hold, or ``None`` for no card budget."""
+        return int(self.gpu_ram) if self.gpu_ram is not None else None
 
 
 def unknown_keys_message(

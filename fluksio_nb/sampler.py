@@ -18,6 +18,10 @@ while the machine ran out of memory.
 - The host's memory is read in the same pass (by the watch, once for every
   claim it samples then), so a halt decision never compares a reading from
   now with a free-memory figure from seconds ago.
+- A claim's cards: the card memory its tree holds on each of them, and how
+  busy they are, from the pass over the cards the watch hands in
+  (:mod:`fluksio_nb.gpu_usage`, at most every two seconds, so the same
+  figures may stand in several readings).
 
 Each process costs one ``pread`` of its ``/proc/<pid>/stat``, kept open
 (:class:`_ProcessFiles`), and the children are listed from
@@ -48,12 +52,26 @@ from dataclasses import dataclass
 
 import psutil
 
+from fluksio_nb.gpu_usage import CardsReading, held_by
 from fluksio_nb.inventory import host_memory, usable_cpus
 
 SAMPLE_INTERVAL_S = 0.5
 
 #: Readings kept for the sparklines: a minute at the default cadence.
 HISTORY = 120
+
+
+@dataclass(frozen=True, slots=True)
+class CardShare:
+    """One of a claim's cards in one reading: what the claim holds of it, and the card."""
+
+    index: int
+    #: Card memory held by the claim's processes.
+    held_bytes: int
+    #: The whole card's memory in use, by anyone, and its size.
+    used_bytes: int | None
+    total_bytes: int | None
+    utilisation_percent: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,19 @@ class Sample:
     host_total_bytes: int
     host_available_bytes: int
     at: float
+    #: The claim's cards, as last read; empty when it has none, or nothing reads them.
+    cards: tuple[CardShare, ...] = ()
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        """Card memory the tree holds on all its cards; ``None`` without a card reading."""
+        return sum(card.held_bytes for card in self.cards) if self.cards else None
+
+    @property
+    def gpu_percent(self) -> float | None:
+        """Mean utilisation of the claim's cards; ``None`` where no card says."""
+        busy = [c.utilisation_percent for c in self.cards if c.utilisation_percent is not None]
+        return round(sum(busy) / len(busy), 1) if busy else None
 
 
 class Sampler:
@@ -80,11 +111,14 @@ class Sampler:
         *,
         interval_s: float = SAMPLE_INTERVAL_S,
         machine_cpus: int | None = None,
+        gpus: tuple[int, ...] = (),
         memory_probe: Callable[[], tuple[int, int]] = host_memory,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pid = pid
         self.interval_s = interval_s
+        #: The cards the claim holds, whose memory its readings carry.
+        self.gpus = tuple(gpus)
         self._machine_cpus = max(1, machine_cpus or _this_machines_cpus())
         self._memory_probe = memory_probe
         self._clock = clock
@@ -110,11 +144,14 @@ class Sampler:
         now = self._clock() if now is None else now
         return self._last_at is None or now - self._last_at >= self.interval_s
 
-    def sample(self, host: tuple[int, int] | None = None) -> Sample | None:
+    def sample(
+        self, host: tuple[int, int] | None = None, cards: CardsReading | None = None
+    ) -> Sample | None:
         """Read now, due or not. ``None`` means the worker is gone.
 
         ``host`` is the host's (total, available) memory when the caller has
         just read it for several samplers at once; otherwise it is read here.
+        ``cards`` is the latest pass over the cards, for a claim that holds some.
         """
         tree = self._tree() if self._alive else None
         if tree is None:
@@ -140,7 +177,26 @@ class Sampler:
             host_total_bytes=total,
             host_available_bytes=available,
             at=now,
+            cards=self._cards(cards, [pid for (pid, _), _, _ in tree]),
         )
+
+    def _cards(self, reading: CardsReading | None, pids: list[int]) -> tuple[CardShare, ...]:
+        if reading is None or not self.gpus:
+            return ()
+        shares = []
+        for index in self.gpus:
+            card = reading.card(index)
+            if card is not None:
+                shares.append(
+                    CardShare(
+                        index=index,
+                        held_bytes=held_by(card, pids),
+                        used_bytes=card.used_bytes,
+                        total_bytes=card.total_bytes,
+                        utilisation_percent=card.utilisation_percent,
+                    )
+                )
+        return tuple(shares)
 
     def poll(self) -> Sample | None:
         """Read only if the interval has passed. ``None`` also means "not yet"."""
@@ -327,6 +383,7 @@ def is_news(told: Sample | None, now: Sample) -> bool:
         now.processes != told.processes
         or abs(now.rss_bytes - told.rss_bytes) >= RSS_STEP * max(told.rss_bytes, 1)
         or abs(now.cpu_percent - told.cpu_percent) >= CPU_STEP
+        or now.cards != told.cards
     )
 
 
@@ -336,6 +393,8 @@ class Readings:
     def __init__(self) -> None:
         self.latest: Sample | None = None
         self.peak_rss_bytes = 0
+        #: The most card memory the claim held, on all its cards; ``None`` until a card is read.
+        self.peak_gpu_bytes: int | None = None
         self._cpu_total = 0.0
         self.count = 0
         self.history: deque[Sample] = deque(maxlen=HISTORY)
@@ -343,6 +402,8 @@ class Readings:
     def add(self, sample: Sample) -> None:
         self.latest = sample
         self.peak_rss_bytes = max(self.peak_rss_bytes, sample.rss_bytes)
+        if sample.gpu_bytes is not None:
+            self.peak_gpu_bytes = max(self.peak_gpu_bytes or 0, sample.gpu_bytes)
         self._cpu_total += sample.cpu_percent
         self.count += 1
         self.history.append(sample)

@@ -75,6 +75,7 @@ class Flavor(BaseModel):
     cpus: int = Field(default=1, ge=1)
     gpus: int = Field(default=0, ge=0)
     ram: ByteSize | None = None
+    gpu_ram: ByteSize | None = None
 
 
 class Settings(BaseModel):

@@ -8,7 +8,8 @@ watch calls back and never kills anything itself.
 
 One thread for all claims, not one per claim: eight claims running should
 cost the kernel what one does. It reads the host's memory once a pass for
-all of them, not once per claim. The thread starts when the first claim is
+all of them, not once per claim, and the cards once a pass too, only when
+a claim due for a reading holds one. The thread starts when the first claim is
 watched and ends a couple of seconds after the last one is let go, so an
 idle kernel runs no thread at all. A worker found gone is let go here: a
 claim's subprocesses are not handed back by anyone when they end, and kept
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fluksio_nb.budget import Budget, HaltDecision, halt_decision
+from fluksio_nb.gpu_usage import CardReader, CardsReading, kernel_cards
 from fluksio_nb.inventory import host_memory
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S, Sample, Sampler
 
@@ -68,8 +70,14 @@ def ensure_running(thread: threading.Thread | None, loop: Callable[[], None], na
 class Watch:
     """Samples what it is given, from one thread that exists only while needed."""
 
-    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, linger_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        interval_s: float = SAMPLE_INTERVAL_S,
+        linger_s: float = 2.0,
+        cards: CardReader | None = None,
+    ) -> None:
         self.interval_s = interval_s
+        self.cards = kernel_cards() if cards is None else cards
         #: How long the thread outlives the last claim. Cells run one after
         #: another; starting a thread for each cost a measurable share of a
         #: short claimed cell, and a sleeping thread costs nothing.
@@ -116,15 +124,16 @@ class Watch:
 
     def _tick(self, watched: list[Watched]) -> None:
         host = _HostOnce()
+        cards = _CardsOnce(self.cards)
         for item in watched:
             try:
-                self._look_at(item, host)
+                self._look_at(item, host, cards)
             except Exception:
                 # One claim's broken view must not stop the readings, or
                 # the halts, of every other claim in the kernel.
                 log.exception("fluksio_nb: sampling %s failed", item.sampler.pid)
 
-    def _look_at(self, item: Watched, host: _HostOnce) -> None:
+    def _look_at(self, item: Watched, host: _HostOnce, cards: _CardsOnce) -> None:
         if item.halted:
             return
         if item.deadline is not None and time.monotonic() >= item.deadline:
@@ -133,7 +142,7 @@ class Watch:
             return
         if time.monotonic() < item.first_at or not item.sampler.due():
             return
-        sample = item.sampler.sample(host())
+        sample = item.sampler.sample(host(), cards() if item.sampler.gpus else None)
         if sample is None:
             # Gone: nothing left to read or to halt. Kept, a claim's ended
             # subprocesses would keep this thread running for good.
@@ -162,6 +171,23 @@ class _HostOnce:
         if self._memory is None:
             self._memory = host_memory()
         return self._memory
+
+
+class _CardsOnce:
+    """The cards, asked for at most once per tick; the reader itself reads them less often."""
+
+    __slots__ = ("_read", "_reader", "_reading")
+
+    def __init__(self, reader: CardReader) -> None:
+        self._reader = reader
+        self._reading: CardsReading | None = None
+        self._read = False
+
+    def __call__(self) -> CardsReading | None:
+        if not self._read:
+            self._read = True
+            self._reading = self._reader.read()
+        return self._reading
 
 
 _watch = Watch()

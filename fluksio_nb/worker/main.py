@@ -49,6 +49,7 @@ from typing import Any
 from IPython.core.interactiveshell import InteractiveShell
 
 from fluksio_nb import memory_cap, namespaces, random_streams, transfer
+from fluksio_nb.env import GPU_FRACTION_VAR
 from fluksio_nb.worker.messages import (
     Done,
     Error,
@@ -216,6 +217,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
         report_exception_only(shell, error)
     else:
         try:
+            hold_torch_to_the_card_budget()
             with interrupts.cell_running():
                 ok = shell.run_cell(request.code, store_history=True).success
         except (KeyboardInterrupt, Exception) as escaped:
@@ -223,6 +225,8 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
             # than in the code itself — typically an interrupt landing just
             # before or after it — so nothing has reported it yet.
             report_exception_only(shell, escaped)
+    # Again after: the cell that first touched a card is the one that started torch's CUDA.
+    hold_torch_to_the_card_budget()
     drawn, held = random_streams.drawn_since(streams_before, given) if given else ({}, [])
     random_streams.forget_pending()
     wanted = request.outputs
@@ -253,6 +257,29 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     # pinning the kernel's shared memory, and the next cell does not wait
     # for the reset (a few milliseconds, most of it a garbage collection).
     start_fresh(shell)
+
+
+def hold_torch_to_the_card_budget() -> None:
+    """torch's own cap on each card, at the claim's ``gpu_ram=``, once torch is using a card.
+
+    Only once its CUDA is initialised: setting the cap initialises it, and a
+    cell that imported torch for the CPU would be handed a context on a card
+    for nothing. The cap then holds every later allocation at once; the
+    sampler holds the rest, including the allocations made before it.
+    """
+    fraction = os.environ.get(GPU_FRACTION_VAR)
+    torch = sys.modules.get("torch")
+    if not fraction or torch is None:
+        return
+    try:
+        if not torch.cuda.is_initialized():
+            return
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(float(fraction), device)
+    except Exception:
+        # A torch built without CUDA, or of a shape this does not know: the
+        # sampler still holds the budget, and the cell must not fail for it.
+        return
 
 
 def follow_the_kernel(
