@@ -247,7 +247,12 @@ class CardReader:
     def _open(self) -> None:
         if not self._opened:
             self._opened = True
-            self._source = self._opener()
+            try:
+                self._source = self._opener()
+            except Exception:
+                # A driver library that is there but broken reads as nothing
+                # to read with: the cell goes on, and no card is made up.
+                self._source = None
 
     def _read_now(self, now: float) -> CardsReading | None:
         source = self._source
