@@ -20,8 +20,9 @@ What it decides:
   by one pid, which inside a container may be another namespace's. Each
   local process's ``NSpid`` (``/proc/<pid>/status``) lists its pid in every
   namespace this one can see, and a match on any of them is that process.
-  A pid that matches no process here is kept and shown as outside this
-  machine's view, never dropped: that memory is held all the same.
+  A pid that matches no process here (or a process in each of two
+  namespaces side by side) is kept and shown as outside this machine's
+  view, never dropped: that memory is held all the same.
 """
 
 from __future__ import annotations
@@ -106,7 +107,11 @@ class _Nvml:
                 busy = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except nvml.NVMLError:
                 busy = None  # not supported on this card: unknown, not idle
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                card_used, card_total = int(memory.used), int(memory.total)
+            except nvml.NVMLError:
+                card_used = card_total = None  # unified memory (GB10): unknown, not empty
             held: dict[int, int | None] = {}
             for lister in (
                 nvml.nvmlDeviceGetComputeRunningProcesses,
@@ -121,8 +126,8 @@ class _Nvml:
                     index,
                     uuid.decode() if isinstance(uuid, bytes) else str(uuid),
                     busy,
-                    int(memory.used),
-                    int(memory.total),
+                    card_used,
+                    card_total,
                     list(held.items()),
                 )
             )
@@ -247,7 +252,12 @@ class CardReader:
     def _open(self) -> None:
         if not self._opened:
             self._opened = True
-            self._source = self._opener()
+            try:
+                self._source = self._opener()
+            except Exception:
+                # A driver library that is there but broken reads as nothing
+                # to read with: the cell goes on, and no card is made up.
+                self._source = None
 
     def _read_now(self, now: float) -> CardsReading | None:
         source = self._source
@@ -288,25 +298,44 @@ class _PidsHere:
     """The pid here of a process the driver named, for one pass.
 
     A pid that is a process here is that process: on a host, the driver's
-    pids are this machine's, and that case must be exact. Only a pid that is
-    no process here is looked for among the pids processes have in the
-    namespaces below this one (``NSpid``), read once a pass, and only then.
+    pids are this machine's, and that case must be exact. (A thread's id is
+    no process: ``/proc/<tid>`` is there all the same, so the check is the
+    thread group's id.) Only a pid that is no process here is looked for
+    among the pids processes have in the namespaces below this one
+    (``NSpid``), read once a pass, and only then.
     """
 
     def __init__(self) -> None:
         self._nested: dict[int, int] | None = None
 
     def __call__(self, driver_pid: int) -> int | None:
-        if os.path.exists(f"/proc/{driver_pid}"):
+        if _is_process(driver_pid):
             return driver_pid
         if self._nested is None:
             self._nested = _nested_pids()
         return self._nested.get(driver_pid)
 
 
+def _is_process(pid: int) -> bool:
+    """Whether ``pid`` is a process here, not only some process's thread."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1]) == pid
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _nested_pids() -> dict[int, int]:
-    """Each pid a process here has in a namespace below this one, to its pid here."""
+    """Each pid a process here has in a namespace below this one, to its pid here.
+
+    A pid that processes in two namespaces both have (each container has its
+    own pid 1) names neither for sure, and is left out.
+    """
     found: dict[int, int] = {}
+    ambiguous: set[int] = set()
     try:
         entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
@@ -317,10 +346,13 @@ def _nested_pids() -> dict[int, int]:
                 for line in status:
                     if line.startswith(b"NSpid:"):
                         for alias in line.split()[2:]:
-                            found.setdefault(int(alias), pid)
+                            if found.setdefault(int(alias), pid) != pid:
+                                ambiguous.add(int(alias))
                         break
         except (OSError, ValueError):
             continue  # gone since the listing
+    for alias in ambiguous:
+        del found[alias]
     return found
 
 

@@ -117,3 +117,33 @@ def test_the_budget_is_staged_warned_first_then_stopped():
     assert halted.should_halt and "stopped at 90% of it" in halted.message
     line = memory_warning(int(GIB * 0.6), budget)
     assert line.count("\n") == 1 and "60% of its memory budget of 1.1GB" in line
+
+
+def with_card(held, total=16 * GIB, index=1):
+    from dataclasses import replace
+
+    from fluksio_nb.sampler import CardShare
+
+    card = CardShare(
+        index=index, held_bytes=held, used_bytes=held, total_bytes=total, utilisation_percent=90.0
+    )
+    return replace(sample(GIB), cards=(card,))
+
+
+def test_a_claim_over_its_card_memory_budget_is_halted_naming_the_card_and_the_numbers():
+    budget = Budget(None, None, gpu_bytes=8 * 10**9)
+    decision = halt_decision(with_card(9 * 10**9), budget)
+    assert decision.should_halt and decision.reason is HaltReason.OVER_GPU_BUDGET
+    assert decision.message.startswith(
+        "halted: the worker held 9.0GB of the card's 17.2GB on card 1, over its card memory "
+        "budget of 8.0GB a card."
+    )
+    assert "gpu_ram=" in decision.message
+    assert decision.detail == {"card": 1, "gpu_bytes": 9 * 10**9, "limit_bytes": 8 * 10**9}
+
+
+def test_card_memory_within_the_budget_or_without_one_goes_on():
+    assert not halt_decision(
+        with_card(7 * 10**9), Budget(None, None, gpu_bytes=8 * 10**9)
+    ).should_halt
+    assert not halt_decision(with_card(15 * 10**9), Budget(None, None)).should_halt

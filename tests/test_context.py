@@ -145,3 +145,20 @@ def test_bad_arguments_are_refused_before_anything_waits():
     with pytest.raises(BadClaim, match="flavor 'nope' does not exist"):
         claim(flavor="nope")
     assert accountant().snapshot()["waiting"] == []
+
+
+def test_a_card_memory_budget_nothing_can_read_is_refused_and_the_share_given_back():
+    """A budget no reading holds would be a number on the screen that says something untrue."""
+    from fluksio_nb.gpu_usage import kernel_cards
+
+    if kernel_cards().source is not None:
+        pytest.skip(f"this machine reads its cards ({kernel_cards().source}); the test needs none")
+    refused = pytest.raises(BadClaim, match=r"gpu_ram=1.0GB.*nothing here reads the cards")
+    with refused, claim(gpus=1, gpu_ram="1G"):
+        pass
+    assert accountant().snapshot()["running"] == []
+
+
+def test_a_card_memory_budget_on_ray_is_refused_before_anything_connects():
+    with pytest.raises(BadClaim, match="gpu_ram= is held on this machine's cards only"):
+        claim(gpus=1, gpu_ram="1G", on="ray")

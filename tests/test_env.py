@@ -145,3 +145,16 @@ def test_claimed_processes_are_held_to_their_share():
     assert max(in_flight) == 4, "two claims of two cores should have run together"
     assert q.snapshot()["cpus"]["free"] == 4
     assert os.environ.get("XLA_FLAGS") is None, "the kernel's own environment is untouched"
+
+
+def test_a_card_memory_budget_is_handed_to_jax_and_torch_as_a_share_of_the_smallest_card():
+    wanted = Resources(gpus=2, gpu_ram="4G")
+    env = derive_env(wanted, Allocation(cpus=1, gpus=(0, 1)), {0: 16 * 10**9, 1: 8 * 10**9})
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.500"
+    assert env["FLUKSIO_GPU_MEMORY_FRACTION"] == "0.500"
+
+
+def test_a_card_memory_budget_without_the_cards_sizes_sets_no_share():
+    env = derive_env(Resources(gpus=1, gpu_ram="4G"), Allocation(cpus=1, gpus=(0,)), {})
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+    assert "FLUKSIO_GPU_MEMORY_FRACTION" not in env

@@ -214,3 +214,35 @@ def test_a_bad_environment_variable_names_itself(monkeypatch):
     with pytest.raises(BadSettings) as caught:
         load_settings()
     assert "FLUKSIO_GPUS='two'" in str(caught.value)
+
+
+def test_gpu_ram_is_a_card_memory_budget_read_like_ram():
+    wanted = parse_claim_line("gpus=1 gpu_ram=8G").resources
+    assert (wanted.gpus, wanted.gpu_ram_bytes, wanted.ram_bytes) == (1, 8 * 10**9, 0)
+    assert wanted.describe() == "cpus=1 gpus=1 gpu_ram=8.0GB"
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("gpu_ram=8G", "asks for no card; add gpus=1"),
+        ("gpus=1 gpu_ram=eight", "gpu_ram='eight' is not a size"),
+        ("gpus=1 gpu_ram=0", "gpu_ram must be more than zero bytes"),
+        ("gpus=1 gpuram=8G", "did you mean 'gpu_ram'?"),
+    ],
+)
+def test_a_bad_gpu_ram_says_what_to_change(line, words):
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(line)
+    assert words in str(caught.value)
+
+
+def test_a_flavor_may_carry_a_card_memory_budget(isolated_settings):
+    isolated_settings.write_text(
+        json.dumps({"flavors": {"card": {"cpus": 2, "gpus": 1, "gpu_ram": "10G"}}})
+    )
+    settings_now = load_settings()
+    assert resolve_flavor(Resources(flavor="card"), settings_now).gpu_ram_bytes == 10**10
+    assert "10.0GB" in describe_flavors(settings_now)
+    # Without one, the flavor leaves the claim's own alone.
+    assert resolve_flavor(Resources(flavor="gpu-small"), settings_now).gpu_ram is None

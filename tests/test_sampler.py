@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from fluksio_nb.budget import Budget, HaltReason, halt_decision
+from fluksio_nb.gpu_usage import CardProcess, CardReading, CardsReading
 from fluksio_nb.sampler import Readings, Sampler
 
 MIB = 2**20
@@ -168,3 +169,65 @@ def test_readings_keep_the_peak_and_the_mean(processes):
     assert readings.peak_rss_bytes >= 50 * MIB
     assert readings.latest is readings.history[-1]
     assert 0 <= readings.mean_cpu_percent <= 100
+
+
+def card_reading(processes_on_card: dict[int, int], index: int = 0) -> CardsReading:
+    """One pass over one card, as the driver would give it: pids and their card memory."""
+    return CardsReading(
+        cards=(
+            CardReading(
+                index=index,
+                uuid=f"GPU-{index}",
+                utilisation_percent=40.0,
+                used_bytes=sum(processes_on_card.values()),
+                total_bytes=16 * 2**30,
+                processes=tuple(
+                    CardProcess(driver_pid=pid, pid=pid, used_bytes=used)
+                    for pid, used in processes_on_card.items()
+                ),
+            ),
+        ),
+        source="nvidia-smi",
+        at=0.0,
+    )
+
+
+def test_card_memory_held_by_a_child_of_the_worker_counts_against_its_claim(processes):
+    middle = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', {_HOLD.format(mib=10)!r}]).wait()\n"
+    )
+    worker = start(middle)
+    processes.append(worker)
+    wait_ready(worker)
+    child = psutil.Process(worker.pid).children()[0].pid
+    stranger = os.getpid()
+    reading = card_reading({child: 3 * 2**30, stranger: 5 * 2**30})
+    sample = Sampler(worker.pid, gpus=(0,)).sample(cards=reading)
+    assert [(c.index, c.held_bytes, c.used_bytes) for c in sample.cards] == [
+        (0, 3 * 2**30, 8 * 2**30)
+    ]
+    assert sample.gpu_bytes == 3 * 2**30 and sample.gpu_percent == 40.0
+
+
+def test_a_claim_without_cards_or_without_a_card_reading_says_nothing_of_cards(processes):
+    worker = start(_HOLD.format(mib=10))
+    processes.append(worker)
+    wait_ready(worker)
+    reading = card_reading({worker.pid: 2**30})
+    assert Sampler(worker.pid).sample(cards=reading).gpu_bytes is None
+    assert Sampler(worker.pid, gpus=(0,)).sample(cards=None).gpu_bytes is None
+    readings = Readings()
+    readings.add(Sampler(worker.pid).sample())
+    assert readings.peak_gpu_bytes is None
+
+
+def test_readings_keep_the_peak_card_memory(processes):
+    worker = start(_HOLD.format(mib=10))
+    processes.append(worker)
+    wait_ready(worker)
+    sampler, readings = Sampler(worker.pid, gpus=(0,)), Readings()
+    for held in (2**30, 3 * 2**30, 2**29):
+        readings.add(sampler.sample(cards=card_reading({worker.pid: held})))
+    assert readings.peak_gpu_bytes == 3 * 2**30
+    assert readings.latest.gpu_bytes == 2**29

@@ -623,3 +623,48 @@ def test_a_peer_that_goes_away_between_frames_raises_channel_closed():
     theirs.close()
     with pytest.raises(ChannelClosed, match="between frames"):
         Channel(ours).receive()
+
+
+# -----------------------------------------------------------------------------
+# A card memory budget, handed to torch
+# -----------------------------------------------------------------------------
+
+#: torch's own calls the worker makes, and nothing else: this machine has no card.
+_STAND_IN_TORCH_CUDA = """
+calls = []
+_initialised = False
+
+def is_initialized():
+    return _initialised
+
+def init():
+    global _initialised
+    _initialised = True
+
+def device_count():
+    return 2
+
+def set_per_process_memory_fraction(fraction, device=None):
+    if not _initialised:
+        raise RuntimeError("set_per_process_memory_fraction initialises CUDA")
+    calls.append((fraction, device))
+"""
+
+
+def test_torch_is_held_to_the_card_budget_once_it_uses_a_card_and_not_before(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("from . import cuda\n")
+    (tmp_path / "torch" / "cuda.py").write_text(_STAND_IN_TORCH_CUDA)
+    env = {**os.environ, "FLUKSIO_GPU_MEMORY_FRACTION": "0.250"}
+    with Worker(env) as started:
+        imported = cell(f"""
+            import sys
+            sys.path.insert(0, {str(tmp_path)!r})
+            import torch
+        """)
+        started.run(imported)
+        before = started.run("import torch\ncalls = list(torch.cuda.calls)", outputs=["calls"])
+        started.run("import torch\ntorch.cuda.init()")
+        after = started.run("import torch\ncalls = list(torch.cuda.calls)", outputs=["calls"])
+    assert before.outputs["calls"] == []
+    assert after.outputs["calls"][:2] == [(0.25, 0), (0.25, 1)]

@@ -123,6 +123,13 @@ class RayClaim(ClaimLifecycle):
                 "CUDA_VISIBLE_DEVICES is Ray's to set on a cluster: it names the cards Ray "
                 "granted. Ask for cards with gpus=N instead."
             )
+        if wanted.gpu_ram is not None:
+            # Refused rather than taken and not held: a budget nobody reads is a
+            # number on the screen that says something untrue.
+            raise BadClaim(
+                "gpu_ram= is held on this machine's cards only, not yet on a Ray "
+                "cluster's: drop gpu_ram= here, or run the claim without --on/on="
+            )
         super().__init__(wanted, label="claim on ray", view=view, show_after=show_after)
         #: The variables the task's worker was started with; before a task, the planned ones.
         self.env = ray_env(self.wanted)
