@@ -38,7 +38,6 @@ from typing import Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
-from fluksio_nb.overview import describe_claim_gpu
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, describe_gpu
 
@@ -182,7 +181,8 @@ def machine_facts(
             "started": None,
             "reading": None,
             "peak_rss_bytes": None,
-            "gpu": describe_claim_gpu(claim.get("gpu"), allocation["gpus"]),
+            # As the snapshot says it (overview.with_cards), or "" where unread.
+            "gpu": (claim.get("gpu") or {}).get("text", ""),
         }
         status = statuses.get(claim["ticket"]) if entry["mine"] else None
         if status is not None:
