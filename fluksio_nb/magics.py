@@ -163,10 +163,9 @@ class ClaimMagics(Magics):
             from fluksio_nb.widget import monitor
 
             return monitor()
-        from fluksio_nb.kernel import accountant
-        from fluksio_nb.overview import describe_monitor, ray_now
+        from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now
 
-        print(describe_monitor(accountant().snapshot(), ray_now()))
+        print(describe_monitor(kernel_snapshot(), ray_now()))
         return None
 
 

@@ -9,17 +9,29 @@ they read the machine here (:func:`read_books`) and say it here
 A reader makes no claims: it reads whichever books are in force as they are,
 marks the reader's own claims, and says what holds claims to their share.
 Ray is looked at only where this kernel has already imported it.
+
+The cards are read here too (:func:`with_cards`), for every view at once:
+each card's utilisation and memory, what each running claim holds of its
+cards, and the **squatters**, card memory held by a process no claim on that
+card sits above. What nobody could read is left out, never shown as zero:
+a snapshot without a card reading has no ``cards`` and no ``gpu`` figures,
+and squatters are named only where the books see every claim (not where
+each kernel keeps its own).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
+from fluksio_nb.gpu_usage import CardsReading, descends_from, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.settings import load_settings
+from fluksio_nb.status import describe_gpu
 
 
 def read_books(books: Books | None = None) -> dict[str, Any]:
@@ -61,7 +73,157 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     snapshot["enforcement"] = enforcement_in_force(
         settings, sorted(core_ids), snapshot["cpus"]["total"]
     )
+    # Kernel-only books show no claims: nobody here can say whose memory is whose.
+    return with_cards(snapshot, every_claim_known=books.mode != "kernel")
+
+
+def kernel_snapshot() -> dict[str, Any]:
+    """The kernel's own books as ``%claims`` shows them, with the cards.
+
+    This kernel's running claims carry their own readings where the books
+    keep none (kernel-only books): their peak card memory is known here.
+    """
+    from fluksio_nb.kernel import accountant
+    from fluksio_nb.queue import ClaimQueue
+    from fluksio_nb.status import running_statuses
+
+    queue = accountant()
+    snapshot = queue.snapshot()
+    statuses = running_statuses()
+    for claim in snapshot["running"]:
+        status = statuses.get(claim["ticket"])
+        if claim.get("readings") or status is None or claim.get("pid") != os.getpid():
+            continue
+        readings = status.readings
+        latest = readings.latest
+        claim["readings"] = {
+            "gpu_bytes": None if latest is None else latest.gpu_bytes,
+            "peak_gpu_bytes": readings.peak_gpu_bytes,
+            "gpu_percent": None if latest is None else latest.gpu_percent,
+        }
+    # A kernel's own queue sees no other kernel's claims: it names no squatters.
+    return with_cards(snapshot, every_claim_known=not isinstance(queue, ClaimQueue))
+
+
+_UNREAD = object()
+
+
+def with_cards(
+    snapshot: dict[str, Any],
+    reading: CardsReading | object | None = _UNREAD,
+    *,
+    every_claim_known: bool = True,
+) -> dict[str, Any]:
+    """The snapshot with what the cards are doing, for every view: the one place it is worked out.
+
+    Adds ``cards_source`` (``"nvml"``, ``"nvidia-smi"``, or ``None`` when
+    nothing read the cards), ``cards`` (each card's utilisation and memory,
+    and which claims hold it), ``squatters`` (one entry per process holding
+    card memory with no claim on that card above it; ``None`` where that
+    cannot be known: no reading, or books that do not see every claim), and
+    to each running claim ``gpu``: what it holds on each of its cards, and
+    its peak, or ``None`` for a claim without cards or where nothing says.
+    Each card and each claim's ``gpu`` has its ``text``, as every view says it.
+
+    A claim's processes are found below its owner's pid: its workers are
+    the kernel's children. ``reading`` is the cards as read; by default this
+    process's reader's (:func:`~fluksio_nb.gpu_usage.kernel_cards`), at most
+    every two seconds whoever asks.
+    """
+    if reading is _UNREAD:
+        reading = kernel_cards().read()
+    assert reading is None or isinstance(reading, CardsReading)
+    running = snapshot.get("running", [])
+    holders: dict[int, list[int]] = {}
+    tickets: dict[int, list[int]] = {}
+    for claim in running:
+        for card in claim["allocation"]["gpus"]:
+            if claim.get("pid") is not None:
+                holders.setdefault(card, []).append(claim["pid"])
+            tickets.setdefault(card, []).append(claim["ticket"])
+        gpu = claim["gpu"] = _claim_gpu(claim, reading)
+        if gpu is not None:
+            gpu["text"] = describe_claim_gpu(gpu, claim["allocation"]["gpus"])
+    snapshot["cards_source"] = None if reading is None else reading.source
+    snapshot["cards"] = (
+        []
+        if reading is None
+        else [
+            {
+                "index": card.index,
+                "uuid": card.uuid,
+                "utilisation_percent": card.utilisation_percent,
+                "used_bytes": card.used_bytes,
+                "total_bytes": card.total_bytes,
+                "tickets": tickets.get(card.index, []),
+            }
+            for card in reading.cards
+        ]
+    )
+    for card in snapshot["cards"]:
+        card["text"] = f"card {card['index']}: {_card_use(card)}"
+    snapshot["squatters"] = (
+        None
+        if reading is None or not every_claim_known
+        else [
+            {
+                "card": found.card,
+                "pid": found.process.pid,
+                "driver_pid": found.process.driver_pid,
+                "user": found.process.user,
+                "used_bytes": found.process.used_bytes,
+                "text": found.describe(),
+            }
+            for found in squatters(reading, holders)
+        ]
+    )
     return snapshot
+
+
+def _claim_gpu(claim: Mapping[str, Any], reading: CardsReading | None) -> dict[str, Any] | None:
+    """What a running claim holds of its cards, as read here, or as its kernel last said."""
+    gpus = claim["allocation"]["gpus"]
+    if not gpus:
+        return None
+    said = claim.get("readings") or {}
+    peak = said.get("peak_gpu_bytes")
+    cards = []
+    if reading is not None and claim.get("pid") is not None:
+        owner = {claim["pid"]}
+        for index in gpus:
+            card = reading.card(index)
+            if card is None:
+                continue
+            held = sum(
+                process.used_bytes or 0
+                for process in card.processes
+                if process.pid is not None and descends_from(process.pid, owner)
+            )
+            cards.append(
+                {
+                    "index": index,
+                    "held_bytes": held,
+                    "utilisation_percent": card.utilisation_percent,
+                    "used_bytes": card.used_bytes,
+                    "total_bytes": card.total_bytes,
+                }
+            )
+    if cards:
+        held_bytes: int | None = sum(card["held_bytes"] for card in cards)
+        percent = _mean([card["utilisation_percent"] for card in cards])
+    else:
+        # Nothing here reads the cards; the claim's own kernel may have.
+        held_bytes, percent = said.get("gpu_bytes"), said.get("gpu_percent")
+    if held_bytes is None and peak is None:
+        return None
+    if held_bytes is not None and peak is not None:
+        peak = max(peak, held_bytes)
+    return {"cards": cards, "held_bytes": held_bytes, "peak_bytes": peak, "percent": percent}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return round(sum(known) / len(known), 1) if known else None
 
 
 def describe_snapshot(snapshot: dict) -> str:
@@ -70,8 +232,9 @@ def describe_snapshot(snapshot: dict) -> str:
     lines = [
         f"cpus  {cpus['free']}/{cpus['total']} free",
         f"gpus  {gpus['free']}/{gpus['total']} free",
-        f"ram   {human(ram['free'])}/{human(ram['total'])} free",
     ]
+    lines += [f"  {card['text']}" for card in snapshot.get("cards") or ()]
+    lines.append(f"ram   {human(ram['free'])}/{human(ram['total'])} free")
     held = snapshot.get("enforcement") or {}
     if held:
         said = " · ".join(f"{name}: {how['label']}" for name, how in held.items())
@@ -83,6 +246,7 @@ def describe_snapshot(snapshot: dict) -> str:
         lines.append(
             f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']}{cores} "
             f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
+            + (f"; {claim['gpu']['text']}" if claim.get("gpu") else "")
         )
     for claim in snapshot.get("waiting", []):
         asked = claim["asked"]
@@ -90,7 +254,40 @@ def describe_snapshot(snapshot: dict) -> str:
             f"waiting  {claim['position']}. #{claim['ticket']} {_whose(claim)}: "
             f"cpus={asked['cpus']} gpus={asked['gpus']} ram={human(asked['ram_bytes'])}"
         )
+    for squatter in snapshot.get("squatters") or ():
+        lines.append(f"squatter {squatter['text']}")
     return "\n".join(lines)
+
+
+def _card_use(card: Mapping[str, Any]) -> str:
+    """A card's utilisation and memory, as far as the driver said."""
+    words = []
+    if card["utilisation_percent"] is not None:
+        words.append(f"{card['utilisation_percent']:.0f}% busy")
+    if card["used_bytes"] is not None:
+        words.append(f"{human(card['used_bytes'])}/{human(card['total_bytes'])} used")
+    return ", ".join(words) or "no figures from the driver"
+
+
+def describe_claim_gpu(gpu: Mapping[str, Any] | None, gpus: list[int]) -> str:
+    """A running claim's ``gpu`` (from :func:`with_cards`) in words, or ``""`` where unread.
+
+    ``GPU 1.2GB on card 0 (38% busy), peak 2.0GB``.
+    """
+    if gpu is None:
+        return ""
+    if gpu["cards"]:
+        cards = [(c["index"], c["held_bytes"], c["utilisation_percent"]) for c in gpu["cards"]]
+        said = describe_gpu(cards)
+    elif gpu["held_bytes"] is not None:
+        busy = "" if gpu["percent"] is None else f" ({gpu['percent']:.0f}% busy)"
+        on = ",".join(map(str, gpus))
+        said = f"GPU {human(gpu['held_bytes'])} on card{'s' if len(gpus) > 1 else ''} {on}{busy}"
+    else:
+        said = ""
+    if gpu["peak_bytes"] is not None:
+        said += f"{', ' if said else 'GPU '}peak {human(gpu['peak_bytes'])}"
+    return said
 
 
 def _whose(claim: dict) -> str:

@@ -3,8 +3,9 @@
 A claimed cell can sit in a queue for minutes, and a cell that shows nothing
 for minutes looks hung. So the cell always says where it is: waiting (for
 what, at which place, behind whom), running (on which share, with the
-worker's memory and CPU), or done (how long it took, the peak memory, and how
-it ended).
+worker's memory and CPU, and the card memory it holds on each of its cards
+and how busy they are, where the cards are read), or done (how long it
+took, the peak memory, and how it ended).
 
 The facts live in :class:`ClaimStatus`, which the code running the claim
 updates. How they are drawn is a :class:`StatusView`: this module's
@@ -26,6 +27,7 @@ import html
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -104,13 +106,40 @@ def describe(status: ClaimStatus) -> str:
                 f", RSS {human(latest.rss_bytes)}{_of_budget(status.budget)}, "
                 f"CPU {latest.cpu_percent:.0f}% of the machine"
             )
+            if latest.cards:
+                cards = [(c.index, c.held_bytes, c.utilisation_percent) for c in latest.cards]
+                gpu_budget = None if status.budget is None else status.budget.gpu_bytes
+                reading += f", {describe_gpu(cards, gpu_budget)}"
         return f"{name}: running on {share}{reading}, {status.elapsed_s:.1f} s"
     summary = (
         f"{name}: {status.ending or 'done'} after {status.elapsed_s:.1f} s on {share}, "
         f"peak RSS {human(status.readings.peak_rss_bytes)}, "
         f"mean CPU {status.readings.mean_cpu_percent:.0f}%"
     )
+    if status.readings.peak_gpu_bytes is not None:
+        # Only a claim whose cards were read has a peak: unknown is not zero.
+        summary += f", peak GPU {human(status.readings.peak_gpu_bytes)}"
     return f"{summary}\n{status.message}" if status.message else summary
+
+
+def describe_gpu(
+    cards: Iterable[tuple[int, int | None, float | None]], of_bytes: int | None = None
+) -> str:
+    """What a claim holds of each of its cards, and how busy each card is, in words.
+
+    ``cards`` is ``(index, held bytes, utilisation percent)`` per card, as
+    read; a figure that was not read is left out, never said as zero. For
+    ``GPU 1.2GB of 4.0GB on card 0 (38% busy), 0B on card 1 (0% busy)``.
+    """
+    of = "" if of_bytes is None else f" of {human(of_bytes)}"
+    words = []
+    for index, held, busy in cards:
+        said = "memory" if held is None else human(held)
+        word = f"{said}{of} on card {index}"
+        if busy is not None:
+            word += f" ({busy:.0f}% busy)"
+        words.append(word)
+    return "GPU " + ", ".join(words)
 
 
 def _share(status: ClaimStatus) -> str:

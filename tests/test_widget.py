@@ -15,10 +15,8 @@ end would receive, and delivering the messages a front end would send.
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
-import types
 from typing import Any
 
 import comm
@@ -34,7 +32,7 @@ from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, describe, running_statuses
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
-from fluksio_nb.widget.facts import Nvml, claim_html, machine_facts, monitor_html
+from fluksio_nb.widget.facts import claim_html, machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
 from tests.waiting import wait_until
 
@@ -479,8 +477,8 @@ def test_the_monitor_says_who_holds_each_card_and_who_waits():
     assert facts["cpus"] == {"total": 4, "free": 2}
     assert facts["ram"] == {"total": 8_000_000_000, "free": 6_000_000_000}
     assert facts["gpus"] == [
-        {"id": 0, "holder": {"ticket": holder.number, "label": HOSTILE}, "nvml": None},
-        {"id": 1, "holder": None, "nvml": None},
+        {"id": 0, "holder": {"ticket": holder.number, "label": HOSTILE}, "card": None},
+        {"id": 1, "holder": None, "card": None},
     ]
     assert [(w["position"], w["label"], w["asked"]) for w in facts["waiting"]] == [
         (1, "big", "cpus=4"),
@@ -514,66 +512,15 @@ def test_a_running_claims_readings_reach_the_monitor(declared_machine, wire):
     assert MachineReader()()["running"] == []
 
 
-class FakeNvmlError(Exception):
-    pass
-
-
-def fake_pynvml(start_fails: bool = False) -> types.ModuleType:
-    """A stand-in for the NVIDIA library, which this machine has no driver for."""
-    lib = types.ModuleType("pynvml")
-    lib.NVMLError = FakeNvmlError
-    lib.shutdowns = 0
-
-    def init():
-        if start_fails:
-            raise FakeNvmlError("Driver Not Loaded")
-
-    def shutdown():
-        lib.shutdowns += 1
-
-    lib.nvmlInit, lib.nvmlShutdown = init, shutdown
-    lib.nvmlDeviceGetHandleByIndex = lambda index: index
-    lib.nvmlDeviceGetMemoryInfo = lambda handle: types.SimpleNamespace(
-        used=1_234_567_890 * (handle + 1), total=16_000_000_000
-    )
-    lib.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=40 + handle)
-    return lib
-
-
-def test_card_memory_and_utilisation_appear_when_nvml_answers(monkeypatch):
-    """With a driver, each card's memory and load must show beside who holds it."""
-    lib = fake_pynvml()
-    monkeypatch.setitem(sys.modules, "pynvml", lib)
-    nvml = Nvml()
-    cards = nvml.read([0, 1])
-    assert cards == {
-        0: {"memory_used": 1_235_000_000, "memory_total": 16_000_000_000, "utilisation": 40},
-        1: {"memory_used": 2_469_000_000, "memory_total": 16_000_000_000, "utilisation": 41},
-    }
-    snapshot = ClaimQueue(ResourceAccountant(cpus=1, gpus=2)).snapshot()
-    facts = machine_facts(snapshot, {}, (1, 1), cards)
-    assert facts["nvml"] and facts["gpus"][1]["nvml"]["utilisation"] == 41
-    nvml.close()
-    assert lib.shutdowns == 1
-
-
-@pytest.mark.parametrize("nvml_module", ["absent", "driver missing"])
-def test_a_machine_without_nvml_shows_cards_without_figures(monkeypatch, nvml_module):
-    """No driver is the common case (and this machine's): it must be quiet, not an error."""
-    lib = None if nvml_module == "absent" else fake_pynvml(start_fails=True)
-    monkeypatch.setitem(sys.modules, "pynvml", lib)
-    assert Nvml().read([0, 1]) is None
-
-
 def test_monitor_is_public_and_its_text_is_the_snapshot(wire, declared_machine):
     """`from fluksio_nb import monitor` is the documented way in; its text is what the CLI says."""
     import fluksio_nb
-    from fluksio_nb.kernel import accountant
+    from fluksio_nb.overview import kernel_snapshot
 
     assert fluksio_nb.monitor is monitor
     widget = monitor()
     data, _ = widget._repr_mimebundle_()
-    assert data["text/plain"] == describe_snapshot(accountant().snapshot())
+    assert data["text/plain"] == describe_snapshot(kernel_snapshot())
     assert WIDGET_VIEW in data
     assert widget.machine["cpus"] == {"total": 4, "free": 4}
     widget.close()

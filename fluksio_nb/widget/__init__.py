@@ -107,6 +107,11 @@ class ClaimWidget(_Widget):
     elapsed_s = t.Float(0.0).tag(sync=True)
     peak_rss_bytes = t.Int(0).tag(sync=True)
     mean_cpu_percent = t.Float(0.0).tag(sync=True)
+    #: The card memory held on each card and how busy each is, in words; ``""``
+    #: for a claim without cards, or whose cards nothing reads.
+    gpu = t.Unicode("").tag(sync=True)
+    #: The most card memory the claim held; ``None`` until a card is read.
+    peak_gpu_bytes = t.Int(None, allow_none=True).tag(sync=True)
     ending = t.Unicode("").tag(sync=True)
     message = t.Unicode("").tag(sync=True)
     #: What holds the claim to its cores and its memory: label, by, why each.
@@ -302,11 +307,10 @@ class MonitorWidget(_Widget):
                 self._watch.unwatch(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from fluksio_nb.kernel import accountant
-        from fluksio_nb.overview import describe_monitor, ray_now
+        from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now
 
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = describe_monitor(accountant().snapshot(), ray_now())
+        text = describe_monitor(kernel_snapshot(), ray_now())
         data["text/plain"] = text
         data["text/html"] = monitor_html(text)
         # Being drawn is what starts the refreshing.

@@ -20,24 +20,26 @@ Decisions made here:
   kernel's** (:func:`fluksio_nb.status.running_statuses`: the latest reading,
   the peak and the budget), and otherwise from whatever the machine-wide
   ledger recorded for it.
+- **The cards come with the snapshot** (:func:`fluksio_nb.overview.with_cards`),
+  read as every other view reads them: NVML or ``nvidia-smi``. A card nobody
+  could read is shown held or free, without figures; a claim's card memory
+  is shown only where it was read, never as zero for unknown.
 - **Text is text.** Labels and messages come from users; the HTML fallbacks
   escape every one of them, and the front end sets them with ``textContent``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import html
 import os
-import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus
+from fluksio_nb.status import ClaimStatus, describe_gpu
 
 #: Points in a claim's sparklines: a minute at one push a second. The monitor
 #: has none: it carries every running claim in each push, and each claim's
@@ -83,11 +85,22 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "elapsed_s": round(status.elapsed_s, 1),
         "peak_rss_bytes": readings.peak_rss_bytes,
         "mean_cpu_percent": readings.mean_cpu_percent,
+        "gpu": gpu_text(status),
+        "peak_gpu_bytes": readings.peak_gpu_bytes,
         "ending": status.ending or "",
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,
     }
+
+
+def gpu_text(status: ClaimStatus) -> str:
+    """The card memory the claim holds on each card and how busy they are; ``""`` unread."""
+    latest = status.readings.latest
+    if latest is None or not latest.cards:
+        return ""
+    cards = [(card.index, card.held_bytes, card.utilisation_percent) for card in latest.cards]
+    return describe_gpu(cards, None if status.budget is None else status.budget.gpu_bytes)
 
 
 def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
@@ -135,14 +148,14 @@ def machine_facts(
     snapshot: Mapping[str, Any],
     statuses: Mapping[int, ClaimStatus],
     host: tuple[int, int],
-    cards: Mapping[int, Mapping[str, int]] | None = None,
     *,
     pid: int | None = None,
     ray: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the monitor shows, from one reading of the books, the host and the cards.
 
-    ``cards`` is what NVML says of each card by index, or ``None`` without NVML.
+    The cards are the snapshot's (:func:`fluksio_nb.overview.with_cards`);
+    a snapshot without them shows each card held or free, with no figures.
     ``ray`` is :func:`fluksio_nb.ray.monitor.ray_snapshot`, or ``None`` when this
     kernel is not connected to Ray, which leaves ``"ray"`` out of the facts.
     """
@@ -168,10 +181,14 @@ def machine_facts(
             "started": None,
             "reading": None,
             "peak_rss_bytes": None,
+            # As the snapshot says it (overview.with_cards), or "" where unread.
+            "gpu": (claim.get("gpu") or {}).get("text", ""),
         }
         status = statuses.get(claim["ticket"]) if entry["mine"] else None
         if status is not None:
             _add_own_readings(entry, status, now_wall, now_mono)
+            # Its own reading of its own tree, with its card budget: as its cell says.
+            entry["gpu"] = gpu_text(status) or entry["gpu"]
         elif claim.get("readings"):
             reading = claim["readings"]
             entry["reading"] = {
@@ -196,20 +213,21 @@ def machine_facts(
         for claim in snapshot.get("waiting", [])
     ]
 
+    read = {card["index"]: card for card in snapshot.get("cards") or ()}
     gpus = [
-        {
-            "id": card,
-            "holder": holder_of.get(card),
-            "nvml": None if cards is None else cards.get(card),
-        }
+        {"id": card, "holder": holder_of.get(card), "card": _card_figures(read.get(card))}
         for card in card_ids(snapshot)
     ]
+    squatting = snapshot.get("squatters")
     total, available = host
     facts = {
         "cpus": {"total": snapshot["cpus"]["total"], "free": snapshot["cpus"]["free"]},
         "ram": {"total": snapshot["ram_bytes"]["total"], "free": snapshot["ram_bytes"]["free"]},
         "gpus": gpus,
-        "nvml": cards is not None,
+        "cards_source": snapshot.get("cards_source"),
+        #: Card memory no claim on that card sits above, one line each; ``None``
+        #: where nobody can tell (no reading, or books that see one kernel only).
+        "squatters": None if squatting is None else [found["text"] for found in squatting],
         "host": {
             "total": total,
             "available": available,
@@ -246,6 +264,18 @@ def ray_facts(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _card_figures(card: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A card's memory (to the megabyte, so that drift is no news) and utilisation."""
+    if card is None:
+        return None
+    used = card["used_bytes"]
+    return {
+        "used_bytes": None if used is None else round(used, -6),
+        "total_bytes": card["total_bytes"],
+        "utilisation_percent": card["utilisation_percent"],
+    }
+
+
 def _add_own_readings(
     entry: dict[str, Any], status: ClaimStatus, now_wall: float, now_mono: float
 ) -> None:
@@ -274,72 +304,6 @@ def monitor_html(text: str) -> str:
         '<pre class="fluksio-monitor-text" style="font-size:12px;line-height:1.4">'
         f"{html.escape(text)}</pre>"
     )
-
-
-# -----------------------------------------------------------------------------
-# The cards, when NVML is there to ask
-# -----------------------------------------------------------------------------
-
-
-class Nvml:
-    """Each card's memory and utilisation, or nothing when NVML cannot be used.
-
-    NVML is initialised on the first read and shut down by :meth:`close`, so
-    it is held only while a monitor is being refreshed. A failed start is
-    remembered until :meth:`close`, so a machine without a driver pays for
-    the attempt once, not on every read.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lib: Any = None
-        self._tried = False
-
-    def read(self, ids: Iterable[int]) -> dict[int, dict[str, int]] | None:
-        """Memory used and total (bytes, to the megabyte) and utilisation (%) per card."""
-        with self._lock:
-            lib = self._open()
-            if lib is None:
-                return None
-            cards = {}
-            for index in ids:
-                try:
-                    handle = lib.nvmlDeviceGetHandleByIndex(index)
-                    memory = lib.nvmlDeviceGetMemoryInfo(handle)
-                    busy = lib.nvmlDeviceGetUtilizationRates(handle)
-                except lib.NVMLError:
-                    # A card NVML will not describe (lost, or not numbered as the
-                    # books number it) is shown as held or free, without figures.
-                    continue
-                cards[index] = {
-                    "memory_used": round(int(memory.used), -6),
-                    "memory_total": int(memory.total),
-                    "utilisation": int(busy.gpu),
-                }
-            return cards
-
-    def _open(self) -> Any:
-        if self._lib is not None or self._tried:
-            return self._lib
-        self._tried = True
-        try:
-            import pynvml
-        except ImportError:
-            return None
-        try:
-            pynvml.nvmlInit()
-        except (pynvml.NVMLError, OSError):
-            # No driver, or a library that does not match it: no figures, no error.
-            return None
-        self._lib = pynvml
-        return pynvml
-
-    def close(self) -> None:
-        with self._lock:
-            lib, self._lib, self._tried = self._lib, None, False
-            if lib is not None:
-                with contextlib.suppress(lib.NVMLError):
-                    lib.nvmlShutdown()
 
 
 def _label(claim: Mapping[str, Any]) -> str:

@@ -30,7 +30,7 @@ import time
 from typing import Any, Protocol
 
 from fluksio_nb.watch import ensure_running
-from fluksio_nb.widget.facts import HOST_MEMORY_STEP, Nvml, card_ids, machine_facts
+from fluksio_nb.widget.facts import HOST_MEMORY_STEP, machine_facts
 
 log = logging.getLogger(__name__)
 
@@ -105,26 +105,23 @@ class MachineReader:
     """
 
     def __init__(self) -> None:
-        self.nvml = Nvml()
         self._available: int | None = None
 
     def __call__(self) -> dict[str, Any]:
-        from fluksio_nb.kernel import accountant
-        from fluksio_nb.overview import ray_now
+        from fluksio_nb.overview import kernel_snapshot, ray_now
         from fluksio_nb.status import running_statuses
 
-        snapshot = accountant().snapshot()
+        # The cards come with it, read by the kernel's one reader of the cards.
+        snapshot = kernel_snapshot()
         statuses = running_statuses()
         total, available = _host_memory(statuses)
         last = self._available
         if last is None or abs(available - last) >= total * HOST_MEMORY_STEP:
             self._available = last = available
-        cards = self.nvml.read(card_ids(snapshot))
-        return machine_facts(snapshot, statuses, (total, last), cards, ray=ray_now())
+        return machine_facts(snapshot, statuses, (total, last), ray=ray_now())
 
     def close(self) -> None:
-        """Let go of NVML until the next read."""
-        self.nvml.close()
+        """Nothing is held between reads: the kernel's reader of the cards is shared."""
 
 
 def _host_memory(statuses: dict[int, Any]) -> tuple[int, int]:

@@ -237,6 +237,8 @@ const CLAIM_TRAITS = [
   "elapsed_s",
   "peak_rss_bytes",
   "mean_cpu_percent",
+  "gpu",
+  "peak_gpu_bytes",
   "ending",
   "message",
   "enforcement",
@@ -324,6 +326,10 @@ function renderClaim(model, el) {
             sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
           ),
         );
+        // Only where its cards were read: an unread card is not an idle one.
+        if (model.get("gpu")) {
+          body.push(put(h("div", "fluksio-row"), field("gpu", null, model.get("gpu"))));
+        }
         body.push(enforcementRow(model.get("enforcement"), true));
       } else {
         head.append(h("span", "fluksio-clock", duration(model.get("elapsed_s"))));
@@ -337,6 +343,13 @@ function renderClaim(model, el) {
             field("peak-rss", peak, human(peak)),
             " · mean CPU ",
             field("mean-cpu", model.get("mean_cpu_percent"), percent(model.get("mean_cpu_percent"))),
+            model.get("peak_gpu_bytes") !== null && model.get("peak_gpu_bytes") !== undefined
+              ? put(
+                  h("span"),
+                  " · peak GPU ",
+                  field("peak-gpu", model.get("peak_gpu_bytes"), human(model.get("peak_gpu_bytes"))),
+                )
+              : null,
           ),
         );
         if (model.get("share")) {
@@ -532,13 +545,17 @@ function renderMonitor(model, el) {
           ? put(h("span", "fluksio-holder"), "held by ", h("span", "fluksio-label", who(card.holder)))
           : h("span", "fluksio-free", "free"),
       );
-      if (card.nvml) {
-        const used = card.nvml.memory_used;
-        const total = card.nvml.memory_total;
+      if (card.card) {
+        const used = card.card.used_bytes;
+        const total = card.card.total_bytes;
+        const busy = card.card.utilisation_percent;
+        const said = [];
+        if (used !== null) said.push(`${human(used)} of ${human(total)}`);
+        if (busy !== null) said.push(`${percent(busy)} busy`);
         put(
           cell,
-          bar(total ? used / total : 0, budgetState(total ? used / total : 0)),
-          h("span", "fluksio-muted", `${human(used)} of ${human(total)} · ${card.nvml.utilisation}% busy`),
+          used !== null && total ? bar(used / total, budgetState(used / total)) : null,
+          h("span", "fluksio-muted", said.join(" · ")),
         );
       }
       put(rows, h("span", "fluksio-name", `GPU ${card.id}`), cell, h("span"));
@@ -600,6 +617,7 @@ function renderMonitor(model, el) {
       } else {
         item.append(h("div", "fluksio-muted", "no readings yet"));
       }
+      if (c.gpu) item.append(put(h("div", "fluksio-row"), field("gpu", null, c.gpu)));
       runningList.append(item);
     }
 
@@ -622,6 +640,13 @@ function renderMonitor(model, el) {
       waitingList.append(item);
     }
 
+    // Card memory no claim on that card sits above: only where that can be known.
+    let squatters = null;
+    if (m.squatters && m.squatters.length) {
+      squatters = listOf("squatters", "Card memory held with no claim", m.squatters.length, "");
+      for (const text of m.squatters) squatters.append(h("div", "fluksio-item fluksio-squatter", text));
+    }
+
     // Through put(), which skips an absent section: replaceChildren itself
     // would draw a null as the text "null".
     root.replaceChildren();
@@ -632,6 +657,7 @@ function renderMonitor(model, el) {
       enforcementRow(m.enforcement, true),
       runningList,
       waitingList,
+      squatters,
       m.ray ? rayCluster(m.ray, kernelNow) : null,
     );
   };

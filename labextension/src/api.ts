@@ -19,6 +19,54 @@ export interface Readings {
   cpu_percent: number;
   processes: number;
   at: number;
+  /** Card memory the claim held on all its cards; null where no card was read. */
+  gpu_bytes?: number | null;
+  peak_gpu_bytes?: number | null;
+  gpu_percent?: number | null;
+}
+
+/** One of a claim's cards as the server read it: what the claim holds of it, and the card. */
+export interface ClaimCard {
+  index: number;
+  held_bytes: number;
+  utilisation_percent: number | null;
+  used_bytes: number | null;
+  total_bytes: number | null;
+}
+
+/** What a running claim holds of its cards; absent (null) where nothing read them. */
+export interface ClaimGpu {
+  cards: ClaimCard[];
+  held_bytes: number | null;
+  peak_bytes: number | null;
+  percent: number | null;
+  /** As every view says it: `GPU 1.2GB on card 0 (38% busy), peak 2.0GB`. */
+  text: string;
+}
+
+/** A card as read by the server: NVML or nvidia-smi. */
+export interface Card {
+  index: number;
+  uuid: string;
+  utilisation_percent: number | null;
+  used_bytes: number | null;
+  total_bytes: number | null;
+  /** The running claims holding it. */
+  tickets: number[];
+  /** `card 0: 38% busy, 2.0GB/16.0GB used`. */
+  text: string;
+}
+
+/** Card memory held by a process with no claim on that card above it. */
+export interface Squatter {
+  card: number;
+  /** Null when the process is outside this machine's view (another container). */
+  pid: number | null;
+  driver_pid: number;
+  user: string | null;
+  used_bytes: number | null;
+  /** `card 1: 3.2GB held by pid 4242 (bob), no claim`. */
+  text: string;
 }
 
 interface Claim {
@@ -42,6 +90,7 @@ interface Claim {
 export interface RunningClaim extends Claim {
   allocation: { cpus: number; gpus: number[]; ram_bytes: number; cores?: number[] };
   readings: Readings | null;
+  gpu?: ClaimGpu | null;
 }
 
 export interface WaitingClaim extends Claim {
@@ -60,6 +109,12 @@ export interface Snapshot {
   user: string;
   /** What holds claims to each resource: the OS (affinity, a cgroup) or less. */
   enforcement?: Record<string, Enforcement>;
+  /** `nvml`, `nvidia-smi`, or null when nothing read the cards. */
+  cards_source?: string | null;
+  /** Every card as read; empty when nothing read them. */
+  cards?: Card[];
+  /** Null where it cannot be known: no card reading, or books that see one kernel only. */
+  squatters?: Squatter[] | null;
 }
 
 export interface Enforcement {

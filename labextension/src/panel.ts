@@ -11,7 +11,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { RunningClaim, WaitingClaim, cancelClaim } from './api';
+import { Card, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { cpuList, human, plural } from './format';
 import { MachineModel } from './model';
 
@@ -106,7 +106,7 @@ class ClaimRow {
     this._where.classList.toggle('fluksio-lab-openable', claim.path !== null);
 
     if (this.state === 'running') {
-      const { allocation, readings } = claim as RunningClaim;
+      const { allocation, readings, gpu } = claim as RunningClaim;
       const cards = allocation.gpus.length
         ? ` · GPU ${allocation.gpus.join(',')}`
         : '';
@@ -116,9 +116,11 @@ class ClaimRow {
       this._share.textContent =
         `${plural(allocation.cpus, 'CPU')}${cores}${cards}` +
         (allocation.ram_bytes ? ` · ${human(allocation.ram_bytes)}` : '');
+      // Card figures only where the cards were read: unknown is not zero.
+      const cardsSaid = gpu ? ` · ${gpu.text}` : '';
       this._readings.textContent = readings
-        ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%`
-        : 'no readings yet';
+        ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%${cardsSaid}`
+        : `no readings yet${cardsSaid}`;
       this._readings.title = readings
         ? `peak RSS ${human(readings.peak_rss_bytes)}; CPU is the share of the whole ` +
           `machine, ${plural(readings.processes, 'process', 'processes')}`
@@ -208,6 +210,8 @@ export class MachinePanel extends Widget {
     this._gpus = new Bar(body, 'GPU');
     this._ram = new Bar(body, 'RAM');
     this._enforcement = element('div', 'fluksio-lab-enforcement', body);
+    this._cards = element('ul', 'fluksio-lab-cards', body);
+    this._squatters = element('div', 'fluksio-lab-squatters', body);
     this._running = new ClaimList(body, 'Running', 'running', this);
     this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
     _model.changed.connect(() => this._show());
@@ -269,6 +273,32 @@ export class MachinePanel extends Widget {
     }
     this._running.show(snapshot.running);
     this._waiting.show(snapshot.waiting);
+    this._showCards(snapshot.cards ?? [], snapshot.squatters ?? []);
+  }
+
+  /** Each card's utilisation and memory, and card memory held with no claim. */
+  private _showCards(cards: Card[], squatters: Squatter[]): void {
+    this._cards.replaceChildren(
+      ...cards.map(card => {
+        const line = element('li', 'fluksio-lab-card');
+        line.dataset.card = String(card.index);
+        line.textContent = card.text;
+        return line;
+      })
+    );
+    this._cards.hidden = cards.length === 0;
+    this._squatters.replaceChildren();
+    this._squatters.hidden = squatters.length === 0;
+    if (squatters.length) {
+      element('h3', 'fluksio-lab-heading', this._squatters).textContent =
+        `Card memory with no claim (${squatters.length})`;
+      const list = element('ul', 'fluksio-lab-list', this._squatters);
+      for (const squatter of squatters) {
+        const line = element('li', 'fluksio-lab-squatter', list);
+        line.dataset.card = String(squatter.card);
+        line.textContent = squatter.text;
+      }
+    }
   }
 
   private _message: HTMLElement;
@@ -277,6 +307,8 @@ export class MachinePanel extends Widget {
   private _gpus: Bar;
   private _ram: Bar;
   private _enforcement: HTMLElement;
+  private _cards: HTMLElement;
+  private _squatters: HTMLElement;
   private _running: ClaimList;
   private _waiting: ClaimList;
 }

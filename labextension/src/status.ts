@@ -2,7 +2,8 @@
  * The status-bar item: how much of the machine is in use, at a glance.
  *
  * `CPU 6/14 · GPU 1/2 · 2 waiting` is used/total. Cards are left out on a
- * machine without any, and the queue when nobody waits.
+ * machine without any, and the queue when nobody waits. Card memory held
+ * with no claim on its card adds `1 squatter`; its hover says whose.
  */
 import { Widget } from '@lumino/widgets';
 
@@ -19,7 +20,25 @@ export function describeUse(snapshot: Snapshot): string {
   if (snapshot.waiting.length > 0) {
     parts.push(`${snapshot.waiting.length} waiting`);
   }
+  const squatters = snapshot.squatters ?? [];
+  if (squatters.length > 0) {
+    parts.push(plural(squatters.length, 'squatter'));
+  }
   return parts.join(' · ');
+}
+
+/** The cards and the squatters, one line each, for the item's hover. */
+export function describeCards(snapshot: Snapshot): string {
+  const lines = (snapshot.cards ?? []).map(card => card.text);
+  for (const squatter of snapshot.squatters ?? []) {
+    lines.push(squatter.text);
+  }
+  for (const claim of snapshot.running) {
+    if (claim.mine && claim.gpu) {
+      lines.push(`${claim.label ?? `#${claim.ticket}`}: ${claim.gpu.text}`);
+    }
+  }
+  return lines.join('\n');
 }
 
 export class MachineStatus extends Widget {
@@ -52,6 +71,10 @@ export class MachineStatus extends Widget {
           ? 'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel): claims are not visible here'
           : `${plural(snapshot.running.length, 'claim')} running, ` +
             `${snapshot.waiting.length} waiting. Click to see them.`;
+      const cards = describeCards(snapshot);
+      if (cards) {
+        this.node.title += `\n${cards}`;
+      }
     }
   }
 }
