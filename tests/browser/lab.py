@@ -101,7 +101,7 @@ class JupyterLab:
     def __init__(
         self,
         home: Path,
-        inventory: dict[str, str] | None = None,
+        inventory: dict[str, str | None] | None = None,
         app: str = "jupyter-lab",
         **env: str,
     ) -> None:
@@ -133,7 +133,7 @@ class JupyterLab:
         # A workspace of its own, so tabs another test left open are not restored here.
         return self.url(f"lab/workspaces/{Path(name).stem}/tree/{name}")
 
-    def _environment(self, extra: dict[str, str]) -> dict[str, str]:
+    def _environment(self, extra: dict[str, str | None]) -> dict[str, str]:
         dirs = {
             name: self.home / name
             for name in ("config", "data", "runtime", "settings", "workspaces", "ipython", "ledger")
@@ -171,7 +171,7 @@ class JupyterLab:
             for key, value in os.environ.items()
             if not key.startswith(("JUPYTER", "FLUKSIO_", "IPYTHON"))
         }
-        return {
+        every = {
             **environ,
             "JUPYTER_CONFIG_DIR": str(dirs["config"]),
             "JUPYTER_DATA_DIR": str(dirs["data"]),
@@ -182,6 +182,9 @@ class JupyterLab:
             "PYTHONUNBUFFERED": "1",
             **extra,
         }
+        # A None in ``extra`` takes a variable away: a server that must detect
+        # its cards is started without the FLUKSIO_GPUS that declares them.
+        return {key: value for key, value in every.items() if value is not None}
 
     def start(self, timeout: float = 60) -> JupyterLab:
         argv = [
