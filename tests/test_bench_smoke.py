@@ -1,14 +1,17 @@
-"""The benchmarks still run: every section, at a toy size.
+"""The benchmarks still run: every section, at a toy size; the card check, against stand-ins.
 
 Benchmarks are run by hand, so nothing else would notice one that broke. The
 numbers here mean nothing and are not looked at; that the table is whole is.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.gpu_standins import StandInNvml, StandInSmi, card
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,3 +39,35 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
     assert "%%claim, warm worker" in report
     assert "freed share reaches a waiter in another process" in report
     assert "| 1 ms |" in report  # the hop after its shortest idle gap
+
+
+def run_the_card_check(**env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_card_check_says_there_is_no_card_where_there_is_none(tmp_path):
+    ran = run_the_card_check(PATH=str(tmp_path))  # no nvidia-smi on it
+    assert ran.returncode == 0, ran.stderr
+    assert "There is no card to check here (no NVIDIA driver" in ran.stdout
+
+
+def test_the_card_check_sets_what_it_reads_beside_what_nvidia_smi_prints(tmp_path):
+    """Against stand-ins: the tables are whole, and each process is in them."""
+    smi = StandInSmi(tmp_path / "smi", [card(0, utilisation=37, used_mib=1500), card(1)])
+    apps = [{"uuid": smi.cards[0]["uuid"], "pid": os.getpid(), "used_mib": 1234}]
+    smi.set_apps(apps)
+    nvml = StandInNvml(tmp_path / "nvml", smi.cards, apps)
+    ran = run_the_card_check(**smi.env(), **nvml.env())
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "| fluksio_nb (nvml) | fluksio_nb (nvidia-smi) | nvidia-smi |" in ran.stdout
+    assert "| utilisation | 37% | 37% | 37% |" in ran.stdout
+    assert f"pid {os.getpid()} (" in ran.stdout
+    assert "| 1,234 MiB | 1,234 MiB | 1,234 MiB |" in ran.stdout
+    assert "card 1  " in ran.stdout

@@ -1,0 +1,262 @@
+"""A real NVIDIA card, for the checks that need one: what is missing, an allocation, nvidia-smi.
+
+Used by ``tests/test_gpu_real.py`` and ``bench/gpu_check.py``. Nothing here
+imports torch, cupy or pynvml into the process that asks: whether they are
+installed is looked up, and the card memory is allocated in a process of its
+own (:func:`holding`), the way a claim's work holds it.
+
+nvidia-smi's output is parsed here on its own, not with fluksio_nb's parser:
+the point is to compare fluksio_nb's reading with what the driver's own tool
+prints, and a shared parser would agree with itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fluksio_nb.gpu_usage import CardReader, _NvidiaSmi, _Nvml
+from fluksio_nb.gpus import detect_gpus
+
+MIB = 1 << 20
+
+#: What the allocating process holds on its card, beyond its CUDA context.
+ALLOCATE_MIB = 256
+
+#: Run as ``python -c ALLOCATE <MiB> <torch|cupy>``, with CUDA_VISIBLE_DEVICES
+#: naming one card: allocates that much on it, writes to all of it, says
+#: ``READY`` and holds it until its stdin closes; or says ``CANNOT <why>``.
+ALLOCATE = r"""
+import sys
+mib, framework = int(sys.argv[1]), sys.argv[2]
+try:
+    if framework == "torch":
+        import torch
+        if not torch.cuda.is_available():
+            print("CANNOT torch sees no card (a CPU-only build?)", flush=True)
+            sys.exit(3)
+        block = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+        block.fill_(1)
+        torch.cuda.synchronize()
+    else:
+        import cupy
+        block = cupy.empty(mib << 20, dtype=cupy.uint8)
+        block.fill(1)
+        cupy.cuda.Device().synchronize()
+except Exception as error:
+    print(f"CANNOT {framework}: {type(error).__name__}: {error}".replace("\n", " "), flush=True)
+    sys.exit(3)
+print("READY", flush=True)
+sys.stdin.read()
+"""
+
+
+def frameworks() -> list[str]:
+    """Which of torch and cupy are installed, to allocate card memory with."""
+    return [name for name in ("torch", "cupy") if importlib.util.find_spec(name) is not None]
+
+
+def first_card() -> int | str:
+    """The index of the first card this process may use, or why there is none.
+
+    That is the first card NVML or ``nvidia-smi -L`` lists, narrowed by a
+    ``CUDA_VISIBLE_DEVICES`` set on this process, as a kernel's would be.
+    """
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "no NVIDIA driver: nvidia-smi is not on PATH"
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"nvidia-smi at {smi} cannot be run: {error}"
+    if listed.returncode != 0 or "GPU " not in listed.stdout:
+        said = (listed.stderr or listed.stdout).strip().splitlines()
+        return f"nvidia-smi at {smi} lists no card: {said[0] if said else 'nothing printed'}"
+    cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not cards:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"none of the cards is visible to this process (CUDA_VISIBLE_DEVICES={visible})"
+    return cards[0].index
+
+
+def missing() -> str | None:
+    """What is missing here for a check on a real card, all of it; ``None`` if nothing is."""
+    reasons = []
+    card = first_card()
+    if isinstance(card, str):
+        reasons.append(card)
+    if not frameworks():
+        reasons.append(
+            "neither torch nor cupy is installed to allocate card memory with "
+            "(pip install torch, or cupy-cuda12x)"
+        )
+    return "; ".join(reasons) or None
+
+
+# -- nvidia-smi's word -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SmiCard:
+    index: int
+    uuid: str
+    utilisation_percent: float | None
+    used_mib: float | None
+    total_mib: float | None
+    name: str
+
+
+@dataclass(frozen=True)
+class SmiApp:
+    gpu_uuid: str
+    pid: int
+    used_mib: float | None
+    name: str
+
+
+@dataclass(frozen=True)
+class SmiQuery:
+    cards: list[SmiCard]
+    apps: list[SmiApp]
+    #: The two queries and what nvidia-smi printed for each, as it printed it.
+    printed: str
+
+    def card(self, index: int) -> SmiCard | None:
+        return next((card for card in self.cards if card.index == index), None)
+
+    def apps_on(self, uuid: str) -> list[SmiApp]:
+        return [app for app in self.apps if app.gpu_uuid == uuid]
+
+    def app(self, pid: int) -> list[SmiApp]:
+        return [app for app in self.apps if app.pid == pid]
+
+
+GPU_QUERY = "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total,name"
+APPS_QUERY = "--query-compute-apps=gpu_uuid,pid,used_memory,process_name"
+
+
+def _figure(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None  # [N/A], [Not Supported]
+
+
+def smi_query(smi: str | None = None) -> SmiQuery:
+    """``nvidia-smi --query-gpu`` and ``--query-compute-apps``, in MiB and percent."""
+    smi = smi or shutil.which("nvidia-smi") or "nvidia-smi"
+    printed, rows = [], {}
+    for query in (GPU_QUERY, APPS_QUERY):
+        command = [smi, query, "--format=csv,noheader,nounits"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=True)
+        printed.append(f"$ nvidia-smi {query} --format=csv,noheader,nounits\n{out.stdout}")
+        rows[query] = [line for line in out.stdout.splitlines() if line.strip()]
+    cards = []
+    for line in rows[GPU_QUERY]:
+        index, uuid, busy, used, total, name = (f.strip() for f in line.split(",", 5))
+        cards.append(SmiCard(int(index), uuid, _figure(busy), _figure(used), _figure(total), name))
+    apps = []
+    for line in rows[APPS_QUERY]:
+        uuid, pid, used, name = (f.strip() for f in line.split(",", 3))
+        apps.append(SmiApp(uuid, int(pid), _figure(used), name))
+    return SmiQuery(cards, apps, "\n".join(printed))
+
+
+# -- fluksio_nb's word -----------------------------------------------------------
+
+
+def readers() -> dict[str, Callable[[], CardReader]]:
+    """A fresh reader for each source fluksio_nb could read the cards with here.
+
+    Both where both are there, not only the one a kernel would pick (NVML),
+    so that each is checked against nvidia-smi.
+    """
+    found: dict[str, Callable[[], CardReader]] = {}
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:
+            pass
+        else:
+            pynvml.nvmlShutdown()
+            found["nvml"] = lambda: CardReader(interval_s=0, opener=lambda: _Nvml(pynvml))
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        found["nvidia-smi"] = lambda: CardReader(interval_s=0, opener=lambda: _NvidiaSmi(smi))
+    return found
+
+
+# -- something on the card to compare --------------------------------------------
+
+
+class CannotAllocate(RuntimeError):
+    """The framework could not put memory on the card (no CUDA build, driver mismatch...)."""
+
+
+@contextmanager
+def holding(
+    framework: str,
+    card: int | None = None,
+    mib: int = ALLOCATE_MIB,
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    timeout_s: float = 45.0,
+) -> Iterator[subprocess.Popen]:
+    """A process holding ``mib`` MiB on a card while inside, allocated with ``framework``.
+
+    The card is ``card``, a physical index, or whichever card the process's
+    environment names: ``popen`` may be a claim's, whose environment names
+    the card the claim was granted.
+    """
+    env = None
+    if card is not None:
+        env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(card)}
+    process = popen(
+        [sys.executable, "-c", ALLOCATE, str(mib), framework],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        said = _first_line(process, timeout_s)
+        if said != "READY":
+            raise CannotAllocate(said.removeprefix("CANNOT ") or "the allocating process ended")
+        yield process
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _first_line(process: subprocess.Popen, timeout_s: float) -> str:
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    if not ready:
+        return f"CANNOT nothing said in {timeout_s:g} s"
+    return process.stdout.readline().strip()
+
+
+def wait_for(check: Callable[[], object], timeout_s: float = 15.0, every_s: float = 0.25):
+    """``check()`` once it is truthy, or its last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(every_s)
