@@ -23,8 +23,8 @@ in the same run and alternated in rounds:
   while every card's figures move, so that every pass over the cards is news.
   Both are the tests' stand-ins (``tests/gpu_standins.py``), card or no card
   (the figures in ``results.md`` come from a machine with none), and each
-  pass over the cards is timed in the watch thread (``time.thread_time``),
-  with the CPU of the processes it ran.
+  pass over the cards is timed in the thread that runs it
+  (``time.thread_time``), with the CPU of the processes it ran.
 
 Costs are the difference from the baseline, as a percentage of one core,
 taken from each configuration's least disturbed window: on a shared machine
@@ -114,10 +114,11 @@ def _bench_stop():
 """
 
 #: The kernel's reader of the cards, swapped for one that reads with the stand-in
-#: asked for and counts its passes, their CPU in the watch thread (from the start
+#: asked for and counts its passes, their CPU in the thread running each (from the start
 #: of a pass to its reading, pids matched to processes), the part of it spent in
 #: the source's read (running nvidia-smi and parsing what it printed, or the NVML
 #: calls), and the CPU of the processes a pass ran (nvidia-smi's), not the kernel's.
+#: A pass runs in a thread of its own, so its thread_time is the pass's alone.
 CARDS = """
 import importlib.util, os, resource, sys, time
 from fluksio_nb.gpu_usage import CardReader, _Nvml, _NvidiaSmi
@@ -130,11 +131,11 @@ def _bench_children_cpu():
 class _BenchCards(CardReader):
     passes, cpu_s, source_s, children_s, wall_s = 0, 0.0, 0.0, 0.0, 0.0
 
-    def _read_now(self, now):
+    def _read_now(self):
         cpu, children = time.thread_time(), _bench_children_cpu()
         wall = time.perf_counter()
         try:
-            return super()._read_now(now)
+            return super()._read_now()
         finally:
             self.passes += 1
             self.cpu_s += time.thread_time() - cpu
@@ -183,9 +184,9 @@ class CardCosts:
     """What the kernel's reader of the cards did over one window."""
 
     passes: int
-    #: CPU of the watch thread in those passes, the part of it in the source's
-    #: reads, the CPU of the processes they ran, and how long they held up the
-    #: watch thread (every claim's reading, and halt, waits for a pass).
+    #: CPU of the thread running those passes, the part of it in the source's
+    #: reads, the CPU of the processes they ran, and how long a pass took (in a
+    #: thread of its own: no claim's reading or halt waits on it).
     cpu_s: float
     source_s: float
     children_s: float
@@ -567,15 +568,15 @@ def main(rounds: int = 3, window_s: float = 10.0, claims: int = 8, only: str | N
             "changed (a `stat` a call), where real NVML asks the driver: each of its calls "
             "costs Python what a call into a library does, the driver's side is not measured. "
             f"Each of the {claims} sampled processes holds 1 GiB on its own card. The kernel's "
-            "reader is swapped for one that times each pass over the cards in the watch "
-            "thread (`time.thread_time`), and the processes a pass runs (`RUSAGE_CHILDREN`): "
+            "reader is swapped for one that times each pass over the cards in the thread "
+            "that runs it (`time.thread_time`), and the processes a pass runs (`RUSAGE_CHILDREN`): "
             "theirs is the stand-in's CPU, not the kernel's and not the real nvidia-smi's "
             "(`python -m bench.gpu_check` measures that on a machine with a card).\n\n"
             + table(
                 [
                     "configuration",
                     "passes over the cards",
-                    "watch thread CPU a pass",
+                    "thread CPU a pass",
                     "of which the source's read",
                     "of a core",
                     "CPU of the processes a pass ran",
@@ -587,9 +588,8 @@ def main(rounds: int = 3, window_s: float = 10.0, claims: int = 8, only: str | N
             + "\n\n"
             + "\n".join(summary)
             + ("\n" if summary else "")
-            + "- the cards are read in the watch thread: a pass's wall time holds up every "
-            "claim's next reading, halt and deadline, and stretches the time between passes "
-            "past 2 s (fewer than 0.5 passes a second)\n"
+            + "- a pass runs in a thread of its own, one at a time: its wall time holds up "
+            "no claim's reading, halt or deadline\n"
         )
     return (
         "### Watching running claims\n\n"

@@ -147,7 +147,9 @@ class _NvidiaSmi:
             [self.path, query, "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
-            timeout=10,
+            # A driver that answers takes milliseconds; one that does not is
+            # given up on, and the next pass tries again.
+            timeout=5,
             check=True,
         ).stdout
         return [
@@ -209,9 +211,14 @@ def _open_source() -> _Nvml | _NvidiaSmi | None:
 class CardReader:
     """The cards, read at most once every ``interval_s``, whoever asks.
 
-    ``read`` is ``None`` when nothing can read the cards, or when reading
-    failed (the driver went away, ``nvidia-smi`` hung): a reading is either
-    the driver's word or absent.
+    A pass runs in a thread of its own, one at a time: ``nvidia-smi`` takes
+    milliseconds when the driver is well and seconds when it is not, and
+    the watch, which halts claims, must never wait on it. :meth:`latest`
+    answers at once with the last pass; :meth:`read` waits for a fresh one.
+
+    A reading is ``None`` when nothing can read the cards, or when the last
+    pass failed (the driver went away, ``nvidia-smi`` hung): a reading is
+    either the driver's word or absent.
     """
 
     def __init__(
@@ -227,7 +234,10 @@ class CardReader:
         self._source: _Nvml | _NvidiaSmi | None = None
         self._opened = False
         self._last: CardsReading | None = None
+        #: When the last pass started (``clock()``), and how many have come back.
         self._last_at: float | None = None
+        self._passes = 0
+        self._pass: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @property
@@ -238,16 +248,44 @@ class CardReader:
             return None if self._source is None else self._source.source
 
     def read(self, max_age_s: float | None = None) -> CardsReading | None:
-        """The latest pass, read anew if it is older than ``max_age_s`` (the interval)."""
+        """The cards as read within ``max_age_s`` (the interval): waits for a pass if due."""
+        return self._get(max_age_s, wait="due")
+
+    def latest(self, *, wait_for_first: bool = True) -> CardsReading | None:
+        """The last pass, at once, starting the next in the background if it is due.
+
+        Until a first pass has come back there is nothing to answer with: a
+        view shown once waits for it (``wait_for_first``), the watch does not.
+        """
+        return self._get(None, wait="first" if wait_for_first else "never")
+
+    def _get(self, max_age_s: float | None, wait: str) -> CardsReading | None:
         age = self.interval_s if max_age_s is None else max_age_s
         with self._lock:
-            now = self._clock()
-            if self._last_at is not None and now - self._last_at < age:
-                return self._last
             self._open()
-            self._last_at = now
-            self._last = None if self._source is None else self._read_now(now)
+            if self._source is None:
+                return None
+            now = self._clock()
+            due = self._last_at is None or now - self._last_at >= age
+            underway = self._pass is not None and self._pass.is_alive()
+            if due and not underway:
+                self._last_at = now
+                self._pass = threading.Thread(
+                    target=self._one_pass, name="fluksio-cards", daemon=True
+                )
+                self._pass.start()
+            running = self._pass
+            first = self._passes == 0
+        if running is not None and ((wait == "due" and due) or (wait != "never" and first)):
+            running.join()
+        with self._lock:
             return self._last
+
+    def _one_pass(self) -> None:
+        reading = self._read_now()
+        with self._lock:
+            self._last = reading
+            self._passes += 1
 
     def _open(self) -> None:
         if not self._opened:
@@ -259,7 +297,7 @@ class CardReader:
                 # to read with: the cell goes on, and no card is made up.
                 self._source = None
 
-    def _read_now(self, now: float) -> CardsReading | None:
+    def _read_now(self) -> CardsReading | None:
         source = self._source
         assert source is not None
         try:

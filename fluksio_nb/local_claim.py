@@ -305,7 +305,8 @@ class Claim(ClaimLifecycle):
             if not self.status.readings.count:
                 # Over before the first reading was due: one now, so that how
                 # it went still says what the worker held.
-                cards = kernel_cards().read() if watched.sampler.gpus else None
+                reader = kernel_cards()
+                cards = reader.latest(wait_for_first=False) if watched.sampler.gpus else None
                 last = watched.sampler.sample(cards=cards)
                 if last is not None:
                     self.status.readings.add(last)

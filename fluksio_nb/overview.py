@@ -131,7 +131,7 @@ def with_cards(
     every two seconds whoever asks.
     """
     if reading is _UNREAD:
-        reading = kernel_cards().read()
+        reading = kernel_cards().latest()
     assert reading is None or isinstance(reading, CardsReading)
     running = snapshot.get("running", [])
     holders: dict[int, list[int]] = {}

@@ -186,7 +186,7 @@ class _CardsOnce:
     def __call__(self) -> CardsReading | None:
         if not self._read:
             self._read = True
-            self._reading = self._reader.read()
+            self._reading = self._reader.latest(wait_for_first=False)
         return self._reading
 
 

@@ -147,6 +147,12 @@ class StandInSmi(_Cards):
         self._extra.pop("fail", None)
         self._save()
 
+    def hang_until(self, released: os.PathLike[str] | str) -> None:
+        """From now on every run waits, as with a driver that stopped answering, until
+        ``released`` exists."""
+        self._extra["hang_until"] = str(released)
+        self._save()
+
     def calls(self) -> list[list[str]]:
         """The arguments of every run so far, in order."""
         return [json.loads(line) for line in _read_lines(self.calls_file)]

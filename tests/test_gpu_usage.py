@@ -229,6 +229,28 @@ def test_a_failing_nvidia_smi_gives_no_reading_and_the_next_pass_reads_again(smi
     assert reading is not None and reading.card(0).utilisation_percent == 55.0
 
 
+def test_a_hung_nvidia_smi_holds_up_nobody_who_asks_for_the_latest_and_runs_once_at_a_time(
+    smi, clock, tmp_path
+):
+    """Guards the watch: it halts claims, and must never wait on a driver that stopped answering."""
+    released = tmp_path / "driver-answers"
+    reader = CardReader(interval_s=2.0, clock=clock)
+    assert reader.read() is not None
+    smi.set_cards([card(0, utilisation=70), CARD_1])
+    smi.hang_until(released)
+    clock.now += 2.0
+    runs = len(smi.calls())
+    assert reader.latest(wait_for_first=False).card(0).utilisation_percent == 0.0
+    assert wait_until(lambda: len(smi.calls()) == runs + 1), "the next pass did not start"
+    clock.now += 4.0
+    for _ in range(3):
+        assert reader.latest().card(0).utilisation_percent == 0.0, "the last pass, at once"
+    assert len(smi.calls()) == runs + 1, "a second pass started while one hangs"
+
+    released.touch()
+    assert wait_until(lambda: reader.latest().card(0).utilisation_percent == 70.0)
+
+
 # -- NVML ---------------------------------------------------------------------------
 
 _READER = """
