@@ -8,14 +8,18 @@ memory, once for all the kernel's claims, and says whose each process is.
 What it decides:
 
 - **NVML first, then ``nvidia-smi``, then nothing.** NVML (``nvidia-ml-py``,
-  the ``[gpu]`` extra) answers in microseconds and stays initialised for the
-  kernel's life. ``nvidia-smi`` is two runs of a program, milliseconds each.
+  a dependency) answers in microseconds and stays initialised for the
+  kernel's life. ``nvidia-smi`` is two runs of a program, tens of milliseconds of CPU
+  each: the fallback where the driver's library cannot be loaded.
   With neither there is no reading at all, never a card reported idle.
 - **Cards are read at most every** :data:`GPU_INTERVAL_S`, not at the
   sampler's half second: the two ``nvidia-smi`` runs every half second
   would be a few percent of a core for a figure that moves slowly. Card
   memory past ``gpu_ram=`` is halted up to that much later; the frameworks'
   own caps, set from the same budget, act at once.
+- **Nobody waits on the driver.** A pass runs in a thread of its own, one
+  at a time, and whoever asks is answered with the last one: a driver that
+  stopped answering must not stop the watch from halting claims.
 - **A process is matched by any of its pids.** The driver names a process
   by one pid, which inside a container may be another namespace's. Each
   local process's ``NSpid`` (``/proc/<pid>/status``) lists its pid in every

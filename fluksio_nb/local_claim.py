@@ -206,8 +206,9 @@ class Claim(ClaimLifecycle):
             asked = ticket.resources.gpu_ram.human_readable(decimal=True)
             raise BadClaim(
                 f"{self.status.label} asks for gpu_ram={asked}, "
-                "and nothing here reads the cards' memory to hold it to that: install the "
-                "[gpu] extra (nvidia-ml-py), or put nvidia-smi on PATH, or drop gpu_ram="
+                "and nothing here reads the cards' memory to hold it to that: NVML's "
+                "library (libnvidia-ml, with the driver) could not be loaded and nvidia-smi "
+                "is not on PATH. Drop gpu_ram=, or run where the driver is installed"
             )
         return {
             card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
