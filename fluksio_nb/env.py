@@ -32,7 +32,7 @@ would silently replace what the author put there. They travel in the claim's
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.resources import Resources
@@ -81,12 +81,23 @@ def derive_env(
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
     if allocation.gpus:
         env.update(GPU_MEMORY_VARS)
-        sizes = [(card_bytes or {}).get(index) for index in allocation.gpus]
-        if wanted.gpu_ram_bytes is not None and all(sizes):
-            fraction = f"{min(1.0, wanted.gpu_ram_bytes / min(sizes)):.3f}"  # type: ignore[type-var]
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env[GPU_FRACTION_VAR] = fraction
+        env.update(card_memory_share(wanted.gpu_ram_bytes, allocation.gpus, card_bytes))
     env.update(wanted.env)
     return env
+
+
+def card_memory_share(
+    gpu_ram_bytes: int | None, cards: Iterable[int], card_bytes: Mapping[int, int] | None
+) -> dict[str, str]:
+    """JAX's and torch's cap for a claim's ``gpu_ram=``: a share of the smallest of its cards.
+
+    Nothing where there is no budget, or a card's size is not known.
+    """
+    sizes = [(card_bytes or {}).get(index) for index in cards]
+    if gpu_ram_bytes is None or not sizes or not all(sizes):
+        return {}
+    fraction = f"{min(1.0, gpu_ram_bytes / min(sizes)):.3f}"  # type: ignore[type-var]
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
 
 
 def worker_environ(

@@ -157,8 +157,3 @@ def test_a_card_memory_budget_nothing_can_read_is_refused_and_the_share_given_ba
     with refused, claim(gpus=1, gpu_ram="1G"):
         pass
     assert accountant().snapshot()["running"] == []
-
-
-def test_a_card_memory_budget_on_ray_is_refused_before_anything_connects():
-    with pytest.raises(BadClaim, match="gpu_ram= is held on this machine's cards only"):
-        claim(gpus=1, gpu_ram="1G", on="ray")

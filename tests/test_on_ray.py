@@ -649,3 +649,64 @@ def test_the_snapshot_is_none_where_ray_is_not_connected():
     assert ray_snapshot() is None
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+# -----------------------------------------------------------------------------
+# A card memory budget, held on the node
+# -----------------------------------------------------------------------------
+
+
+def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(tmp_path):
+    """The node reads its cards (a stand-in nvidia-smi on the PATH its workers inherit),
+    hands JAX and torch their share of the card, and halts the cell past gpu_ram=."""
+    import json
+
+    from tests.gpu_standins import StandInSmi, card
+
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
+    cards = StandInSmi(tmp_path / "smi", [card(0), card(1)])
+    state = tempfile.mkdtemp(prefix="fluksio-ray-")
+    try:
+        with started_kernel(
+            tmp_path / "kernel",
+            RAY_TMPDIR=state,
+            RAY_AUTH_TOKEN=secrets.token_hex(16),
+            RAY_USAGE_STATS_ENABLED="0",
+            **cards.env(),
+        ) as kernel:
+            kernel.run(
+                "import ray\n"
+                f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
+                "log_to_driver=False)",
+                check=True,
+            )
+            msg_id = kernel.client.execute(
+                "%%claim gpus=1 gpu_ram=2G --on ray\n"
+                "import json, os, time\n"
+                "print(json.dumps({'pid': os.getpid(), "
+                "'card': int(os.environ['CUDA_VISIBLE_DEVICES']), "
+                "'share': os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'), "
+                "'torch': os.environ.get('FLUKSIO_GPU_MEMORY_FRACTION')}), flush=True)\n"
+                "time.sleep(120)"
+            )
+            said = kernel.messages_of(msg_id, until=printed("}"), timeout=120).stdout
+            worker = json.loads(said[said.index("{") :])
+            share = f"{2 * 10**9 / (40960 * 2**20):.3f}"
+            assert (worker["share"], worker["torch"]) == (share, share)
+
+            held = cards.cards[worker["card"]]
+            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 3000}])
+            error = kernel.messages_of(msg_id, timeout=60).error
+            assert error["ename"] == "ClaimHalted", error
+            assert f"on card {worker['card']}" in error["evalue"], error["evalue"]
+            assert "over its card memory budget of 2.0GB a card" in error["evalue"]
+            assert gone(worker["pid"])
+            kernel.run("ray.shutdown()", timeout=60)
+    finally:
+        deadline = time.monotonic() + 15
+        while _processes_using(state) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for straggler in _processes_using(state):
+            straggler.kill()
+        shutil.rmtree(state, ignore_errors=True)

@@ -123,13 +123,6 @@ class RayClaim(ClaimLifecycle):
                 "CUDA_VISIBLE_DEVICES is Ray's to set on a cluster: it names the cards Ray "
                 "granted. Ask for cards with gpus=N instead."
             )
-        if wanted.gpu_ram is not None:
-            # Refused rather than taken and not held: a budget nobody reads is a
-            # number on the screen that says something untrue.
-            raise BadClaim(
-                "gpu_ram= is held on this machine's cards only, not yet on a Ray "
-                "cluster's: drop gpu_ram= here, or run the claim without --on/on="
-            )
         super().__init__(wanted, label="claim on ray", view=view, show_after=show_after)
         #: The variables the task's worker was started with; before a task, the planned ones.
         self.env = ray_env(self.wanted)
@@ -296,6 +289,7 @@ class RayClaim(ClaimLifecycle):
             code=code,
             outputs=None if outputs is None else list(outputs),
             ram_bytes=self.wanted.ram_bytes or None,
+            gpu_ram_bytes=self.wanted.gpu_ram_bytes,
             through_client=through_client,
             if_changed=list(if_changed),
             random_state=random_state,
@@ -345,7 +339,8 @@ class RayClaim(ClaimLifecycle):
             stop_task(ray, running)
             raise
         except ray.exceptions.RayTaskError as error:
-            if isinstance(getattr(error, "cause", None), ElsewhereThanTheKernel):
+            # Said by fluksio_nb itself on the node, not by the cell: shown as itself.
+            if isinstance(getattr(error, "cause", None), ElsewhereThanTheKernel | BadClaim):
                 raise error.cause from None
             raise _remote_error(error) from None
         except ray.exceptions.TaskCancelledError:

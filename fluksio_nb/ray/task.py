@@ -122,6 +122,8 @@ class TaskCell:
     code: str
     outputs: list[str] | None
     ram_bytes: int | None
+    #: Card memory each card may hold (``gpu_ram=``), held on the node as here.
+    gpu_ram_bytes: int | None
     through_client: bool
     #: Inputs that come back too if the cell changed them in place.
     if_changed: list[str]

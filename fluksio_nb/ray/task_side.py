@@ -32,8 +32,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fluksio_nb import transfer
-from fluksio_nb.budget import HaltDecision
-from fluksio_nb.env import THREAD_VARS
+from fluksio_nb.budget import HaltDecision, human
+from fluksio_nb.env import THREAD_VARS, card_memory_share
+from fluksio_nb.errors import BadClaim
+from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.ray.connection import ElsewhereThanTheKernel, Machine, _machine_of
 from fluksio_nb.ray.mailbox import Sampled, Started, _Outbox, _OutboxSink, _Sender
 from fluksio_nb.ray.task import TaskCell
@@ -129,9 +131,10 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
     try:
         parcel = cell.parcel if here else _inputs_as_parcel(cell.names, inputs)
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
-        derived = _worker_env(gpus)
+        cards = tuple(int(gpu) for gpu in gpus if gpu.isdigit())
+        derived = {**_worker_env(gpus), **_card_budget_env(cell, cards)}
         # As a local claim's, from this node's memory as the cell starts.
-        budget = budget_here(cell.ram_bytes)
+        budget = budget_here(cell.ram_bytes, gpu_bytes=cell.gpu_ram_bytes)
         pool = kernel_pool()
         worker = pool.checkout(derived)
         halted: list[HaltDecision] = []
@@ -143,7 +146,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
 
         watched = kernel_watch().add(
             Watched(
-                sampler=Sampler(worker.pid),
+                sampler=Sampler(worker.pid, gpus=cards),
                 budget=budget,
                 on_sample=lambda sample: outbox.put(Sampled(sample)),
                 on_halt=halt,
@@ -227,6 +230,24 @@ def _worker_env(gpus: list[str]) -> dict[str, str]:
     # otherwise open a context on card 0, which another task holds.
     derived["CUDA_VISIBLE_DEVICES"] = derived.get("CUDA_VISIBLE_DEVICES", "") if gpus else ""
     return derived
+
+
+def _card_budget_env(cell: TaskCell, cards: tuple[int, ...]) -> dict[str, str]:
+    """JAX's and torch's caps for ``gpu_ram=``, from this node's cards, as a local claim's.
+
+    Refused where this node cannot read its cards: nothing would hold the budget.
+    """
+    if cell.gpu_ram_bytes is None or not cards:
+        return {}
+    reading = kernel_cards().read()
+    if reading is None:
+        raise BadClaim(
+            f"gpu_ram={human(cell.gpu_ram_bytes)} cannot be held on this Ray node: nothing "
+            "there reads the cards' memory (NVML's library could not be loaded and "
+            "nvidia-smi is not on its PATH). Drop gpu_ram=, or run on a node with the driver."
+        )
+    sizes = {card.index: card.total_bytes for card in reading.cards if card.total_bytes}
+    return card_memory_share(cell.gpu_ram_bytes, cards, sizes)
 
 
 def _task_result(
