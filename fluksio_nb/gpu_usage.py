@@ -105,8 +105,13 @@ class _Nvml:
         nvml = self.nvml
         cards = []
         for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = nvml.nvmlDeviceGetUUID(handle)
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = nvml.nvmlDeviceGetUUID(handle)
+            except nvml.NVMLError:
+                # Lost, or walled off from this process (NoPermission): left
+                # out, and every other card read as usual.
+                continue
             try:
                 busy = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except nvml.NVMLError:

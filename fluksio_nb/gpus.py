@@ -45,16 +45,23 @@ def gpus_from_nvml() -> list[Gpu] | None:
     try:
         cards = []
         for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                name = pynvml.nvmlDeviceGetName(handle)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+            except pynvml.NVMLError:
+                # Lost, or walled off from this process: not a card to hand out.
+                continue
+            try:
+                memory: int | None = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            except pynvml.NVMLError:
+                memory = None  # unified memory (the GB10): a card all the same
             cards.append(
                 Gpu(
                     index=index,
                     name=name.decode() if isinstance(name, bytes) else name,
                     uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
-                    memory_bytes=int(memory),
+                    memory_bytes=memory,
                 )
             )
         return cards

@@ -406,6 +406,38 @@ def test_a_card_that_cannot_say_its_memory_still_shows_who_holds_it(tmp_path, sp
     assert {key: card_in(reading, 0)[key] for key in expected} == expected
 
 
+def test_a_card_nvml_cannot_describe_is_left_out_and_every_other_card_is_read(tmp_path, spawn):
+    """A lost card (GpuIsLost), or one a cgroup walls off (NoPermission), is one card:
+    the readings and the books keep every other, and a card that cannot say its
+    size (unified memory) is still a card to hand out."""
+    holder = sleeper(spawn)
+    lost = card(0, nvml_errors={"nvmlDeviceGetHandleByIndex": "GpuIsLost"})
+    spark = card(1, name="NVIDIA GB10", utilisation=12, used_mib=None, total_mib=None)
+    apps = [{"uuid": spark["uuid"], "pid": holder, "used_mib": 700}]
+    nvml = StandInNvml(tmp_path / "nvml", [lost, spark], apps)
+    env = nvml_env(nvml, str(tmp_path / "empty-bin"))
+
+    reading = ReaderProcess(spawn, env).read()
+    assert [c["index"] for c in reading["cards"]] == [1]
+    assert card_in(reading, 1)["processes"] == [dataclasses.asdict(holding(holder, 700))]
+
+    detected = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json\n"
+            "from fluksio_nb.gpus import detect_gpus\n"
+            "cards, source = detect_gpus()\n"
+            "print(json.dumps([source, [[c.index, c.memory_bytes] for c in cards]]))",
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(detected.stdout) == ["nvml", [[1, None]]]
+
+
 @pytest.mark.parametrize(
     "pynvml",
     ["not installed", "installed, no driver library", "installed, driver not loaded"],
