@@ -483,6 +483,7 @@ class Claim(ClaimLifecycle):
                     ended_at=time.time(),
                     ending=ending,
                     peak_rss_bytes=self.status.readings.peak_rss_bytes,
+                    peak_gpu_bytes=self.status.readings.peak_gpu_bytes,
                 )
             )
         except Exception as error:

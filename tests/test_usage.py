@@ -58,6 +58,7 @@ def record(
     notebook: str | None = None,
     ending: str = "ok",
     peak_rss_bytes: int = 0,
+    peak_gpu_bytes: int | None = None,
 ) -> UsageRecord:
     ended_at = time.time() if ended_at is None else ended_at
     granted_at = ended_at - ran_s
@@ -71,6 +72,7 @@ def record(
         ended_at=ended_at,
         ending=ending,
         peak_rss_bytes=peak_rss_bytes,
+        peak_gpu_bytes=peak_gpu_bytes,
     )
 
 
@@ -298,6 +300,24 @@ def test_bad_lines_are_skipped_and_links_and_pipes_are_not_followed(tmp_path):
     text = describe_usage(summarise(rows), 0, not_plain=2, bad_lines=5)
     assert "2 entries named like records are not a plain file" in text
     assert "5 lines that are not a usage record" in text
+
+
+def test_peak_card_memory_is_the_largest_any_claim_held_and_unread_is_not_zero(tmp_path):
+    log = UsageLog(tmp_path / "records", create=True)
+    log.write(record(gpus=(0,), notebook="a.ipynb", peak_gpu_bytes=3 * 10**9))
+    log.write(record(gpus=(1,), notebook="a.ipynb", peak_gpu_bytes=5 * 10**9))
+    log.write(record(gpus=(0,), notebook="a.ipynb"))
+    log.write(record(notebook="b.ipynb"))
+    rows = summarise(read_usage(tmp_path / "records"))
+    assert {row["notebook"]: row["peak_gpu_bytes"] for row in rows} == {
+        "a.ipynb": 5 * 10**9,
+        "b.ipynb": None,
+    }
+    header, first, second, *_ = describe_usage(rows).splitlines()
+    assert "PEAK RSS  PEAK GPU" in header
+    # USER NOTEBOOK CLAIMS CORE-H CARD-H, then the two peaks.
+    assert first.split()[5:7] == ["0B", "5.0GB"]
+    assert second.split()[5:7] == ["0B", "-"]
 
 
 def test_a_missing_directory_has_no_records():

@@ -44,6 +44,9 @@ class UsageRecord(BaseModel):
     ended_at: FiniteFloat
     ending: str
     peak_rss_bytes: NonNegativeInt = 0
+    #: The most card memory its processes held, on all its cards; ``None`` where
+    #: the cards were not read (or it had none), which is not zero.
+    peak_gpu_bytes: NonNegativeInt | None = None
 
     # Never below zero: the wall clock may be stepped back between two readings.
     @property

@@ -8,8 +8,8 @@ terminal, and makes no claims of its own.
 What it decides:
 
 - **One row per user and notebook**, with a total for each user who used
-  several notebooks. Times and hours add up; peak memory is the largest any
-  one claim reached.
+  several notebooks. Times and hours add up; peak memory, and peak card
+  memory, is the largest any one claim reached.
 - **What could not be read is said**, not silently left out: other users'
   files, entries that are not plain files, and lines that are not records.
 - **By default, the user's own records and the machine's**: their own
@@ -45,6 +45,7 @@ def _totals(**keys: Any) -> dict[str, Any]:
         "core_hours": 0.0,
         "card_hours": 0.0,
         "peak_rss_bytes": 0,
+        "peak_gpu_bytes": None,
         "waited_s": 0.0,
         "ran_s": 0.0,
         "endings": {},
@@ -56,6 +57,8 @@ def _add(into: dict[str, Any], part: dict[str, Any]) -> None:
     for name in ("core_hours", "card_hours", "waited_s", "ran_s"):
         into[name] += part[name]
     into["peak_rss_bytes"] = max(into["peak_rss_bytes"], part["peak_rss_bytes"])
+    if part["peak_gpu_bytes"] is not None:
+        into["peak_gpu_bytes"] = max(into["peak_gpu_bytes"] or 0, part["peak_gpu_bytes"])
     for ending, count in part["endings"].items():
         into["endings"][ending] = into["endings"].get(ending, 0) + count
 
@@ -66,6 +69,7 @@ def _one(record: UsageRecord) -> dict[str, Any]:
         "core_hours": record.core_hours,
         "card_hours": record.card_hours,
         "peak_rss_bytes": record.peak_rss_bytes,
+        "peak_gpu_bytes": record.peak_gpu_bytes,
         "waited_s": record.waited_s,
         "ran_s": record.ran_s,
         "endings": {record.ending: 1},
@@ -75,7 +79,8 @@ def _one(record: UsageRecord) -> dict[str, Any]:
 def summarise(rows: Iterable[tuple[str, UsageRecord]]) -> list[dict[str, Any]]:
     """One row per user and notebook: claims, core- and card-hours, peak memory, time waited.
 
-    Peak memory is the largest any one claim reached; times and hours add up.
+    Peak memory (and peak card memory) is the largest any one claim reached;
+    times and hours add up. A row whose cards nobody read has no card peak.
     """
     groups: dict[tuple[str, str | None], dict[str, Any]] = {}
     for user, record in rows:
@@ -141,6 +146,7 @@ def describe_usage(
             "CORE-H",
             "CARD-H",
             "PEAK RSS",
+            "PEAK GPU",
             "WAITED",
             "RAN",
             "ENDINGS",
@@ -156,8 +162,8 @@ def describe_usage(
         for cells in table:
             # Names left, numbers right, how the claims ended last, as it is ragged.
             text = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1])]
-            text += [cell.rjust(width) for cell, width in zip(cells[2:8], widths[2:8], strict=True)]
-            lines.append("  ".join(text + cells[8:]).rstrip())
+            text += [cell.rjust(width) for cell, width in zip(cells[2:9], widths[2:9], strict=True)]
+            lines.append("  ".join(text + cells[9:]).rstrip())
     else:
         lines.append("No claims recorded.")
     if skipped:
@@ -189,6 +195,7 @@ def _cells(row: dict[str, Any], user: str, notebook: str) -> list[str]:
         f"{row['core_hours']:.2f}",
         f"{row['card_hours']:.2f}",
         human(row["peak_rss_bytes"]),
+        human(row["peak_gpu_bytes"]),
         _span(row["waited_s"]),
         _span(row["ran_s"]),
         _endings(row["endings"]),
