@@ -682,7 +682,7 @@ def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(t
                 check=True,
             )
             msg_id = kernel.client.execute(
-                "%%claim gpus=1 gpu_ram=2G --on ray\n"
+                "%%claim gpus=1 gpu_ram=2G --on ray --background --label trainer\n"
                 "import json, os, time\n"
                 "print(json.dumps({'pid': os.getpid(), "
                 "'card': int(os.environ['CUDA_VISIBLE_DEVICES']), "
@@ -690,17 +690,40 @@ def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(t
                 "'torch': os.environ.get('FLUKSIO_GPU_MEMORY_FRACTION')}), flush=True)\n"
                 "time.sleep(120)"
             )
-            said = kernel.messages_of(msg_id, until=printed("}"), timeout=120).stdout
+            said = kernel.messages_of(
+                msg_id, until=printed("}"), timeout=120, past_idle=True
+            ).stdout
+            kernel.run("job = _", check=True)
             worker = json.loads(said[said.index("{") :])
             share = f"{2 * 10**9 / (40960 * 2**20):.3f}"
             assert (worker["share"], worker["torch"]) == (share, share)
 
+            # The node reads the card memory of the cell's worker; the monitor says so.
             held = cards.cards[worker["card"]]
+            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 1000}])
+            shown = f"GPU 1.0GB of 2.0GB on card {worker['card']}"
+            monitor = kernel.run(
+                "import time\n"
+                "from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now\n"
+                "deadline = time.monotonic() + 60\n"
+                "said = lambda: describe_monitor(kernel_snapshot(), ray_now())\n"
+                f"while {shown!r} not in (text := said()):\n"
+                "    assert time.monotonic() < deadline, text\n"
+                "    time.sleep(0.1)\n"
+                "print(text)",
+                check=True,
+            ).stdout
+            assert "ray running  trainer:" in monitor, monitor
+
+            # Over its gpu_ram=: halted on the node, in the one paragraph.
             cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 3000}])
-            error = kernel.messages_of(msg_id, timeout=60).error
-            assert error["ename"] == "ClaimHalted", error
-            assert f"on card {worker['card']}" in error["evalue"], error["evalue"]
-            assert "over its card memory budget of 2.0GB a card" in error["evalue"]
+            halted = kernel.run(
+                "try:\n    job.result(60)\nexcept Exception as e:\n    print(type(e).__name__, e)",
+                check=True,
+            ).stdout
+            assert halted.startswith("ClaimHalted"), halted
+            assert f"on card {worker['card']}" in halted, halted
+            assert "over its card memory budget of 2.0GB a card" in halted
             assert gone(worker["pid"])
             kernel.run("ray.shutdown()", timeout=60)
     finally:

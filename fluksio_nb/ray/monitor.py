@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.ray.connection import _alive_nodes, _gcs_address, ray_connection
+from fluksio_nb.status import describe_gpu
 
 if TYPE_CHECKING:
     from fluksio_nb.ray.claim import RayClaim
@@ -77,6 +78,14 @@ def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
         "peak_rss_bytes": status.readings.peak_rss_bytes,
         "cpu_percent": latest.cpu_percent if latest else None,
         "budget_bytes": status.budget.applied_bytes if status.budget else None,
+        # The node's own reading of its cards, where it reads them: unread is not zero.
+        "gpu": describe_gpu(
+            [(c.index, c.held_bytes, c.utilisation_percent) for c in latest.cards],
+            status.budget.gpu_bytes if status.budget else None,
+        )
+        if latest and latest.cards
+        else "",
+        "peak_gpu_bytes": status.readings.peak_gpu_bytes,
         "since": round(now_wall - (now_mono - status.asked_at), 1),
         "started": None if started is None else round(now_wall - (now_mono - started), 1),
     }
@@ -105,5 +114,7 @@ def describe_ray(snapshot: Mapping[str, Any]) -> str:
             line += f", RSS {human(claim['rss_bytes'])}"
             line += f" of {human(budget)}" if budget else ""
             line += f", CPU {claim['cpu_percent']:.0f}%"
+        if claim.get("gpu"):
+            line += f", {claim['gpu']}"
         lines.append(line)
     return "\n".join(lines)
