@@ -10,8 +10,9 @@ so that any module may raise any of them.
 What each one decides is how the user reads it. Subclasses of
 :class:`BadClaim` are input the user can fix: refused before anything waits
 or starts, shown as one line with what to change. :class:`ClaimHalted`,
-:class:`WorkerDied`, :class:`ClaimTimeout` and :class:`ClaimCancelled` are
-whole stories in their message, shown as one paragraph. :class:`RemoteError`
+:class:`WorkerDied`, :class:`ClaimTimeout`, :class:`ClaimCancelled` and
+:class:`NotBroughtBack` are whole stories in their message, shown as one
+paragraph. :class:`RemoteError`
 is the cell's own exception, shown with the worker's traceback.
 """
 
@@ -79,6 +80,14 @@ class ClaimHalted(RuntimeError):
 
 class WorkerDied(RuntimeError):
     """The worker process ended in the middle of the work."""
+
+
+class NotBroughtBack(RuntimeError):
+    """The cell ran, but names it bound could not come back to the kernel.
+
+    Raised after the rest are bound, so that "Run All" stops here rather
+    than at a later cell that reads a name that is not there.
+    """
 
 
 class RemoteError(Exception):

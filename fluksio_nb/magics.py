@@ -31,6 +31,7 @@ from fluksio_nb.errors import (
     ClaimHalted,
     ClaimTimeout,
     Interrupted,
+    NotBroughtBack,
     RemoteError,
     WorkerDied,
 )
@@ -49,7 +50,7 @@ from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
-PLAIN_ERRORS = (ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim)
+PLAIN_ERRORS = (ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim, NotBroughtBack)
 
 
 class ForegroundOutput(CellOutput):
@@ -124,7 +125,16 @@ class ClaimMagics(Magics):
         )
         with self._keeping_what_came_back(deleted):
             outcome = job.run()
-        self._bring_back(outcome, deleted, by_hand=by_hand)
+        missing = self._bring_back(outcome, deleted, by_hand=by_hand)
+        if missing:
+            # After the rest are bound, and as the cell's error: "Run All"
+            # stops here, not at a later cell that reads a name not there.
+            said = "; ".join(f"{name} ({why})" for name, why in sorted(missing.items()))
+            raise NotBroughtBack(
+                f"the cell ran, but {'this name' if len(missing) == 1 else 'these names'} "
+                f"did not come back to the kernel: {said}. Everything else it bound is "
+                "in the kernel."
+            )
         return None
 
     @contextlib.contextmanager
@@ -139,22 +149,25 @@ class ClaimMagics(Magics):
         except RemoteError as error:
             if error.outcome is not None:
                 self._bring_back(error.outcome, deleted, by_hand=False)
+                # Beside the cell's own error, which is what is raised.
+                sys.stderr.write(error.outcome.warning(by_hand=False))
             raise
         except Interrupted as stopped:
             if stopped.outcome is not None:
                 self._bring_back(stopped.outcome, deleted, by_hand=False)
+                sys.stderr.write(stopped.outcome.warning(by_hand=False))
             # Shown as the interrupt it is, whatever carried it here.
             raise KeyboardInterrupt from None
 
-    def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> None:
-        """Bind what the cell made, drop what it deleted, and say what did not come back."""
+    def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> dict[str, str]:
+        """Bind what the cell made, drop what it deleted; what did not come back, and why."""
         namespace = self.shell.user_ns
         namespace.update(each_at_home(outcome.outputs, namespace))
         random_streams.restore(outcome.random_state)
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):
             namespace.pop(name, None)
-        sys.stderr.write(outcome.warning(by_hand))
+        return outcome.not_brought_back(by_hand)
 
     @line_magic
     def claims(self, line: str = "") -> Any:

@@ -303,11 +303,25 @@ def test_a_name_bound_only_on_a_branch_not_taken_is_no_warning(kernel):
     assert kernel.facts("[later, 'never' in dir()]") == [2, False]
 
 
-def test_an_out_name_the_cell_never_defined_is_reported_by_name(kernel):
-    """--out is the user's word: a name it promises and the cell lacks is worth saying."""
-    ran = kernel.run("%%claim --out promised,given\ngiven = 1", check=True)
-    assert "promised: the cell did not define it" in ran.stderr
+def test_an_out_name_the_cell_never_defined_fails_the_cell_after_the_rest_are_bound(kernel):
+    """--out is the user's word: a name it promises and the cell lacks stops "Run All"."""
+    ran = kernel.run("%%claim --out promised,given\ngiven = 1")
+    assert ran.status == "error" and ran.error["ename"] == "NotBroughtBack", ran.error
+    assert "promised (the cell did not define it)" in ran.error["evalue"]
     assert kernel.facts("given") == 1
+
+
+def test_a_name_that_cannot_come_back_fails_the_cell_in_one_paragraph_naming_it(kernel):
+    """Guards against a silent half-success: the cell said ok, and the next cell of a
+    "Run All" failed on a name that was never there."""
+    ran = kernel.run("%%claim\nimport threading\nlock = threading.Lock()\nsteps = 3")
+    assert ran.status == "error" and ran.error["ename"] == "NotBroughtBack", ran.error
+    shown = "".join(ran.error["traceback"])
+    assert "this name did not come back to the kernel: lock (" in shown
+    assert "_thread.lock" in shown and "Everything else it bound is in the kernel" in shown
+    assert shown.strip().count("\n") == 0, "one paragraph, no traceback through fluksio_nb"
+    assert kernel.facts("[steps, 'lock' in dir()]") == [3, False]
+    assert_books_balanced(kernel)
 
 
 def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
