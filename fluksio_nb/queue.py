@@ -346,12 +346,15 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             f"({capacity}); ask for less, or drop --strict to be given what there is"
         )
     ram = None if wanted.ram is None else (min(wanted.ram, books.ram_bytes) or None)
+    gpus = min(wanted.gpus, books.gpus)
     shrunk = Resources(
         **{
             **wanted.model_dump(exclude_unset=True),
             "cpus": min(wanted.cpus, books.cpus),
-            "gpus": min(wanted.gpus, books.gpus),
+            "gpus": gpus,
             "ram": ram,
+            # A budget of card memory with no card left to hold it is no budget.
+            "gpu_ram": wanted.gpu_ram if gpus else None,
         }
     )
     warnings.warn(

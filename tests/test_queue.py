@@ -128,6 +128,16 @@ def test_asking_for_more_than_there_is_gets_what_there_is_with_a_warning():
     assert "--strict" in str(warned[0].message)
 
 
+def test_a_card_memory_budget_clamped_to_no_card_goes_with_the_card():
+    q = queue(cpus=2, gpus=0)
+    with pytest.warns(ClampedWarning, match="running with cpus=1 instead"):
+        fitted = q.fit_to_machine(Resources(gpus=1, gpu_ram="8G"))
+    assert (fitted.gpus, fitted.gpu_ram) == (0, None)
+    with pytest.warns(ClampedWarning, match="running with cpus=2 gpus=1 gpu_ram=8.0GB"):
+        keeps = queue(cpus=2, gpus=1).fit_to_machine(Resources(cpus=4, gpus=2, gpu_ram="8G"))
+    assert (keeps.gpus, keeps.gpu_ram_bytes) == (1, 8 * 10**9)
+
+
 def test_a_strict_claim_too_large_is_refused_with_the_capacity():
     q = queue(cpus=2, gpus=1)
     with pytest.raises(ClaimTooLarge, match=r"cpus=2 gpus=1 ram=0B"):
