@@ -78,6 +78,7 @@ class Job:
         self._started = threading.Event()
         self._values: dict[str, object] = {}
         self._error: BaseException | None = None
+        self._shown_by_its_cell = False
 
     @property
     def label(self) -> str:
@@ -165,3 +166,16 @@ class Job:
 
     def __repr__(self) -> str:
         return f"<Job {self.label!r}: {describe(self._claim.status).splitlines()[0]}>"
+
+    def _ipython_display_(self) -> None:
+        """Nothing as the ``Out[n]`` of the cell that started it; the job as it is now after.
+
+        That cell's own status display follows the job to its end, and a repr
+        beside it would say "waiting" for good. ``_`` is still the handle.
+        """
+        if not self._shown_by_its_cell:
+            self._shown_by_its_cell = True
+            return
+        from IPython.display import display
+
+        display({"text/plain": repr(self)}, raw=True)

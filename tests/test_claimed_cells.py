@@ -582,6 +582,18 @@ def test_a_background_claims_output_stays_in_its_own_cell(kernel):
     )
 
 
+def test_a_background_cell_shows_no_stale_out_and_its_handle_says_how_it_is_now(kernel):
+    """Guards against an Out[n] that said "waiting, 0 s so far" for good beside a job that
+    had long ended: the cell's own status display is what follows the job."""
+    started = kernel.run("%%claim --background --label nightly\nx = 1", check=True)
+    assert started.of("execute_result") == [], started.of("execute_result")
+    kernel.run("job = _\njob.result(30)", check=True)
+    shown = kernel.run("job", check=True).of("execute_result", "display_data")
+    assert len(shown) == 1, shown
+    text = shown[0]["content"]["data"]["text/plain"]
+    assert text.startswith("<Job 'nightly': nightly: ok after"), text
+
+
 def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespace(kernel):
     """A job's values arrive through its handle, changed inputs included, never by surprise."""
     kernel.run("tally = [1]\nkept_tally = tally", check=True)
