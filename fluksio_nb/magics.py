@@ -70,6 +70,16 @@ class ClaimMagics(Magics):
 
     @cell_magic
     def claim(self, line: str, cell: str) -> Any:
+        try:
+            return self._claim(line, cell)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            # Stopped while waiting its turn, or between two steps: shown as
+            # one line (_show_claim_error), not through fluksio_nb's frames.
+            raise Interrupted() from None
+
+    def _claim(self, line: str, cell: str) -> Any:
         namespace = self.shell.user_ns
         try:
             parsed = parse_claim_line(line)
@@ -156,8 +166,7 @@ class ClaimMagics(Magics):
             if stopped.outcome is not None:
                 self._bring_back(stopped.outcome, deleted, by_hand=False)
                 sys.stderr.write(stopped.outcome.warning(by_hand=False))
-            # Shown as the interrupt it is, whatever carried it here.
-            raise KeyboardInterrupt from None
+            raise
 
     def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> dict[str, str]:
         """Bind what the cell made, drop what it deleted; what did not come back, and why."""
@@ -222,7 +231,16 @@ def new_view() -> StatusView:
 
 def _show_claim_error(shell, kind, error, traceback, tb_offset=None):
     """Show a claimed cell's failure as the user needs to read it."""
-    if isinstance(error, RemoteError):
+    if isinstance(error, Interrupted):
+        # The interrupt it is, at the user's line where the worker said where;
+        # never through fluksio_nb's frames, which the user did not write.
+        said = error.outcome.error if error.outcome is not None else None
+        if said is not None and said.ename == "KeyboardInterrupt" and said.traceback:
+            stb = list(said.traceback)
+        else:
+            stb = ["\x1b[0;31mKeyboardInterrupt\x1b[0m: the cell was stopped"]
+        shell._showtraceback(KeyboardInterrupt, KeyboardInterrupt(), stb)
+    elif isinstance(error, RemoteError):
         # The cell's own exception name, not ours: the front end shows the
         # error's name, and "ValueError" is what the user raised.
         stb = error.traceback or [str(error)]
@@ -238,7 +256,7 @@ def load_ipython_extension(shell) -> None:
     # hold their memory until the machine reboots.
     transfer.sweep_orphans()
     shell.register_magics(ClaimMagics)
-    shell.set_custom_exc((RemoteError, *PLAIN_ERRORS), _show_claim_error)
+    shell.set_custom_exc((RemoteError, Interrupted, *PLAIN_ERRORS), _show_claim_error)
 
 
 def unload_ipython_extension(shell) -> None:

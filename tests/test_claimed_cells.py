@@ -9,6 +9,7 @@ taken, a process running, or a kernel that no longer answers.
 """
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -385,10 +386,13 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     kernel.messages_of(msg_id, until=printed("\n"))
     started = time.monotonic()
     kernel.interrupt()
-    ename = kernel.error_when_idle(msg_id)
+    error = kernel.messages_of(msg_id).error
     # Far short of the cell's 60 s sleep, with room for a loaded machine.
     assert time.monotonic() - started < 10
-    assert ename == "KeyboardInterrupt"
+    assert error["ename"] == "KeyboardInterrupt"
+    # Where the user's cell was, as the worker says it; none of fluksio_nb's frames.
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
+    assert "----> 3 time.sleep(60)" in shown and "fluksio_nb" not in shown, shown
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"
 
@@ -668,8 +672,10 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
         assert time.monotonic() < deadline, "the claim never joined the queue"
         time.sleep(0.05)
     kernel.interrupt()
-    ename = kernel.error_when_idle(msg_id)
-    assert ename == "KeyboardInterrupt"
+    error = kernel.messages_of(msg_id).error
+    assert error["ename"] == "KeyboardInterrupt"
+    # Stopped before anything of the user's ran: one line, no frames at all.
+    assert len(error["traceback"]) == 1 and "the cell was stopped" in error["traceback"][0]
     books = kernel.books()
     assert [w["label"] for w in books["waiting"]] == []
     kernel.facts("holder.result(30) and 1")
