@@ -97,6 +97,14 @@ def describe(status: ClaimStatus) -> str:
             f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
             f"({status.waited_s:.0f} s so far)"
         )
+    if status.phase == "done" and status.started_at is None:
+        # Cancelled, timed out or stopped in the queue: it held no share and
+        # ran nothing, so no share, memory or CPU is said of it.
+        summary = (
+            f"{name}: {status.ending or 'done'} after waiting {status.waited_s:.1f} s, "
+            "before it got its share"
+        )
+        return f"{summary}\n{status.message}" if status.message else summary
     share = _share(status)
     latest = status.readings.latest
     if status.phase == "running":

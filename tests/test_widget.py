@@ -135,6 +135,16 @@ def done_status(ending: str = "ok", message: str = "", label: str = "fit") -> Cl
 # -----------------------------------------------------------------------------
 
 
+def test_a_claim_that_ended_in_the_queue_says_how_long_it_waited_and_nothing_of_a_share():
+    status = waiting_status("impatient")
+    status.asked_at = time.monotonic() - 17
+    status.phase, status.ending, status.ended_at = "done", "cancelled", time.monotonic()
+    said = describe(status)
+    assert said.startswith("impatient: cancelled after waiting 17."), said
+    assert said.endswith("before it got its share"), said
+    assert "RSS" not in said and "CPU" not in said and "no share" not in said
+
+
 @pytest.mark.parametrize(
     "status",
     [waiting_status(), running_status(), done_status()],
