@@ -369,11 +369,15 @@ def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
 
 
 def test_an_exception_shows_the_workers_traceback(kernel):
+    # The cell after this one: its traceback says its In[n], as the notebook numbers it.
+    number = kernel.facts("get_ipython().execution_count") + 1
     ran = kernel.run("%%claim gpus=1\ndef inner():\n    raise ValueError('boom')\ninner()")
     assert ran.status == "error"
     assert ran.error["ename"] == "ValueError"
     assert "boom" in ran.error["evalue"]
     assert any("inner" in line for line in ran.error["traceback"])
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ran.error["traceback"]))
+    assert f"Cell In[{number}], line 3" in shown, repr(shown)
     assert_books_balanced(kernel)
     assert kernel.facts("1 + 1") == 2
 

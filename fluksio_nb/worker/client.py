@@ -342,6 +342,7 @@ class Worker:
                     environ=self._environ_to_send(),
                     path=list(sys.path),
                     cwd=os.getcwd(),
+                    execution_count=_kernels_execution_count(),
                 )
                 return self._run(cell, request)
             except KeyboardInterrupt:
@@ -648,3 +649,13 @@ class Worker:
         self._selector.close()
         self._channel.close()
         self._process.close()
+
+
+def _kernels_execution_count() -> int | None:
+    """The ``In[n]`` of the cell the kernel runs now, or ``None`` outside a kernel.
+
+    IPython counts a cell up as it ends, so while it runs this is its own number.
+    """
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    count = getattr(shell, "execution_count", None)
+    return count if isinstance(count, int) else None

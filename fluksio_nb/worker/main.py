@@ -218,6 +218,9 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     else:
         try:
             hold_torch_to_the_card_budget()
+            if request.execution_count is not None:
+                # Its traceback then says "Cell In[n]" as the notebook numbers the cell.
+                shell.execution_count = request.execution_count
             with interrupts.cell_running():
                 ok = shell.run_cell(request.code, store_history=True).success
         except (KeyboardInterrupt, Exception) as escaped:

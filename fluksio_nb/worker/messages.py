@@ -101,6 +101,9 @@ class Run(_Message):
     #: The kernel's ``sys.path`` and working directory, which the cell uses too.
     path: list[str] | None = None
     cwd: str | None = None
+    #: The kernel's ``In[n]`` for the cell, so that its traceback says
+    #: ``Cell In[n]`` as the notebook numbers it; None outside a kernel.
+    execution_count: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
