@@ -143,7 +143,8 @@ class ClaimMagics(Magics):
             raise NotBroughtBack(
                 f"the cell ran, but {'this name' if len(missing) == 1 else 'these names'} "
                 f"did not come back to the kernel: {said}. Everything else it bound is "
-                "in the kernel."
+                "in the kernel. A name only the cell needs can be deleted at its end "
+                "(del), or --out can name the ones to bring back."
             )
         return None
 

@@ -237,6 +237,8 @@ print(json.dumps({"cores_used": used / elapsed,
                   "threads": sum(p.num_threads() for p in tree),
                   "processes": len(tree)}))
 pool.terminate()
+# Processes and a pool cannot travel back to the kernel: not names to bring back.
+del pool, waiting, me, tree, p
 """
 
 
