@@ -435,6 +435,15 @@ def descends_from(pid: int, ancestors: set[int]) -> bool:
     return pid in ancestors
 
 
+def held_below(card: CardReading, ancestors: set[int]) -> int:
+    """The card memory held on ``card`` by ``ancestors`` and every process below them."""
+    return sum(
+        p.used_bytes or 0
+        for p in card.processes
+        if p.pid is not None and descends_from(p.pid, ancestors)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Squatter:
     """Card memory held by a process that belongs to no running claim."""

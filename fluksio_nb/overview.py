@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
-from fluksio_nb.gpu_usage import CardsReading, descends_from, kernel_cards, squatters
+from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.settings import load_settings
@@ -194,11 +194,7 @@ def _claim_gpu(claim: Mapping[str, Any], reading: CardsReading | None) -> dict[s
             card = reading.card(index)
             if card is None:
                 continue
-            held = sum(
-                process.used_bytes or 0
-                for process in card.processes
-                if process.pid is not None and descends_from(process.pid, owner)
-            )
+            held = held_below(card, owner)
             cards.append(
                 {
                     "index": index,

@@ -115,9 +115,7 @@ def describe(status: ClaimStatus) -> str:
                 f"CPU {latest.cpu_percent:.0f}% of the machine"
             )
             if latest.cards:
-                cards = [(c.index, c.held_bytes, c.utilisation_percent) for c in latest.cards]
-                gpu_budget = None if status.budget is None else status.budget.gpu_bytes
-                reading += f", {describe_gpu(cards, gpu_budget)}"
+                reading += f", {claim_gpu_text(status)}"
         return f"{name}: running on {share}{reading}, {status.elapsed_s:.1f} s"
     summary = (
         f"{name}: {status.ending or 'done'} after {status.elapsed_s:.1f} s on {share}, "
@@ -128,6 +126,15 @@ def describe(status: ClaimStatus) -> str:
         # Only a claim whose cards were read has a peak: unknown is not zero.
         summary += f", peak GPU {human(status.readings.peak_gpu_bytes)}"
     return f"{summary}\n{status.message}" if status.message else summary
+
+
+def claim_gpu_text(status: ClaimStatus) -> str:
+    """What the claim's own latest reading says of its cards; ``""`` where none was read."""
+    latest = status.readings.latest
+    if latest is None or not latest.cards:
+        return ""
+    cards = [(c.index, c.held_bytes, c.utilisation_percent) for c in latest.cards]
+    return describe_gpu(cards, None if status.budget is None else status.budget.gpu_bytes)
 
 
 def describe_gpu(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.ray.connection import _alive_nodes, _gcs_address, ray_connection
-from fluksio_nb.status import describe_gpu
+from fluksio_nb.status import claim_gpu_text
 
 if TYPE_CHECKING:
     from fluksio_nb.ray.claim import RayClaim
@@ -79,12 +79,7 @@ def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
         "cpu_percent": latest.cpu_percent if latest else None,
         "budget_bytes": status.budget.applied_bytes if status.budget else None,
         # The node's own reading of its cards, where it reads them: unread is not zero.
-        "gpu": describe_gpu(
-            [(c.index, c.held_bytes, c.utilisation_percent) for c in latest.cards],
-            status.budget.gpu_bytes if status.budget else None,
-        )
-        if latest and latest.cards
-        else "",
+        "gpu": claim_gpu_text(status),
         "peak_gpu_bytes": status.readings.peak_gpu_bytes,
         "since": round(now_wall - (now_mono - status.asked_at), 1),
         "started": None if started is None else round(now_wall - (now_mono - started), 1),

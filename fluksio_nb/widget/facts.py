@@ -39,7 +39,7 @@ from typing import Any
 from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, describe_gpu
+from fluksio_nb.status import ClaimStatus, claim_gpu_text
 
 #: Points in a claim's sparklines: a minute at one push a second. The monitor
 #: has none: it carries every running claim in each push, and each claim's
@@ -85,22 +85,13 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "elapsed_s": round(status.elapsed_s, 1),
         "peak_rss_bytes": readings.peak_rss_bytes,
         "mean_cpu_percent": readings.mean_cpu_percent,
-        "gpu": gpu_text(status),
+        "gpu": claim_gpu_text(status),
         "peak_gpu_bytes": readings.peak_gpu_bytes,
         "ending": status.ending or "",
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,
     }
-
-
-def gpu_text(status: ClaimStatus) -> str:
-    """The card memory the claim holds on each card and how busy they are; ``""`` unread."""
-    latest = status.readings.latest
-    if latest is None or not latest.cards:
-        return ""
-    cards = [(card.index, card.held_bytes, card.utilisation_percent) for card in latest.cards]
-    return describe_gpu(cards, None if status.budget is None else status.budget.gpu_bytes)
 
 
 def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
@@ -188,7 +179,7 @@ def machine_facts(
         if status is not None:
             _add_own_readings(entry, status, now_wall, now_mono)
             # Its own reading of its own tree, with its card budget: as its cell says.
-            entry["gpu"] = gpu_text(status) or entry["gpu"]
+            entry["gpu"] = claim_gpu_text(status) or entry["gpu"]
         elif claim.get("readings"):
             reading = claim["readings"]
             entry["reading"] = {
