@@ -12,6 +12,9 @@ import sys
 from fluksio_nb.errors import BadClaim
 from fluksio_nb.flavors import describe_flavors
 
+#: The claims that ended lately, as many as a terminal shows beside the machine.
+CLI_FINISHED = 5
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -37,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         if options.what == "flavors":
             print(describe_flavors(settings))
         else:
+            from fluksio_nb.usage.recent import process_recent_usage
+
             # A terminal makes no claims: it reads the machine's books as they are.
-            print(describe_snapshot(read_books()))
+            finished = process_recent_usage().finished(limit=CLI_FINISHED)["claims"]
+            print(describe_snapshot(read_books(), finished))
     except BadClaim as error:
         print(f"fluksio-nb: {error}", file=sys.stderr)
         return 2

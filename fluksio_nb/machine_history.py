@@ -148,21 +148,30 @@ class MachineHistory:
         return {"span_s": self.span_s, "interval_s": self.interval_s, "points": self.points()}
 
 
-def take_point(history: MachineHistory, snapshot: Mapping[str, Any]) -> dict[str, Any] | None:
+def take_point(
+    history: MachineHistory,
+    snapshot: Mapping[str, Any],
+    memory: tuple[int, int] | None = None,
+) -> dict[str, Any] | None:
     """Feed ``history`` from a snapshot of the books (with its cards, as ``overview`` reads it).
 
-    Blocking (it reads the host's memory): the server calls it off its event loop.
+    ``memory`` is the host's (total, available) where the caller has just
+    read it. Blocking (it reads the host's memory otherwise): the server
+    calls it off its event loop.
     """
     if not history.due():
         return None
-    from fluksio_nb.inventory import host_memory
+    if memory is None:
+        from fluksio_nb.inventory import host_memory
+
+        memory = host_memory()
 
     claims = claims_cpu_percent(snapshot.get("running", ()))
     if not snapshot.get("sees_every_claim", False):
         claims = None
     return history.add(
         claims_cpu=claims,
-        memory=host_memory(),
+        memory=memory,
         cards=[
             {
                 key: card[key]

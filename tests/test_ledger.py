@@ -290,7 +290,7 @@ def test_the_command_line_prints_every_kernels_claims(tmp_path):
     shown = subprocess.run(
         [sys.executable, "-m", "fluksio_nb"], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert "gpus  0/1 free" in shown
+    assert "gpus  1/1 used" in shown
     [line] = [line for line in shown.splitlines() if "training run" in line]
     assert f"cpus=1 gpus=0 ram=0B (pid {holder.pid})" in line
     holder.stdin.write("\n")

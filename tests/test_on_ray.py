@@ -618,7 +618,7 @@ def test_claims_shows_the_cluster_and_a_running_claim_of_this_kernel(kernel):
     assert abs(held["started"] - time.time()) < 60
 
     text = data["text/plain"].splitlines()
-    assert "ray cpus    1/2 free" in text and "ray gpus    1/2 free" in text
+    assert "ray cpus    1/2 used" in text and "ray gpus    1/2 used" in text
     (line,) = [line for line in text if line.startswith("ray running")]
     card = held["gpus"][0]
     assert line.startswith(f"ray running  {hostile}: cpus=1 gpus=1 ram=100.0MB, cards {card}, RSS ")
@@ -628,7 +628,7 @@ def test_claims_shows_the_cluster_and_a_running_claim_of_this_kernel(kernel):
     assert_cluster_idle(kernel)  # Ray's own books catch up a moment after the task ends
     after = kernel.run("%claims", check=True).of("execute_result")[0]["content"]["data"]
     assert "ray running" not in after["text/plain"]
-    assert "ray cpus    2/2 free" in after["text/plain"]
+    assert "ray cpus    0/2 used" in after["text/plain"]
 
 
 def test_ray_keeps_its_state_out_of_the_home_directory(kernel, ray_state):

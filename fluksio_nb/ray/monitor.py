@@ -89,12 +89,13 @@ def _claim_facts(claimed: RayClaim) -> dict[str, Any]:
 def describe_ray(snapshot: Mapping[str, Any]) -> str:
     """:func:`ray_snapshot` as a few lines of text, the monitor's fallback beside the machine's."""
     total, free = snapshot["total"], snapshot["available"]
+    memory = total["memory_bytes"]
     nodes = snapshot["nodes"]
     lines = [
         f"ray   {snapshot['address'] or 'a cluster'}, {nodes} node{'s' if nodes != 1 else ''}",
-        f"ray cpus    {free['cpus']:g}/{total['cpus']:g} free",
-        f"ray gpus    {free['gpus']:g}/{total['gpus']:g} free",
-        f"ray memory  {human(free['memory_bytes'])}/{human(total['memory_bytes'])} free",
+        f"ray cpus    {total['cpus'] - free['cpus']:g}/{total['cpus']:g} used",
+        f"ray gpus    {total['gpus'] - free['gpus']:g}/{total['gpus']:g} used",
+        f"ray memory  {human(memory - free['memory_bytes'])}/{human(memory)} used",
     ]
     for claim in snapshot["claims"]:
         asked = claim["asked"]

@@ -243,6 +243,15 @@ class MonitorWidget(_Widget):
     #: What :func:`~fluksio_nb.widget.facts.machine_facts` says, plus ``clock``:
     #: the kernel's time (epoch seconds) when it was pushed.
     machine = t.Dict().tag(sync=True)
+    #: The machine's last ten minutes (:mod:`fluksio_nb.machine_history`), oldest
+    #: first: sent whole when shown and every :attr:`HISTORY_EVERY_S`, so a page
+    #: reloaded has it again within that long.
+    history = t.List().tag(sync=True)
+    #: The newest point, sent alone as it is taken: the front end appends it.
+    history_point = t.Dict(allow_none=True, default_value=None).tag(sync=True)
+
+    #: How often the whole history goes with a point.
+    HISTORY_EVERY_S = 30.0
 
     #: How long every view may stay silent, counting only time the kernel was
     #: free to hear it, before the monitor is taken for abandoned. Views ping
@@ -252,10 +261,13 @@ class MonitorWidget(_Widget):
     LEASE_S = 90.0
 
     def __init__(self, watch: MonitorWatch | None = None, lease_s: float | None = None) -> None:
+        from fluksio_nb.machine_history import process_history
+
         watch = watch or kernel_monitor_watch()
-        facts = watch.read()
+        facts = _without_point(watch.read())
         # Sent with the widget itself, so the first view draws the machine at once.
-        super().__init__(machine=_stamped(facts))
+        super().__init__(machine=_stamped(facts), history=process_history().points())
+        self._history_at = time.monotonic()
         self._watch = watch
         self.lease_s = self.LEASE_S if lease_s is None else lease_s
         self._views: dict[str, float] = {}
@@ -283,9 +295,22 @@ class MonitorWidget(_Widget):
         return now - max(last, quiet_since) < self.lease_s
 
     def show_facts(self, facts: dict[str, Any]) -> None:
-        """Push ``facts`` if they differ from what was last pushed."""
+        """Push ``facts`` if they differ from what was last pushed, and a new history point."""
+        point = facts.get("history_point")
+        facts = _without_point(facts)
         with self._push_lock:
-            if self.closed or facts == self._shown_facts:
+            if self.closed:
+                return
+            if point is not None and point != self.history_point:
+                now = time.monotonic()
+                with self.hold_sync():
+                    if now - self._history_at >= self.HISTORY_EVERY_S:
+                        from fluksio_nb.machine_history import process_history
+
+                        self._history_at = now
+                        self.history = process_history().points()
+                    self.history_point = point
+            if facts == self._shown_facts:
                 return
             self._shown_facts = facts
             self.machine = _stamped(facts)
@@ -307,10 +332,18 @@ class MonitorWidget(_Widget):
                 self._watch.unwatch(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        from fluksio_nb.machine_history import process_history
         from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now
+        from fluksio_nb.widget.ticker import finished_claims, kernel_rss_bytes
 
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = describe_monitor(kernel_snapshot(), ray_now())
+        text = describe_monitor(
+            kernel_snapshot(),
+            ray_now(),
+            history=process_history().points(),
+            kernel_rss_bytes=kernel_rss_bytes(),
+            finished=finished_claims(),
+        )
         data["text/plain"] = text
         data["text/html"] = monitor_html(text)
         # Being drawn is what starts the refreshing.
@@ -321,6 +354,11 @@ class MonitorWidget(_Widget):
     def close(self) -> None:
         self._watch.unwatch(self)
         super().close()
+
+
+def _without_point(facts: dict[str, Any]) -> dict[str, Any]:
+    """The facts without the history's newest point, which travels on its own."""
+    return {key: value for key, value in facts.items() if key != "history_point"}
 
 
 def _stamped(facts: dict[str, Any]) -> dict[str, Any]:

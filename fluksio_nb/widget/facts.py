@@ -49,6 +49,9 @@ SPARK_POINTS = 60
 #: How far, as a share of the host, its available memory must move to be news.
 HOST_MEMORY_STEP = 0.005
 
+#: The left border's colour by phase and ending. Only the border: a static page
+#: has no theme to ask for a text colour that reads on it, so the text is the
+#: theme's own (JupyterLab's variable, or the page's colour elsewhere).
 _COLOURS = {"waiting": "#b26b00", "running": "#1565c0", "ok": "#2e7d32", "failed": "#c62828"}
 
 
@@ -119,7 +122,8 @@ def claim_html(summary: str, phase: str, ending: str) -> str:
     body = html.escape(summary).replace("\n", "<br>")
     return (
         f'<div class="fluksio-status" data-phase="{html.escape(phase)}" '
-        f'style="border-left:3px solid {colour};padding:2px 8px;color:{colour};'
+        f'style="border-left:3px solid {colour};padding:2px 8px;'
+        "color:var(--jp-ui-font-color1,inherit);"
         f'font-family:var(--jp-ui-font-family,sans-serif);font-size:13px">{body}</div>'
     )
 
@@ -174,10 +178,16 @@ def machine_facts(
             "peak_rss_bytes": None,
             # As the snapshot says it (overview.with_cards), or "" where unread.
             "gpu": (claim.get("gpu") or {}).get("text", ""),
+            "notebook": claim.get("notebook"),
+            #: When its worker was stopped by a signal (SIGSTOP), if it is.
+            "stopped_since": (claim.get("readings") or {}).get("stopped_since"),
         }
         status = statuses.get(claim["ticket"]) if entry["mine"] else None
         if status is not None:
             _add_own_readings(entry, status, now_wall, now_mono)
+            latest = status.readings.latest
+            stopped = getattr(latest, "stopped_since", None)
+            entry["stopped_since"] = stopped if stopped is not None else entry["stopped_since"]
             # Its own reading of its own tree, with its card budget: as its cell says.
             entry["gpu"] = claim_gpu_text(status) or entry["gpu"]
         elif claim.get("readings"):
@@ -200,6 +210,8 @@ def machine_facts(
             "since": round(claim["since"], 1),
             "mine": claim.get("pid") == pid,
             "user": claim.get("user"),
+            "notebook": claim.get("notebook"),
+            "expected": _expected(claim.get("expected_wait"), now_wall),
         }
         for claim in snapshot.get("waiting", [])
     ]
@@ -253,6 +265,29 @@ def ray_facts(snapshot: Mapping[str, Any]) -> dict[str, Any]:
         "available": dict(snapshot["available"]),
         "claims": claims,
     }
+
+
+#: Expected starts are rounded to this many seconds: the guess is rough, and
+#: a start time that moved by a second every tick would be news every tick.
+EXPECTED_STEP_S = 10.0
+
+
+def _expected(guess: Mapping[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """A waiting claim's expected wait as a start time (``at``, epoch s), and what it is from.
+
+    ``at`` is ``0`` for "any moment now" and ``None`` where nobody can tell;
+    ``why`` says what the guess is from, or why there is none.
+    """
+    if guess is None:
+        return None
+    seconds = guess.get("seconds")
+    if seconds is None:
+        at = None
+    elif seconds < 1:
+        at = 0
+    else:
+        at = round((now + seconds) / EXPECTED_STEP_S) * EXPECTED_STEP_S
+    return {"at": at, "why": guess["why"]}
 
 
 def _card_figures(card: Mapping[str, Any] | None) -> dict[str, Any] | None:

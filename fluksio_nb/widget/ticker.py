@@ -20,6 +20,11 @@ next to nothing, and a closed one nothing at all. So:
   cells, so while a cell runs (a foreground ``%%claim`` cell for minutes,
   say) silence proves nothing and the lease does not run down.
   :class:`KernelActivity` knows when the kernel was last free to listen.
+- **Each tick also feeds the kernel's history of the machine**
+  (:mod:`fluksio_nb.machine_history`), so the monitor's plot has the
+  minutes it has been watched; the new point travels beside the facts
+  (``history_point``), never inside them, so a plot that moves does not make
+  the rest news.
 """
 
 from __future__ import annotations
@@ -94,8 +99,17 @@ class KernelActivity:
             self.busy = True
 
 
+#: How far the kernel's own RSS must move to be news: a megabyte, or half a
+#: percent of it, whichever is more.
+KERNEL_RSS_STEP = 0.005
+
+
 class MachineReader:
     """Reads what the monitor shows: the kernel's books, its running claims, the host, the cards.
+
+    Also the kernel's own memory (held steady like the host's, below), the
+    claims that ended lately (:mod:`fluksio_nb.usage.recent`), and a point
+    of the machine's history when one is due.
 
     The host's available memory moves a little all the time. It is reported
     again only once it has moved by :data:`~fluksio_nb.widget.facts.HOST_MEMORY_STEP`
@@ -106,8 +120,10 @@ class MachineReader:
 
     def __init__(self) -> None:
         self._available: int | None = None
+        self._kernel_rss: int | None = None
 
     def __call__(self) -> dict[str, Any]:
+        from fluksio_nb.machine_history import process_history, take_point
         from fluksio_nb.overview import kernel_snapshot, ray_now
         from fluksio_nb.status import running_statuses
 
@@ -118,10 +134,40 @@ class MachineReader:
         last = self._available
         if last is None or abs(available - last) >= total * HOST_MEMORY_STEP:
             self._available = last = available
-        return machine_facts(snapshot, statuses, (total, last), ray=ray_now())
+        facts = machine_facts(snapshot, statuses, (total, last), ray=ray_now())
+        facts["kernel"] = {"rss_bytes": self._steady_kernel_rss()}
+        facts["finished"] = finished_claims()
+        facts["history_point"] = take_point(process_history(), snapshot, (total, available))
+        return facts
+
+    def _steady_kernel_rss(self) -> int:
+        """This kernel's RSS, reported again only once it moved by more than drift."""
+        rss = kernel_rss_bytes()
+        last = self._kernel_rss
+        if last is None or abs(rss - last) >= max(1_000_000, last * KERNEL_RSS_STEP):
+            self._kernel_rss = last = rss
+        return last
 
     def close(self) -> None:
         """Nothing is held between reads: the kernel's reader of the cards is shared."""
+
+
+def kernel_rss_bytes() -> int:
+    """This kernel's own resident memory: what the notebook itself holds."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def finished_claims() -> list[dict[str, Any]]:
+    """The claims that ended lately, as the server's ``finished`` says them; none if unreadable."""
+    from fluksio_nb.usage.recent import process_recent_usage
+
+    try:
+        return process_recent_usage().finished()["claims"]
+    except Exception:
+        log.exception("fluksio_nb: the usage records could not be read for the monitor")
+        return []
 
 
 def _host_memory(statuses: dict[int, Any]) -> tuple[int, int]:

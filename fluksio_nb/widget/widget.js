@@ -60,6 +60,28 @@ function percent(value) {
   return `${Math.round(Number(value) || 0)}%`;
 }
 
+// A place as people say it: 1st, 2nd, 3rd, 11th, 22nd.
+function ordinal(n) {
+  const tens = n % 100;
+  const suffix = tens >= 10 && tens <= 20 ? "th" : { 1: "st", 2: "nd", 3: "rd" }[n % 10] || "th";
+  return `${n}${suffix}`;
+}
+
+// A rough length of time, as the text form says it (overview.describe_span).
+function span(seconds) {
+  if (seconds < 60) return "under a minute";
+  let minutes = Math.round(seconds / 60);
+  if (minutes < 60) return `about ${minutes} min`;
+  const hours = Math.floor(minutes / 60);
+  minutes %= 60;
+  return `about ${hours} h${minutes ? ` ${minutes} min` : ""}`;
+}
+
+// Epoch seconds as the wall clock reads them here: 14:02:11.
+function wallClock(epoch) {
+  return new Date(epoch * 1000).toLocaleTimeString([], { hour12: false });
+}
+
 // A filled bar. `fraction` is clamped to [0, 1]; `state` colours it.
 function bar(fraction, state, title) {
   const outer = h("div", "fluksio-bar");
@@ -136,6 +158,21 @@ function sparkline(values, ceiling, className) {
   line.setAttribute("stroke-width", "1.2");
   svg.append(line);
   return svg;
+}
+
+// A sparkline with its scale beside it: "0–1.2GB", from zero to the top it is drawn against.
+function scaledSparkline(values, ceiling, className, show) {
+  const points = (values || []).map(Number).filter((v) => Number.isFinite(v));
+  let top = ceiling > 0 ? ceiling : 0;
+  for (const v of points) top = Math.max(top, v);
+  const wrap = h("span", "fluksio-sparkwrap");
+  put(wrap, sparkline(points, top, className));
+  if (points.length > 1) {
+    const scale = h("span", "fluksio-scale", `0–${show(top)}`);
+    scale.dataset.field = "scale";
+    wrap.append(scale);
+  }
+  return wrap;
 }
 
 function field(name, value, text) {
@@ -275,7 +312,7 @@ function renderClaim(model, el) {
           h("div", "fluksio-row"),
           "asks ",
           field("asked", null, model.get("asked")),
-          position ? ` · #${position} in the queue` : " · in the queue",
+          position ? ` · ${ordinal(position)} in the queue` : " · in the queue",
         ),
       );
       const holders = model.get("holders") || [];
@@ -307,9 +344,11 @@ function renderClaim(model, el) {
             field(
               "rss",
               rss,
-              budget ? `${human(rss)} of ${human(budget)}` : `${human(rss)} (of the host)`,
+              budget
+                ? `${human(rss)}/${human(budget)} used`
+                : `${human(rss)}/${human(ceiling)} of the host used`,
             ),
-            sparkline(rssHistory, 0, "fluksio-spark-rss"),
+            scaledSparkline(rssHistory, 0, "fluksio-spark-rss", human),
           ),
         );
         const cpu = reading ? reading.cpu_percent : 0;
@@ -323,7 +362,7 @@ function renderClaim(model, el) {
               cpu,
               `${percent(cpu)} of the machine${reading ? ` · ${reading.cpu_cores} cores` : ""}`,
             ),
-            sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
+            scaledSparkline(cpuHistory, 100, "fluksio-spark-cpu", percent),
           ),
         );
         // Only where its cards were read: an unread card is not an idle one.
@@ -364,9 +403,9 @@ function renderClaim(model, el) {
             put(
               h("div", "fluksio-row fluksio-muted"),
               "RSS ",
-              sparkline(rssHistory, 0, "fluksio-spark-rss"),
+              scaledSparkline(rssHistory, 0, "fluksio-spark-rss", human),
               " CPU ",
-              sparkline(cpuHistory, 0, "fluksio-spark-cpu"),
+              scaledSparkline(cpuHistory, 100, "fluksio-spark-cpu", percent),
             ),
           );
         }
@@ -396,8 +435,9 @@ function renderClaim(model, el) {
 // The machine
 // -----------------------------------------------------------------------------
 
+// A claim as people name it: its label. Tickets are ids for the kernel, not for reading.
 function who(claim) {
-  return `${claim.label} (#${claim.ticket})`;
+  return claim.label;
 }
 
 // Ray counts in fractions of a CPU or card; whole numbers are shown whole.
@@ -433,7 +473,7 @@ function rayCluster(ray, kernelNow) {
       rows,
       h("span", "fluksio-name", name),
       bar(total ? (total - free) / total : 0, "ok", `${show(total - free)} in use`),
-      field(`ray-${key}`, free, `${show(free)} of ${show(total)} free`),
+      field(`ray-${key}`, total - free, `${show(total - free)}/${show(total)} used`),
     );
   }
   section.append(rows);
@@ -485,7 +525,7 @@ function readingMeters(rss, ceiling, cpu, where) {
       h("div", "fluksio-meter"),
       h("span", "fluksio-name", "RSS"),
       bar(fraction, ceiling ? budgetState(fraction) : "ok"),
-      field("rss", rss, ceiling ? `${human(rss)} of ${human(ceiling)}` : human(rss)),
+      field("rss", rss, ceiling ? `${human(rss)}/${human(ceiling)} used` : human(rss)),
     ),
     put(
       h("div", "fluksio-meter"),
@@ -496,6 +536,237 @@ function readingMeters(rss, ceiling, cpu, where) {
   ];
 }
 
+// The machine's history, kept once per model: the kernel sends it whole now
+// and then (history) and each new point alone (history_point).
+const HISTORY_SPAN_S = 600;
+
+function keepHistory(model) {
+  const kept = { points: [] };
+  const add = () => {
+    const point = model.get("history_point");
+    const last = kept.points[kept.points.length - 1];
+    if (!point || (last && point.at <= last.at)) return;
+    kept.points.push(point);
+    kept.points = kept.points.filter((p) => p.at >= point.at - HISTORY_SPAN_S);
+  };
+  const reset = () => {
+    kept.points = [...(model.get("history") || [])];
+    add();
+  };
+  reset();
+  model.on("change:history", reset);
+  model.on("change:history_point", add);
+  // A local attribute of this page's copy of the model: never saved back.
+  model.set("_history", kept);
+}
+
+// One series of the last ten minutes, against a fixed scale: 0 to `top`
+// (100% for CPU, the total for memory), labelled on the left, time below.
+function historyChart(name, series, top, show, now) {
+  const width = 300;
+  const height = 56;
+  const left = 56;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", `fluksio-chart fluksio-chart-${name}`);
+  svg.setAttribute("width", String(left + width + 4));
+  svg.setAttribute("height", String(height + 16));
+  svg.setAttribute("viewBox", `0 0 ${left + width + 4} ${height + 16}`);
+  svg.setAttribute("role", "img");
+  svg.dataset.field = `history-${name}`;
+  const text = (x, y, words, anchor) => {
+    const node = document.createElementNS(SVG, "text");
+    node.setAttribute("x", String(x));
+    node.setAttribute("y", String(y));
+    node.setAttribute("text-anchor", anchor);
+    node.setAttribute("class", "fluksio-axis");
+    node.textContent = words;
+    svg.append(node);
+  };
+  const rule = (y) => {
+    const line = document.createElementNS(SVG, "line");
+    line.setAttribute("x1", String(left));
+    line.setAttribute("x2", String(left + width));
+    line.setAttribute("y1", String(y));
+    line.setAttribute("y2", String(y));
+    line.setAttribute("class", "fluksio-rule");
+    svg.append(line);
+  };
+  rule(1);
+  rule(height);
+  text(left - 4, 10, show(top), "end");
+  text(left - 4, height, show(0), "end");
+  text(left, height + 13, "10 min ago", "start");
+  text(left + width, height + 13, "now", "end");
+  const x = (at) =>
+    left + width * (1 - Math.min(HISTORY_SPAN_S, Math.max(0, now - at)) / HISTORY_SPAN_S);
+  const y = (v) => height - (Math.min(top, Math.max(0, v)) / (top || 1)) * (height - 2);
+  let drawn = 0;
+  for (const line of series) {
+    const known = line.points.filter((p) => p.value !== null && p.value !== undefined);
+    if (known.length < 2) continue;
+    const poly = document.createElementNS(SVG, "polyline");
+    poly.setAttribute(
+      "points",
+      known.map((p) => `${x(p.at).toFixed(1)},${y(p.value).toFixed(1)}`).join(" "),
+    );
+    poly.setAttribute("class", `fluksio-line ${line.className}`);
+    poly.setAttribute("fill", "none");
+    svg.append(poly);
+    drawn = Math.max(drawn, known.length);
+  }
+  svg.dataset.points = String(drawn);
+  const title = document.createElementNS(SVG, "title");
+  title.textContent = `${name}, the last 10 minutes, 0 to ${show(top)}`;
+  svg.append(title);
+  return svg;
+}
+
+function chartHead(name, fieldName, value, text, extra) {
+  return put(
+    h("div", "fluksio-chart-head"),
+    h("span", "fluksio-name", name),
+    " ",
+    field(fieldName, value, text),
+    extra || null,
+  );
+}
+
+function bytesScale(v) {
+  return v ? human(v) : "0";
+}
+
+// CPU, memory and each card read, over the last ten minutes.
+function historySection(points, now) {
+  const section = h("div", "fluksio-history");
+  section.dataset.section = "history";
+  put(section, h("div", "fluksio-title", "Last 10 minutes"));
+  if (points.length < 2) {
+    section.append(h("div", "fluksio-muted", "Collecting: a point every few seconds while shown."));
+    return section;
+  }
+  const last = points[points.length - 1];
+  const outside = last.cpu_outside_claims_percent;
+  const known = outside !== null && outside !== undefined;
+  const charts = h("div", "fluksio-charts");
+  put(
+    charts,
+    chartHead(
+      "CPU",
+      "host-cpu",
+      last.cpu_percent,
+      `${percent(last.cpu_percent)}/100% used` +
+        (known ? ` · ${percent(outside)} outside claims` : ""),
+      known ? h("span", "fluksio-key-outside", " (dashed: outside claims)") : null,
+    ),
+    historyChart(
+      "cpu",
+      [
+        {
+          className: "fluksio-line-cpu",
+          points: points.map((p) => ({ at: p.at, value: p.cpu_percent })),
+        },
+        {
+          className: "fluksio-line-outside",
+          points: points.map((p) => ({ at: p.at, value: p.cpu_outside_claims_percent })),
+        },
+      ],
+      100,
+      (v) => `${Math.round(v)}%`,
+      now,
+    ),
+  );
+  const total = last.memory_total_bytes;
+  put(
+    charts,
+    chartHead(
+      "Memory",
+      "host-memory",
+      last.memory_used_bytes,
+      `${human(last.memory_used_bytes)}/${human(total)} used`,
+    ),
+    historyChart(
+      "memory",
+      [
+        {
+          className: "fluksio-line-memory",
+          points: points.map((p) => ({ at: p.at, value: p.memory_used_bytes })),
+        },
+      ],
+      total,
+      bytesScale,
+      now,
+    ),
+  );
+  for (const card of last.cards || []) {
+    if (!card.total_bytes) continue;
+    const series = points.map((p) => {
+      const found = (p.cards || []).find((c) => c.index === card.index);
+      return { at: p.at, value: found ? found.used_bytes : null };
+    });
+    const busy = card.utilisation_percent;
+    put(
+      charts,
+      chartHead(
+        `GPU ${card.index}`,
+        `card-${card.index}`,
+        card.used_bytes,
+        `${human(card.used_bytes)}/${human(card.total_bytes)} used` +
+          (busy === null || busy === undefined ? "" : ` · ${percent(busy)} busy`),
+      ),
+      historyChart(
+        `card-${card.index}`,
+        [{ className: "fluksio-line-card", points: series }],
+        card.total_bytes,
+        bytesScale,
+        now,
+      ),
+    );
+  }
+  section.append(charts);
+  return section;
+}
+
+// The claims that ended lately, newest first: how each went, its wait, run and peaks.
+function finishedList(finished) {
+  const list = listOf("finished", "Finished lately", finished.length, "Nothing has finished yet.");
+  for (const c of finished) {
+    const item = h("div", "fluksio-item");
+    item.dataset.ending = c.ending;
+    const words = [`waited ${duration(c.waited_s)}`];
+    const ran = c.ran_s === null || c.ran_s === undefined;
+    words.push(ran ? "never got its share" : `ran ${duration(c.ran_s)}`);
+    if (c.peak_rss_bytes !== null && c.peak_rss_bytes !== undefined) {
+      words.push(`peak RSS ${human(c.peak_rss_bytes)}`);
+    }
+    if (c.peak_gpu_bytes !== null && c.peak_gpu_bytes !== undefined) {
+      words.push(`peak GPU ${human(c.peak_gpu_bytes)}`);
+    }
+    put(
+      item,
+      put(
+        h("div", "fluksio-row"),
+        h("span", "fluksio-ending", c.ending),
+        " ",
+        h("span", "fluksio-label", c.label),
+        h("span", "fluksio-muted", ` · ${c.user}${c.notebook ? ` · ${c.notebook}` : ""}`),
+        ` · ${words.join(" · ")}`,
+        h("span", "fluksio-clock", `ended ${wallClock(c.ended_at)}`),
+      ),
+    );
+    list.append(item);
+  }
+  return list;
+}
+
+// What a waiting claim may still wait: counted down here from the kernel's guess.
+function expectedText(expected, now) {
+  if (!expected) return null;
+  if (expected.at === null || expected.at === undefined) return expected.why;
+  const left = expected.at - now;
+  const when = expected.at === 0 || left < 1 ? "any moment now" : `in ${span(left)}`;
+  return `expected to start ${when} (${expected.why})`;
+}
+
 // The monitor's running and waiting lists: a titled list, or a line saying it is empty.
 function listOf(kind, title, count, empty) {
   const list = h("div", "fluksio-list");
@@ -503,6 +774,17 @@ function listOf(kind, title, count, empty) {
   put(list, h("div", "fluksio-title", `${title} (${count})`));
   if (!count) list.append(h("div", "fluksio-muted", empty));
   return list;
+}
+
+// Whose a claim is and which notebook it serves, beside its label: " · ada · train.ipynb".
+function whoseLine(claim) {
+  const parts = [];
+  if (claim.user && !claim.mine) parts.push(claim.user);
+  if (claim.notebook) parts.push(claim.notebook);
+  if (!parts.length) return null;
+  const span = h("span", "fluksio-muted", ` · ${parts.join(" · ")}`);
+  span.dataset.field = "whose";
+  return span;
 }
 
 function renderMonitor(model, el) {
@@ -534,7 +816,7 @@ function renderMonitor(model, el) {
       rows,
       h("span", "fluksio-name", "CPUs"),
       segmented(m.cpus.total, cpuParts),
-      field("cpus", m.cpus.free, `${m.cpus.free} of ${m.cpus.total} free`),
+      field("cpus", m.cpus.total - m.cpus.free, `${m.cpus.total - m.cpus.free}/${m.cpus.total} used`),
     );
 
     for (const card of m.gpus || []) {
@@ -550,7 +832,7 @@ function renderMonitor(model, el) {
         const total = card.card.total_bytes;
         const busy = card.card.utilisation_percent;
         const said = [];
-        if (used !== null) said.push(`${human(used)} of ${human(total)}`);
+        if (used !== null) said.push(`${human(used)}/${human(total)} used`);
         if (busy !== null) said.push(`${percent(busy)} busy`);
         put(
           cell,
@@ -572,20 +854,25 @@ function renderMonitor(model, el) {
       rows,
       h("span", "fluksio-name", "RAM"),
       segmented(m.ram.total, ramParts),
-      field("ram", m.ram.free, `${human(m.ram.free)} of ${human(m.ram.total)} free`),
+      field(
+        "ram",
+        m.ram.total - m.ram.free,
+        `${human(m.ram.total - m.ram.free)}/${human(m.ram.total)} used`,
+      ),
     );
 
     // The host's available memory against the headroom line: below the line,
     // running claims are halted.
     const host = m.host;
     const hostBar = bar(
-      host.total ? host.available / host.total : 0,
+      host.total ? (host.total - host.available) / host.total : 0,
       host.available < host.headroom ? "over" : host.available < 2 * host.headroom ? "near" : "ok",
       `halts below ${human(host.headroom)} available`,
     );
     hostBar.classList.add("fluksio-host");
     const line = h("div", "fluksio-headroom");
-    line.style.left = `${((host.headroom / (host.total || 1)) * 100).toFixed(1)}%`;
+    // Past this much used, less than the headroom is left.
+    line.style.left = `${(((host.total - host.headroom) / (host.total || 1)) * 100).toFixed(1)}%`;
     hostBar.append(line);
     put(
       rows,
@@ -593,10 +880,19 @@ function renderMonitor(model, el) {
       hostBar,
       field(
         "host",
-        host.available,
-        `${human(host.available)} of ${human(host.total)} available · headroom ${human(host.headroom)}`,
+        host.total - host.available,
+        `${human(host.total - host.available)}/${human(host.total)} used · ` +
+          `halts past ${human(host.total - host.headroom)}`,
       ),
     );
+    if (m.kernel) {
+      put(
+        rows,
+        h("span", "fluksio-name", "Kernel"),
+        h("span", "fluksio-muted", "this notebook's own memory"),
+        field("kernel-rss", m.kernel.rss_bytes, `RSS ${human(m.kernel.rss_bytes)}`),
+      );
+    }
 
     const runningList = listOf("running", "Running", running.length, "Nothing running.");
     for (const c of running) {
@@ -605,12 +901,20 @@ function renderMonitor(model, el) {
       const title = put(
         h("div", "fluksio-row"),
         h("span", "fluksio-label", c.label),
-        h("span", "fluksio-muted", ` #${c.ticket}`),
-        c.user && !c.mine ? h("span", "fluksio-muted", ` · ${c.user}`) : null,
+        whoseLine(c),
         ` · ${share(c.allocation, c.budget_bytes)}`,
         c.started ? h("span", "fluksio-clock", clock(kernelNow() - c.started)) : null,
       );
       item.append(title);
+      if (c.stopped_since) {
+        const stopped = h(
+          "div",
+          "fluksio-stopped",
+          `stopped by a signal since ${wallClock(c.stopped_since)}`,
+        );
+        stopped.dataset.field = "stopped";
+        item.append(stopped);
+      }
       if (c.reading) {
         const { rss_bytes: rss, cpu_percent: cpu } = c.reading;
         put(item, ...readingMeters(rss, c.budget_bytes, cpu, "the machine"));
@@ -629,14 +933,20 @@ function renderMonitor(model, el) {
         item,
         put(
           h("div", "fluksio-row"),
-          `${c.position}. `,
+          field("position", c.position, `${ordinal(c.position)} in the queue`),
+          " · ",
           h("span", "fluksio-label", c.label),
-          h("span", "fluksio-muted", ` #${c.ticket}`),
-          c.user && !c.mine ? h("span", "fluksio-muted", ` · ${c.user}`) : null,
+          whoseLine(c),
           ` · asks ${c.asked}`,
           h("span", "fluksio-clock", `waiting ${clock(kernelNow() - c.since)}`),
         ),
       );
+      const expected = expectedText(c.expected, kernelNow());
+      if (expected) {
+        const line = h("div", "fluksio-muted", expected);
+        line.dataset.field = "expected";
+        item.append(line);
+      }
       waitingList.append(item);
     }
 
@@ -658,6 +968,8 @@ function renderMonitor(model, el) {
       runningList,
       waitingList,
       squatters,
+      finishedList(m.finished || []),
+      historySection((model.get("_history") || { points: [] }).points, kernelNow()),
       m.ray ? rayCluster(m.ray, kernelNow) : null,
     );
   };
@@ -669,7 +981,7 @@ function renderMonitor(model, el) {
     redraw();
   };
   onChange();
-  const stop = listen(model, ["machine"], onChange);
+  const stop = listen(model, ["machine", "history", "history_point"], onChange);
 
   // Telling the kernel someone is looking: hello now, a ping every few
   // seconds and on being shown again, goodbye when this view is removed.
@@ -701,7 +1013,8 @@ function renderMonitor(model, el) {
 
 export default {
   initialize({ model }) {
-    if (model.get("kind") !== "monitor") keepPoints(model);
+    if (model.get("kind") === "monitor") keepHistory(model);
+    else keepPoints(model);
   },
   render({ model, el }) {
     return model.get("kind") === "monitor" ? renderMonitor(model, el) : renderClaim(model, el);

@@ -68,7 +68,7 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     assert waiting.count() == 1
     assert waiting.first.locator(".fluksio-label").inner_text() == HOSTILE
     assert "holder" in running.first.locator(".fluksio-label").inner_text()
-    assert monitor.locator("[data-field=cpus]").get_attribute("data-value") == "0"
+    assert monitor.locator("[data-field=cpus]").inner_text() == "2/2 used"
     assert stray_text(monitor) == [], "the monitor drew text that is no section of it"
     # The waiting claim's own status says the same, as text.
     own = nb.output_of(2).locator(".fluksio-claim")
@@ -123,8 +123,8 @@ def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, not
         claim = section.locator("[data-list=ray] .fluksio-item")
         claim.first.wait_for(timeout=30_000)
 
-        assert section.locator("[data-field=ray-cpus]").inner_text() == "1 of 2 free"
-        assert section.locator("[data-field=ray-gpus]").inner_text() == "1 of 2 free"
+        assert section.locator("[data-field=ray-cpus]").inner_text() == "1/2 used"
+        assert section.locator("[data-field=ray-gpus]").inner_text() == "1/2 used"
         assert claim.count() == 1
         assert claim.first.get_attribute("data-phase") == "running"
         assert claim.first.locator(".fluksio-label").inner_text() == HOSTILE

@@ -76,8 +76,8 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
     monitor = nb.wait_for(2, ".fluksio-monitor")
     cpus = monitor.locator("[data-field=cpus]")
     cpus.wait_for(timeout=30_000)
-    assert cpus.get_attribute("data-value") == "2"
-    assert cpus.inner_text() == "2 of 2 free"
+    assert cpus.get_attribute("data-value") == "0"
+    assert cpus.inner_text() == "0/2 used"
     assert stray_text(monitor) == [], "the monitor drew text that is no section of it"
     assert "Error displaying widget" not in nb.output_of(2).inner_text()
 
