@@ -53,13 +53,15 @@ class HostCpu:
     def percent(self) -> float | None:
         """Busy share since the last call, 0 to 100; ``None`` on the first call."""
         now = psutil.cpu_times()
-        last, self._last = self._last, now
+        last = self._last
         if last is None:
+            self._last = now
             return None
         total = sum(now) - sum(last)
-        idle = _idle(now) - _idle(last)
         if total <= 0:
-            return None
+            return None  # no tick counted yet: measure from the same start next time
+        self._last = now
+        idle = _idle(now) - _idle(last)
         return round(min(100.0, max(0.0, 100.0 * (total - idle) / total)), 1)
 
 

@@ -1,0 +1,93 @@
+"""A queued claim's expected wait: played forward from the running claims' ages and past runs."""
+
+from __future__ import annotations
+
+from fluksio_nb.expected_wait import expected_waits, with_expected_waits
+from fluksio_nb.overview import describe_wait
+
+NOW = 10_000.0
+
+
+def running(label: str | None, started_ago: float) -> dict:
+    return {"label": label, "since": NOW - started_ago - 5, "granted_at": NOW - started_ago}
+
+
+def waiting(label: str | None) -> dict:
+    return {"label": label, "since": NOW - 1}
+
+
+def test_the_next_claim_waits_for_the_running_claims_typical_run_less_its_age():
+    """Guards against a guess that ignores how long the running claim has already run."""
+    snapshot = {"running": [running("fit", 100)], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(snapshot, {"fit": [300.0, 400.0, 500.0]}, now=NOW)
+    assert guess == {
+        "seconds": 300.0,
+        "why": "from 3 past runs of 'fit' and the running claims' ages",
+    }
+    assert describe_wait(guess).startswith("expected to start in about 5 min (from 3 past runs")
+
+
+def test_a_claim_further_back_waits_for_those_ahead_of_it_to_run_too():
+    """Guards against every claim in the queue being told it starts as soon as the first."""
+    snapshot = {
+        "running": [running("fit", 0), running("prep", 50)],
+        "waiting": [waiting("prep"), waiting("fit"), waiting("prep")],
+    }
+    durations = {"fit": [600.0], "prep": [60.0]}
+    seconds = [g["seconds"] for g in expected_waits(snapshot, durations, now=NOW)]
+    # prep frees a share at 10 s; the queued prep runs 10-70, the fit 70-670, the last prep
+    # gets the first fit's share at 600.
+    assert seconds == [10.0, 70.0, 600.0]
+
+
+def test_an_overdue_running_claim_makes_it_any_moment_now():
+    """Guards against negative waits when a claim outlasts its past runs."""
+    snapshot = {"running": [running("fit", 900)], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(snapshot, {"fit": [300.0]}, now=NOW)
+    assert guess["seconds"] == 0.0
+    assert describe_wait(guess).startswith("expected to start any moment now")
+
+
+def test_cannot_tell_says_why_and_passes_it_down_the_queue():
+    """Guards against a number made up where nothing like the work has run here."""
+    durations = {"fit": [300.0]}
+    snapshot = {"running": [running("fit", 0)], "waiting": [waiting("new"), waiting("fit")]}
+    first, second = expected_waits(snapshot, durations, now=NOW)
+    assert first == {
+        "seconds": None,
+        "why": "cannot tell: nothing like 'new' has finished here yet",
+    }
+    assert second["seconds"] is None
+    assert (
+        second["why"]
+        == "cannot tell: nothing like the claim ahead of it, 'new', has finished here yet"
+    )
+
+    unknown_running = {"running": [running("mystery", 0)], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(unknown_running, durations, now=NOW)
+    assert (
+        guess["why"]
+        == "cannot tell: nothing like the running claim 'mystery' has finished here yet"
+    )
+
+    private = {"running": [running(None, 0)], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(private, durations, now=NOW)
+    assert guess == {"seconds": None, "why": "cannot tell: a running claim keeps its label private"}
+    assert describe_wait(guess) == guess["why"]
+
+    nothing_running = {"running": [], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(nothing_running, durations, now=NOW)
+    assert guess["seconds"] is None and "nothing is running" in guess["why"]
+
+
+def test_the_guess_is_a_median_so_one_long_run_does_not_move_it():
+    """Guards against one run left over a weekend making every later guess days long."""
+    snapshot = {"running": [running("fit", 0)], "waiting": [waiting("fit")]}
+    (guess,) = expected_waits(snapshot, {"fit": [100.0, 120.0, 200_000.0]}, now=NOW)
+    assert guess["seconds"] == 120.0
+
+
+def test_every_waiting_entry_gets_its_guess():
+    snapshot = {"running": [running("fit", 0)], "waiting": [waiting("fit"), waiting("x")]}
+    with_expected_waits(snapshot, {"fit": [10.0]})
+    assert [set(w["expected_wait"]) for w in snapshot["waiting"]] == [{"seconds", "why"}] * 2
