@@ -453,3 +453,24 @@ def test_a_claim_made_under_a_false_user_name_is_recorded_under_the_real_one(tmp
     [entry] = json.loads((tmp_path / LEDGER_FILE).read_text())["tickets"]
     assert entry["owner"]["user"] == pwd.getpwuid(os.geteuid()).pw_name
     assert entry["owner"]["uid"] == os.geteuid()
+
+
+def test_an_entry_written_before_notebooks_were_kept_still_reads(tmp_path, live_process):
+    """Guards against a ledger of an older version losing its claims, or the views their shape."""
+    older = {"pid": live_process.pid, "started": process_started(live_process.pid), "user": "x"}
+    named = {**owner_of(live_process.pid), "notebook": "work/train.ipynb"}
+    document = {
+        "version": 1,
+        "next": 3,
+        "inventory": {"cpus": 4, "gpu_ids": [], "ram_bytes": 0},
+        "tickets": [an_entry(1, older), an_entry(2, named)],
+    }
+    (tmp_path / LEDGER_FILE).write_text(json.dumps(document))
+
+    seen, said = caught_broken(lambda: read_snapshot(tmp_path))
+
+    assert said == []
+    assert [(c["ticket"], c["notebook"]) for c in seen["running"]] == [
+        (1, None),
+        (2, "work/train.ipynb"),
+    ]

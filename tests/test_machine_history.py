@@ -6,6 +6,7 @@ point is stamped with is given, so that ten minutes need not pass.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from fluksio_nb.machine_history import (
@@ -53,7 +54,7 @@ def test_points_come_no_closer_than_the_interval_and_older_ones_fall_off():
     ats = [point["at"] for point in points]
     assert ats == sorted(ats), "oldest first"
     assert ats == [float(at) for at in range(40, 59, 2)], "the last 20 s, a point each 2 s"
-    assert all(b - a >= 2.0 for a, b in zip(ats, ats[1:], strict=False))
+    assert all(b - a >= 2.0 for a, b in itertools.pairwise(ats))
 
 
 def test_cpu_outside_claims_is_the_host_less_the_claims_and_unknown_where_a_claim_is():

@@ -504,6 +504,107 @@ def test_the_monitor_says_who_holds_each_card_and_who_waits():
     }
 
 
+def test_the_monitor_names_notebooks_places_expected_waits_and_a_stopped_worker():
+    """Guards against ticket numbers where people read places, and a stopped worker's silence."""
+    from fluksio_nb.expected_wait import with_expected_waits
+
+    queue = ClaimQueue(ResourceAccountant(cpus=2, gpus=0, ram_bytes=8_000_000_000))
+    holder = queue.enqueue(ask(cpus=2, label="fit"))
+    queue.wait(holder, 1)
+    queue.enqueue(ask(cpus=2, label="fit"))
+    queue.enqueue(ask(cpus=1, label="new work"))
+    snapshot = queue.snapshot()
+    stopped_at = time.time() - 30
+    snapshot["running"][0].update(
+        notebook="work/train.ipynb",
+        readings={"rss_bytes": 1000, "cpu_percent": 0.0, "stopped_since": stopped_at},
+    )
+    snapshot["waiting"][0]["notebook"] = "work/next.ipynb"
+    with_expected_waits(snapshot, {"fit": [600.0]})
+
+    facts = machine_facts(snapshot, {}, (16_000_000_000, 9_000_000_000), pid=-1)
+
+    (running,) = facts["running"]
+    assert running["notebook"] == "work/train.ipynb"
+    assert running["stopped_since"] == stopped_at
+    fit, new = facts["waiting"]
+    assert fit["notebook"] == "work/next.ipynb" and new["notebook"] is None
+    # A start time, so the facts do not change every second as the wait counts down.
+    assert fit["expected"]["at"] % 10 == 0
+    assert 590 <= fit["expected"]["at"] - time.time() <= 610
+    assert fit["expected"]["why"] == "from 1 past run of 'fit' and the running claims' ages"
+    assert new["expected"] == {
+        "at": None,
+        "why": "cannot tell: nothing like 'new work' has finished here yet",
+    }
+
+    text = describe_snapshot(snapshot)
+    clock = time.strftime("%H:%M:%S", time.localtime(stopped_at))
+    assert f"stopped by a signal since {clock}" in text
+    assert "running  fit in work/train.ipynb: cpus=2" in text
+    assert "waiting  1st in the queue: fit in work/next.ipynb: asks cpus=2" in text
+    assert "waiting  2nd in the queue: new work: asks cpus=1" in text
+    assert "expected to start in about 10 min (from 1 past run of 'fit'" in text
+    assert "#" not in text, "a ticket number where a person reads"
+
+
+class PointEachRead:
+    """Facts that never change, and a new history point at every read, as the ticker gives."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> dict[str, Any]:
+        self.reads += 1
+        return {
+            "cpus": {"total": 2, "free": 2},
+            "running": [],
+            "history_point": {"at": float(self.reads), "cpu_percent": 5.0},
+        }
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_new_history_point_is_pushed_alone_and_the_unchanged_machine_is_not(wire):
+    """Guards against a plot that moves only with the facts, or facts pushed with every point."""
+    reader = PointEachRead()
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=reader)
+    widget = MonitorWidget(watch=watch)
+    assert "history_point" not in widget.machine
+    widget._repr_mimebundle_()
+    assert wait_until(lambda: len(wire.updates(widget)) >= 3)
+    updates = wire.updates(widget)
+    widget.close()
+    assert all(set(update) <= {"history_point", "history"} for update in updates), updates
+    ats = [update["history_point"]["at"] for update in updates]
+    assert ats == sorted(ats) and len(set(ats)) == len(ats)
+
+
+def test_the_monitors_text_plots_the_last_minutes_against_their_scales():
+    """Guards against a history without a scale, which says nothing of how busy."""
+    from fluksio_nb.overview import describe_history
+
+    points = [
+        {
+            "at": 1000.0 + 2 * n,
+            "cpu_percent": float(n),
+            "cpu_outside_claims_percent": 10.0,
+            "memory_used_bytes": 4_000_000_000,
+            "memory_total_bytes": 16_000_000_000,
+            "cards": [],
+        }
+        for n in range(101)
+    ]
+    head, cpu, ram = describe_history(points)
+    assert head == "history  the last 3 min, oldest left"
+    assert cpu.startswith("  cpu  |") and cpu.endswith(
+        "| 0-100% · now 100% used, 10% outside claims"
+    )
+    assert "█" in cpu and " " in cpu.split("|")[1], "from idle to every core busy"
+    assert ram.endswith("| 0-16.0GB · now 4.0GB/16.0GB used")
+
+
 def test_a_running_claims_readings_reach_the_monitor(declared_machine, wire):
     """The monitor must show how each running claim is doing, not just that it runs."""
     from fluksio_nb import claim
@@ -589,6 +690,50 @@ def test_claims_shows_the_live_monitor(kernel):
     data = result["content"]["data"]
     assert WIDGET_VIEW in data
     assert data["text/plain"].splitlines()[0] == "cpus  0/2 used"
+
+
+def test_the_monitor_in_a_kernel_keeps_history_and_shows_the_kernels_memory(kernel):
+    """Guards against a plot that never fills in a real kernel, or a kernel's RSS never shown."""
+    ran = kernel.run("%claims", check=True)
+    (result,) = ran.of("execute_result")
+    assert re.search(r"^this kernel  RSS \d+\.\dMB$", result["content"]["data"]["text/plain"], re.M)
+    # Shown, so watched: the monitor's ticker feeds the kernel's history.
+    kernel.run(
+        "import time\nfrom fluksio_nb.machine_history import process_history\n"
+        "deadline = time.monotonic() + 30\n"
+        "while len(process_history().points()) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)",
+        check=True,
+    )
+    points = kernel.facts("process_history().points()")
+    assert len(points) >= 2, "the monitor was shown and its history did not fill"
+    assert points[-1]["memory_total_bytes"] > 0
+    ran = kernel.run("%claims", check=True)
+    text = ran.of("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "history  the last " in text and "| 0-100% · now " in text
+
+
+def test_a_claim_names_the_notebook_its_kernel_serves(tmp_path):
+    """Guards against a monitor that names the user but not which of their notebooks."""
+    from tests.kernels import started_kernel
+
+    with started_kernel(
+        tmp_path, JPY_SESSION_NAME="/home/ada/work/train.ipynb", **IN_A_KERNEL
+    ) as k:
+        k.run("%load_ext fluksio_nb", check=True)
+        k.run("%%claim cpus=1 --background --label named\nimport time\ntime.sleep(30)", check=True)
+        k.run(
+            "import time\nfrom fluksio_nb.overview import kernel_snapshot\n"
+            "deadline = time.monotonic() + 30\n"
+            "while not kernel_snapshot()['running'] and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)",
+            check=True,
+        )
+        (claim,) = k.facts("kernel_snapshot()['running']")
+        assert claim["notebook"] == "/home/ada/work/train.ipynb"
+        text = k.run("%claims", check=True).of("execute_result")[0]["content"]["data"]
+        (line,) = [s for s in text["text/plain"].splitlines() if s.startswith("running")]
+        assert re.match(r"running  named( \(yours\))? in /home/ada/work/train\.ipynb: cpus=1", line)
 
 
 def test_without_ray_the_monitor_has_no_ray_section_and_imports_no_ray(kernel):
