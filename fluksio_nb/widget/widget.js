@@ -346,7 +346,9 @@ function renderClaim(model, el) {
               rss,
               budget
                 ? `${human(rss)}/${human(budget)} used`
-                : `${human(rss)}/${human(ceiling)} of the host used`,
+                : reading
+                  ? `${human(rss)}/${human(ceiling)} of the host used`
+                  : "no reading yet",
             ),
             scaledSparkline(rssHistory, 0, "fluksio-spark-rss", human),
           ),

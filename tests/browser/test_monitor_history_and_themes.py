@@ -1,0 +1,153 @@
+"""The monitor's history plot and the widgets' colours, in a real JupyterLab, light and dark.
+
+Only a browser shows these: a plot that is drawn once and never moves, axis
+labels that are missing, and text whose colour reads on a white page but
+not on JupyterLab's dark one (WCAG asks for 4.5:1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from tests.browser.lab import JupyterLab
+
+pytestmark = pytest.mark.timeout(240)
+
+THEMES = "lab/api/settings/@jupyterlab/apputils-extension:themes"
+
+#: Every text element in a widget, and the contrast of its colour against the
+#: nearest background that is not transparent, as WCAG 2 defines it.
+CONTRAST = """(root) => {
+  const channel = (c) => {
+    c /= 255;
+    return c <= 0.03928 ? c / 12.92 : Math.pow((c + 0.055) / 1.055, 2.4);
+  };
+  const parse = (colour) => {
+    const m = colour.match(/rgba?\\(([^)]+)\\)/);
+    if (!m) return null;
+    const [r, g, b, a] = m[1].split(/[ ,/]+/).map(Number);
+    return { r, g, b, a: a === undefined || Number.isNaN(a) ? 1 : a };
+  };
+  const luminance = (c) => 0.2126 * channel(c.r) + 0.7152 * channel(c.g) + 0.0722 * channel(c.b);
+  const background = (node) => {
+    for (let n = node; n; n = n.parentElement) {
+      const c = parse(getComputedStyle(n).backgroundColor);
+      if (c && c.a > 0.5) return c;
+    }
+    return { r: 255, g: 255, b: 255, a: 1 };
+  };
+  const found = [];
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let t = walker.nextNode(); t; t = walker.nextNode()) {
+    if (!t.textContent.trim()) continue;
+    const node = t.parentElement;
+    const style = getComputedStyle(node);
+    let fg = parse(style.color);
+    if (node instanceof SVGElement) fg = parse(style.fill) || fg;
+    const bg = background(node);
+    // Semi-transparent text (JupyterLab's secondary font colours) over its background.
+    const mixed = {
+      r: fg.r * fg.a + bg.r * (1 - fg.a),
+      g: fg.g * fg.a + bg.g * (1 - fg.a),
+      b: fg.b * fg.a + bg.b * (1 - fg.a),
+    };
+    const [hi, lo] = [luminance(mixed), luminance(bg)].sort((x, y) => y - x);
+    found.push({ text: t.textContent.trim().slice(0, 40), ratio: (hi + 0.05) / (lo + 0.05) });
+  }
+  return found;
+}"""
+
+
+def set_theme(lab: JupyterLab, theme: str) -> None:
+    lab.api("PUT", THEMES, {"raw": json.dumps({"theme": theme})})
+
+
+@pytest.fixture
+def dark(lab: JupyterLab) -> Iterator[None]:
+    """JupyterLab's dark theme for pages opened in this test, and the light one after it."""
+    set_theme(lab, "JupyterLab Dark")
+    yield
+    set_theme(lab, "JupyterLab Light")
+
+
+def test_the_monitors_history_plot_moves_against_its_scales(notebook, page):
+    """The plot must gain points while shown, with 0-100% and 0-total memory on its axes."""
+    nb = notebook("history.ipynb", ["%load_ext fluksio_nb", "%claims"])
+    nb.run_all()
+    monitor = nb.wait_for(1, ".fluksio-monitor")
+    cpu = monitor.locator("[data-field=history-cpu]")
+    cpu.wait_for(timeout=60_000)
+    first = int(cpu.get_attribute("data-points"))
+    # A point every two seconds while the monitor is shown: wait for two more.
+    page.page.wait_for_function(
+        """(first) => {
+          const svg = document.querySelector('.fluksio-monitor [data-field=history-cpu]');
+          return svg && Number(svg.dataset.points) >= first + 2;
+        }""",
+        arg=first,
+        timeout=60_000,
+    )
+    axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
+    assert axis[:2] == ["100%", "0%"] and "10 min ago" in axis and "now" in axis, axis
+    memory = monitor.locator("[data-field=history-memory]")
+    top, bottom = [t.strip() for t in memory.locator("text").all_text_contents()][:2]
+    assert top.endswith("GB") and bottom == "0", (top, bottom)
+    said = monitor.locator("[data-field=host-memory]").inner_text()
+    assert said.endswith(" used") and "/" in said, said
+    assert " outside claims" in monitor.locator("[data-field=host-cpu]").inner_text()
+    assert monitor.locator("[data-field=kernel-rss]").inner_text().startswith("RSS ")
+    nb.screenshot("monitor-history")
+    assert page.errors == [], page.errors
+
+
+def test_in_the_dark_theme_every_widget_text_keeps_its_contrast(dark, notebook, page):
+    """The claim widget's and the monitor's text must read at 4.5:1 on JupyterLab Dark."""
+    nb = notebook(
+        "dark.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            "%%claim cpus=1 --background --label fine\nimport time\ntime.sleep(30)",
+            "%claims",
+            "%%claim cpus=1 --label failing\nraise ValueError('boom')",
+        ],
+    )
+    assert page.page.evaluate("document.body.dataset.jpThemeLight") == "false"
+    nb.run_all()
+    nb.wait_for(1, ".fluksio-claim[data-phase=running] [data-field=rss]")
+    running = nb.output_of(1).locator(".fluksio-claim")
+    monitor = nb.wait_for(2, ".fluksio-monitor")
+    # The failed claim's ending is shown in the colour of a failure: that text is checked too.
+    monitor.locator("[data-list=finished] [data-ending=error]").wait_for(timeout=60_000)
+    nb.screenshot("widgets-dark")
+
+    for name, widget in (("claim", running), ("monitor", monitor)):
+        seen = widget.first.evaluate(CONTRAST)
+        assert seen, f"the {name} widget has no text"
+        low = [(s["text"], round(s["ratio"], 2)) for s in seen if s["ratio"] < 4.5]
+        assert low == [], f"text in the {name} widget below 4.5:1 on the dark theme: {low}"
+    assert page.errors == [], page.errors
+
+
+def test_in_the_light_theme_every_widget_text_keeps_its_contrast(notebook, page):
+    """The same on JupyterLab Light, which the dark theme's colours must not spoil."""
+    nb = notebook(
+        "light.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            "%%claim cpus=1 --background --label fine\nimport time\ntime.sleep(30)",
+            "%claims",
+            "%%claim cpus=1 --label failing\nraise ValueError('boom')",
+        ],
+    )
+    nb.run_all()
+    nb.wait_for(1, ".fluksio-claim[data-phase=running] [data-field=rss]")
+    running = nb.output_of(1).locator(".fluksio-claim")
+    monitor = nb.wait_for(2, ".fluksio-monitor")
+    monitor.locator("[data-list=finished] [data-ending=error]").wait_for(timeout=60_000)
+    for name, widget in (("claim", running), ("monitor", monitor)):
+        seen = widget.first.evaluate(CONTRAST)
+        low = [(s["text"], round(s["ratio"], 2)) for s in seen if s["ratio"] < 4.5]
+        assert low == [], f"text in the {name} widget below 4.5:1 on the light theme: {low}"
