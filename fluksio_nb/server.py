@@ -146,6 +146,7 @@ class HistoryFeeder:
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
         self._out = False
+        self._said: str | None = None
 
     def tick(self) -> None:
         if self._out:
@@ -164,7 +165,12 @@ class HistoryFeeder:
         try:
             take_point(process_history(), read_books())
         except Exception as error:
-            self.log.warning("fluksio_nb: a point of the machine's history was lost: %s", error)
+            # Said once, not every two seconds: broken settings stay broken until fixed.
+            if str(error) != self._said:
+                self._said = str(error)
+                self.log.warning("fluksio_nb: points of the machine's history are lost: %s", error)
+        else:
+            self._said = None
 
 
 class CancelHandler(_LedgerHandler):

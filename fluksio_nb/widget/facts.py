@@ -24,6 +24,9 @@ Decisions made here:
   read as every other view reads them: NVML or ``nvidia-smi``. A card nobody
   could read is shown held or free, without figures; a claim's card memory
   is shown only where it was read, never as zero for unknown.
+- **Expected waits travel as start times too** (``expected``: ``at``, rounded
+  to :data:`EXPECTED_STEP_S`), for the same reason; ``at`` is ``None`` where
+  nobody can tell, and ``why`` always says what the guess is from, or why not.
 - **Text is text.** Labels and messages come from users; the HTML fallbacks
   escape every one of them, and the front end sets them with ``textContent``.
 """
@@ -110,6 +113,9 @@ def _reading(sample: Sample) -> dict[str, Any]:
         "cpu_cores": sample.cpu_cores,
         "processes": sample.processes,
         "host_total_bytes": sample.host_total_bytes,
+        # Epoch seconds since the worker was stopped by a signal (SIGSTOP), where
+        # the sampler says so; None while it runs.
+        "stopped_since": getattr(sample, "stopped_since", None),
     }
 
 
