@@ -369,7 +369,7 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
 def timeout_message(ticket: Ticket, timeout: float | None, holders: list[Ticket]) -> str:
     """Why a claim gave up waiting, naming who held what it waited for."""
     held = ", ".join(
-        f"{t.label!r} ({_held(t.allocation)})" for t in holders if t.allocation is not None
+        f"{t.label!r} ({held_words(t.allocation)})" for t in holders if t.allocation is not None
     )
     return (
         f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
@@ -387,7 +387,8 @@ def _describe(ticket: Ticket) -> dict[str, object]:
     }
 
 
-def _held(allocation: Allocation | None) -> str:
+def held_words(allocation: Allocation | None) -> str:
+    """What a claim holds, as the claim line says it: ``cpus=2 gpus=0 ram=4.0GB``."""
     if allocation is None:
         return "nothing"
     words = [f"cpus={allocation.cpus}"]

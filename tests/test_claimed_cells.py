@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
-from tests.kernels import printed, started_kernel
+from tests.kernels import Until, printed, started_kernel
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -369,9 +369,10 @@ def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
 
 
 def test_an_exception_shows_the_workers_traceback(kernel):
-    # The cell after this one: its traceback says its In[n], as the notebook numbers it.
-    number = kernel.facts("get_ipython().execution_count") + 1
     ran = kernel.run("%%claim gpus=1\ndef inner():\n    raise ValueError('boom')\ninner()")
+    # Its traceback says its In[n] as the notebook numbers it: as the kernel said it began.
+    (began,) = ran.of("execute_input")
+    number = began["content"]["execution_count"]
     assert ran.status == "error"
     assert ran.error["ename"] == "ValueError"
     assert "boom" in ran.error["evalue"]
@@ -397,6 +398,27 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     # Where the user's cell was, as the worker says it; none of fluksio_nb's frames.
     shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
     assert "----> 3 time.sleep(60)" in shown and "fluksio_nb" not in shown, shown
+    assert_books_balanced(kernel)
+    assert kernel.facts("'still here'") == "still here"
+
+
+def test_a_worker_stopped_by_a_signal_says_so_and_the_stop_button_still_ends_it(kernel):
+    """``kill -STOP`` or a debugger must not leave a cell hanging with no word."""
+    msg_id = kernel.client.execute(
+        "%%claim --label frozen\nimport os, signal\nos.kill(os.getpid(), signal.SIGSTOP)"
+    )
+
+    def says_stopped(ran) -> bool:
+        # The live status is the claim's widget: its state, pushed as comm messages.
+        return any(
+            "stopped by a signal since" in m["content"]["data"].get("state", {}).get("doing", "")
+            for m in kernel.seen
+            if m["msg_type"] == "comm_msg"
+        )
+
+    kernel.messages_of(msg_id, until=Until("say it was stopped by a signal", says_stopped))
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"
 
@@ -599,7 +621,7 @@ def test_a_background_cell_shows_no_stale_out_and_its_handle_says_how_it_is_now(
     shown = kernel.run("job", check=True).of("execute_result", "display_data")
     assert len(shown) == 1, shown
     text = shown[0]["content"]["data"]["text/plain"]
-    assert text.startswith("<Job 'nightly': nightly: ok after"), text
+    assert text.startswith("<Job 'nightly': nightly: ok · "), text
 
 
 def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespace(kernel):
