@@ -17,7 +17,9 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
+from tests import small_shm
 from tests.kernels import printed, started_kernel
+from tests.small_shm import require_small_shm
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -323,6 +325,36 @@ def test_a_name_that_cannot_come_back_fails_the_cell_in_one_paragraph_naming_it(
     assert shown.strip().count("\n") == 0, "one paragraph, no traceback through fluksio_nb"
     assert kernel.facts("[steps, 'lock' in dir()]") == [3, False]
     assert_books_balanced(kernel)
+
+
+def test_a_name_too_big_for_dev_shm_fails_the_cell_naming_it_and_the_rest_come_back(tmp_path):
+    """Guards against a full /dev/shm as a bus error, a hang, an ok cell missing a name, or
+    a half-written file left taking the room: the one name fails, in words, and nothing stays."""
+    require_small_shm()
+    with started_kernel(tmp_path, launched_by=small_shm.launcher("4m"), **INVENTORY) as small:
+        ran = small.run(
+            "%%claim\nimport numpy as np\n"
+            # 800 KB: through /dev/shm too, and it has room for that.
+            "fits = np.arange(100_000)\n"
+            "big = np.ones(2**21)\n"  # 16 MiB, four times the room there is
+            "small = 7"
+        )
+        assert ran.status == "error" and ran.error["ename"] == "NotBroughtBack", ran.error
+        shown = "".join(ran.error["traceback"])
+        assert "this name did not come back to the kernel: big (" in shown, shown
+        assert "/dev/shm has no room for 16 MiB (4.0 MiB in all)" in shown, shown
+        assert "Errno" not in shown, "in words, not as an errno"
+        assert shown.strip().count("\n") == 0, "one paragraph, no traceback through fluksio_nb"
+        assert small.facts("[small, int(fits.sum()), 'big' in dir()]") == [7, 4999950000, False]
+        # Its /dev/shm, as the kernel and its worker see it: nothing half-written left there.
+        assert small.facts("sorted(__import__('os').listdir('/dev/shm'))") == []
+        assert small.books()["running"] == []
+        # Room enough again once the cell leaves the big one behind.
+        ran = small.run(
+            "%%claim\nimport numpy as np\nbig = np.ones(2**21)\nhead = big[:3].tolist()\ndel big"
+        )
+        assert ran.status == "ok", ran.so_far()
+        assert small.facts("head") == [1.0, 1.0, 1.0]
 
 
 def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
