@@ -565,6 +565,35 @@ def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell
     assert_books_balanced(kernel)
 
 
+def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(kernel):
+    """Guards against the warning pointing into fluksio_nb (`context.py:133`), where the user
+    can change nothing, and against the next claim shrunk the same way going unsaid, as
+    Python's once-per-line default had it."""
+
+    def where_told(ran):
+        told = re.findall(r"^(.+):(\d+): ClampedWarning: cpus=64 is more than", ran.stderr, re.M)
+        assert len(told) == 1, ran.stderr
+        assert "fluksio_nb" not in ran.stderr, ran.stderr
+        return Path(told[0][0]).parent, int(told[0][1])
+
+    # Where a normal cell's own warning points: the kernel's files for its cells.
+    mine = kernel.run("import warnings\nwarnings.warn('mine')", check=True).stderr
+    cells = Path(re.match(r"(.+):2: UserWarning: mine", mine)[1]).parent
+    magic = kernel.run("%%claim cpus=64\nn = __import__('os').environ['OMP_NUM_THREADS']")
+    assert magic.status == "ok" and kernel.facts("n") == "2"
+    assert where_told(magic) == (cells, 1)
+    block = kernel.run(
+        "from fluksio_nb import claim\n\nwith claim(cpus=64) as c:\n    n = c.allocation.cpus",
+        check=True,
+    )
+    assert where_told(block) == (cells, 3)
+    assert "\n  with claim(cpus=64) as c:\n" in block.stderr, "the user's line, shown under it"
+    assert kernel.facts("n") == 2
+    again = kernel.run("%%claim cpus=64\nx = 1", check=True)
+    assert where_told(again) == (cells, 1)
+    assert_books_balanced(kernel)
+
+
 # -----------------------------------------------------------------------------
 # Workers: warm per environment, GPU workers never reused
 # -----------------------------------------------------------------------------
