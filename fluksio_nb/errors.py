@@ -83,7 +83,7 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
         if module.partition(".")[0] not in _MACHINERY:
             break
         outermost, frame = frame, frame.f_back
-    # Only machinery all the way out (a thread of fluksio_nb's own): where it started.
+    # Machinery all the way out, which no claim made in a cell or a script is: the outermost.
     at = frame or outermost
     warnings.warn_explicit(
         message,
