@@ -34,7 +34,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +42,13 @@ from typing import Any, Literal
 from pydantic import ByteSize
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
+from fluksio_nb.errors import (
+    ClaimCancelled,
+    ClaimTimeout,
+    ClaimTooLarge,
+    ClampedWarning,
+    warn_at_users_line,
+)
 from fluksio_nb.resources import Resources
 
 #: How often a waiter looks at its own deadline when nothing wakes it. Grants
@@ -357,11 +362,10 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             "gpu_ram": wanted.gpu_ram if gpus else None,
         }
     )
-    warnings.warn(
+    warn_at_users_line(
         f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
         f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
         ClampedWarning,
-        stacklevel=4,
     )
     return shrunk
 
