@@ -31,7 +31,7 @@ from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatte
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.settings import load_settings
-from fluksio_nb.status import describe_gpu
+from fluksio_nb.status import describe_gpu, ordinal
 
 
 def read_books(books: Books | None = None) -> dict[str, Any]:
@@ -288,12 +288,6 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         lines.append(f"finished (last {len(finished)}, newest first)")
         lines += [f"  {describe_finished(claim)}" for claim in finished]
     return "\n".join(lines)
-
-
-def ordinal(n: int) -> str:
-    """``1st``, ``2nd``, ``3rd``, ``11th``: a place as people say it."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def describe_span(seconds: float) -> str:

@@ -595,31 +595,16 @@ def test_the_monitor_names_notebooks_places_expected_waits_and_a_stopped_worker(
     assert "#" not in text, "a ticket number where a person reads"
 
 
-def test_a_reading_that_says_its_worker_was_stopped_reaches_the_widget_and_the_monitor(wire):
-    """Guards against a SIGSTOPped worker's cell hanging with no word, once readings say so."""
-    from dataclasses import dataclass
-
-    # The sampler's readings gain ``stopped_since``; any reading that has it is shown.
-    @dataclass(frozen=True, slots=True)
-    class StoppedSample(Sample):
-        stopped_since: float | None = None
-
+def test_a_claim_of_this_kernel_stopped_by_a_signal_says_so_in_the_monitor():
+    """Guards against a SIGSTOPped worker's claim looking merely idle in %claims."""
     stopped_at = time.time() - 5
     status = running_status()
-    base = sample(200_000_000)
-    status.readings.add(
-        StoppedSample(**{f: getattr(base, f) for f in Sample.__slots__}, stopped_since=stopped_at)
-    )
-    widget = ClaimWidget(status)
-    assert widget.reading["stopped_since"] == stopped_at
-
+    status.stopped_since = stopped_at
     queue = ClaimQueue(ResourceAccountant(cpus=2, gpus=0, ram_bytes=8_000_000_000))
     mine = queue.enqueue(ask(cpus=1, label="fit"))
     queue.wait(mine, 1)
-    snapshot = queue.snapshot()
-    facts = machine_facts(snapshot, {mine.number: status}, (16_000_000_000, 9_000_000_000))
+    facts = machine_facts(queue.snapshot(), {mine.number: status}, (16_000_000_000, 9_000_000_000))
     assert facts["running"][0]["stopped_since"] == stopped_at
-    widget.close()
 
 
 class PointEachRead:

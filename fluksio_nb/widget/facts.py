@@ -115,9 +115,6 @@ def _reading(sample: Sample) -> dict[str, Any]:
         "cpu_cores": sample.cpu_cores,
         "processes": sample.processes,
         "host_total_bytes": sample.host_total_bytes,
-        # Epoch seconds since the worker was stopped by a signal (SIGSTOP), where
-        # the sampler says so; None while it runs.
-        "stopped_since": getattr(sample, "stopped_since", None),
     }
 
 
@@ -193,9 +190,8 @@ def machine_facts(
         status = statuses.get(claim["ticket"]) if entry["mine"] else None
         if status is not None:
             _add_own_readings(entry, status, now_wall, now_mono)
-            latest = status.readings.latest
-            stopped = getattr(latest, "stopped_since", None)
-            entry["stopped_since"] = stopped if stopped is not None else entry["stopped_since"]
+            # As its own cell knows it, without waiting for the books to hear.
+            entry["stopped_since"] = status.stopped_since
             # Its own reading of its own tree, with its card budget: as its cell says.
             entry["gpu"] = claim_gpu_text(status) or entry["gpu"]
         elif claim.get("readings"):

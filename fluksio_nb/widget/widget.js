@@ -338,15 +338,6 @@ function renderClaim(model, el) {
           body.push(h("div", "fluksio-row fluksio-doing", model.get("doing")));
         }
         body.push(put(h("div", "fluksio-row"), field("share", null, share(allocation, budget))));
-        if (reading && reading.stopped_since) {
-          const stopped = h(
-            "div",
-            "fluksio-stopped",
-            `stopped by a signal since ${wallClock(reading.stopped_since)}`,
-          );
-          stopped.dataset.field = "stopped";
-          body.push(stopped);
-        }
         const rss = reading ? reading.rss_bytes : 0;
         const ceiling = budget || (reading ? reading.host_total_bytes : 0);
         const fraction = ceiling ? rss / ceiling : 0;
