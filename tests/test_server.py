@@ -291,9 +291,13 @@ def test_the_history_holds_the_machines_cpu_and_memory_used_and_total(server):
     def two_points() -> list[dict[str, Any]] | None:
         status, _, body = call(server, "GET", "fluksio/api/history")
         assert status == 200, body
-        return body["points"] if len(body["points"]) >= 2 else None
+        points = body["points"]
+        # While a claim another test held is still taken for alive, and has no
+        # reading, what the claims use is unknown; once it has gone, it is known.
+        known = points and points[-1]["cpu_outside_claims_percent"] is not None
+        return points if len(points) >= 2 and known else None
 
-    points = wait_for(two_points, "two points of the machine's history")
+    points = wait_for(two_points, "two points of the machine's history, the last one whole", 60)
     _, _, body = call(server, "GET", "fluksio/api/history")
     assert body["span_s"] == 600 and body["interval_s"] > 0
     first, second = points[:2]
@@ -302,9 +306,8 @@ def test_the_history_holds_the_machines_cpu_and_memory_used_and_total(server):
         assert 0 <= point["cpu_percent"] <= 100
         total = point["memory_total_bytes"]
         assert 0 < point["memory_used_bytes"] <= total
-        # Books that see every claim: what no claim used is known.
-        assert point["cpu_outside_claims_percent"] is not None
-        assert point["cpu_outside_claims_percent"] <= point["cpu_percent"]
+        outside = point["cpu_outside_claims_percent"]
+        assert outside is None or outside <= point["cpu_percent"]
         # No card is read here (no driver): a card nobody read is left out.
         assert point["cards"] == []
     status, _, _ = call(server, "GET", "fluksio/api/history", token=None)
