@@ -52,10 +52,15 @@ SPARK_POINTS = 60
 #: How far, as a share of the host, its available memory must move to be news.
 HOST_MEMORY_STEP = 0.005
 
-#: The left border's colour by phase and ending. Only the border: a static page
-#: has no theme to ask for a text colour that reads on it, so the text is the
-#: theme's own (JupyterLab's variable, or the page's colour elsewhere).
-_COLOURS = {"waiting": "#b26b00", "running": "#1565c0", "ok": "#2e7d32", "failed": "#c62828"}
+#: The left border's colour by phase and ending, as :func:`~fluksio_nb.status.status_bundle`
+#: marks it: JupyterLab's theme colour where there is one. Only the border: the
+#: text keeps the theme's own colour (4.5:1 in light and dark), a bar needs 3:1.
+_COLOURS = {
+    "waiting": "var(--jp-warn-color1, #b26b00)",
+    "running": "var(--jp-brand-color1, #1565c0)",
+    "ok": "var(--jp-success-color1, #2e7d32)",
+    "failed": "var(--jp-error-color1, #c62828)",
+}
 
 
 # -----------------------------------------------------------------------------
