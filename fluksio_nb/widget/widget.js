@@ -755,7 +755,7 @@ function finishedList(finished) {
         h("span", "fluksio-ending", c.ending),
         " ",
         h("span", "fluksio-label", c.label),
-        h("span", "fluksio-muted", ` · ${c.user}${c.notebook ? ` · ${c.notebook}` : ""}`),
+        whoseLine({ user: c.user, notebook: c.notebook, mine: false }),
         ` · ${words.join(" · ")}`,
         h("span", "fluksio-clock", `ended ${wallClock(c.ended_at)}`),
       ),
@@ -783,14 +783,20 @@ function listOf(kind, title, count, empty) {
   return list;
 }
 
+// A notebook by its file name; the whole path, as its kernel was told it, on hover.
+function notebookName(path) {
+  return String(path).split("/").pop();
+}
+
 // Whose a claim is and which notebook it serves, beside its label: " · ada · train.ipynb".
 function whoseLine(claim) {
   const parts = [];
   if (claim.user && !claim.mine) parts.push(claim.user);
-  if (claim.notebook) parts.push(claim.notebook);
+  if (claim.notebook) parts.push(notebookName(claim.notebook));
   if (!parts.length) return null;
   const span = h("span", "fluksio-muted", ` · ${parts.join(" · ")}`);
   span.dataset.field = "whose";
+  if (claim.notebook) span.title = claim.notebook;
   return span;
 }
 
