@@ -2,7 +2,7 @@
 
 A claim on this machine (:mod:`fluksio_nb.local_claim`) and a claim on a Ray
 cluster (:mod:`fluksio_nb.ray.claim`) must read the same to the user: the same
-status while they wait, the same live view once they run, the same summary
+status while they wait, the same live view once they run, the same record
 left behind however they end, and the same ``with`` block, ``c.run`` and
 ``c.readings``. So that is written once, here, in :class:`ClaimLifecycle`,
 and a place to run a claim says only how it acquires its share
@@ -51,7 +51,7 @@ from fluksio_nb.worker.client import Outcome
 
 #: How long a claim waits before it is shown waiting. A running claim is shown
 #: at its first reading, one sampling interval in. A cell done sooner shows
-#: only its summary: a live view of a cell that is over before anyone could
+#: only its record: a live view of a cell that is over before anyone could
 #: read it costs more than the cell (measured: most of a trivial claimed
 #: cell's time went to drawing it).
 SHOW_AFTER_S = 0.25
@@ -61,7 +61,7 @@ class ClaimLifecycle(ABC):
     """A share held from :meth:`acquire` until :meth:`release`, shown as it goes.
 
     Subclasses say how to acquire, run, give back and cancel; the status, the
-    view, the summary, the ``with`` block and :meth:`run` are the same for all.
+    view, the record, the ``with`` block and :meth:`run` are the same for all.
     """
 
     def __init__(
@@ -233,7 +233,7 @@ class ClaimLifecycle(ABC):
         TextView(self._cell).show(self.status)
 
     def _ended(self, ending: Ending) -> None:  # noqa: B027 (a hook; most places need none)
-        """What a place to run does as the claim ends, before the summary: by default nothing."""
+        """What a place to run does as the claim ends, before its record: by default nothing."""
 
 
 def ending_of(error: BaseException) -> Ending:

@@ -2,7 +2,7 @@
 
 :class:`Claim` is what a ``%%claim`` cell, a ``--background`` job and a
 ``with claim(...)`` block take on this machine. Its life (waiting visibly,
-the live view, the summary, the ``with`` block) is
+the live view, the record, the ``with`` block) is
 :class:`~fluksio_nb.lifecycle.ClaimLifecycle`'s; what is its own is how it
 acquires and runs: wait in the kernel's queue, derive the environment from
 what was granted, hold its processes to the share
@@ -282,7 +282,7 @@ class Claim(ClaimLifecycle):
         # A cold worker's start is not the cell running: the live view is due
         # one reading into the cell, not into the worker's own imports, which
         # take half a second on a slow machine and put a live view, then the
-        # summary, under every first claimed cell that was over at once.
+        # record, under every first claimed cell that was over at once.
         try:
             left = None if self._deadline is None else self._deadline - time.monotonic()
             worker.wait_until_ready(timeout=30.0 if left is None else max(left, 0.0), sink=sink)

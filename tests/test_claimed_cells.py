@@ -455,6 +455,39 @@ def test_a_worker_stopped_by_a_signal_says_so_and_the_stop_button_still_ends_it(
     assert kernel.facts("'still here'") == "still here"
 
 
+def test_results_on_their_way_back_are_said_apart_from_the_running(kernel, tmp_path):
+    """A cell whose loop is over must not say "running" while its results travel."""
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        "%%claim --label sender\n"
+        "class SlowToSend:\n"
+        "    def __reduce__(self):\n"
+        "        import os, time\n"
+        f"        while not os.path.exists({str(go)!r}):\n"
+        "            time.sleep(0.05)\n"
+        "        return (int, (7,))\n"
+        "result = SlowToSend()"
+    )
+
+    def says_sending(ran) -> bool:
+        return any(
+            m["content"]["data"]
+            .get("state", {})
+            .get("doing", "")
+            .startswith("sending results back")
+            for m in kernel.seen
+            if m["msg_type"] == "comm_msg"
+        )
+
+    kernel.messages_of(msg_id, until=Until("say its results are on their way back", says_sending))
+    go.touch()
+    ran = kernel.messages_of(msg_id, timeout=60)
+    assert kernel.reply_to(msg_id)["content"]["status"] == "ok"
+    assert kernel.facts("result") == 7
+    (record,) = [t for t in ran.texts if t.startswith("sender: ok · ")]
+    assert re.match(r"sender: ok · waited [\d.]+ s(, started a worker in [\d.]+ s)?, ran ", record)
+
+
 def test_the_stop_button_while_a_claimed_cell_waits_for_input_ends_it(kernel):
     """Guards against a cell stopped at its prompt leaving the worker waiting for an answer."""
     msg_id = kernel.client.execute("%%claim\nname = input('who? ')", allow_stdin=True)

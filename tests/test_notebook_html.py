@@ -1,0 +1,61 @@
+"""A notebook run by nbconvert and turned into a web page reads as the person saw it.
+
+nbconvert's HTML is what nbviewer serves and what a notebook mailed around as
+a web page shows; it has no kernel and no widget manager to ask. Each claimed
+cell must be there as its record, the line that says how it went, and none as
+a live widget with nothing behind it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CELLS = [
+    ("%load_ext fluksio_nb", []),
+    ("%%claim cpus=1 --label long\nimport time\ntime.sleep(2)\nlong_done = True", []),
+    ("%%claim cpus=1 --label quick\nx = 1", []),
+    ("%%claim cpus=1 --label boom\n1/0", ["raises-exception"]),
+]
+
+
+def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_path: Path):
+    notebook = tmp_path / "claims.ipynb"
+    notebook.write_text(
+        json.dumps(
+            {
+                "cells": [
+                    {
+                        "cell_type": "code",
+                        "execution_count": None,
+                        "id": f"cell-{n}",
+                        "metadata": {"tags": tags},
+                        "outputs": [],
+                        "source": source,
+                    }
+                    for n, (source, tags) in enumerate(CELLS)
+                ],
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "nbformat": 4,
+                "nbformat_minor": 5,
+            }
+        )
+    )
+    jupyter = [sys.executable, "-m", "jupyter"]
+    subprocess.run(
+        [*jupyter, "nbconvert", "--to", "html", "--execute", str(notebook)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    page = html.unescape((tmp_path / "claims.html").read_text())
+    for said in ("long: ok · waited ", "quick: ok · waited ", "boom: error · waited "):
+        assert page.count(said) == 1, f"{said!r} is on the page {page.count(said)} times"
+    assert "live status" not in page, "a live widget's fallback was kept in place of its record"
+    # How nbconvert places a widget view, for a widget manager that is not there.
+    assert '<script type="application/vnd.jupyter.widget-view+json">' not in page
+    assert page.count("division by zero") == 1
