@@ -492,6 +492,7 @@ class Claim(ClaimLifecycle):
         try:
             kernel_usage_log().write(
                 UsageRecord(
+                    ticket=ticket.number,
                     label=self.status.label,
                     # jupyter_server tells the kernels it starts which notebook they serve.
                     notebook=os.environ.get("JPY_SESSION_NAME"),

@@ -475,6 +475,9 @@ def test_every_ending_of_a_claimed_cell_is_counted_by_fluksio_nb_usage(tmp_path)
     assert (holder.cpus, holder.ending) == (2, "ok")
     assert (timed_out.cpus, timed_out.granted_at, timed_out.ending) == (0, None, "timed out")
     assert (raised.cpus, raised.ending) == (1, "error")
+    # Each under the number its kernel's queue gave it, which the panel's notices match.
+    assert len({holder.ticket, timed_out.ticket, raised.ticket}) == 3
+    assert all(isinstance(r.ticket, int) for r in (holder, timed_out, raised))
     # The holder held its share from before it was queued to after it was let go,
     # and the impatient cell waited its whole second and no longer than it took.
     assert released - holder_queued <= holder.ran_s <= holder_done - holder_asked
