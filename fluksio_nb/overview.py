@@ -74,7 +74,8 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
         settings, sorted(core_ids), snapshot["cpus"]["total"]
     )
     # Kernel-only books show no claims: nobody here can say whose memory is whose.
-    return with_cards(snapshot, every_claim_known=books.mode != "kernel")
+    snapshot["sees_every_claim"] = books.mode != "kernel"
+    return with_history_facts(with_cards(snapshot, every_claim_known=books.mode != "kernel"))
 
 
 def kernel_snapshot() -> dict[str, Any]:
@@ -102,7 +103,29 @@ def kernel_snapshot() -> dict[str, Any]:
             "gpu_percent": None if latest is None else latest.gpu_percent,
         }
     # A kernel's own queue sees no other kernel's claims: it names no squatters.
-    return with_cards(snapshot, every_claim_known=not isinstance(queue, ClaimQueue))
+    snapshot["sees_every_claim"] = not isinstance(queue, ClaimQueue)
+    return with_history_facts(with_cards(snapshot, every_claim_known=snapshot["sees_every_claim"]))
+
+
+def with_history_facts(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Each claim's notebook (``None`` where unknown), and each waiting claim's expected wait.
+
+    The wait is guessed from the usage records (:mod:`fluksio_nb.expected_wait`);
+    records that cannot be read make it "cannot tell", and never fail the view.
+    """
+    from fluksio_nb.expected_wait import with_expected_waits
+    from fluksio_nb.usage.recent import process_recent_usage
+
+    for claim in snapshot.get("running", []) + snapshot.get("waiting", []):
+        claim.setdefault("notebook", None)
+    try:
+        durations = process_recent_usage().durations()
+    except Exception as error:
+        why = f"cannot tell: the usage records could not be read ({error})"
+        for claim in snapshot.get("waiting", []):
+            claim["expected_wait"] = {"seconds": None, "why": why}
+        return snapshot
+    return with_expected_waits(snapshot, durations)
 
 
 _UNREAD = object()
@@ -222,15 +245,20 @@ def _mean(values: list[float | None]) -> float | None:
     return round(sum(known) / len(known), 1) if known else None
 
 
-def describe_snapshot(snapshot: dict) -> str:
-    """The snapshot as a few lines of text: every user's claims, the reader's marked."""
+def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str:
+    """The snapshot as a few lines of text: every user's claims, the reader's marked.
+
+    Used over total, as the status bar and the panel count. Places in the
+    queue, not ticket numbers. ``finished`` is the claims that ended lately
+    (:meth:`~fluksio_nb.usage.recent.RecentUsage.finished`), newest first.
+    """
     cpus, gpus, ram = snapshot["cpus"], snapshot["gpus"], snapshot["ram_bytes"]
     lines = [
-        f"cpus  {cpus['free']}/{cpus['total']} free",
-        f"gpus  {gpus['free']}/{gpus['total']} free",
+        f"cpus  {cpus['total'] - cpus['free']}/{cpus['total']} used",
+        f"gpus  {gpus['total'] - gpus['free']}/{gpus['total']} used",
     ]
     lines += [f"  {card['text']}" for card in snapshot.get("cards") or ()]
-    lines.append(f"ram   {human(ram['free'])}/{human(ram['total'])} free")
+    lines.append(f"ram   {human(ram['total'] - ram['free'])}/{human(ram['total'])} used")
     held = snapshot.get("enforcement") or {}
     if held:
         said = " · ".join(f"{name}: {how['label']}" for name, how in held.items())
@@ -239,20 +267,93 @@ def describe_snapshot(snapshot: dict) -> str:
         held = claim["allocation"]
         cards = ",".join(str(g) for g in held["gpus"]) or "-"
         cores = f" cores={format_cpu_list(held['cores'])}" if held.get("cores") else ""
+        stopped = stopped_text((claim.get("readings") or {}).get("stopped_since"))
         lines.append(
-            f"running  #{claim['ticket']} {_whose(claim)}: cpus={held['cpus']}{cores} "
+            f"running  {_whose(claim)}{_in_notebook(claim)}: cpus={held['cpus']}{cores} "
             f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
             + (f"; {claim['gpu']['text']}" if claim.get("gpu") else "")
+            + (f"; {stopped}" if stopped else "")
         )
     for claim in snapshot.get("waiting", []):
         asked = claim["asked"]
+        wait = claim.get("expected_wait")
         lines.append(
-            f"waiting  {claim['position']}. #{claim['ticket']} {_whose(claim)}: "
-            f"cpus={asked['cpus']} gpus={asked['gpus']} ram={human(asked['ram_bytes'])}"
+            f"waiting  {ordinal(claim['position'])} in the queue: {_whose(claim)}"
+            f"{_in_notebook(claim)}: asks cpus={asked['cpus']} gpus={asked['gpus']} "
+            f"ram={human(asked['ram_bytes'])}" + (f"; {describe_wait(wait)}" if wait else "")
         )
     for squatter in snapshot.get("squatters") or ():
         lines.append(f"squatter {squatter['text']}")
+    if finished:
+        lines.append(f"finished (last {len(finished)}, newest first)")
+        lines += [f"  {describe_finished(claim)}" for claim in finished]
     return "\n".join(lines)
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``11th``: a place as people say it."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def describe_span(seconds: float) -> str:
+    """A rough length of time: ``under a minute``, ``about 4 min``, ``about 1 h 20 min``."""
+    if seconds < 60:
+        return "under a minute"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"about {minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"about {hours} h" + (f" {minutes} min" if minutes else "")
+
+
+def describe_wait(guess: Mapping[str, Any]) -> str:
+    """A waiting claim's ``expected_wait`` in words: a guess and what it is from, or why not."""
+    if guess.get("seconds") is None:
+        return str(guess["why"])
+    seconds = float(guess["seconds"])
+    when = "any moment now" if seconds < 1 else f"in {describe_span(seconds)}"
+    return f"expected to start {when} ({guess['why']})"
+
+
+def stopped_text(since: float | None) -> str:
+    """``stopped by a signal since 14:02:11`` for a worker stopped (SIGSTOP) then; else ``""``."""
+    if since is None:
+        return ""
+    import time
+
+    return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
+
+
+def describe_finished(claim: Mapping[str, Any]) -> str:
+    """One finished claim (``GET fluksio/api/finished``'s entry) in a line."""
+    import time
+
+    ended = time.strftime("%H:%M:%S", time.localtime(claim["ended_at"]))
+    whose = f"{claim['label']} ({claim['user']})"
+    where = f" in {claim['notebook']}" if claim.get("notebook") else ""
+    words = [f"waited {_seconds(claim['waited_s'])}"]
+    if claim.get("ran_s") is not None:
+        words.append(f"ran {_seconds(claim['ran_s'])}")
+    else:
+        words.append("never got its share")
+    if claim.get("peak_rss_bytes") is not None:
+        words.append(f"peak RSS {human(claim['peak_rss_bytes'])}")
+    if claim.get("peak_gpu_bytes") is not None:
+        words.append(f"peak GPU {human(claim['peak_gpu_bytes'])}")
+    return f"{ended} {claim['ending']}: {whose}{where}, " + ", ".join(words)
+
+
+def _seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _in_notebook(claim: Mapping[str, Any]) -> str:
+    return f" in {claim['notebook']}" if claim.get("notebook") else ""
 
 
 def _card_use(card: Mapping[str, Any]) -> str:
@@ -295,7 +396,7 @@ def _whose(claim: dict) -> str:
 
 
 def _where(claim: dict) -> str:
-    return claim.get("notebook") or f"pid {claim['pid']}"
+    return f"pid {claim['pid']}"
 
 
 def ray_now() -> dict | None:
@@ -311,11 +412,72 @@ def ray_now() -> dict | None:
     return ray_snapshot()
 
 
-def describe_monitor(snapshot: dict, ray: dict | None = None) -> str:
-    """What ``%claims`` says as text: the machine's books, then the Ray cluster if connected."""
-    text = describe_snapshot(snapshot)
+def describe_monitor(
+    snapshot: dict,
+    ray: dict | None = None,
+    *,
+    history: list[dict] | None = None,
+    kernel_rss_bytes: int | None = None,
+    finished: list[dict] | None = None,
+) -> str:
+    """What ``%claims`` says as text: the machine's books, then the Ray cluster if connected.
+
+    With ``history`` (the points of :mod:`fluksio_nb.machine_history`), the
+    last ten minutes as a line of blocks each for CPU and memory, with their
+    scales; with ``kernel_rss_bytes``, this kernel's own memory.
+    """
+    lines = [describe_snapshot(snapshot, finished)]
+    if kernel_rss_bytes is not None:
+        lines.append(f"this kernel  RSS {human(kernel_rss_bytes)}")
+    if history:
+        lines += describe_history(history)
+    text = "\n".join(lines)
     if ray is None:
         return text
     from fluksio_nb.ray.monitor import describe_ray
 
     return f"{text}\n{describe_ray(ray)}"
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def _blocks(values: list[float], top: float, width: int = 40) -> str:
+    if not values or top <= 0:
+        return ""
+    step = max(1, -(-len(values) // width))
+    buckets = [max(values[i : i + step]) for i in range(0, len(values), step)]
+    return "".join(
+        _BLOCKS[min(len(_BLOCKS) - 1, round(v / top * (len(_BLOCKS) - 1)))] for v in buckets
+    )
+
+
+def describe_history(points: list[dict]) -> list[str]:
+    """The last ten minutes in a few lines: CPU and memory as blocks, their scales, the latest."""
+    if not points:
+        return []
+    last = points[-1]
+    minutes = max(1, round((last["at"] - points[0]["at"]) / 60))
+    cpu = _blocks([p["cpu_percent"] for p in points], 100.0)
+    outside = last.get("cpu_outside_claims_percent")
+    outside_text = "" if outside is None else f", {outside:.0f}% outside claims"
+    total = last["memory_total_bytes"]
+    memory = _blocks([p["memory_used_bytes"] for p in points], float(total))
+    lines = [
+        f"history  the last {minutes} min, oldest left",
+        f"  cpu  |{cpu}| 0-100% · now {last['cpu_percent']:.0f}% used{outside_text}",
+        f"  ram  |{memory}| 0-{human(total)} · now "
+        f"{human(last['memory_used_bytes'])}/{human(total)} used",
+    ]
+    for card in last.get("cards") or ():
+        if card.get("total_bytes") and card.get("used_bytes") is not None:
+            used = [
+                next((c["used_bytes"] or 0 for c in p["cards"] if c["index"] == card["index"]), 0)
+                for p in points
+            ]
+            lines.append(
+                f"  card {card['index']} |{_blocks(used, float(card['total_bytes']))}| "
+                f"0-{human(card['total_bytes'])} · now {human(card['used_bytes'])}/"
+                f"{human(card['total_bytes'])} used"
+            )
+    return lines

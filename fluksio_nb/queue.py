@@ -207,7 +207,11 @@ class ClaimQueue:
                 for position, ticket in enumerate(self._waiting, start=1)
             ]
             running = [
-                {**_describe(ticket), "allocation": ticket.allocation.as_dict()}
+                {
+                    **_describe(ticket),
+                    "allocation": ticket.allocation.as_dict(),
+                    "granted_at": ticket.granted_at,
+                }
                 for ticket in self._running.values()
                 if ticket.allocation is not None
             ]
@@ -384,6 +388,8 @@ def _describe(ticket: Ticket) -> dict[str, object]:
         "label": ticket.label,
         "since": ticket.since,
         "pid": ticket.pid,
+        # A kernel's own books hold its own claims: jupyter_server names its notebook.
+        "notebook": os.environ.get("JPY_SESSION_NAME") if ticket.pid == os.getpid() else None,
     }
 
 

@@ -28,6 +28,12 @@ What it decides:
   "you may not".
 - **Settings are read on every request**, as ``fluksio-nb`` reads them, so a
   corrected config file takes effect without restarting the server.
+- **It keeps the machine's last ten minutes** (:mod:`fluksio_nb.machine_history`),
+  a point every couple of seconds from a periodic callback that only hands
+  the reading to a worker thread, and skips a beat while the last one is
+  still out: the loop never waits on it. The finished claims come from the
+  usage records, read again only when they change
+  (:mod:`fluksio_nb.usage.recent`).
 - **Kernels it starts get the fair share** of the cores no claim holds: it
   makes :mod:`fluksio_nb.provisioner` the server's default kernel provisioner.
 """
@@ -36,12 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
-from tornado import web
+from tornado import ioloop, web
 
 from fluksio_nb.errors import BadClaim
 
@@ -111,6 +118,55 @@ class SnapshotHandler(_LedgerHandler):
         self.finish(snapshot)
 
 
+class HistoryHandler(_LedgerHandler):
+    """``GET fluksio/api/history``: the machine's CPU, memory and cards, the last ten minutes."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        from fluksio_nb.machine_history import process_history
+
+        self.finish(process_history().as_json())
+
+
+class FinishedHandler(_LedgerHandler):
+    """``GET fluksio/api/finished``: the last claims that ended, newest first, with their peaks."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        from fluksio_nb.usage.recent import process_recent_usage
+
+        self.finish(await _off_the_loop(process_recent_usage().finished))
+
+
+class HistoryFeeder:
+    """Takes a point of the machine's history on a timer, in a worker thread, one at a time."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self._out = False
+
+    def tick(self) -> None:
+        if self._out:
+            return  # the last reading is still out: a slow disk costs points, not the loop
+        self._out = True
+        future = asyncio.get_running_loop().run_in_executor(None, self._read)
+        future.add_done_callback(self._done)
+
+    def _done(self, _future: Any) -> None:
+        self._out = False
+
+    def _read(self) -> None:
+        from fluksio_nb.machine_history import process_history, take_point
+        from fluksio_nb.overview import read_books
+
+        try:
+            take_point(process_history(), read_books())
+        except Exception as error:
+            self.log.warning("fluksio_nb: a point of the machine's history was lost: %s", error)
+
+
 class CancelHandler(_LedgerHandler):
     """``POST fluksio/api/claims/<ticket>/cancel``: a waiting claim leaves the queue,
     a running one is stopped by its kernel."""
@@ -156,9 +212,17 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         ".*$",
         [
             (url_path_join(base_url, "fluksio/api/snapshot"), SnapshotHandler),
+            (url_path_join(base_url, "fluksio/api/history"), HistoryHandler),
+            (url_path_join(base_url, "fluksio/api/finished"), FinishedHandler),
             (url_path_join(base_url, r"fluksio/api/claims/(\d+)/cancel"), CancelHandler),
         ],
     )
+    from fluksio_nb.machine_history import INTERVAL_S
+
+    feeder = HistoryFeeder(serverapp.log)
+    periodic = ioloop.PeriodicCallback(feeder.tick, INTERVAL_S * 1000)
+    web_app.settings["fluksio_history_feeder"] = periodic
+    serverapp.io_loop.add_callback(periodic.start)
     serverapp.log.info(
         "fluksio_nb: the machine's ledger is served at %s",
         url_path_join(base_url, "fluksio/api/snapshot"),

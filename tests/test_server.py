@@ -263,6 +263,118 @@ def test_a_claim_number_of_thousands_of_digits_is_404_not_a_crash(server):
     assert status == 404, body
 
 
+def past_runs(server: JupyterLab, label: str, ran_s: list[float], **fields: Any) -> None:
+    """Usage records of claims that ended, written where the server's user's records go."""
+    from fluksio_nb.usage import UsageLog, UsageRecord
+
+    log = UsageLog(Path(server.env["JUPYTER_DATA_DIR"]) / "fluksio" / "usage")
+    now = time.time()
+    for back, ran in enumerate(ran_s):
+        ended = now - 3600 + back
+        record = {
+            "label": label,
+            "asked_at": ended - ran - 5,
+            "granted_at": ended - ran,
+            "ended_at": ended,
+            "ending": "ok",
+            "cpus": 1,
+            "peak_rss_bytes": 1000,
+            **fields,
+        }
+        log.write(UsageRecord(**record))
+    log.close()
+
+
+def test_the_history_holds_the_machines_cpu_and_memory_used_and_total(server):
+    """Guards against a history that never fills, or says free where the panel says used."""
+
+    def two_points() -> list[dict[str, Any]] | None:
+        status, _, body = call(server, "GET", "fluksio/api/history")
+        assert status == 200, body
+        return body["points"] if len(body["points"]) >= 2 else None
+
+    points = wait_for(two_points, "two points of the machine's history")
+    _, _, body = call(server, "GET", "fluksio/api/history")
+    assert body["span_s"] == 600 and body["interval_s"] > 0
+    first, second = points[:2]
+    assert first["at"] < second["at"], "oldest first"
+    for point in points:
+        assert 0 <= point["cpu_percent"] <= 100
+        total = point["memory_total_bytes"]
+        assert 0 < point["memory_used_bytes"] <= total
+        # Books that see every claim: what no claim used is known.
+        assert point["cpu_outside_claims_percent"] is not None
+        assert point["cpu_outside_claims_percent"] <= point["cpu_percent"]
+        # No card is read here (no driver): a card nobody read is left out.
+        assert point["cards"] == []
+    status, _, _ = call(server, "GET", "fluksio/api/history", token=None)
+    assert status == 401
+
+
+def test_the_finished_claims_are_the_last_20_newest_first_with_their_peaks(server):
+    """Guards against a panel that forgets a claim the moment it ends."""
+    past_runs(server, "finished-batch", [float(n) for n in range(25)], peak_gpu_bytes=None)
+    never = time.time() - 10
+    from fluksio_nb.usage import UsageLog, UsageRecord
+
+    log = UsageLog(Path(server.env["JUPYTER_DATA_DIR"]) / "fluksio" / "usage")
+    log.write(
+        UsageRecord(
+            label="gave-up-waiting",
+            ticket=41,
+            notebook="work/queue.ipynb",
+            asked_at=never - 30,
+            ended_at=never,
+            ending="cancelled",
+        )
+    )
+    log.close()
+
+    status, _, body = call(server, "GET", "fluksio/api/finished")
+
+    assert status == 200, body
+    claims = body["claims"]
+    assert len(claims) == 20
+    ended = [claim["ended_at"] for claim in claims]
+    assert ended == sorted(ended, reverse=True), "newest first"
+    cancelled = claims[0]
+    assert cancelled["label"] == "gave-up-waiting" and cancelled["ticket"] == 41
+    assert cancelled["ending"] == "cancelled" and cancelled["notebook"] == "work/queue.ipynb"
+    assert cancelled["started_at"] is None and cancelled["ran_s"] is None
+    assert cancelled["peak_rss_bytes"] is None, "a claim that never ran has no peak, not 0"
+    assert cancelled["waited_s"] == pytest.approx(30, abs=0.01)
+    ran = claims[1]
+    assert ran["label"] == "finished-batch" and ran["ending"] == "ok"
+    assert ran["ran_s"] == pytest.approx(24) and ran["peak_rss_bytes"] == 1000
+    assert ran["ticket"] is None, "a record from before tickets were kept still reads"
+    assert ran["user"] == snapshot(server)["user"]
+    assert call(server, "GET", "fluksio/api/finished", token=None)[0] == 401
+
+
+def test_a_waiting_claim_has_its_place_an_expected_wait_and_its_notebook(server, claims):
+    """Guards against a queue that says nothing of how long, or guesses where it cannot."""
+    past_runs(server, "fit-run", [500.0, 600.0, 700.0])
+    claims("fit-run", gpus=2)
+    next_fit = claims("fit-run", gpus=1)
+    claims("never-seen-before", gpus=1)
+
+    machine = snapshot(server)
+
+    first, second = machine["waiting"]
+    assert (first["ticket"], first["position"]) == (next_fit.ticket, 1)
+    assert second["position"] == 2
+    guess = first["expected_wait"]
+    # The running fit-run typically holds its share 600 s, and has only just started.
+    assert 590 <= guess["seconds"] <= 600, guess
+    assert guess["why"] == "from 3 past runs of 'fit-run' and the running claims' ages"
+    assert second["expected_wait"] == {
+        "seconds": None,
+        "why": "cannot tell: nothing like 'never-seen-before' has finished here yet",
+    }
+    for claim in machine["waiting"] + machine["running"]:
+        assert claim["notebook"] is None, "a claim made outside Jupyter names no notebook"
+
+
 def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

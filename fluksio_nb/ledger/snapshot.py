@@ -102,7 +102,12 @@ def machine_snapshot(
             for position, t in enumerate(waiting, start=1)
         ],
         "running": [
-            {**who(t), "allocation": t["allocation"], "readings": t.get("readings")}
+            {
+                **who(t),
+                "allocation": t["allocation"],
+                "granted_at": t.get("granted_at"),
+                "readings": t.get("readings"),
+            }
             for t in running
         ],
     }

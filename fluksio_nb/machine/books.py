@@ -235,6 +235,7 @@ class MachineBooks:
                         "ram_bytes": e.need[2],
                         "cores": list(e.cores),
                     },
+                    "granted_at": e.granted_at,
                     "readings": e.readings,
                 }
                 for e in sorted(self.running, key=lambda e: e.number)

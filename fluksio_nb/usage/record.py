@@ -33,6 +33,9 @@ class UsageRecord(BaseModel):
 
     label: str
     notebook: str | None = None
+    #: The claim's number in the books it queued in; ``None`` in records written
+    #: before it was kept. Numbers restart with new books: an id, not a key.
+    ticket: NonNegativeInt | None = None
     #: Granted, not asked: 0 for a claim that never got its share.
     cpus: NonNegativeInt = 0
     #: The card ids granted.

@@ -1,0 +1,114 @@
+"""How long a queued claim may still wait, or why nobody can tell.
+
+"Waiting" says nothing about whether to fetch a coffee or go home. The books
+know what runs and since when, and the usage records how long the same work
+took before; from those a rough figure can be given, and where they do not
+reach, the honest answer is that nobody can tell, and why.
+
+What it decides:
+
+- **A claim's typical run is the median of its label's latest runs** (the
+  usage records, :mod:`fluksio_nb.usage.recent`). A median, so one run left
+  over a weekend does not move it.
+- **The queue is played forward.** Each running claim ends after its
+  typical run less its age (now, if it has outlasted it); each share freed
+  goes to the next claim in the queue, which then holds it for its own
+  typical run. A claim's wait is when a share first comes to it. This is
+  how the queue moves when claims are alike; it is a guess, said as one.
+- **Cannot tell is an answer.** Nothing running to wait for, a label nothing
+  like has finished here, a claim ahead whose label is private: ``seconds`` is
+  ``None`` and ``why`` says which.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def typical(durations: Mapping[str, Sequence[float]], label: str | None) -> float | None:
+    """The median of ``label``'s past runs, in seconds; ``None`` when there are none."""
+    runs = durations.get(label or "") if label else None
+    return statistics.median(runs) if runs else None
+
+
+def expected_waits(
+    snapshot: Mapping[str, Any],
+    durations: Mapping[str, Sequence[float]],
+    now: float | None = None,
+) -> list[dict[str, Any]]:
+    """Each waiting claim's ``{"seconds", "why"}``, in queue order.
+
+    ``snapshot`` has ``running`` (each with ``label`` and ``since``, when it
+    was granted or asked) and ``waiting`` in queue order; ``durations`` maps a
+    label to its past runs' seconds.
+    """
+    now = time.time() if now is None else now
+    waiting = list(snapshot.get("waiting", ()))
+    running = list(snapshot.get("running", ()))
+    if not running:
+        why = "cannot tell: nothing is running for it to wait for (it waits for room)"
+        return [{"seconds": None, "why": why} for _ in waiting]
+    ends: list[float] = []
+    unknown: str | None = None
+    for claim in running:
+        label = claim.get("label")
+        runs = typical(durations, label)
+        if runs is None:
+            unknown = _why_unknown(label, "running")
+            break
+        age = max(0.0, now - float(claim.get("granted_at") or claim.get("since") or now))
+        ends.append(max(0.0, runs - age))
+    answers: list[dict[str, Any]] = []
+    heapq.heapify(ends)
+    labels_used = {claim.get("label") for claim in running}
+    for claim in waiting:
+        label = claim.get("label")
+        if unknown is None and typical(durations, label) is None:
+            # It cannot tell how long this one holds its share, so nor when those behind it start.
+            answers.append({"seconds": None, "why": _why_unknown(label, "queued")})
+            unknown = _why_unknown(label, "ahead")
+            continue
+        if unknown is not None:
+            answers.append({"seconds": None, "why": unknown})
+            continue
+        start = heapq.heappop(ends)
+        runs = typical(durations, label)
+        assert runs is not None
+        heapq.heappush(ends, start + runs)
+        labels_used.add(label)
+        answers.append({"seconds": round(start, 1), "why": _why_known(label, durations)})
+    return answers
+
+
+def _why_unknown(label: str | None, where: str) -> str:
+    if label is None:
+        whose = {"running": "a running claim", "ahead": "a claim ahead of it"}.get(where, "it")
+        return f"cannot tell: {whose} keeps its label private"
+    subject = {
+        "running": f"the running claim {label!r}",
+        "ahead": f"the claim ahead of it, {label!r},",
+        "queued": f"{label!r}",
+    }[where]
+    return f"cannot tell: nothing like {subject} has finished here yet"
+
+
+def _why_known(label: str | None, durations: Mapping[str, Sequence[float]]) -> str:
+    runs = len(durations.get(label or "", ()))
+    return (
+        f"from {runs} past run{'s' if runs != 1 else ''} of {label!r} and the running claims' ages"
+    )
+
+
+def with_expected_waits(
+    snapshot: dict[str, Any], durations: Mapping[str, Sequence[float]]
+) -> dict[str, Any]:
+    """The snapshot with ``expected_wait`` in each waiting entry."""
+    for claim, guess in zip(
+        snapshot.get("waiting", ()), expected_waits(snapshot, durations), strict=True
+    ):
+        claim["expected_wait"] = guess
+    return snapshot
