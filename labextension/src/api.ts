@@ -178,8 +178,8 @@ export type Ending =
 
 /** A claim that has ended, anyone's on this machine. */
 export interface FinishedClaim {
-  /** An id, never shown: people read labels and positions. */
-  ticket: number;
+  /** An id, never shown: people read labels and positions. Null in older records. */
+  ticket: number | null;
   label: string;
   user: string;
   notebook: string | null;

@@ -62,7 +62,7 @@ export class FinishedView {
     this._message.textContent = error ?? (claims?.length === 0 ? 'No claim has ended yet.' : '');
     this._message.hidden = !this._message.textContent;
     // Rebuilt only when the list changes: an ended claim's record does not.
-    const key = (claims ?? []).map(claim => `${claim.ticket}:${claim.ending}`).join(',');
+    const key = (claims ?? []).map(claim => `${claim.asked_at}:${claim.label}`).join(',');
     if (key === this._key) {
       return;
     }
@@ -88,7 +88,6 @@ function line(className: string, text: string, parent: HTMLElement): HTMLElement
 function row(claim: FinishedClaim): HTMLElement {
   const node = document.createElement('li');
   node.className = 'fluksio-lab-claim fluksio-lab-finished';
-  node.dataset.ticket = String(claim.ticket);
   node.dataset.mark = MARKS[claim.ending] ?? 'bad';
   const head = document.createElement('div');
   head.className = 'fluksio-lab-claim-head';
@@ -96,8 +95,10 @@ function row(claim: FinishedClaim): HTMLElement {
   line('fluksio-lab-claim-label', claim.label, head);
   const ending = line('fluksio-lab-ending', claim.ending, head);
   ending.dataset.ending = claim.ending;
-  const where = claim.notebook ?? 'no notebook';
-  line('fluksio-lab-claim-where', `${claim.user} · ${where}`, node);
+  // The record keeps the notebook's full path; its name is what a person knows it by.
+  const where = claim.notebook ? claim.notebook.split('/').pop() : 'no notebook';
+  const who = line('fluksio-lab-claim-where', `${claim.user} · ${where}`, node);
+  who.title = claim.notebook ?? 'The claim was not made from a notebook';
   line('fluksio-lab-claim-share', describeTimes(claim), node);
   const peaks = describePeaks(claim);
   if (peaks) {

@@ -142,7 +142,8 @@ export class HistoryView {
     this.node.className = 'fluksio-lab-history';
     const heading = document.createElement('h3');
     heading.className = 'fluksio-lab-heading';
-    heading.textContent = 'Last 10 minutes';
+    // The host as a whole, every process on it: not the shares above, which count claims.
+    heading.textContent = 'The host, last 10 minutes';
     this.node.appendChild(heading);
     this._message = document.createElement('div');
     this._message.className = 'fluksio-lab-note';
@@ -176,7 +177,7 @@ export class HistoryView {
       CPU,
       100,
       '100%',
-      `CPU ${latest.cpu_percent.toFixed(0)}% used` +
+      `Host CPU ${latest.cpu_percent.toFixed(0)}% used` +
         (outside === null ? '' : `, ${outside.toFixed(0)}% of it outside any claim (dashed)`)
     );
     const total = Math.max(...points.map(point => point.memory_total_bytes));
@@ -185,7 +186,7 @@ export class HistoryView {
       MEMORY,
       total,
       human(total),
-      `RAM ${human(latest.memory_used_bytes)}/${human(latest.memory_total_bytes)} used`
+      `Host memory ${human(latest.memory_used_bytes)}/${human(latest.memory_total_bytes)} used`
     );
     this._showCards(history, latest);
   }

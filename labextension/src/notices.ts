@@ -18,7 +18,10 @@
  * first seen running; it ran until it was first seen gone. The poll runs
  * every second while claims exist, far finer than the thresholds. A claim
  * first seen already running (the page was opened late) gets no notice that
- * it started, and its run is counted from when it was first seen.
+ * it started, and its run is counted from when it was first seen. A claim
+ * that started and ended between two polls is never seen running: its
+ * record among the finished claims says whether it started, and after how
+ * long, and one notice says both.
  */
 import { Notification } from '@jupyterlab/apputils';
 
@@ -46,11 +49,16 @@ export const DEFAULT_NOTICES: NoticeSettings = {
 /** What is remembered of one of this user's claims between polls. */
 interface Seen {
   label: string;
+  /** When it was asked for (the server's `since`): with the label, it finds the record. */
+  since: number;
   notebook: string | null;
   path: string | null;
   /** Browser time it was first seen running; null while it waits. */
   startedAt: number | null;
 }
+
+/** How many times the finished claims are read for one that just ended. */
+const RECORD_READS = 5;
 
 const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'timed out', 'halted']);
 
@@ -88,8 +96,13 @@ export class Notices {
     }
     if (!first) {
       for (const [ticket, claim] of seen) {
-        if (!still.has(ticket) && claim.startedAt !== null) {
+        if (still.has(ticket)) {
+          continue;
+        }
+        if (claim.startedAt !== null) {
           void this._ended(ticket, claim, now - claim.startedAt);
+        } else {
+          void this._startedAndEndedUnseen(ticket, claim);
         }
       }
     }
@@ -99,6 +112,7 @@ export class Notices {
   private _new(claim: RunningClaim | WaitingClaim, startedAt: number | null): Seen {
     return {
       label: claim.label ?? 'a claim',
+      since: claim.since,
       notebook: claim.notebook,
       path: claim.path,
       startedAt
@@ -115,27 +129,60 @@ export class Notices {
     this._say(message, 'info', seen, `fluksio-started-${claim.ticket}`);
   }
 
+  private async _startedAndEndedUnseen(ticket: number, seen: Seen): Promise<void> {
+    const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
+    if (!notifyWhenStarted) {
+      return;
+    }
+    const record = await this._record(ticket, seen);
+    // Cancelled in the queue, or no record: it never started, and the user who cancelled knows.
+    if (!record || record.started_at === null || record.waited_s <= startedAfterWaitingSeconds) {
+      return;
+    }
+    const message =
+      `${quoted(seen.label)} started after waiting ${duration(record.waited_s)}` +
+      `, and ended ${record.ending} after running ${duration(record.ran_s ?? 0)}` +
+      where(seen) +
+      '.';
+    this._say(message, kindOf(record), seen, `fluksio-started-${ticket}`);
+  }
+
   private async _ended(ticket: number, seen: Seen, ran: number): Promise<void> {
     const { notifyWhenEnded, endedAfterRunningSeconds } = this.settings;
     if (!notifyWhenEnded || ran <= endedAfterRunningSeconds) {
       return;
     }
     // The server's record says how it ended; without one, the notice says only that it did.
-    const finished = await this._model.readFinished();
-    const record: FinishedClaim | undefined = finished?.find(claim => claim.ticket === ticket);
+    const record = await this._record(ticket, seen);
     const how = record ? ` ${record.ending}` : '';
     const took = record?.ran_s ?? ran;
     const message =
       `${quoted(seen.label)} ended${how} after running ${duration(took)}` + where(seen) + '.';
-    const type =
-      record === undefined
-        ? 'info'
-        : record.ending === 'ok'
-          ? 'success'
-          : ENDINGS_THAT_WENT_WRONG.has(record.ending)
-            ? 'error'
-            : 'warning';
-    this._say(message, type, seen, `fluksio-ended-${ticket}`);
+    this._say(message, record ? kindOf(record) : 'info', seen, `fluksio-ended-${ticket}`);
+  }
+
+  /**
+   * The server's record of how the claim `ticket` ended, or undefined when it has none.
+   *
+   * A record is found by its label and the time it was asked for: ticket
+   * numbers start again with new books, and older records have none. The
+   * claim's kernel writes the record as the claim leaves the books, so the
+   * first read may come a moment before it: a few more reads, a second
+   * apart, before the notice goes out without it.
+   */
+  private async _record(ticket: number, seen: Seen): Promise<FinishedClaim | undefined> {
+    const same = (claim: FinishedClaim) =>
+      claim.label === seen.label &&
+      Math.abs(claim.asked_at - seen.since) < 1 &&
+      (claim.ticket === null || claim.ticket === undefined || claim.ticket === ticket);
+    for (let attempt = 0; ; attempt++) {
+      const finished = await this._model.readFinished();
+      const record = finished?.find(same);
+      if (record !== undefined || finished === null || attempt >= RECORD_READS - 1) {
+        return record;
+      }
+      await new Promise(resolve => setTimeout(resolve, 1000));
+    }
   }
 
   private _say(
@@ -185,6 +232,14 @@ export class Notices {
   /** Null until the first look: claims already there then were not seen to start. */
   private _seen: Map<number, Seen> | null = null;
   private _asked = false;
+}
+
+/** A notice's kind from how the claim ended: the toast's colour and icon say it too. */
+function kindOf(record: FinishedClaim): 'success' | 'warning' | 'error' {
+  if (record.ending === 'ok') {
+    return 'success';
+  }
+  return ENDINGS_THAT_WENT_WRONG.has(record.ending) ? 'error' : 'warning';
 }
 
 function quoted(label: string): string {

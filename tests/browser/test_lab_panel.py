@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
-from tests.browser.lab import OUTPUT
+from tests.browser.lab import OUTPUT, notebook_kernel
 from tests.kernels import run_in
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,26 +43,6 @@ def wait_for_status(page: Any, expected: str, timeout_s: float = 30) -> None:
     raise AssertionError(f"the status bar never showed {expected!r}; it showed {seen}")
 
 
-def second_notebook(lab: Any, path: str) -> BlockingKernelClient:
-    """A client on the kernel of a notebook session started through the server."""
-    (lab.root / Path(path).parent).mkdir(parents=True, exist_ok=True)
-    lab.write_notebook(path, [])
-    session = lab.api(
-        "POST",
-        "api/sessions",
-        {"path": path, "name": Path(path).name, "type": "notebook", "kernel": {"name": "python3"}},
-    )
-    runtime = Path(lab.env["JUPYTER_RUNTIME_DIR"])
-    client = BlockingKernelClient(
-        connection_file=str(runtime / f"kernel-{session['kernel']['id']}.json")
-    )
-    client.load_connection_file()
-    client.start_channels()
-    client.wait_for_ready(timeout=60)
-    run_in(client, "%load_ext fluksio_nb")
-    return client
-
-
 def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, page):
     """The status bar must follow a claim from start to end; the panel must name the
     notebook holding a share, cancel a waiting claim, and show labels as text."""
@@ -79,14 +57,14 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         ],
     )
     ui = page.page
-    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
     first.run_all()
-    wait_for_status(ui, "CPU 1/2 · GPU 1/2")
+    wait_for_status(ui, "CPU 1/2 used · GPU 1/2 used")
     released.touch()
-    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
 
     holder_released = lab.home / "release-holder"
-    client = second_notebook(lab, "work/second.ipynb")
+    client = notebook_kernel(lab, "work/second.ipynb")
     try:
         run_in(
             client,
@@ -97,7 +75,7 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         run_in(client, "holder = _")
         run_in(client, f"%%claim gpus=1 --background --label '{HOSTILE}'\nprint('ran')")
         run_in(client, "waiting = _")
-        wait_for_status(ui, "CPU 1/2 · GPU 2/2 · 1 waiting")
+        wait_for_status(ui, "CPU 1/2 used · GPU 2/2 used · 1 waiting")
 
         ui.locator(".fluksio-lab-status").click()
         panel = ui.locator("#fluksio-nb-panel")
@@ -117,7 +95,11 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         while "RSS" not in readings.inner_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert readings.inner_text().startswith("RSS "), readings.inner_text()
-        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == f"1. {HOSTILE}"
+        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == HOSTILE
+        # Its place in the queue, not its ticket number.
+        place = waiting.locator(".fluksio-lab-claim-readings").inner_text()
+        assert place.startswith("1st in the queue · "), place
+        assert "#" not in panel.locator(".fluksio-lab-list-waiting").inner_text()
         time.sleep(1)  # an onerror handler would have fired by now
         assert panel.locator("img, b").count() == 0
         assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
