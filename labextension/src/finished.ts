@@ -57,8 +57,8 @@ export class FinishedView {
   }
 
   show(claims: FinishedClaim[] | null, error: string | null): void {
-    this._heading.textContent =
-      claims === null ? 'Finished' : `Finished (the last ${claims.length})`;
+    this._heading.textContent = claims === null ? 'Finished' : `Finished (${claims.length})`;
+    this._heading.title = 'The last claims to end on this machine, anyone’s, newest first';
     this._message.textContent = error ?? (claims?.length === 0 ? 'No claim has ended yet.' : '');
     this._message.hidden = !this._message.textContent;
     // Rebuilt only when the list changes: an ended claim's record does not.

@@ -13,6 +13,7 @@ another user would drive it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -121,4 +122,40 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         assert page.errors == [], page.errors
     finally:
         holder_released.touch()
+        client.stop_channels()
+
+
+def test_a_queued_claim_says_its_place_and_when_it_may_start(lab, page):
+    """Its place in the queue, not its ticket; and a guess at its start from the running
+    claim's past runs, with what the guess rests on in the row's hover."""
+    released = lab.home / "release-guessed"
+    client = notebook_kernel(lab, "guess/holder.ipynb")
+    try:
+        # A past run of each label is what the guess is made from.
+        run_in(client, "%%claim cpus=2 --label holder\nx = 1")
+        run_in(client, "%%claim cpus=1 --label 'next in line'\nx = 1")
+        run_in(
+            client,
+            "%%claim cpus=2 --background --label holder\n"
+            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
+            "    time.sleep(0.1)",
+        )
+        run_in(client, "holder = _")
+        run_in(client, "%%claim cpus=1 --background --label 'next in line'\nx = 1")
+        run_in(client, "queued = _")
+        ui = page.page
+        ui.goto(lab.url("lab/workspaces/guess"))
+        ui.locator(".fluksio-lab-status").click(timeout=30_000)
+        waiting = ui.locator("#fluksio-nb-panel .fluksio-lab-list-waiting .fluksio-lab-claim")
+        waiting.first.wait_for(timeout=30_000)
+        said = waiting.locator(".fluksio-lab-claim-readings")
+        assert re.fullmatch(
+            r"1st in the queue · starts in (under a minute|about \d+ min)", said.inner_text()
+        ), said.inner_text()
+        why = said.get_attribute("title")
+        assert why.startswith("asked at ") and "from 1 past run of 'next in line'" in why, why
+        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == "next in line"
+        assert page.errors == [], page.errors
+    finally:
+        released.touch()
         client.stop_channels()
