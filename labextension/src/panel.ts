@@ -136,15 +136,16 @@ class ClaimRow {
           `machine, ${plural(readings.processes, 'process', 'processes')}`
         : '';
     } else {
-      const { asked } = claim as WaitingClaim;
+      const waiting = claim as WaitingClaim;
+      const { asked } = waiting;
       this._share.textContent =
         `asks ${plural(asked.cpus, 'CPU')}` +
         (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
         (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
-      this._readings.textContent = describeWait(claim as WaitingClaim);
-      this._readings.title =
-        `asked at ${clock(claim.since)}` +
-        ((claim as WaitingClaim).expected_wait ? `; ${(claim as WaitingClaim).expected_wait!.why}` : '');
+      this._readings.textContent = describeWait(waiting);
+      // What the guess rests on, for whoever wonders; the row itself says only the guess.
+      const why = waiting.expected_wait?.why;
+      this._readings.title = `asked at ${clock(claim.since)}` + (why ? `; ${why}` : '');
     }
   }
 
