@@ -2,6 +2,11 @@
 
 ``--smoke`` runs each section at a toy size in a few seconds, so that CI
 keeps the benchmarks from rotting; its numbers mean nothing.
+
+The results file also holds what people wrote about the runs: the figures
+against the issues' targets, and why a target was missed. A run replaces
+only what lies below :data:`KEPT_ABOVE` in it, so running the benchmarks
+again never throws those findings away.
 """
 
 from __future__ import annotations
@@ -14,6 +19,21 @@ from pathlib import Path
 
 from bench import books, cells, enforcement, hop, overload
 from bench.harness import machine
+
+#: The line in a results file above which everything is written by hand and kept.
+KEPT_ABOVE = "<!-- python -m bench writes below this line; what is above it is kept -->"
+
+
+def with_findings_kept(previous: str | None, run: str, when: str) -> str:
+    """The results file after a run: ``previous``'s hand-written part, if it has one, then ``run``.
+
+    ``run`` is the sections of the run, and ``when`` how the run is introduced
+    (when, on what). Without a kept part, the run is the whole file.
+    """
+    above, marker, _ = (previous or "").partition(KEPT_ABOVE)
+    if marker:
+        return f"{above}{marker}\n\n## The latest run\n\n{when}{run}"
+    return f"# Benchmarks\n\n{when}{run}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             body = ran.stdout.strip() or ran.stderr.strip()[-2000:]
             sections.append(f"### {heading}\n\n```text\n{body}\n```\n")
             print(sections[-1], flush=True)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    report = (
-        f"# Benchmarks\n\nRun {when} on {machine()}"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = (
+        f"Run {now} on {machine()}"
         f"{' (smoke: toy sizes, numbers meaningless)' if options.smoke else ''}.\n"
         "Reproduce with `.venv/bin/python -m bench` from the repository root.\n\n"
-        + "\n".join(sections)
     )
-    options.out.write_text(report)
+    previous = options.out.read_text() if options.out.exists() else None
+    options.out.write_text(with_findings_kept(previous, "\n".join(sections), when))
     return 0
 
 

@@ -14,11 +14,20 @@ or starts, shown as one line with what to change. :class:`ClaimHalted`,
 :class:`NotBroughtBack` are whole stories in their message, shown as one
 paragraph. :class:`RemoteError`
 is the cell's own exception, shown with the worker's traceback.
+:class:`ClampedWarning` is told at the user's own line, by
+:func:`warn_at_users_line`, whichever floor found the claim too big.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
+
+#: The packages between a user's line and the floor that warns: a ``%%claim``
+#: cell reaches fluksio_nb through IPython's ``run_cell_magic``, a ``with``
+#: block may go through ``contextlib``.
+_MACHINERY = frozenset({"fluksio_nb", "IPython", "contextlib"})
 
 
 class BadClaim(ValueError):
@@ -55,6 +64,36 @@ class UnsendableInput(ValueError):
 
 class ClampedWarning(UserWarning):
     """A claim asked for more than the machine has and was given what there is."""
+
+
+def warn_at_users_line(message: str, category: type[Warning]) -> None:
+    """Warn at the line of the user's that led here: the cell's, never fluksio_nb's own file.
+
+    A ``stacklevel`` counts frames, and how many lie between the user and the
+    floor that found the claim too big depends on the books in force and on
+    whether a magic or a ``with`` asked; so the frame is found by whose it is.
+    Shown every time, not once per line as Python's default would: the same
+    cell run again is shrunk again, and the second claim of a session is not
+    shrunk any less than the first. A filter the user set still applies.
+    """
+    frame = sys._getframe(1)
+    outermost = frame
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.partition(".")[0] not in _MACHINERY:
+            break
+        outermost, frame = frame, frame.f_back
+    # Machinery all the way out, which no claim made in a cell or a script is: the outermost.
+    at = frame or outermost
+    warnings.warn_explicit(
+        message,
+        category,
+        at.f_code.co_filename,
+        at.f_lineno,
+        module=str(at.f_globals.get("__name__", "")),
+        registry=None,
+        module_globals=at.f_globals,
+    )
 
 
 class ClaimTimeout(TimeoutError):

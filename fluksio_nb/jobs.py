@@ -123,7 +123,7 @@ class Job:
         try:
             with self._claim as claimed:
                 self._started.set()
-                return claimed.run_code(
+                outcome = claimed.run_code(
                     self._code,
                     self._inputs,
                     self._outputs,
@@ -131,6 +131,10 @@ class Job:
                     if_changed=self._if_changed,
                     random_state=self._random_state,
                 )
+                # Known before the claim ends, so that its record does not
+                # read as a plain success above the error that says which.
+                claimed.status.not_back = sorted(outcome.not_brought_back(self._by_hand))
+                return outcome
         finally:
             self._inputs.discard()
             self._started.set()

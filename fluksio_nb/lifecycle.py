@@ -15,10 +15,10 @@ What this module decides:
 - **How it ended is one word and one paragraph** (:func:`ending_of`,
   :func:`message_of`): the stop button is "interrupted", a memory halt
   "halted", and so on, whichever place ran the claim.
-- **A summary is always left as text**, after the live view if there was one:
-  it is what a saved notebook shows without its widgets, and what nbval
-  compares. A claim that was over before its live view was due shows only
-  the summary (:data:`SHOW_AFTER_S`).
+- **A claim leaves one record, as text**: its live view, if there was one,
+  is replaced by it, never followed by it. It is what a saved notebook shows
+  without its widgets, and what nbval compares. A claim that was over before
+  its live view was due shows only the record (:data:`SHOW_AFTER_S`).
 - **``c.run(fn, ...)`` is a one-line claimed cell** (:func:`call_through`):
   the function and its arguments travel as the cell's inputs and its result as
   the cell's one output, so it needs nothing a place to run does not already
@@ -84,9 +84,9 @@ class ClaimLifecycle(ABC):
         #: or at its first reading.
         self._show_after = show_after
         self._shown = False
-        #: Where the summary goes: the cell that asked (see :meth:`_remember_the_cell`).
+        #: Where the record goes when no view was drawn to hold it: the cell
+        #: that asked (see :meth:`_remember_the_cell`).
         self._cell: CellOutput | None = None
-        self._summary: TextView | None = None
         self._lock = threading.Lock()
         #: Why the claim was stopped from outside its work, if it was:
         #: how it ended, the paragraph that says so, and the halt behind it.
@@ -195,13 +195,12 @@ class ClaimLifecycle(ABC):
     # -- showing --------------------------------------------------------------------
 
     def _remember_the_cell(self) -> None:
-        """Aim the summary at the cell that asked: called from that cell, as the claim starts.
+        """Aim the record at the cell that asked: called from that cell, as the claim starts.
 
-        A background claim's summary belongs there, not in whichever cell is
+        A background claim's record belongs there, not in whichever cell is
         running when it ends.
         """
         self._cell = CellOutput()
-        self._summary = TextView(self._cell)
 
     def _show(self) -> None:
         with self._lock:
@@ -220,13 +219,18 @@ class ClaimLifecycle(ABC):
         if self.status.started_at is None:
             self.status.started_at = self.status.ended_at
         self._ended(ending)
-        self._update_view()
-        if self._view is not None and self._summary is not None:
-            # How it went is always left as text of its own, after the live
-            # view if there was one: nbval reads a live view as it was first
-            # drawn, never as it was updated.
+        if self._view is None or self._cell is None:
+            return
+        with self._lock:
+            # A live view due now is not drawn: the record takes its place.
             self._shown = True
-            self._summary.show(self.status)
+        end = getattr(self._view, "end", None)
+        if end is not None and end(self.status):
+            return
+        if end is None:
+            self._view.update(self.status)
+        # Over before anything was drawn: the record is the cell's one display.
+        TextView(self._cell).show(self.status)
 
     def _ended(self, ending: Ending) -> None:  # noqa: B027 (a hook; most places need none)
         """What a place to run does as the claim ends, before the summary: by default nothing."""

@@ -48,7 +48,7 @@ from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
-from fluksio_nb.queue import ClaimQueue, Ticket
+from fluksio_nb.queue import ClaimQueue, Ticket, held_words
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
@@ -237,8 +237,9 @@ class Claim(ClaimLifecycle):
         if ticket is None:
             return
         self.status.position = self._queue.position(ticket)
+        # By what they hold, not their ticket numbers, which read like a cell's In[n].
         self.status.holders = [
-            f"{holder.label!r} (#{holder.number})"
+            f"{holder.label!r} ({held_words(holder.allocation)})"
             for holder in self._queue.holders()
             if holder.number != ticket.number
         ]
@@ -275,7 +276,9 @@ class Claim(ClaimLifecycle):
         held = self._confinement
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        asked_at, cold = time.monotonic(), self._pool.started
         worker = self._pool.checkout(self.env)
+        cold = self._pool.started != cold
         # A cold worker's start is not the cell running: the live view is due
         # one reading into the cell, not into the worker's own imports, which
         # take half a second on a slow machine and put a live view, then the
@@ -287,6 +290,9 @@ class Claim(ClaimLifecycle):
             worker.kill()
             self._pool.checkin(worker, self.env)
             raise
+        if cold:
+            # A new worker's start is not the cell's running: said apart.
+            self.status.starting_s += time.monotonic() - asked_at
         # A warm worker ran an earlier claim on other cores, and its thread
         # pools are still there: every thread of it moves to this claim's.
         held.admit(worker.pid)
@@ -300,8 +306,10 @@ class Claim(ClaimLifecycle):
                 sink=sink,
                 if_changed=if_changed,
                 random_state=random_state,
+                on_sending_back=self._sending_back,
             )
         finally:
+            self.status.sending_since = None
             self._watch.discard(watched)
             if not self.status.readings.count:
                 # Over before the first reading was due: one now, so that how
@@ -316,8 +324,15 @@ class Claim(ClaimLifecycle):
             if worker.alive:
                 held.let_go(worker.pid)
             self._pool.checkin(worker, self.env)
+        if outcome.sent_s is not None:
+            self.status.sent_s = (self.status.sent_s or 0.0) + outcome.sent_s
+            self.status.sent_bytes += outcome.sent_bytes
         self._raise_for(outcome)
         return outcome
+
+    def _sending_back(self) -> None:
+        self.status.sending_since = time.monotonic()
+        self._update_view()
 
     def popen(self, args: Sequence[str] | str, **kwargs: Any) -> subprocess.Popen:
         """Start a subprocess with this share's environment, sampled and held to its budget.
@@ -366,6 +381,10 @@ class Claim(ClaimLifecycle):
 
     def _sampled(self, sample: Sample) -> None:
         self.status.readings.add(sample)
+        if not sample.stopped:
+            self.status.stopped_since = None
+        elif self.status.stopped_since is None:
+            self.status.stopped_since = time.time()
         self._warn_if_amber(sample)
         # The first reading comes one interval after the work started: a cell
         # still running then is worth a live status.
@@ -385,6 +404,7 @@ class Claim(ClaimLifecycle):
                     "gpu_bytes": sample.gpu_bytes,
                     "peak_gpu_bytes": self.status.readings.peak_gpu_bytes,
                     "gpu_percent": sample.gpu_percent,
+                    "stopped_since": self.status.stopped_since,
                     "at": time.time(),
                 },
             )

@@ -129,6 +129,7 @@ class ClaimMagics(Magics):
             cell,
             packed,
             outputs,
+            by_hand=by_hand,
             if_changed=if_changed,
             output=ForegroundOutput(),
             random_state=random_streams.capture(),

@@ -34,7 +34,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +42,13 @@ from typing import Any, Literal
 from pydantic import ByteSize
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
+from fluksio_nb.errors import (
+    ClaimCancelled,
+    ClaimTimeout,
+    ClaimTooLarge,
+    ClampedWarning,
+    warn_at_users_line,
+)
 from fluksio_nb.resources import Resources
 
 #: How often a waiter looks at its own deadline when nothing wakes it. Grants
@@ -361,11 +366,10 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             "gpu_ram": wanted.gpu_ram if gpus else None,
         }
     )
-    warnings.warn(
+    warn_at_users_line(
         f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
         f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
         ClampedWarning,
-        stacklevel=4,
     )
     return shrunk
 
@@ -373,7 +377,7 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
 def timeout_message(ticket: Ticket, timeout: float | None, holders: list[Ticket]) -> str:
     """Why a claim gave up waiting, naming who held what it waited for."""
     held = ", ".join(
-        f"{t.label!r} ({_held(t.allocation)})" for t in holders if t.allocation is not None
+        f"{t.label!r} ({held_words(t.allocation)})" for t in holders if t.allocation is not None
     )
     return (
         f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
@@ -393,7 +397,8 @@ def _describe(ticket: Ticket) -> dict[str, object]:
     }
 
 
-def _held(allocation: Allocation | None) -> str:
+def held_words(allocation: Allocation | None) -> str:
+    """What a claim holds, as the claim line says it: ``cpus=2 gpus=0 ram=4.0GB``."""
     if allocation is None:
         return "nothing"
     words = [f"cpus={allocation.cpus}"]

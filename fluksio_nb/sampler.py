@@ -89,6 +89,9 @@ class Sample:
     at: float
     #: The claim's cards, as last read; empty when it has none, or nothing reads them.
     cards: tuple[CardShare, ...] = ()
+    #: The tree's first process is stopped by a signal (SIGSTOP, a debugger):
+    #: it runs nothing until it is continued, and its cell says so.
+    stopped: bool = False
 
     @property
     def gpu_bytes(self) -> int | None:
@@ -129,11 +132,11 @@ class Sampler:
         self._cpu_seen: dict[tuple[int, int], float] = {}
         self._cpu_at = self._clock()
         self._alive = True
-        tree = self._tree()
-        if tree is None:
+        found = self._tree()
+        if found is None:
             self._alive = False
         else:
-            self._cpu_seen = {key: seconds for key, seconds, _ in tree}
+            self._cpu_seen = {key: seconds for key, seconds, _ in found[0]}
 
     @property
     def alive(self) -> bool:
@@ -153,11 +156,12 @@ class Sampler:
         just read it for several samplers at once; otherwise it is read here.
         ``cards`` is the latest pass over the cards, for a claim that holds some.
         """
-        tree = self._tree() if self._alive else None
-        if tree is None:
+        found = self._tree() if self._alive else None
+        if found is None:
             self._alive = False
             self._files.close()
             return None
+        tree, stopped = found
         now = self._clock()
         rss, used, seen = 0, 0.0, {}
         for key, seconds, resident in tree:
@@ -178,6 +182,7 @@ class Sampler:
             host_available_bytes=available,
             at=now,
             cards=self._cards(cards, [pid for (pid, _), _, _ in tree]),
+            stopped=stopped,
         )
 
     def _cards(self, reading: CardsReading | None, pids: list[int]) -> tuple[CardShare, ...]:
@@ -206,11 +211,12 @@ class Sampler:
         """Let go of the files kept open for reading; a later sample opens them again."""
         self._files.close()
 
-    def _tree(self) -> list[tuple[tuple[int, int], float, int]] | None:
-        """(pid, start) key, CPU seconds and resident bytes of every live process in the tree."""
+    def _tree(self) -> tuple[list[tuple[tuple[int, int], float, int]], bool] | None:
+        """(pid, start) key, CPU seconds and resident bytes of every live process in the
+        tree, and whether its first process is stopped."""
         files = self._files
         root = files.read(self.pid)
-        if root is None or root[0]:
+        if root is None or root[0] == "Z":
             return None  # gone, or a zombie: it runs nothing and holds nothing
         family = [(self.pid, root)]
         for pid in _descendants(self.pid):
@@ -218,7 +224,9 @@ class Sampler:
             if found is not None:  # gone between listing and looking: it holds nothing now
                 family.append((pid, found))
         files.keep_only({pid for pid, _ in family})
-        return [((pid, start), seconds, rss) for pid, (_, seconds, start, rss) in family]
+        tree = [((pid, start), seconds, rss) for pid, (_, seconds, start, rss) in family]
+        # "T" stopped by a signal, "t" by a tracer at a breakpoint.
+        return tree, root[0] in ("T", "t")
 
 
 _this_machines_cpus = functools.cache(usable_cpus)
@@ -230,7 +238,9 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: Whether processes can be read from /proc (Linux); elsewhere, through psutil.
 _PROC_STAT = os.path.exists("/proc/self/stat")
 
-Reading = tuple[bool, float, int, int]
+#: A process's state letter as ``ps`` shows it (``R``, ``S``, ``T``, ``Z``...),
+#: CPU seconds, start time in ticks and resident bytes.
+Reading = tuple[str, float, int, int]
 
 
 class _ProcessFiles:
@@ -254,7 +264,7 @@ class _ProcessFiles:
         self._lock = threading.Lock()
 
     def read(self, pid: int) -> Reading | None:
-        """(zombie, CPU seconds, start time in ticks, resident bytes), or ``None`` if gone."""
+        """(state, CPU seconds, start time in ticks, resident bytes), or ``None`` if gone."""
         if not _PROC_STAT:
             return _read_with_psutil(pid)
         with self._lock:
@@ -278,7 +288,8 @@ class _ProcessFiles:
             seconds = (
                 int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
             ) / _TICKS_PER_S
-            return fields[0] == b"Z", seconds, int(fields[19]), int(fields[21]) * _PAGE_BYTES
+            state = fields[0].decode("ascii", "replace")
+            return state, seconds, int(fields[19]), int(fields[21]) * _PAGE_BYTES
         except (IndexError, ValueError):
             self._drop(pid)
             return None  # an empty read: the process went as it was read
@@ -304,6 +315,14 @@ class _ProcessFiles:
             self.close()
 
 
+#: psutil's words for the states a sample tells apart, as /proc/<pid>/stat spells them.
+_STATE_LETTERS = {
+    psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_STOPPED: "T",
+    psutil.STATUS_TRACING_STOP: "t",
+}
+
+
 def _read_with_psutil(pid: int) -> Reading | None:
     try:
         process = psutil.Process(pid)
@@ -313,7 +332,7 @@ def _read_with_psutil(pid: int) -> Reading | None:
             # it is reaped, so the tree's total keeps it after the child is gone.
             seconds = times.user + times.system + times.children_user + times.children_system
             return (
-                process.status() == psutil.STATUS_ZOMBIE,
+                _STATE_LETTERS.get(process.status(), "R"),
                 seconds,
                 int(process.create_time() * 1000),
                 process.memory_info().rss,
@@ -384,6 +403,7 @@ def is_news(told: Sample | None, now: Sample) -> bool:
         or abs(now.rss_bytes - told.rss_bytes) >= RSS_STEP * max(told.rss_bytes, 1)
         or abs(now.cpu_percent - told.cpu_percent) >= CPU_STEP
         or now.cards != told.cards
+        or now.stopped != told.stopped
     )
 
 

@@ -4,8 +4,8 @@ A claimed cell can sit in a queue for minutes, and a cell that shows nothing
 for minutes looks hung. So the cell always says where it is: waiting (for
 what, at which place, behind whom), running (on which share, with the
 worker's memory and CPU, and the card memory it holds on each of its cards
-and how busy they are, where the cards are read), or done (how long it
-took, the peak memory, and how it ended).
+and how busy they are, where the cards are read), or done (how it ended,
+how long it waited, ran and took to send its results back, and its peaks).
 
 The facts live in :class:`ClaimStatus`, which the code running the claim
 updates. How they are drawn is a :class:`StatusView`: this module's
@@ -13,8 +13,12 @@ updates. How they are drawn is a :class:`StatusView`: this module's
 widget takes the same facts. Keeping the two apart is what lets the widget
 take over without the runner knowing.
 
-Every view also leaves text behind (:func:`describe`), because a notebook
-saved and opened later, or compared by nbval, has no live view to ask.
+Each claim is said in one display, its record: when the claim ends, the
+view's display is replaced by a line of text and HTML (:func:`status_bundle`)
+that says how it ended, and nothing else is appended. That is what a notebook
+saved and opened without its kernel shows, and nbconvert, GitHub and nbval
+read, since none of them has a live view to ask. Why a claim failed is the
+cell's error, said once, below it.
 
 The statuses of this kernel's running claims are also kept here, by ticket
 (:func:`running_statuses`), which is where the monitor finds their readings.
@@ -75,23 +79,51 @@ class ClaimStatus:
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
+    #: When the work's process was found stopped by a signal (``SIGSTOP``, a
+    #: debugger), as ``time.time()``; ``None`` while it runs.
+    stopped_since: float | None = None
+    #: How long the claim waited for new workers to start, all told.
+    starting_s: float = 0.0
+    #: While results are on their way back: since when (monotonic).
+    sending_since: float | None = None
+    #: How long results took to come back, and how big they were, all told.
+    sent_s: float | None = None
+    sent_bytes: int = 0
+    #: Names the cell bound that could not come back to the kernel.
+    not_back: list[str] = field(default_factory=list)
 
     @property
     def elapsed_s(self) -> float:
+        """From the share's grant to the end: running, then sending the results back."""
         if self.started_at is None:
             return 0.0
         return (self.ended_at or time.monotonic()) - self.started_at
+
+    @property
+    def ran_s(self) -> float:
+        """The part of :attr:`elapsed_s` not spent starting workers or sending results back."""
+        sending = 0.0 if self.sending_since is None else time.monotonic() - self.sending_since
+        return max(0.0, self.elapsed_s - self.starting_s - (self.sent_s or 0.0) - sending)
 
     @property
     def waited_s(self) -> float:
         return (self.started_at or self.ended_at or time.monotonic()) - self.asked_at
 
 
+#: Results smaller than this come back in no time worth a word of their own.
+SENT_BACK_SAID_FROM_BYTES = 1_000_000
+
+
 def describe(status: ClaimStatus) -> str:
-    """The status as one or two lines of plain text."""
+    """The status as one line of plain text.
+
+    A claim that has ended is said in one line of facts: how it ended, the
+    time waited, run and spent sending results back, the share and the peaks.
+    Why it ended as it did is the cell's error, shown once, below it.
+    """
     name = status.label
     if status.phase == "waiting":
-        place = f"#{status.position} in the queue" if status.position else "in the queue"
+        place = f"{ordinal(status.position)} in the queue" if status.position else "in the queue"
         behind = f", behind {', '.join(status.holders)}" if status.holders else ""
         return (
             f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
@@ -100,32 +132,65 @@ def describe(status: ClaimStatus) -> str:
     if status.phase == "done" and status.started_at is None:
         # Cancelled, timed out or stopped in the queue: it held no share and
         # ran nothing, so no share, memory or CPU is said of it.
-        summary = (
+        return (
             f"{name}: {status.ending or 'done'} after waiting {status.waited_s:.1f} s, "
             "before it got its share"
         )
-        return f"{summary}\n{status.message}" if status.message else summary
     share = _share(status)
-    latest = status.readings.latest
     if status.phase == "running":
-        reading = ""
-        if latest is not None:
-            reading = (
-                f", RSS {human(latest.rss_bytes)}{_of_budget(status.budget)}, "
-                f"CPU {latest.cpu_percent:.0f}% of the machine"
-            )
-            if latest.cards:
-                reading += f", {claim_gpu_text(status)}"
-        return f"{name}: running on {share}{reading}, {status.elapsed_s:.1f} s"
-    summary = (
-        f"{name}: {status.ending or 'done'} after {status.elapsed_s:.1f} s on {share}, "
-        f"peak RSS {human(status.readings.peak_rss_bytes)}, "
+        return f"{name}: {doing(status)} · {share}{_reading(status)}"
+    ending = status.ending or "done"
+    if status.not_back:
+        ending += ", but not every name came back"
+    times = f"waited {status.waited_s:.1f} s"
+    if status.starting_s:
+        times += f", started a worker in {status.starting_s:.1f} s"
+    times += f", ran {status.ran_s:.1f} s"
+    if status.sent_s is not None and status.sent_bytes >= SENT_BACK_SAID_FROM_BYTES:
+        times += f", sent {human(status.sent_bytes)} back in {status.sent_s:.1f} s"
+    if not status.readings.count and not status.readings.peak_rss_bytes:
+        # Over before its first reading: nothing was measured, which is not zero.
+        return f"{name}: {ending} · {times} · {share} · no reading taken"
+    peaks = (
+        f"peak RSS {human(status.readings.peak_rss_bytes)}{_of_budget(status.budget)}, "
         f"mean CPU {status.readings.mean_cpu_percent:.0f}%"
     )
     if status.readings.peak_gpu_bytes is not None:
         # Only a claim whose cards were read has a peak: unknown is not zero.
-        summary += f", peak GPU {human(status.readings.peak_gpu_bytes)}"
-    return f"{summary}\n{status.message}" if status.message else summary
+        peaks += f", peak GPU {human(status.readings.peak_gpu_bytes)}"
+    return f"{name}: {ending} · {times} · {share} · {peaks}"
+
+
+def doing(status: ClaimStatus) -> str:
+    """What a running claim is doing now, and for how long."""
+    if status.stopped_since is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(status.stopped_since))
+        return (
+            f"stopped by a signal since {since} (SIGSTOP or a debugger: SIGCONT resumes it, "
+            "the stop button ends it)"
+        )
+    if status.sending_since is not None:
+        return f"sending results back, {time.monotonic() - status.sending_since:.1f} s so far"
+    return f"running for {status.elapsed_s:.1f} s"
+
+
+def _reading(status: ClaimStatus) -> str:
+    latest = status.readings.latest
+    if latest is None:
+        return ""
+    reading = (
+        f" · RSS {human(latest.rss_bytes)}{_of_budget(status.budget)}, "
+        f"CPU {latest.cpu_percent:.0f}% of the machine"
+    )
+    if latest.cards:
+        reading += f", {claim_gpu_text(status)}"
+    return reading
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``11th``: a place in the queue as people say it."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def claim_gpu_text(status: ClaimStatus) -> str:
@@ -185,11 +250,46 @@ def _of_budget(budget: Budget | None) -> str:
 
 
 class StatusView(Protocol):
-    """Something that draws a claim's status and is told when it changes."""
+    """Something that draws a claim's status and is told when it changes.
+
+    A view may also have ``end(status) -> bool``: put the record of how the
+    claim ended (:func:`status_bundle`) in place of what it drew, and say
+    whether it had drawn anything to put it in place of. A view without
+    ``end`` is updated one last time, and the record is shown after it.
+    """
 
     def show(self, status: ClaimStatus) -> None: ...
 
     def update(self, status: ClaimStatus) -> None: ...
+
+
+#: Each phase's mark beside the text. The text keeps the theme's own colour,
+#: which JupyterLab's light and dark themes both hold above 4.5:1 against
+#: their background; a coloured bar needs only 3:1 (WCAG 1.4.11), and the
+#: fallbacks are for pages with no JupyterLab theme (nbconvert's HTML).
+_MARKS = {
+    "waiting": "var(--jp-warn-color1, #b26b00)",
+    "running": "var(--jp-brand-color1, #1565c0)",
+    "ok": "var(--jp-success-color1, #2e7d32)",
+    "failed": "var(--jp-error-color1, #c62828)",
+}
+
+
+def status_bundle(status: ClaimStatus) -> dict[str, str]:
+    """The status as a display's plain text and HTML; once ended, the claim's record."""
+    text = describe(status)
+    tone: str = status.phase
+    if status.phase == "done":
+        tone = "ok" if status.ending == "ok" and not status.not_back else "failed"
+    # Labels and messages come from users and from cells: escaped, always.
+    body = html.escape(text)
+    return {
+        "text/plain": text,
+        "text/html": (
+            f'<div class="fluksio-status fluksio-{tone}" '
+            f'style="border-left: 3px solid {_MARKS[tone]}; padding-left: 0.5em">{body}</div>'
+        ),
+    }
 
 
 class TextView:
@@ -198,7 +298,7 @@ class TextView:
     Drawing is throttled because the sampler reads every half second and a
     waiting claim is told every time the queue moves; a notebook front end
     asked to redraw a hundred times a second stops answering the user.
-    The final state is always drawn, however soon after the last.
+    When the claim ends its display becomes the record (:meth:`end`).
     """
 
     MIN_INTERVAL_S = 0.5
@@ -208,6 +308,7 @@ class TextView:
         #: the cell executing when :meth:`show` is first called.
         self._output = output
         self._shown = False
+        self._ended = False
         self._display_id = f"fluksio-{uuid.uuid4().hex}"
         self._last = 0.0
         self._lock = threading.Lock()
@@ -222,11 +323,13 @@ class TextView:
         from fluksio_nb.relay import CellOutput
 
         with self._lock:
+            if self._ended:
+                return
             if not self._shown:
                 self._shown = True
                 if self._output is None:
                     self._output = CellOutput()
-                self._output.display(self._bundle(status), display_id=self._display_id)
+                self._output.display(status_bundle(status), display_id=self._display_id)
                 self._last = time.monotonic()
                 return
         self.update(status)
@@ -234,25 +337,20 @@ class TextView:
     def update(self, status: ClaimStatus) -> None:
         now = time.monotonic()
         with self._lock:
-            if not self._shown:
+            if not self._shown or self._ended:
                 return
             if status.phase != "done" and now - self._last < self.MIN_INTERVAL_S:
                 return
             self._last = now
-            self._output.update_display(self._bundle(status), self._display_id)
+            self._output.update_display(status_bundle(status), self._display_id)
 
-    @staticmethod
-    def _bundle(status: ClaimStatus) -> dict[str, str]:
-        text = describe(status)
-        colour = {"waiting": "#b26b00", "running": "#1565c0", "done": "#2e7d32"}[status.phase]
-        if status.phase == "done" and status.ending != "ok":
-            colour = "#c62828"
-        # Labels and messages come from users and from cells: escaped, always.
-        body = html.escape(text).replace("\n", "<br>")
-        return {
-            "text/plain": text,
-            "text/html": f'<div class="fluksio-status" style="color:{colour}">{body}</div>',
-        }
+    def end(self, status: ClaimStatus) -> bool:
+        """Redraw as the record of how the claim ended; False if nothing was drawn."""
+        with self._lock:
+            self._ended = True
+            if self._shown:
+                self._output.update_display(status_bundle(status), self._display_id)
+            return self._shown
 
 
 @functools.cache

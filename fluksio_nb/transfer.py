@@ -378,12 +378,37 @@ def _write_all(fd: int, raw: memoryview) -> None:
             written += os.pwrite(fd, raw[written:], written)
     except OSError as error:
         if error.errno == errno.ENOSPC:
-            raise OSError(
-                errno.ENOSPC,
-                f"{SEGMENT_DIR} has no room for {raw.nbytes / 2**20:.0f} MiB — free "
-                f"some (`df -h {SEGMENT_DIR}`) or have the cell load it from a file",
-            ) from None
+            raise NoRoom(raw.nbytes) from None
         raise
+
+
+class NoRoom(OSError):
+    """The shared memory values travel through is full: said in words, not as ``[Errno 28]``.
+
+    Said the same way whichever way the value was going, since the reader
+    is told which name it was by whoever caught this.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        try:
+            stats = os.statvfs(SEGMENT_DIR)
+            whole = f" ({_size(stats.f_blocks * stats.f_frsize)} in all)"
+        except OSError:
+            whole = ""
+        super().__init__(
+            errno.ENOSPC,
+            f"{SEGMENT_DIR} has no room for {_size(nbytes)}{whole}, and values travel "
+            f"between the kernel and its workers through it — make room there "
+            f"(`df -h {SEGMENT_DIR}`), or pass this one through a file on disk",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _size(nbytes: int) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
 
 
 def _map(segment: Segment, remember: bool = False) -> memoryview:

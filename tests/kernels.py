@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,9 +142,20 @@ class Kernel:
     user owns, no ``FLUKSIO_*`` from the test's own environment, the books
     kept by the kernel alone (``FLUKSIO_LEDGER=kernel``) and no config file,
     unless ``env`` says otherwise. ``env`` always goes on top, ``USER`` too.
+
+    ``launched_by`` is a command the kernel's own is handed to, as its
+    arguments, and which must end by running it (``exec "$@"``) so that the
+    kernel is the process jupyter_client started: a kernel in a namespace of
+    its own, say (:mod:`tests.small_shm`).
     """
 
-    def __init__(self, *, user: UnixUser | None = None, **env: str) -> None:
+    def __init__(
+        self,
+        *,
+        user: UnixUser | None = None,
+        launched_by: Sequence[str] = (),
+        **env: str,
+    ) -> None:
         #: What this kernel was started with beyond the test's own environment.
         self.env = env
         #: Whom the kernel runs as; ``None`` for the test's own user.
@@ -153,11 +164,12 @@ class Kernel:
         self.own_dir: Path | None = None
         if user is None:
             self.manager = KernelManager(kernel_name="python3")
+            spec = self.manager.kernel_spec
             # The venv's own python, whatever kernelspec happens to be installed.
-            self.manager.kernel_spec.argv[0] = sys.executable
+            spec.argv = [*launched_by, sys.executable, *spec.argv[1:]]
             self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
         else:
-            self._start_as(user, env)
+            self._start_as(user, env, launched_by)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
@@ -168,7 +180,7 @@ class Kernel:
         self.seen_at: list[float] = []
         self.run("%load_ext fluksio_nb", check=True)
 
-    def _start_as(self, user: UnixUser, env: dict[str, str]) -> None:
+    def _start_as(self, user: UnixUser, env: dict[str, str], launched_by: Sequence[str]) -> None:
         own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
         self.own_dir = own
         places = {
@@ -195,7 +207,7 @@ class Kernel:
         self.manager.owner = user
         self.manager.connection_file = str(places["JUPYTER_RUNTIME_DIR"] / "kernel.json")
         spec = self.manager.kernel_spec
-        spec.argv = [*as_user(user), sys.executable, *spec.argv[1:]]
+        spec.argv = [*launched_by, *as_user(user), sys.executable, *spec.argv[1:]]
         try:
             self.manager.start_kernel(env=environ, cwd=str(own))
         except BaseException:
@@ -348,15 +360,20 @@ class Kernel:
 
 @contextmanager
 def started_kernel(
-    place: Path | None = None, *, user: UnixUser | None = None, **env: str
+    place: Path | None = None,
+    *,
+    user: UnixUser | None = None,
+    launched_by: Sequence[str] = (),
+    **env: str,
 ) -> Iterator[Kernel]:
     """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
 
     With ``place``, a directory of the test's, the kernel's config file
     (``fluksio_nb.json``, named but never written) and its ledger
     (``ledger/``) are there, unless ``env`` names others: nothing of the
-    developer's is read and no book of the machine's is touched. ``user`` and
-    ``env`` are the kernel's own, as for :class:`Kernel`. A module's kernel is::
+    developer's is read and no book of the machine's is touched. ``user``,
+    ``launched_by`` and ``env`` are the kernel's own, as for :class:`Kernel`.
+    A module's kernel is::
 
         @pytest.fixture(scope="module")
         def kernel(tmp_path_factory):
@@ -369,7 +386,7 @@ def started_kernel(
             "FLUKSIO_LEDGER": str(place / "ledger"),
             **env,
         }
-    kernel = Kernel(user=user, **env)
+    kernel = Kernel(user=user, launched_by=launched_by, **env)
     try:
         yield kernel
     finally:

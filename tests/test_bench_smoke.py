@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.__main__ import KEPT_ABOVE, with_findings_kept
 from tests.gpu_standins import StandInNvml, StandInSmi, card
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,20 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
     assert "%%claim, warm worker" in report
     assert "freed share reaches a waiter in another process" in report
     assert "| 1 ms |" in report  # the hop after its shortest idle gap
+
+
+def test_a_new_run_replaces_only_the_last_run_and_keeps_what_was_written_above_it():
+    """Guards against `python -m bench` wiping what people wrote about the runs: the
+    figures against the issues' targets, and why each missed target was missed."""
+    shipped = (ROOT / "bench" / "results.md").read_text()
+    findings = shipped.partition(KEPT_ABOVE)[0]
+    assert "## Against the targets" in findings
+    after = with_findings_kept(shipped, "### A section\n", "Run now.\n\n")
+    assert after == f"{findings}{KEPT_ABOVE}\n\n## The latest run\n\nRun now.\n\n### A section\n"
+    # A file with nothing to keep, or none yet, is the run alone.
+    fresh = "# Benchmarks\n\nRun now.\n\n### A section\n"
+    assert with_findings_kept(None, "### A section\n", "Run now.\n\n") == fresh
+    assert with_findings_kept("# Old\n", "### A section\n", "Run now.\n\n") == fresh
 
 
 def run_the_card_check(**env: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,9 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import read_snapshot
-from tests.kernels import printed, started_kernel
+from tests import small_shm
+from tests.kernels import Until, printed, started_kernel
+from tests.small_shm import require_small_shm
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -325,6 +327,36 @@ def test_a_name_that_cannot_come_back_fails_the_cell_in_one_paragraph_naming_it(
     assert_books_balanced(kernel)
 
 
+def test_a_name_too_big_for_dev_shm_fails_the_cell_naming_it_and_the_rest_come_back(tmp_path):
+    """Guards against a full /dev/shm as a bus error, a hang, an ok cell missing a name, or
+    a half-written file left taking the room: the one name fails, in words, and nothing stays."""
+    require_small_shm()
+    with started_kernel(tmp_path, launched_by=small_shm.launcher("4m"), **INVENTORY) as small:
+        ran = small.run(
+            "%%claim\nimport numpy as np\n"
+            # 800 KB: through /dev/shm too, and it has room for that.
+            "fits = np.arange(100_000)\n"
+            "big = np.ones(2**21)\n"  # 16 MiB, four times the room there is
+            "small = 7"
+        )
+        assert ran.status == "error" and ran.error["ename"] == "NotBroughtBack", ran.error
+        shown = "".join(ran.error["traceback"])
+        assert "this name did not come back to the kernel: big (" in shown, shown
+        assert "/dev/shm has no room for 16 MiB (4.0 MiB in all)" in shown, shown
+        assert "Errno" not in shown, "in words, not as an errno"
+        assert shown.strip().count("\n") == 0, "one paragraph, no traceback through fluksio_nb"
+        assert small.facts("[small, int(fits.sum()), 'big' in dir()]") == [7, 4999950000, False]
+        # Its /dev/shm, as the kernel and its worker see it: nothing half-written left there.
+        assert small.facts("sorted(__import__('os').listdir('/dev/shm'))") == []
+        assert small.books()["running"] == []
+        # Room enough again once the cell leaves the big one behind.
+        ran = small.run(
+            "%%claim\nimport numpy as np\nbig = np.ones(2**21)\nhead = big[:3].tolist()\ndel big"
+        )
+        assert ran.status == "ok", ran.so_far()
+        assert small.facts("head") == [1.0, 1.0, 1.0]
+
+
 def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
     kernel.run("%%claim --out y\nsecret = 1\ny = 2", check=True)
     ran = kernel.run("%%claim\nprint('secret' in dir())", check=True)
@@ -369,9 +401,10 @@ def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
 
 
 def test_an_exception_shows_the_workers_traceback(kernel):
-    # The cell after this one: its traceback says its In[n], as the notebook numbers it.
-    number = kernel.facts("get_ipython().execution_count") + 1
     ran = kernel.run("%%claim gpus=1\ndef inner():\n    raise ValueError('boom')\ninner()")
+    # Its traceback says its In[n] as the notebook numbers it: as the kernel said it began.
+    (began,) = ran.of("execute_input")
+    number = began["content"]["execution_count"]
     assert ran.status == "error"
     assert ran.error["ename"] == "ValueError"
     assert "boom" in ran.error["evalue"]
@@ -397,6 +430,27 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     # Where the user's cell was, as the worker says it; none of fluksio_nb's frames.
     shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
     assert "----> 3 time.sleep(60)" in shown and "fluksio_nb" not in shown, shown
+    assert_books_balanced(kernel)
+    assert kernel.facts("'still here'") == "still here"
+
+
+def test_a_worker_stopped_by_a_signal_says_so_and_the_stop_button_still_ends_it(kernel):
+    """``kill -STOP`` or a debugger must not leave a cell hanging with no word."""
+    msg_id = kernel.client.execute(
+        "%%claim --label frozen\nimport os, signal\nos.kill(os.getpid(), signal.SIGSTOP)"
+    )
+
+    def says_stopped(ran) -> bool:
+        # The live status is the claim's widget: its state, pushed as comm messages.
+        return any(
+            "stopped by a signal since" in m["content"]["data"].get("state", {}).get("doing", "")
+            for m in kernel.seen
+            if m["msg_type"] == "comm_msg"
+        )
+
+    kernel.messages_of(msg_id, until=Until("say it was stopped by a signal", says_stopped))
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"
 
@@ -533,6 +587,35 @@ def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell
     assert_books_balanced(kernel)
 
 
+def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(kernel):
+    """Guards against the warning pointing into fluksio_nb (`context.py:133`), where the user
+    can change nothing, and against the next claim shrunk the same way going unsaid, as
+    Python's once-per-line default had it."""
+
+    def where_told(ran):
+        told = re.findall(r"^(.+):(\d+): ClampedWarning: cpus=64 is more than", ran.stderr, re.M)
+        assert len(told) == 1, ran.stderr
+        assert "fluksio_nb" not in ran.stderr, ran.stderr
+        return Path(told[0][0]).parent, int(told[0][1])
+
+    # Where a normal cell's own warning points: the kernel's files for its cells.
+    mine = kernel.run("import warnings\nwarnings.warn('mine')", check=True).stderr
+    cells = Path(re.match(r"(.+):2: UserWarning: mine", mine)[1]).parent
+    magic = kernel.run("%%claim cpus=64\nn = __import__('os').environ['OMP_NUM_THREADS']")
+    assert magic.status == "ok" and kernel.facts("n") == "2"
+    assert where_told(magic) == (cells, 1)
+    block = kernel.run(
+        "from fluksio_nb import claim\n\nwith claim(cpus=64) as c:\n    n = c.allocation.cpus",
+        check=True,
+    )
+    assert where_told(block) == (cells, 3)
+    assert "\n  with claim(cpus=64) as c:\n" in block.stderr, "the user's line, shown under it"
+    assert kernel.facts("n") == 2
+    again = kernel.run("%%claim cpus=64\nx = 1", check=True)
+    assert where_told(again) == (cells, 1)
+    assert_books_balanced(kernel)
+
+
 # -----------------------------------------------------------------------------
 # Workers: warm per environment, GPU workers never reused
 # -----------------------------------------------------------------------------
@@ -599,7 +682,7 @@ def test_a_background_cell_shows_no_stale_out_and_its_handle_says_how_it_is_now(
     shown = kernel.run("job", check=True).of("execute_result", "display_data")
     assert len(shown) == 1, shown
     text = shown[0]["content"]["data"]["text/plain"]
-    assert text.startswith("<Job 'nightly': nightly: ok after"), text
+    assert text.startswith("<Job 'nightly': nightly: ok · "), text
 
 
 def test_a_background_claims_change_in_place_is_on_its_handle_not_in_the_namespace(kernel):

@@ -252,7 +252,9 @@ def test_a_claims_status_says_its_card_memory_and_the_cards_load_then_its_peak()
     )
     status.readings.add(reading((CardShare(0, 900_000_000, 2_000_000_000, 16_000_000_000, 12.0),)))
     line = describe(status)
-    assert ", CPU 25% of the machine, GPU 900.0MB of 4.0GB on card 0 (12% busy), " in line, line
+    assert line.endswith(", CPU 25% of the machine, GPU 900.0MB of 4.0GB on card 0 (12% busy)"), (
+        line
+    )
     assert claim_facts(status)["gpu"] == "GPU 900.0MB of 4.0GB on card 0 (12% busy)"
     assert claim_facts(status)["peak_gpu_bytes"] == 1_200_000_000
 
@@ -337,7 +339,7 @@ def test_a_claimed_cell_on_a_card_shows_its_card_memory_live_and_its_peak_when_d
     go.touch()
     ran = kernel.messages_of(msg_id, timeout=60)
     assert kernel.reply_to(msg_id)["content"]["status"] == "ok"
-    (summary,) = [t for t in ran.texts if t.startswith("on-a-card: ok after")]
+    (summary,) = [t for t in ran.texts if t.startswith("on-a-card: ok · ")]
     assert summary.endswith(", peak GPU 1.3GB"), summary
     standin.set_apps([])
 

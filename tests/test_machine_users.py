@@ -437,6 +437,7 @@ def test_an_admins_cap_holds_its_user_to_it_and_says_which_cap(users, kernels):
         a, b = kernels(alice, layout), kernels(bob, layout)
         clamped = a.run("%%claim cpus=2\nimport os\nn = os.environ['OMP_NUM_THREADS']", check=True)
         assert "ClampedWarning" in clamped.stderr
+        assert "fluksio_nb/" not in clamped.stderr, "told at the user's line, not in the package"
         assert f"the cap this machine's admin set for {USER_A} (cpus=1)" in clamped.stderr
         assert a.facts("n") == "1"
         refused = a.run("%%claim cpus=2 --strict\nx = 1")

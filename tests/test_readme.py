@@ -1,18 +1,35 @@
-"""The README's reference is the code's own help, word for word.
+"""The README's reference is the code's own help, word for word, and its examples run.
 
 The failure guarded against is documentation that drifts: an option added to
-the parser but not to the README, or a README example the code no longer
-accepts.
+the parser but not to the README, a README example the code no longer
+accepts, or a figure the README quotes that the benchmark results no longer say.
 """
 
 import inspect
 import re
 from pathlib import Path
 
+import pytest
+
+from bench.__main__ import KEPT_ABOVE
 from fluksio_nb.claim_line import claim_parser
 from fluksio_nb.context import claim
+from fluksio_nb.settings import load_settings
+from tests.kernels import started_kernel
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def section(heading: str) -> str:
+    """The README's ``## heading`` section, up to the next one."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## )", README, re.S | re.M)
+    assert match, f"the README has no section {heading!r}"
+    return match[1]
+
+
+def blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
 def quoted(marker: str) -> str:
@@ -33,3 +50,38 @@ def test_the_readme_quotes_the_context_managers_signature_and_doc():
 def test_the_readme_opens_with_the_two_commands():
     commands = re.search(r"```bash\n(.*?)```", README, re.S)[1].splitlines()
     assert [line.split()[0:2] for line in commands] == [["make", "lab"], ["make", "test"]]
+
+
+@pytest.mark.timeout(180)
+def test_the_first_claims_cells_run_as_pasted_each_into_a_cell_of_its_own(tmp_path):
+    """Guards against the first example a newcomer pastes failing: three cells shown as one
+    block failed with `Line magic function %%claim not found`. On two cores, its cpus=2 is
+    given the one core past the reserve, with the warning the README promises."""
+    cells = blocks(section("A first claim"), "python")
+    assert len(cells) == 3
+    with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RAM="8G") as kernel:
+        ran = [kernel.run(cell) for cell in cells]
+        assert [r.status for r in ran] == ["ok"] * 3, [r.so_far() for r in ran]
+        assert "ClampedWarning" in ran[1].stderr and "running with cpus=1" in ran[1].stderr
+        assert kernel.facts("[len(top), 'u' in dir()]") == [10, True]
+
+
+def test_the_config_that_gives_up_the_reserve_is_one_fluksio_nb_reads(tmp_path):
+    (setting,) = blocks(section("The reserve core"), "json")
+    config = tmp_path / "fluksio_nb.json"
+    config.write_text(setting)
+    assert load_settings({"FLUKSIO_CONFIG": str(config)}).reserve_cpus == 0
+
+
+def test_the_readmes_measured_figures_are_the_ones_bench_results_give():
+    """The README keeps five figures and points at bench/results.md for the rest; a figure
+    changed in one and not the other is a claim nobody measured."""
+    rows = re.findall(r"^\| (?!target|---)(.*?) \| (.*?) \| (.*?) \|$", section("Measured"), re.M)
+    assert len(rows) == 5, rows
+    assert "(bench/results.md)" in section("Measured")
+    findings = (ROOT / "bench" / "results.md").read_text().partition(KEPT_ABOVE)[0]
+    for _, measured, _ in rows:
+        for figure in re.findall(r"\d+(?:\.\d+)?", measured):
+            assert re.search(rf"(?<![\d.]){re.escape(figure)}(?![\d])", findings), (
+                f"{figure} (in {measured!r}) is not in bench/results.md's findings"
+            )

@@ -30,7 +30,7 @@ from fluksio_nb.overview import describe_snapshot
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, describe, running_statuses
+from fluksio_nb.status import ClaimStatus, describe, ordinal, running_statuses, status_bundle
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
 from fluksio_nb.widget.facts import claim_html, machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
@@ -108,7 +108,7 @@ def sample(rss: int, cpu: float = 12.5) -> Sample:
 
 def waiting_status(label: str = "fit") -> ClaimStatus:
     status = ClaimStatus(label=label, asked=ask(cpus=2, gpus=1, ram="1G"), ticket=3)
-    status.position, status.holders = 2, ["'prep' (#1)"]
+    status.position, status.holders = 2, ["'prep' (cpus=2)"]
     return status
 
 
@@ -145,6 +145,51 @@ def test_a_claim_that_ended_in_the_queue_says_how_long_it_waited_and_nothing_of_
     assert "RSS" not in said and "CPU" not in said and "no share" not in said
 
 
+def test_a_record_says_the_time_waited_starting_running_and_sending_back_apart():
+    """A claim that queued 17 s must not say it "took 0.3 s": each part, said once."""
+    status = done_status()
+    now = time.monotonic()
+    status.asked_at, status.started_at, status.ended_at = now - 35.0, now - 18.0, now
+    status.starting_s, status.sent_s, status.sent_bytes = 0.5, 3.6, 1_600_000_000
+    said = describe(status)
+    assert said.startswith(
+        "fit: ok · waited 17.0 s, started a worker in 0.5 s, ran 13.9 s, "
+        "sent 1.6GB back in 3.6 s · cpus=2 gpus=1 ram=1.0GB · peak RSS 300.0MB"
+    ), said
+    assert said.count("·") == 3, said
+    # Small results come back in no time worth a word, and warm workers start in none.
+    status.starting_s, status.sent_s, status.sent_bytes = 0.0, 0.01, 2_000
+    assert "waited 17.0 s, ran 18.0 s · " in describe(status)
+
+
+def test_a_record_of_a_claim_never_read_says_so_rather_than_zero():
+    status = done_status("timed out")
+    status.readings = type(status.readings)()
+    said = describe(status)
+    assert said.endswith(" · no reading taken"), said
+    assert "0B" not in said and "0%" not in said
+
+
+def test_a_record_does_not_read_as_success_when_a_name_did_not_come_back():
+    status = done_status()
+    status.not_back = ["lk"]
+    assert describe(status).startswith("fit: ok, but not every name came back · waited ")
+    assert "fluksio-failed" in status_bundle(status)["text/html"]
+
+
+def test_a_record_holds_no_paragraph_of_why_which_the_cells_error_says():
+    status = done_status("halted", "halted: the claim's processes reached 1.0GB. Ask for more.")
+    said = describe(status)
+    assert "\n" not in said and "Ask for more" not in said, said
+
+
+def test_a_waiting_claim_says_its_place_in_words_not_a_number_like_a_cells():
+    assert ", 2nd in the queue, behind 'prep' (cpus=2) " in describe(waiting_status())
+    assert [ordinal(n) for n in (1, 3, 4, 11, 12, 13, 21, 22, 101)] == [
+        "1st", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "status",
     [waiting_status(), running_status(), done_status()],
@@ -153,7 +198,9 @@ def test_a_claim_that_ended_in_the_queue_says_how_long_it_waited_and_nothing_of_
 def test_the_text_fallback_never_changes_with_the_phase(wire, status):
     """nbval reads a display as first drawn, a saved notebook as last redrawn: they must agree."""
     data, _ = ClaimWidget(status)._repr_mimebundle_()
-    assert data["text/plain"] == f"{status.label}: live status (how it went follows below)"
+    assert data["text/plain"] == (
+        f"{status.label}: live status (its record replaces it when the claim ends)"
+    )
     assert WIDGET_VIEW in data
     assert data == ClaimWidget(waiting_status(label=status.label))._repr_mimebundle_()[0] | {
         WIDGET_VIEW: data[WIDGET_VIEW]
@@ -173,7 +220,7 @@ def test_labels_and_messages_are_escaped_in_every_html_fallback(wire, declared_m
 def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
     """Each phase must reach the front end with what that phase shows, nothing stale."""
     widget = ClaimWidget(waiting_status())
-    assert (widget.phase, widget.position, widget.holders) == ("waiting", 2, ["'prep' (#1)"])
+    assert (widget.phase, widget.position, widget.holders) == ("waiting", 2, ["'prep' (cpus=2)"])
     assert widget.asked == "cpus=2 gpus=1 ram=1.0GB" and widget.share is None
 
     running = running_status()
@@ -557,27 +604,41 @@ def kernel(tmp_path_factory):
         yield k
 
 
-def test_a_claimed_cell_shows_the_widget_and_ends_with_its_summary(kernel):
-    """The cell must get the live widget, updated at most twice a second, and the ending as text."""
+def test_a_claimed_cell_shows_the_widget_and_its_record_takes_the_widgets_place(kernel):
+    """The cell must get the live widget, updated at most twice a second, then one record.
+
+    The record replaces the widget's display, so that a saved notebook holds
+    no widget to fail on, and says how long the claim waited and ran.
+    """
     started = time.monotonic()
     ran = kernel.run("%%claim cpus=1 --label slow\nimport time\ntime.sleep(3)", check=True)
     took = time.monotonic() - started
-    (shown,) = [m for m in ran.of("display_data") if WIDGET_VIEW in m["content"]["data"]]
+    (shown,) = ran.of("display_data")
+    assert WIDGET_VIEW in shown["content"]["data"]
     model = shown["content"]["data"][WIDGET_VIEW]["model_id"]
-    assert shown["content"]["data"]["text/plain"] == "slow: live status (how it went follows below)"
-    assert not ran.of("update_display_data"), "the fallback is never redrawn"
-    (summary,) = [m for m in ran.of("display_data") if WIDGET_VIEW not in m["content"]["data"]]
-    said = summary["content"]["data"]["text/plain"]
+    assert shown["content"]["data"]["text/plain"] == (
+        "slow: live status (its record replaces it when the claim ends)"
+    )
+    (record,) = ran.of("update_display_data")
+    assert record["content"]["transient"] == shown["content"]["transient"]
+    assert WIDGET_VIEW not in record["content"]["data"]
+    said = record["content"]["data"]["text/plain"]
     # Three seconds asleep, and whatever a loaded machine added to starting it.
-    assert re.match(r"slow: ok after (\d+\.\d) s", said), said
-    assert 3.0 <= float(re.match(r"slow: ok after (\d+\.\d)", said)[1]) <= took, said
+    times = re.match(
+        r"slow: ok · waited ([\d.]+) s(?:, started a worker in ([\d.]+) s)?, ran ([\d.]+) s · ",
+        said,
+    )
+    assert times, said
+    assert 3.0 <= float(times[3]) <= took, said
+    assert float(times[1]) + float(times[2] or 0) + float(times[3]) <= took + 0.3, said
     updates = [
         m for m in kernel.seen if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model
     ]
-    # At most twice a second; and at least the ending, which a cell asleep
-    # may be all there is to send (its readings do not move).
-    assert 1 <= len(updates) <= 2 * took + 2, f"{len(updates)} updates in {took:.1f} s"
-    assert updates[-1]["content"]["data"]["state"]["phase"] == "done"
+    assert len(updates) <= 2 * took + 2, f"{len(updates)} updates in {took:.1f} s"
+    closed = [
+        m for m in kernel.seen if m["msg_type"] == "comm_close" and m["content"]["comm_id"] == model
+    ]
+    assert closed, "the widget whose display the record took is closed"
 
 
 def test_claims_shows_the_live_monitor(kernel):

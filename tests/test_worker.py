@@ -668,3 +668,35 @@ def test_torch_is_held_to_the_card_budget_once_it_uses_a_card_and_not_before(tmp
         after = started.run("import torch\ncalls = list(torch.cuda.calls)", outputs=["calls"])
     assert before.outputs["calls"] == []
     assert after.outputs["calls"][:2] == [(0.25, 0), (0.25, 1)]
+
+
+def _frames(tb) -> list[str]:
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names
+
+
+def test_a_traceback_ends_at_the_users_frame_not_in_fluksio_nbs_code_below_it():
+    """A stop that lands in our stream, which the user's print called, shows the user's line."""
+    from fluksio_nb.resources import ask
+    from fluksio_nb.worker.shell import without_our_last_frames
+
+    def users_cell():
+        ask(cpus=-1)  # fluksio_nb's own code raises, below the user's line
+
+    try:
+        users_cell()
+    except Exception as error:
+        tb = error.__traceback__
+    assert len(_frames(tb)) > 2, "the error was raised below the user's frame"
+    assert _frames(without_our_last_frames(tb))[-1] == "users_cell"
+
+    # A traceback all of fluksio_nb's is a fault of ours, and is left whole.
+    try:
+        ask(cpus=-1)
+    except Exception as error:
+        ours = error.__traceback__.tb_next
+    whole = _frames(ours)
+    assert _frames(without_our_last_frames(ours)) == whole

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.errors import ClaimTooLarge, ClampedWarning, NotYours, ServiceUnavailable
+from fluksio_nb.errors import (
+    ClaimTooLarge,
+    ClampedWarning,
+    NotYours,
+    ServiceUnavailable,
+    warn_at_users_line,
+)
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Cap
 from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message, wait_for_grant, wait_on
@@ -495,8 +501,6 @@ def fit_to_cap(wanted: Resources, cap: Cap | None, user: str) -> Resources:
     }
     if not over:
         return wanted
-    import warnings
-
     from fluksio_nb.budget import human
 
     said = " ".join(
@@ -509,10 +513,9 @@ def fit_to_cap(wanted: Resources, cap: Cap | None, user: str) -> Resources:
             "--strict to be given what the cap allows"
         )
     shrunk = Resources(**{**wanted.model_dump(exclude_unset=True), **over})
-    warnings.warn(
+    warn_at_users_line(
         f"{wanted.describe()} is more than {where}; running with {shrunk.describe()} instead. "
         "Add --strict to refuse instead.",
         ClampedWarning,
-        stacklevel=4,
     )
     return shrunk

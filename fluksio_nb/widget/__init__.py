@@ -19,12 +19,13 @@ What is decided here:
   reading moved by more than drift (:func:`~fluksio_nb.sampler.is_news`)
   or the phase or place changed, or else every few seconds; and always the
   last state.
-- **Every bundle carries a text fallback, and it never changes.** Next to
-  the widget view go ``text/plain`` and escaped HTML. nbval reads a display
-  as it was first drawn and a saved notebook keeps it as it was last
-  redrawn, so live text there could never match; how a claim went is left
-  as a text line of its own when it ends (``ClaimLifecycle._end``), which is what a
-  notebook opened without its kernel, nbconvert and nbval all read.
+- **A claim's widget is replaced by its record when the claim ends**
+  (:meth:`WidgetView.end`): the display it was drawn in becomes the text and
+  HTML of :func:`~fluksio_nb.status.status_bundle`, and the widget is
+  closed. A saved notebook then holds no widget view to fail on ("model not
+  found") when it is opened without its kernel, and nbconvert and GitHub
+  show how the claim went. The text fallback beside a live view never
+  changes: it is read only where the claim never ended.
 - **The monitor is refreshed by one thread for all monitors**
   (:mod:`fluksio_nb.widget.ticker`), only while one is watched, and pushes
   only what changed (:mod:`fluksio_nb.widget.facts`).
@@ -45,7 +46,7 @@ import anywidget
 import traitlets as t
 
 from fluksio_nb.sampler import Sample, is_news
-from fluksio_nb.status import ClaimStatus
+from fluksio_nb.status import ClaimStatus, status_bundle
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, claim_html, monitor_html
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
 
@@ -118,6 +119,9 @@ class ClaimWidget(_Widget):
     enforcement = t.Dict().tag(sync=True)
     #: The claim reached its memory's warning stage: the widget turns amber.
     memory_warning = t.Bool(False).tag(sync=True)
+    #: What a running claim is doing, in words: running, sending its results
+    #: back, or stopped by a signal.
+    doing = t.Unicode("").tag(sync=True)
 
     def __init__(self, status: ClaimStatus | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -144,6 +148,8 @@ class ClaimWidget(_Widget):
                 and status.holders == self.holders
                 and status.label == self.label
                 and status.memory_warning == self.memory_warning
+                and (status.sending_since is None) == ("sending" not in self.doing)
+                and (status.stopped_since is None) == ("stopped" not in self.doing)
             )
             if quiet:
                 return True
@@ -165,12 +171,11 @@ class ClaimWidget(_Widget):
         return True
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        # The fallback never changes. nbval reads a display as it was first
-        # drawn, and a saved notebook keeps it as it was last redrawn, so any
-        # live text here would differ between the two; how the claim went is
-        # left as a line of its own when it ends (see ``ClaimLifecycle._end``).
+        # The fallback never changes: nbval reads a display as it was first
+        # drawn. The whole display is replaced when the claim ends
+        # (WidgetView.end), so this is read only of a claim that never did.
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = f"{self.label}: live status (how it went follows below)"
+        text = f"{self.label}: live status (its record replaces it when the claim ends)"
         data["text/plain"] = text
         data["text/html"] = claim_html(text, "running", None)
         return data, metadata
@@ -201,6 +206,7 @@ class WidgetView:
         self._display_id = f"fluksio-{uuid.uuid4().hex}"
         self._phase: str | None = None
         self._last = 0.0
+        self._ended = False
         self._lock = threading.Lock()
 
     def show(self, status: ClaimStatus) -> None:
@@ -208,6 +214,8 @@ class WidgetView:
         from fluksio_nb.relay import CellOutput
 
         with self._lock:
+            if self._ended:
+                return
             if self.widget is None:
                 self.widget = ClaimWidget(status)
                 self._phase, self._last = status.phase, time.monotonic()
@@ -230,6 +238,17 @@ class WidgetView:
             if not widget.follow(status):
                 return
             self._phase = status.phase
+
+    def end(self, status: ClaimStatus) -> bool:
+        """Replace the widget with the claim's record and close it; False if none was drawn."""
+        with self._lock:
+            self._ended = True
+            widget = self.widget
+            if widget is None:
+                return False
+            self._output.update_display(status_bundle(status), self._display_id)
+            widget.close()
+            return True
 
 
 class MonitorWidget(_Widget):

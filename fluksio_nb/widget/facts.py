@@ -39,7 +39,7 @@ from typing import Any
 from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.sampler import Sample
-from fluksio_nb.status import ClaimStatus, claim_gpu_text
+from fluksio_nb.status import ClaimStatus, claim_gpu_text, doing
 
 #: Points in a claim's sparklines: a minute at one push a second. The monitor
 #: has none: it carries every running claim in each push, and each claim's
@@ -91,6 +91,8 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,
+        # Said only when it is not plain running, which the widget shows itself.
+        "doing": doing(status) if status.sending_since or status.stopped_since else "",
     }
 
 

@@ -243,6 +243,7 @@ const CLAIM_TRAITS = [
   "message",
   "enforcement",
   "memory_warning",
+  "doing",
 ];
 
 function renderClaim(model, el) {
@@ -295,6 +296,10 @@ function renderClaim(model, el) {
       const budget = allocation.budget_bytes;
       if (phase === "running") {
         head.append(h("span", "fluksio-clock", clock(model.get("elapsed_s") + since())));
+        if (model.get("doing")) {
+          // Stopped by a signal, or sending its results back: not plain running.
+          body.push(h("div", "fluksio-row fluksio-doing", model.get("doing")));
+        }
         body.push(put(h("div", "fluksio-row"), field("share", null, share(allocation, budget))));
         const rss = reading ? reading.rss_bytes : 0;
         const ceiling = budget || (reading ? reading.host_total_bytes : 0);

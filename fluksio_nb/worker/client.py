@@ -80,6 +80,7 @@ from fluksio_nb.worker.messages import (
     Ready,
     Result,
     Run,
+    SendingBack,
     Sink,
     Stream,
     forwarder,
@@ -168,6 +169,10 @@ class _Cell:
     error: CellError | None = None
     #: Whether its outputs are left packed, for another process to unpack.
     forward: bool = False
+    #: Called as the cell's code ends and its results start back.
+    on_sending_back: Callable[[], None] | None = None
+    #: When that was (monotonic), if it was.
+    sending_since: float | None = None
     #: Where each output message goes: the sink's ``forward``, or relayed to it.
     show: Callable[[Output], None] = field(init=False)
 
@@ -304,6 +309,7 @@ class Worker:
         forward_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
+        on_sending_back: Callable[[], None] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -324,12 +330,13 @@ class Worker:
         before the cell (only where the worker's differ), and those the cell
         drew from are in the outcome. A variable the kernel set or dropped
         since the worker started is set or dropped in the worker too, as a
-        normal cell would see it.
+        normal cell would see it. ``on_sending_back`` is called as the cell's
+        code ends and its results start back, if it has any.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
         with self._run_lock:
-            cell = _Cell(sink, forward=forward_outputs)
+            cell = _Cell(sink, forward=forward_outputs, on_sending_back=on_sending_back)
             self._cell = cell
             try:
                 request = Run(
@@ -476,6 +483,10 @@ class Worker:
                 self._answer(message, cell.sink)
             case Ready():
                 self._ready = True
+            case SendingBack():
+                cell.sending_since = time.monotonic()
+                if cell.on_sending_back is not None:
+                    cell.on_sending_back()
             case Done():
                 cell.over = True
                 self._drain_streams(cell.show)
@@ -503,6 +514,7 @@ class Worker:
             self._streams_there = {name: held[name] for name in done.streams_held}
         parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
+        sent_s = None if cell.sending_since is None else time.monotonic() - cell.sending_since
         ok = done.ok
         error = None if ok else cell.error
         return Outcome(
@@ -515,6 +527,8 @@ class Worker:
             interrupted=cell.interrupted,
             random_state=streams,
             parcel=parcel if cell.forward else None,
+            sent_s=sent_s,
+            sent_bytes=0 if parcel is None else parcel.nbytes,
         )
 
     def _died(self, cell: _Cell) -> Outcome:
@@ -654,8 +668,14 @@ class Worker:
 def _kernels_execution_count() -> int | None:
     """The ``In[n]`` of the cell the kernel runs now, or ``None`` outside a kernel.
 
-    IPython counts a cell up as it ends, so while it runs this is its own number.
+    Read from the cells IPython has entered, of which the running one is the
+    last: IPython 9 counts ``execution_count`` up as a cell starts, and 8 as
+    it ends, so that count is the cell's own number in one and the next's in
+    the other.
     """
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    entered = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    if isinstance(entered, list) and len(entered) > 1:
+        return len(entered) - 1
     count = getattr(shell, "execution_count", None)
     return count if isinstance(count, int) else None

@@ -57,6 +57,7 @@ from fluksio_nb.worker.messages import (
     InputReply,
     Ready,
     Run,
+    SendingBack,
 )
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from fluksio_nb.worker.shell import (
@@ -236,6 +237,8 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
     names += changed_in_place(shell.user_ns, request.if_changed, request.inputs, inputs)
     keep = request.keep_outputs
+    if names:
+        shell.report(SendingBack(len(names)))
     outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
     flush_c_streams()
     shell.report(

@@ -185,6 +185,18 @@ class InputRequest(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SendingBack(_Message):
+    """The cell's code is over and its results are being packed to go back.
+
+    Sent only when there are names to send, so that the kernel can say
+    "sending results back" for as long as that takes, and tell the time the
+    cell ran from the time its results took.
+    """
+
+    names: int
+
+
+@dataclass(frozen=True, slots=True)
 class Done(_Message):
     """The cell is over, and what it leaves: the last message of every :class:`Run`."""
 
@@ -209,7 +221,7 @@ Output = Stream | Display | Result | Error | ClearOutput
 #: What the kernel sends.
 ToWorker = Run | InputReply | Exit
 #: What the worker sends.
-FromWorker = Ready | Output | InputRequest | Done
+FromWorker = Ready | Output | InputRequest | SendingBack | Done
 #: Every frame on the channel.
 Message = ToWorker | FromWorker
 

@@ -66,6 +66,10 @@ class Outcome:
     #: forward them (``outputs`` is empty then); whoever ends up with it
     #: unpacks it or discards it.
     parcel: Any = None
+    #: How long the results took from the end of the cell's code to being
+    #: rebuilt here, and their size as they travelled; None with no results.
+    sent_s: float | None = None
+    sent_bytes: int = 0
 
     @property
     def ok(self) -> bool:

@@ -245,6 +245,10 @@ class WorkerShell(InteractiveShell):
     #: case the last one replaced them and never restored them.
     streams: tuple[FrameStream, FrameStream]
 
+    def _get_exc_info(self, exc_tuple=None):
+        etype, value, tb = super()._get_exc_info(exc_tuple)
+        return etype, value, without_our_last_frames(tb)
+
     def _showtraceback(self, etype, evalue, stb):
         # The cell is already ending in an error; a held-back interrupt would
         # only end it a second time.
@@ -380,6 +384,34 @@ def flush_c_streams() -> None:
 
 
 _fflush: Any = None
+
+
+#: Where fluksio_nb's own files are: frames there are none of the user's business.
+_OUR_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def without_our_last_frames(tb: Any) -> Any:
+    """``tb`` ending at the user's last frame, not in fluksio_nb's code below it.
+
+    The stop button lands wherever the worker is, and that is often inside
+    this package's own stream, which the user's ``print`` called: a traceback
+    that went on into it would show the user code they never wrote. Frames of
+    ours above the user's are left alone (IPython skips its own), and so is a
+    traceback that is all ours, which is a fault of ours worth reading whole.
+    """
+    frames = []
+    walk = tb
+    while walk is not None:
+        frames.append(walk)
+        walk = walk.tb_next
+    cut = len(frames)
+    while cut > 0 and frames[cut - 1].tb_frame.f_code.co_filename.startswith(_OUR_FILES):
+        cut -= 1
+    if 0 < cut < len(frames) and not all(
+        f.tb_frame.f_code.co_filename.startswith(_OUR_FILES) for f in frames[:cut]
+    ):
+        frames[cut - 1].tb_next = None
+    return tb
 
 
 def report_exception_only(shell: WorkerShell, error: BaseException) -> None:

@@ -283,6 +283,12 @@ class JupyterLab:
         (self.root / name).write_text(json.dumps(notebook, indent=1))
         return name
 
+    def use_theme(self, theme: str) -> None:
+        """Make ``theme`` ("JupyterLab Dark", "JupyterLab Light") the one pages load with."""
+        themes = self.settings_dir / "@jupyterlab" / "apputils-extension"
+        themes.mkdir(parents=True, exist_ok=True)
+        (themes / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
+
     def read_notebook(self, name: str) -> dict[str, Any]:
         return json.loads((self.root / name).read_text())
 
@@ -364,8 +370,17 @@ class Notebook:
     def run_all(self) -> None:
         self.menu("Run", "runmenu:run-all")
 
-    def save(self) -> None:
+    def run_cell(self, index: int) -> None:
+        """Run the ``index``-th cell alone, as Shift+Enter in it does; returns at once."""
+        self.panel.locator(".jp-Cell").nth(index).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Shift+Enter")
+
+    def save(self, timeout_ms: float = 30_000) -> None:
+        """Save, and wait until the page says the notebook is saved: no unsaved mark left."""
         self.menu("File", "docmanager:save")
+        self.page.wait_for_function(
+            "() => !document.querySelector('.jp-mod-dirty')", timeout=timeout_ms
+        )
 
     @property
     def panel(self) -> Any:
@@ -397,18 +412,39 @@ class Notebook:
         return path
 
 
-def phases_until_done(claim: Any, timeout_s: float = 60) -> list[str]:
-    """Every phase the claim widget ``claim`` (a locator) showed, in order, until done."""
+def phases_until_the_record(output: Any, timeout_s: float = 60) -> tuple[list[str], Any]:
+    """Every phase the claim widget in ``output`` showed, and the record that took its place.
+
+    ``output`` is a cell's output area (a locator). A claim's live widget is
+    replaced by its record, a ``.fluksio-status``, when the claim ends; the
+    record is returned as a locator, once there and the widget gone.
+    """
     seen: list[str] = []
+    claim, record = output.locator(".fluksio-claim"), output.locator(".fluksio-status")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        phase = claim.get_attribute("data-phase")
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        if phase == "done":
-            return seen
+        # Read without waiting: the widget may be gone between two looks.
+        for phase in claim.evaluate_all("all => all.map(e => e.dataset.phase)"):
+            if phase and (not seen or seen[-1] != phase):
+                seen.append(phase)
+        if record.count() and not claim.count():
+            return seen, record
         time.sleep(0.1)
-    raise AssertionError(f"the claim never showed done; it showed {seen}")
+    raise AssertionError(f"no record took the claim's place; it showed {seen}")
+
+
+#: "300.0MB" as the record says it: decimal units, as pydantic's ByteSize writes them.
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def peak_rss_of(record_text: str) -> int:
+    """The bytes a record's ``peak RSS 314.6MB`` says."""
+    import re
+
+    found = re.search(r"peak RSS (\d+(?:\.\d+)?)([KMGT]?B)\b", record_text)
+    if found is None:
+        raise AssertionError(f"the record says no peak RSS: {record_text!r}")
+    return int(float(found[1]) * _UNITS[found[2]])
 
 
 def stray_text(element: Any) -> list[str]:
@@ -458,3 +494,46 @@ def memory_hog(label: str) -> str:
         "    time.sleep(4)\n"
         "hog()"
     )
+
+
+def records_survive_saving(notebook: Any, server: JupyterLab) -> None:
+    """Run claimed cells, save, end the kernel, open again: each record reads as it did.
+
+    ``notebook`` is the tests' fixture of that name. A long claim (a live
+    widget, then its record), a short one (only the record) and a
+    background one are each checked in the saved file, which must hold no
+    widget view, and on the page opened again with a new kernel, which knows
+    no widget of the old one's.
+    """
+    nb = notebook(
+        "saved.ipynb",
+        [
+            "%load_ext fluksio_nb",
+            "%%claim cpus=1 --label long\nimport time\ntime.sleep(2)",
+            "%%claim cpus=1 --label quick\nx = 1",
+            "%%claim cpus=1 --label later --background\nimport time\ntime.sleep(2)",
+        ],
+    )
+    claims = ((1, "long"), (2, "quick"), (3, "later"))
+    nb.run_all()
+    nb.wait_until_idle()
+    for index, label in claims:
+        _, record = phases_until_the_record(nb.output_of(index))
+        assert record.inner_text().startswith(f"{label}: ok · waited "), record.inner_text()
+    nb.save()
+    saved = server.read_notebook("saved.ipynb")
+    kinds = {
+        kind
+        for cell in saved["cells"]
+        for o in cell.get("outputs", [])
+        for kind in o.get("data", {})
+    }
+    assert "application/vnd.jupyter.widget-view+json" not in kinds, kinds
+    server.shutdown_kernels()
+
+    nb.open()
+    for index, label in claims:
+        said = nb.output_of(index).inner_text()
+        assert said.startswith(f"{label}: ok · waited "), said
+        assert "model not found" not in said and "Error displaying widget" not in said, said
+    nb.screenshot(f"saved-and-opened-again-{server.app}")

@@ -19,7 +19,9 @@ from tests.browser.lab import (
     JupyterLab,
     memory_hog,
     not_notebook7s_own,
-    phases_until_done,
+    peak_rss_of,
+    phases_until_the_record,
+    records_survive_saving,
     stray_text,
 )
 
@@ -50,17 +52,19 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
     nb.run_all()
     # Only widget.js makes .fluksio-claim; the fallback is a .fluksio-status.
     claim = nb.wait_for(1, ".fluksio-claim")
-    seen = phases_until_done(claim)
-    assert seen[0] in ("waiting", "running") and seen[-1] == "done", seen
-    assert claim.get_attribute("data-ending") == "ok"
-    peak = int(claim.locator("[data-field=peak-rss]").get_attribute("data-value"))
-    assert 300 * 2**20 <= peak < 1500 * 2**20, f"peak RSS {peak} is not what a 300 MiB cell uses"
     assert claim.locator(".fluksio-label").inner_text() == HOSTILE
-    # The 3px edge comes from widget.css alone: the fallback's is inline, on another element.
+    # The 3px edge comes from widget.css alone: the record's is inline, on another element.
     assert claim.evaluate("e => getComputedStyle(e).borderLeftWidth") == "3px"
-    output = nb.output_of(1).inner_text()
-    assert "Error displaying widget" not in output
-    assert "live status (how it went follows below)" not in output, "the fallback was drawn"
+    assert "live status (its record replaces it" not in nb.output_of(1).inner_text(), (
+        "the fallback was drawn"
+    )
+    seen, record = phases_until_the_record(nb.output_of(1))
+    assert seen[0] in ("waiting", "running"), seen
+    said = record.inner_text()
+    assert said.startswith(f"{HOSTILE}: ok · waited "), said
+    peak = peak_rss_of(said)
+    assert 300 * 2**20 <= peak < 1500 * 2**20, f"peak RSS {peak} is not what a 300 MiB cell uses"
+    assert "Error displaying widget" not in nb.output_of(1).inner_text()
 
     monitor = nb.wait_for(2, ".fluksio-monitor")
     cpus = monitor.locator("[data-field=cpus]")
@@ -74,4 +78,10 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
     assert nb.panel.locator(".jp-OutputArea img").count() == 0
     assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
     nb.screenshot("notebook7-widgets")
+    assert not_notebook7s_own(page.errors) == [], page.errors
+
+
+def test_a_saved_notebook_opened_again_in_notebook_7_shows_each_record(notebook, page, server):
+    """No "model not found" in Notebook 7 either: what was saved is each claim's record."""
+    records_survive_saving(notebook, server)
     assert not_notebook7s_own(page.errors) == [], page.errors
