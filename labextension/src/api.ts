@@ -1,5 +1,5 @@
 /**
- * The server extension's two routes, typed as fluksio_nb/server.py sends them.
+ * The server extension's routes, typed as fluksio_nb/server.py sends them.
  *
  * URLs start from the server's base URL, so the extension works behind
  * JupyterHub's /user/<name>/ prefix as well as on a bare server.
@@ -23,6 +23,8 @@ export interface Readings {
   gpu_bytes?: number | null;
   peak_gpu_bytes?: number | null;
   gpu_percent?: number | null;
+  /** The worker was stopped by a signal (SIGSTOP) at this time, and is still stopped. */
+  stopped_since?: number | null;
 }
 
 /** One of a claim's cards as the server read it: what the claim holds of it, and the card. */
@@ -93,9 +95,20 @@ export interface RunningClaim extends Claim {
   gpu?: ClaimGpu | null;
 }
 
+/** How long a queued claim may still wait, and what the guess rests on. */
+export interface ExpectedWait {
+  /** Null when the server cannot tell. */
+  seconds: number | null;
+  /** What the guess is from, or why there is none, in words. */
+  why: string;
+}
+
 export interface WaitingClaim extends Claim {
+  /** Its 1-based place in the machine's queue: what people read, not the ticket. */
   position: number;
   asked: { cpus: number; gpus: number; ram_bytes: number };
+  /** Absent from a server older than the expected-wait guess. */
+  expected_wait?: ExpectedWait;
 }
 
 export interface Snapshot {
@@ -126,6 +139,70 @@ export interface Enforcement {
   why: string;
 }
 
+/** One reading of a card in the machine's history; null where the card did not say. */
+export interface CardPoint {
+  index: number;
+  used_bytes: number | null;
+  total_bytes: number | null;
+  utilisation_percent: number | null;
+}
+
+/** One reading of the whole machine. */
+export interface HistoryPoint {
+  at: number;
+  /** Of the whole machine, 0 to 100. */
+  cpu_percent: number;
+  /** What processes outside every claim used; null where it could not be told apart. */
+  cpu_outside_claims_percent: number | null;
+  memory_used_bytes: number;
+  memory_total_bytes: number;
+  cards: CardPoint[];
+}
+
+/** The machine over the last `span_s` seconds, oldest first. */
+export interface History {
+  span_s: number;
+  interval_s: number;
+  points: HistoryPoint[];
+}
+
+/** How a claim ended, as the usage records keep it. */
+export type Ending =
+  | 'ok'
+  | 'error'
+  | 'interrupted'
+  | 'halted'
+  | 'timed out'
+  | 'died'
+  | 'cancelled';
+
+/** A claim that has ended, anyone's on this machine. */
+export interface FinishedClaim {
+  /** An id, never shown: people read labels and positions. Null in older records. */
+  ticket: number | null;
+  label: string;
+  user: string;
+  notebook: string | null;
+  ending: Ending | string;
+  asked_at: number;
+  started_at: number | null;
+  ended_at: number;
+  waited_s: number;
+  ran_s: number | null;
+  peak_rss_bytes: number | null;
+  peak_gpu_bytes: number | null;
+}
+
+/** What the server answered when it did not do what was asked. */
+export class ApiError extends Error {
+  constructor(
+    message: string,
+    readonly status: number
+  ) {
+    super(message);
+  }
+}
+
 async function request(path: string, init: RequestInit = {}): Promise<any> {
   const settings = ServerConnection.makeSettings();
   const url = URLExt.join(settings.baseUrl, 'fluksio/api', path);
@@ -133,7 +210,7 @@ async function request(path: string, init: RequestInit = {}): Promise<any> {
   const body = await response.json().catch(() => ({}));
   if (!response.ok) {
     // The server's message says what is wrong and what to do; show it as is.
-    throw new Error(body.message || `${response.status} ${response.statusText}`);
+    throw new ApiError(body.message || `${response.status} ${response.statusText}`, response.status);
   }
   return body;
 }
@@ -144,4 +221,13 @@ export function fetchSnapshot(): Promise<Snapshot> {
 
 export function cancelClaim(ticket: number): Promise<void> {
   return request(`claims/${ticket}/cancel`, { method: 'POST' });
+}
+
+export function fetchHistory(): Promise<History> {
+  return request('history');
+}
+
+/** The last claims to end on this machine, newest first, at most 20. */
+export async function fetchFinished(): Promise<FinishedClaim[]> {
+  return (await request('finished')).claims;
 }

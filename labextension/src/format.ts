@@ -32,3 +32,46 @@ export function cpuList(cores: number[]): string {
 export function plural(n: number, one: string, many: string = one + 's'): string {
   return `${n} ${n === 1 ? one : many}`;
 }
+
+/** A place in a queue as people say it: `1st`, `2nd`, `11th`, `23rd`. */
+export function ordinal(n: number): string {
+  const teen = n % 100 >= 11 && n % 100 <= 13;
+  const suffix = teen ? 'th' : ({ 1: 'st', 2: 'nd', 3: 'rd' } as Record<number, string>)[n % 10];
+  return `${n}${suffix ?? 'th'}`;
+}
+
+/** A measured span, to the second under a minute: `0.4 s`, `12 s`, `2 min 5 s`, `1 h 3 min`. */
+export function duration(seconds: number): string {
+  if (seconds < 10) {
+    return `${Math.max(0, seconds).toFixed(1)} s`;
+  }
+  const whole = Math.round(seconds);
+  if (whole < 60) {
+    return `${whole} s`;
+  }
+  const minutes = Math.floor(whole / 60);
+  if (minutes < 60) {
+    return whole % 60 ? `${minutes} min ${whole % 60} s` : `${minutes} min`;
+  }
+  const hours = Math.floor(minutes / 60);
+  return minutes % 60 ? `${hours} h ${minutes % 60} min` : `${hours} h`;
+}
+
+/** A guess, rounded as a guess should be: `under a minute`, `about 2 min`, `about 1 h 20 min`. */
+export function roughly(seconds: number): string {
+  if (seconds < 45) {
+    return 'under a minute';
+  }
+  const minutes = Math.round(seconds / 60);
+  if (minutes < 60) {
+    return `about ${minutes} min`;
+  }
+  const tens = Math.round(minutes / 10) * 10;
+  const hours = Math.floor(tens / 60);
+  return tens % 60 ? `about ${hours} h ${tens % 60} min` : `about ${hours} h`;
+}
+
+/** An epoch time as a clock reading in the user's locale, to the second. */
+export function clock(epochSeconds: number): string {
+  return new Date(epochSeconds * 1000).toLocaleTimeString();
+}

@@ -1,6 +1,11 @@
 /**
- * The sidebar panel: the machine, every kernel's running and waiting claims,
- * and a button to cancel your own.
+ * The sidebar panel: the machine now and over the last ten minutes, every
+ * kernel's running and waiting claims with a button to cancel your own, and
+ * the claims that ended lately.
+ *
+ * Every figure reads as used/total (`CPU 1/4 used`), as in the status bar
+ * and `%claims`. A waiting claim shows its place in the queue (`2nd in the
+ * queue`) and when it may start; ticket numbers are ids and never shown.
  *
  * Rows are kept by ticket and updated in place, not rebuilt on every poll.
  * A row rebuilt between a mouse-down and a mouse-up would swallow the click
@@ -12,7 +17,9 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { Card, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
-import { cpuList, human, plural } from './format';
+import { FinishedView } from './finished';
+import { clock, cpuList, human, ordinal, plural, roughly } from './format';
+import { HistoryView } from './history';
 import { MachineModel } from './model';
 
 export const machineIcon = new LabIcon({
@@ -90,8 +97,7 @@ class ClaimRow {
     this._claim = claim;
     this.node.dataset.ticket = String(claim.ticket);
     const label = labelOf(claim);
-    this._label.textContent =
-      this.state === 'waiting' ? `${(claim as WaitingClaim).position}. ${label}` : label;
+    this._label.textContent = label;
     this._button.hidden = !claim.can_cancel;
     this._button.title =
       this.state === 'running'
@@ -99,7 +105,7 @@ class ClaimRow {
         : `Take ${label} out of the queue`;
 
     const where = claim.path ?? claim.notebook ?? `pid ${claim.pid}`;
-    this._where.textContent = claim.mine ? where : `${where} (${claim.user ?? 'another user'})`;
+    this._where.textContent = claim.mine ? where : `${claim.user ?? 'another user'} · ${where}`;
     this._where.title = claim.path
       ? `Open ${claim.path}`
       : claim.notebook ?? `A kernel this server did not start (pid ${claim.pid})`;
@@ -118,20 +124,28 @@ class ClaimRow {
         (allocation.ram_bytes ? ` · ${human(allocation.ram_bytes)}` : '');
       // Card figures only where the cards were read: unknown is not zero.
       const cardsSaid = gpu ? ` · ${gpu.text}` : '';
-      this._readings.textContent = readings
-        ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%${cardsSaid}`
-        : `no readings yet${cardsSaid}`;
+      const stopped = readings?.stopped_since;
+      this._readings.textContent =
+        (stopped ? `stopped by a signal since ${clock(stopped)} · ` : '') +
+        (readings
+          ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%${cardsSaid}`
+          : `no readings yet${cardsSaid}`);
+      this.node.classList.toggle('fluksio-lab-stopped', !!stopped);
       this._readings.title = readings
         ? `peak RSS ${human(readings.peak_rss_bytes)}; CPU is the share of the whole ` +
           `machine, ${plural(readings.processes, 'process', 'processes')}`
         : '';
     } else {
-      const { asked } = claim as WaitingClaim;
+      const waiting = claim as WaitingClaim;
+      const { asked } = waiting;
       this._share.textContent =
         `asks ${plural(asked.cpus, 'CPU')}` +
         (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
         (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
-      this._readings.textContent = `waiting since ${new Date(claim.since * 1000).toLocaleTimeString()}`;
+      this._readings.textContent = describeWait(waiting);
+      // What the guess rests on, for whoever wonders; the row itself says only the guess.
+      const why = waiting.expected_wait?.why;
+      this._readings.title = `asked at ${clock(claim.since)}` + (why ? `; ${why}` : '');
     }
   }
 
@@ -214,8 +228,26 @@ export class MachinePanel extends Widget {
     this._squatters = element('div', 'fluksio-lab-squatters', body);
     this._running = new ClaimList(body, 'Running', 'running', this);
     this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
+    this._history = new HistoryView(body);
+    this._finished = new FinishedView(body);
     _model.changed.connect(() => this._show());
     this._show();
+  }
+
+  protected onAfterShow(): void {
+    this._model.watched = true;
+  }
+
+  protected onAfterAttach(): void {
+    this._model.watched = this.isVisible;
+  }
+
+  protected onAfterHide(): void {
+    this._model.watched = false;
+  }
+
+  protected onBeforeDetach(): void {
+    this._model.watched = false;
   }
 
   async cancel(claim: AnyClaim, state: 'running' | 'waiting'): Promise<void> {
@@ -251,13 +283,14 @@ export class MachinePanel extends Widget {
       return;
     }
     const { cpus, gpus, ram_bytes: ram } = snapshot;
-    this._cpus.show(cpus.total - cpus.free, cpus.total, `${cpus.total - cpus.free}/${cpus.total}`);
+    const cpusUsed = cpus.total - cpus.free;
+    this._cpus.show(cpusUsed, cpus.total, `${cpusUsed}/${cpus.total} used`);
     const held = gpus.total - gpus.free;
-    this._gpus.show(held, gpus.total, `${held}/${gpus.total}`);
+    this._gpus.show(held, gpus.total, `${held}/${gpus.total} used`);
     this._ram.show(
       ram.total - ram.free,
       ram.total,
-      `${human(ram.total - ram.free)}/${human(ram.total)}`
+      `${human(ram.total - ram.free)}/${human(ram.total)} used`
     );
     this._enforcement.replaceChildren();
     Object.entries(snapshot.enforcement ?? {}).forEach(([name, how], index) => {
@@ -274,6 +307,8 @@ export class MachinePanel extends Widget {
     this._running.show(snapshot.running);
     this._waiting.show(snapshot.waiting);
     this._showCards(snapshot.cards ?? [], snapshot.squatters ?? []);
+    this._history.show(this._model.history, this._model.historyError);
+    this._finished.show(this._model.finished, this._model.finishedError);
   }
 
   /** Each card's utilisation and memory, and card memory held with no claim. */
@@ -311,6 +346,21 @@ export class MachinePanel extends Widget {
   private _squatters: HTMLElement;
   private _running: ClaimList;
   private _waiting: ClaimList;
+  private _history: HistoryView;
+  private _finished: FinishedView;
+}
+
+/** `2nd in the queue · starts in about 2 min`, or the server's words when it cannot tell. */
+export function describeWait(claim: WaitingClaim): string {
+  const place = `${ordinal(claim.position)} in the queue`;
+  const expected = claim.expected_wait;
+  if (expected === undefined) {
+    return place;
+  }
+  if (expected.seconds === null) {
+    return `${place} · ${expected.why}`;
+  }
+  return `${place} · starts in ${roughly(expected.seconds)}`;
 }
 
 /** A claim's label, or whose it is where its owner keeps labels private. */

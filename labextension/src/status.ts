@@ -1,21 +1,24 @@
 /**
  * The status-bar item: how much of the machine is in use, at a glance.
  *
- * `CPU 6/14 · GPU 1/2 · 2 waiting` is used/total. Cards are left out on a
- * machine without any, and the queue when nobody waits. Card memory held
- * with no claim on its card adds `1 squatter`; its hover says whose.
+ * `CPU 6/14 used · GPU 1/2 used · 2 waiting`: used/total, as the panel and
+ * `%claims` say it. Cards are left out on a machine without any, and the
+ * queue when nobody waits. Card memory held with no claim on its card adds
+ * `1 squatter`; its hover says whose. The hover also names the user's own
+ * claims, each with its notebook, and a waiting one's place in the queue.
  */
 import { Widget } from '@lumino/widgets';
 
 import { MachineModel } from './model';
 import { plural } from './format';
 import { Snapshot } from './api';
+import { describeWait } from './panel';
 
 export function describeUse(snapshot: Snapshot): string {
   const { cpus, gpus } = snapshot;
-  const parts = [`CPU ${cpus.total - cpus.free}/${cpus.total}`];
+  const parts = [`CPU ${cpus.total - cpus.free}/${cpus.total} used`];
   if (gpus.total > 0) {
-    parts.push(`GPU ${gpus.total - gpus.free}/${gpus.total}`);
+    parts.push(`GPU ${gpus.total - gpus.free}/${gpus.total} used`);
   }
   if (snapshot.waiting.length > 0) {
     parts.push(`${snapshot.waiting.length} waiting`);
@@ -35,10 +38,26 @@ export function describeCards(snapshot: Snapshot): string {
   }
   for (const claim of snapshot.running) {
     if (claim.mine && claim.gpu) {
-      lines.push(`${claim.label ?? `#${claim.ticket}`}: ${claim.gpu.text}`);
+      lines.push(`${claim.label}: ${claim.gpu.text}`);
     }
   }
   return lines.join('\n');
+}
+
+/** This user's claims, one line each: `fit (work/train.ipynb): 2nd in the queue · …`. */
+export function describeMine(snapshot: Snapshot): string {
+  const where = (claim: { notebook: string | null; path: string | null }) => {
+    const notebook = claim.path ?? claim.notebook;
+    return notebook ? ` (${notebook})` : '';
+  };
+  return [
+    ...snapshot.running
+      .filter(claim => claim.mine)
+      .map(claim => `${claim.label}${where(claim)}: running`),
+    ...snapshot.waiting
+      .filter(claim => claim.mine)
+      .map(claim => `${claim.label}${where(claim)}: ${describeWait(claim)}`)
+  ].join('\n');
 }
 
 export class MachineStatus extends Widget {
@@ -71,9 +90,10 @@ export class MachineStatus extends Widget {
           ? 'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel): claims are not visible here'
           : `${plural(snapshot.running.length, 'claim')} running, ` +
             `${snapshot.waiting.length} waiting. Click to see them.`;
-      const cards = describeCards(snapshot);
-      if (cards) {
-        this.node.title += `\n${cards}`;
+      for (const more of [describeMine(snapshot), describeCards(snapshot)]) {
+        if (more) {
+          this.node.title += `\n${more}`;
+        }
       }
     }
   }

@@ -13,14 +13,13 @@ another user would drive it.
 from __future__ import annotations
 
 import json
+import re
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
-from tests.browser.lab import OUTPUT
+from tests.browser.lab import OUTPUT, notebook_kernel
 from tests.kernels import run_in
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,26 +44,6 @@ def wait_for_status(page: Any, expected: str, timeout_s: float = 30) -> None:
     raise AssertionError(f"the status bar never showed {expected!r}; it showed {seen}")
 
 
-def second_notebook(lab: Any, path: str) -> BlockingKernelClient:
-    """A client on the kernel of a notebook session started through the server."""
-    (lab.root / Path(path).parent).mkdir(parents=True, exist_ok=True)
-    lab.write_notebook(path, [])
-    session = lab.api(
-        "POST",
-        "api/sessions",
-        {"path": path, "name": Path(path).name, "type": "notebook", "kernel": {"name": "python3"}},
-    )
-    runtime = Path(lab.env["JUPYTER_RUNTIME_DIR"])
-    client = BlockingKernelClient(
-        connection_file=str(runtime / f"kernel-{session['kernel']['id']}.json")
-    )
-    client.load_connection_file()
-    client.start_channels()
-    client.wait_for_ready(timeout=60)
-    run_in(client, "%load_ext fluksio_nb")
-    return client
-
-
 def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, page):
     """The status bar must follow a claim from start to end; the panel must name the
     notebook holding a share, cancel a waiting claim, and show labels as text."""
@@ -79,14 +58,14 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         ],
     )
     ui = page.page
-    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
     first.run_all()
-    wait_for_status(ui, "CPU 1/2 · GPU 1/2")
+    wait_for_status(ui, "CPU 1/2 used · GPU 1/2 used")
     released.touch()
-    wait_for_status(ui, "CPU 0/2 · GPU 0/2")
+    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
 
     holder_released = lab.home / "release-holder"
-    client = second_notebook(lab, "work/second.ipynb")
+    client = notebook_kernel(lab, "work/second.ipynb")
     try:
         run_in(
             client,
@@ -97,7 +76,7 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         run_in(client, "holder = _")
         run_in(client, f"%%claim gpus=1 --background --label '{HOSTILE}'\nprint('ran')")
         run_in(client, "waiting = _")
-        wait_for_status(ui, "CPU 1/2 · GPU 2/2 · 1 waiting")
+        wait_for_status(ui, "CPU 1/2 used · GPU 2/2 used · 1 waiting")
 
         ui.locator(".fluksio-lab-status").click()
         panel = ui.locator("#fluksio-nb-panel")
@@ -117,7 +96,11 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         while "RSS" not in readings.inner_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert readings.inner_text().startswith("RSS "), readings.inner_text()
-        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == f"1. {HOSTILE}"
+        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == HOSTILE
+        # Its place in the queue, not its ticket number.
+        place = waiting.locator(".fluksio-lab-claim-readings").inner_text()
+        assert place.startswith("1st in the queue · "), place
+        assert "#" not in panel.locator(".fluksio-lab-list-waiting").inner_text()
         time.sleep(1)  # an onerror handler would have fired by now
         assert panel.locator("img, b").count() == 0
         assert page.dialogs == [], f"a label was run as HTML: {page.dialogs}"
@@ -139,4 +122,40 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         assert page.errors == [], page.errors
     finally:
         holder_released.touch()
+        client.stop_channels()
+
+
+def test_a_queued_claim_says_its_place_and_when_it_may_start(lab, page):
+    """Its place in the queue, not its ticket; and a guess at its start from the running
+    claim's past runs, with what the guess rests on in the row's hover."""
+    released = lab.home / "release-guessed"
+    client = notebook_kernel(lab, "guess/holder.ipynb")
+    try:
+        # A past run of each label is what the guess is made from.
+        run_in(client, "%%claim cpus=2 --label holder\nx = 1")
+        run_in(client, "%%claim cpus=1 --label 'next in line'\nx = 1")
+        run_in(
+            client,
+            "%%claim cpus=2 --background --label holder\n"
+            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
+            "    time.sleep(0.1)",
+        )
+        run_in(client, "holder = _")
+        run_in(client, "%%claim cpus=1 --background --label 'next in line'\nx = 1")
+        run_in(client, "queued = _")
+        ui = page.page
+        ui.goto(lab.url("lab/workspaces/guess"))
+        ui.locator(".fluksio-lab-status").click(timeout=30_000)
+        waiting = ui.locator("#fluksio-nb-panel .fluksio-lab-list-waiting .fluksio-lab-claim")
+        waiting.first.wait_for(timeout=30_000)
+        said = waiting.locator(".fluksio-lab-claim-readings")
+        assert re.fullmatch(
+            r"1st in the queue · starts in (under a minute|about \d+ min)", said.inner_text()
+        ), said.inner_text()
+        why = said.get_attribute("title")
+        assert why.startswith("asked at ") and "from 1 past run of 'next in line'" in why, why
+        assert waiting.locator(".fluksio-lab-claim-label").inner_text() == "next in line"
+        assert page.errors == [], page.errors
+    finally:
+        released.touch()
         client.stop_channels()

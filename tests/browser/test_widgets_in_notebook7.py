@@ -18,6 +18,7 @@ from tests.browser.lab import (
     HOSTILE,
     JupyterLab,
     memory_hog,
+    not_notebook7s_own,
     peak_rss_of,
     phases_until_the_record,
     records_survive_saving,
@@ -31,24 +32,6 @@ pytestmark = pytest.mark.timeout(180)
 def server(notebook7: JupyterLab) -> JupyterLab:
     """``page`` and ``notebook`` drive Notebook 7 in this module."""
     return notebook7
-
-
-def not_notebook7s_own(errors: list[str]) -> list[str]:
-    """The page's errors, less the one Notebook 7 itself throws on every page load.
-
-    Notebook 7.6's keyboard-shortcuts settings code throws this TypeError as
-    the page loads, and still does with every installed extension but
-    Notebook's own disabled: it is not ours to fix. Hiding every error would
-    hide ours too, so only that message, thrown from Notebook 7's own bundle,
-    is left out.
-    """
-    own = "TypeError: Cannot read properties of undefined (reading 'schema')"
-
-    def is_own(error: str) -> bool:
-        lines = error.splitlines()
-        return len(lines) > 1 and lines[0] == own and "/static/notebook/notebook_core." in lines[1]
-
-    return [error for error in errors if not is_own(error)]
 
 
 def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):

@@ -1,0 +1,266 @@
+/**
+ * Telling a user that their queued cell has started, or that a long one has
+ * ended, while they look elsewhere.
+ *
+ * A cell queued behind someone else's claim may wait minutes; a user who
+ * moved to another tab or notebook has no way to know when it starts.
+ * This watches the shared poll for this user's own claims (`mine`) and
+ * says, through JupyterLab's notifications (which Notebook 7 shows too):
+ * - when a claim that waited longer than `startedAfterWaitingSeconds` starts;
+ * - when a claim that ran longer than `endedAfterRunningSeconds` ends, and
+ *   how (ok, error, halted...), as the server's finished claims say it.
+ * When the browser tab is hidden, a browser notification says the same,
+ * since a toast in a hidden tab is seen only on coming back. The browser's
+ * permission is asked once, when one of the user's claims first waits (that
+ * is when a notice may become due), never on page load.
+ *
+ * A claim waited from its `since` (when it was asked for) until it was
+ * first seen running; it ran until it was first seen gone. The poll runs
+ * every second while claims exist, far finer than the thresholds. A claim
+ * first seen already running (the page was opened late) gets no notice that
+ * it started, and its run is counted from when it was first seen. A claim
+ * that started and ended between two polls is never seen running: its
+ * record among the finished claims says whether it started, and after how
+ * long, and one notice says both.
+ */
+import { Notification } from '@jupyterlab/apputils';
+
+import { FinishedClaim, RunningClaim, WaitingClaim } from './api';
+import { duration } from './format';
+import { MachineModel } from './model';
+
+/** The extension's settings that concern notices; see schema/plugin.json. */
+export interface NoticeSettings {
+  notifyWhenStarted: boolean;
+  startedAfterWaitingSeconds: number;
+  notifyWhenEnded: boolean;
+  endedAfterRunningSeconds: number;
+  browserNotifications: boolean;
+}
+
+export const DEFAULT_NOTICES: NoticeSettings = {
+  notifyWhenStarted: true,
+  startedAfterWaitingSeconds: 10,
+  notifyWhenEnded: true,
+  endedAfterRunningSeconds: 30,
+  browserNotifications: true
+};
+
+/** What is remembered of one of this user's claims between polls. */
+interface Seen {
+  label: string;
+  /** When it was asked for (the server's `since`): with the label, it finds the record. */
+  since: number;
+  notebook: string | null;
+  path: string | null;
+  /** Browser time it was first seen running; null while it waits. */
+  startedAt: number | null;
+}
+
+/** How many times the finished claims are read for one that just ended. */
+const RECORD_READS = 5;
+
+const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'timed out', 'halted']);
+
+export class Notices {
+  constructor(
+    private _model: MachineModel,
+    private _openNotebook: (path: string) => void
+  ) {
+    _model.changed.connect(() => this._look());
+  }
+
+  settings: NoticeSettings = { ...DEFAULT_NOTICES };
+
+  private _look(): void {
+    const snapshot = this._model.snapshot;
+    if (snapshot === null || this._model.error !== null) {
+      return; // a failed poll says nothing about what ended
+    }
+    const now = Date.now() / 1000;
+    const first = this._seen === null;
+    const seen = this._seen ?? new Map<number, Seen>();
+    const still = new Map<number, Seen>();
+    for (const claim of snapshot.waiting.filter(claim => claim.mine)) {
+      still.set(claim.ticket, seen.get(claim.ticket) ?? this._new(claim, null));
+      this._askPermission();
+    }
+    for (const claim of snapshot.running.filter(claim => claim.mine)) {
+      const before = seen.get(claim.ticket);
+      if (before !== undefined && before.startedAt === null) {
+        before.startedAt = now;
+        this._started(claim, now - claim.since, before);
+      }
+      // A claim first seen running (or on the first look) is timed from now.
+      still.set(claim.ticket, before ?? this._new(claim, now));
+    }
+    if (!first) {
+      for (const [ticket, claim] of seen) {
+        if (still.has(ticket)) {
+          continue;
+        }
+        if (claim.startedAt !== null) {
+          void this._ended(ticket, claim, now - claim.startedAt);
+        } else {
+          void this._startedAndEndedUnseen(ticket, claim);
+        }
+      }
+    }
+    this._seen = still;
+  }
+
+  private _new(claim: RunningClaim | WaitingClaim, startedAt: number | null): Seen {
+    return {
+      label: claim.label ?? 'a claim',
+      since: claim.since,
+      notebook: claim.notebook,
+      path: claim.path,
+      startedAt
+    };
+  }
+
+  private _started(claim: RunningClaim, waited: number, seen: Seen): void {
+    const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
+    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds) {
+      return;
+    }
+    const message =
+      `${quoted(seen.label)} started after waiting ${duration(waited)}` + where(seen) + '.';
+    this._say(message, 'info', seen, `fluksio-started-${claim.ticket}`);
+  }
+
+  private async _startedAndEndedUnseen(ticket: number, seen: Seen): Promise<void> {
+    const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
+    if (!notifyWhenStarted) {
+      return;
+    }
+    const record = await this._record(ticket, seen);
+    // Cancelled in the queue, or no record: it never started, and the user who cancelled knows.
+    if (!record || record.started_at === null || record.waited_s <= startedAfterWaitingSeconds) {
+      return;
+    }
+    const message =
+      `${quoted(seen.label)} started after waiting ${duration(record.waited_s)}` +
+      `, and ended ${record.ending} after running ${duration(record.ran_s ?? 0)}` +
+      where(seen) +
+      '.';
+    this._say(message, kindOf(record), seen, `fluksio-started-${ticket}`);
+  }
+
+  private async _ended(ticket: number, seen: Seen, ran: number): Promise<void> {
+    const { notifyWhenEnded, endedAfterRunningSeconds } = this.settings;
+    if (!notifyWhenEnded || ran <= endedAfterRunningSeconds) {
+      return;
+    }
+    // The server's record says how it ended; without one, the notice says only that it did.
+    const record = await this._record(ticket, seen);
+    const how = record ? ` ${record.ending}` : '';
+    const took = record?.ran_s ?? ran;
+    const message =
+      `${quoted(seen.label)} ended${how} after running ${duration(took)}` + where(seen) + '.';
+    this._say(message, record ? kindOf(record) : 'info', seen, `fluksio-ended-${ticket}`);
+  }
+
+  /**
+   * The server's record of how the claim `ticket` ended, or undefined when it has none.
+   *
+   * A record is found by its label and the time it was asked for: ticket
+   * numbers start again with new books, and older records have none. The
+   * claim's kernel writes the record as the claim leaves the books, so the
+   * first read may come a moment before it: a few more reads, a second
+   * apart, before the notice goes out without it.
+   */
+  private async _record(ticket: number, seen: Seen): Promise<FinishedClaim | undefined> {
+    const same = (claim: FinishedClaim) =>
+      claim.label === seen.label &&
+      Math.abs(claim.asked_at - seen.since) < 1 &&
+      (claim.ticket === null || claim.ticket === undefined || claim.ticket === ticket);
+    for (let attempt = 0; ; attempt++) {
+      const finished = await this._model.readFinished();
+      const record = finished?.find(same);
+      if (record !== undefined || finished === null || attempt >= RECORD_READS - 1) {
+        return record;
+      }
+      await new Promise(resolve => setTimeout(resolve, 1000));
+    }
+  }
+
+  private _say(
+    message: string,
+    type: 'info' | 'success' | 'warning' | 'error',
+    seen: Seen,
+    tag: string
+  ): void {
+    const path = seen.path;
+    Notification.emit(message, type, {
+      autoClose: 10_000,
+      actions: path
+        ? [{ label: 'Open the notebook', callback: () => this._openNotebook(path) }]
+        : []
+    });
+    if (
+      this.settings.browserNotifications &&
+      document.hidden &&
+      'Notification' in window &&
+      window.Notification.permission === 'granted'
+    ) {
+      const shown = new window.Notification('fluksio', { body: message, tag });
+      shown.onclick = () => {
+        window.focus();
+        if (path) {
+          this._openNotebook(path);
+        }
+        shown.close();
+      };
+    }
+  }
+
+  /** Ask the browser once, when a notice may become due: one of this user's claims waits. */
+  private _askPermission(): void {
+    if (
+      this._asked ||
+      !this.settings.browserNotifications ||
+      !('Notification' in window) ||
+      window.Notification.permission !== 'default'
+    ) {
+      return;
+    }
+    this._asked = true;
+    void window.Notification.requestPermission();
+  }
+
+  /** Null until the first look: claims already there then were not seen to start. */
+  private _seen: Map<number, Seen> | null = null;
+  private _asked = false;
+}
+
+/** A notice's kind from how the claim ended: the toast's colour and icon say it too. */
+function kindOf(record: FinishedClaim): 'success' | 'warning' | 'error' {
+  if (record.ending === 'ok') {
+    return 'success';
+  }
+  return ENDINGS_THAT_WENT_WRONG.has(record.ending) ? 'error' : 'warning';
+}
+
+function quoted(label: string): string {
+  return `‘${label}’`;
+}
+
+function where(seen: Seen): string {
+  const notebook = seen.path ?? seen.notebook;
+  return notebook ? ` in ${notebook}` : '';
+}
+
+/** The settings as stored, with anything missing or of the wrong kind taken from the defaults. */
+export function noticeSettings(
+  stored: Partial<Record<keyof NoticeSettings, unknown>>
+): NoticeSettings {
+  const settings = { ...DEFAULT_NOTICES };
+  for (const key of Object.keys(DEFAULT_NOTICES) as (keyof NoticeSettings)[]) {
+    const value = stored[key];
+    if (typeof value === typeof DEFAULT_NOTICES[key]) {
+      (settings as any)[key] = value;
+    }
+  }
+  return settings;
+}
