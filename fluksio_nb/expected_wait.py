@@ -112,3 +112,23 @@ def with_expected_waits(
     ):
         claim["expected_wait"] = guess
     return snapshot
+
+
+def describe_span(seconds: float) -> str:
+    """A rough length of time: ``under a minute``, ``about 4 min``, ``about 1 h 20 min``."""
+    if seconds < 60:
+        return "under a minute"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"about {minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"about {hours} h" + (f" {minutes} min" if minutes else "")
+
+
+def describe_wait(guess: Mapping[str, Any]) -> str:
+    """A waiting claim's ``expected_wait`` in words: a guess and what it is from, or why not."""
+    if guess.get("seconds") is None:
+        return str(guess["why"])
+    seconds = float(guess["seconds"])
+    when = "any moment now" if seconds < 1 else f"in {describe_span(seconds)}"
+    return f"expected to start {when} ({guess['why']})"

@@ -27,11 +27,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
+from fluksio_nb.expected_wait import describe_wait
 from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.settings import load_settings
-from fluksio_nb.status import describe_gpu, ordinal
+from fluksio_nb.status import describe_gpu, ordinal, stopped_text
 
 
 def read_books(books: Books | None = None) -> dict[str, Any]:
@@ -288,35 +289,6 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         lines.append(f"finished (last {len(finished)}, newest first)")
         lines += [f"  {describe_finished(claim)}" for claim in finished]
     return "\n".join(lines)
-
-
-def describe_span(seconds: float) -> str:
-    """A rough length of time: ``under a minute``, ``about 4 min``, ``about 1 h 20 min``."""
-    if seconds < 60:
-        return "under a minute"
-    minutes = round(seconds / 60)
-    if minutes < 60:
-        return f"about {minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    return f"about {hours} h" + (f" {minutes} min" if minutes else "")
-
-
-def describe_wait(guess: Mapping[str, Any]) -> str:
-    """A waiting claim's ``expected_wait`` in words: a guess and what it is from, or why not."""
-    if guess.get("seconds") is None:
-        return str(guess["why"])
-    seconds = float(guess["seconds"])
-    when = "any moment now" if seconds < 1 else f"in {describe_span(seconds)}"
-    return f"expected to start {when} ({guess['why']})"
-
-
-def stopped_text(since: float | None) -> str:
-    """``stopped by a signal since 14:02:11`` for a worker stopped (SIGSTOP) then; else ``""``."""
-    if since is None:
-        return ""
-    import time
-
-    return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
 
 
 def describe_finished(claim: Mapping[str, Any]) -> str:

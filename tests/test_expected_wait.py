@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fluksio_nb.expected_wait import expected_waits, with_expected_waits
-from fluksio_nb.overview import describe_wait
+from fluksio_nb.expected_wait import describe_wait, expected_waits, with_expected_waits
 
 NOW = 10_000.0
 

@@ -32,7 +32,7 @@ from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, describe, ordinal, running_statuses, status_bundle
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
-from fluksio_nb.widget.facts import claim_html, machine_facts, monitor_html
+from fluksio_nb.widget.facts import machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
 from tests.waiting import wait_until
 
@@ -213,7 +213,8 @@ def test_labels_and_messages_are_escaped_in_every_html_fallback(wire, declared_m
     data, _ = ClaimWidget(status)._repr_mimebundle_()
     assert "<img" not in data["text/html"]
     assert "&lt;img src=x onerror=alert(1)&gt;" in data["text/html"]
-    assert "<img" not in claim_html(HOSTILE, "done", "ok")
+    assert "<img" not in status_bundle(status)["text/html"]
+    assert "&lt;img src=x onerror=alert(1)&gt;: error · " in status_bundle(status)["text/html"]
     assert "<script" not in monitor_html("<script>alert(1)</script> waiting")
 
 

@@ -55,12 +55,6 @@ HOST_MEMORY_STEP = 0.005
 #: The left border's colour by phase and ending, as :func:`~fluksio_nb.status.status_bundle`
 #: marks it: JupyterLab's theme colour where there is one. Only the border: the
 #: text keeps the theme's own colour (4.5:1 in light and dark), a bar needs 3:1.
-_COLOURS = {
-    "waiting": "var(--jp-warn-color1, #b26b00)",
-    "running": "var(--jp-brand-color1, #1565c0)",
-    "ok": "var(--jp-success-color1, #2e7d32)",
-    "failed": "var(--jp-error-color1, #c62828)",
-}
 
 
 # -----------------------------------------------------------------------------
@@ -102,9 +96,19 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,
-        # Said only when it is not plain running, which the widget shows itself.
-        "doing": doing(status) if status.sending_since or status.stopped_since else "",
+        "doing": doing_fact(status),
     }
+
+
+def doing_fact(status: ClaimStatus) -> str:
+    """What the claim does beyond its phase, in words: when a waiting one may start,
+    a running one stopped by a signal or sending its results back; else ``""``."""
+    if status.phase == "waiting":
+        return status.expected_wait
+    if status.phase == "running" and (status.sending_since or status.stopped_since):
+        # Plain running is what the widget shows of itself.
+        return doing(status)
+    return ""
 
 
 def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
@@ -121,21 +125,6 @@ def _reading(sample: Sample) -> dict[str, Any]:
         "processes": sample.processes,
         "host_total_bytes": sample.host_total_bytes,
     }
-
-
-def claim_html(summary: str, phase: str, ending: str) -> str:
-    """The claim's status as HTML for a page with no live widget: escaped, inline-styled."""
-    if phase == "done":
-        colour = _COLOURS["ok" if ending == "ok" else "failed"]
-    else:
-        colour = _COLOURS.get(phase, _COLOURS["running"])
-    body = html.escape(summary).replace("\n", "<br>")
-    return (
-        f'<div class="fluksio-status" data-phase="{html.escape(phase)}" '
-        f'style="border-left:3px solid {colour};padding:2px 8px;'
-        "color:var(--jp-ui-font-color1,inherit);"
-        f'font-family:var(--jp-ui-font-family,sans-serif);font-size:13px">{body}</div>'
-    )
 
 
 # -----------------------------------------------------------------------------

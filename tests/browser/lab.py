@@ -285,9 +285,11 @@ class JupyterLab:
 
     def use_theme(self, theme: str) -> None:
         """Make ``theme`` ("JupyterLab Dark", "JupyterLab Light") the one pages load with."""
-        themes = self.settings_dir / "@jupyterlab" / "apputils-extension"
-        themes.mkdir(parents=True, exist_ok=True)
-        (themes / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
+        self.api(
+            "PUT",
+            "lab/api/settings/@jupyterlab/apputils-extension:themes",
+            {"raw": json.dumps({"theme": theme})},
+        )
 
     def read_notebook(self, name: str) -> dict[str, Any]:
         return json.loads((self.root / name).read_text())
@@ -537,3 +539,66 @@ def records_survive_saving(notebook: Any, server: JupyterLab) -> None:
         assert said.startswith(f"{label}: ok · waited "), said
         assert "model not found" not in said and "Error displaying widget" not in said, said
     nb.screenshot(f"saved-and-opened-again-{server.app}")
+
+
+#: Every visible piece of text under ``root``, with the contrast of its colour on what is
+#: behind it. Translucent colours and backgrounds are laid over what is under them, as
+#: the browser paints them; a colour the browser gives in a form not parsed here is
+#: reported with a ratio of 0, so it fails loudly rather than passing unseen.
+CONTRAST_JS = """
+(root) => {
+  const parse = value => {
+    const m = /^rgba?\\(([^)]+)\\)$/.exec(value.trim());
+    if (!m) return null;
+    const p = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const over = (top, under) => under.map((v, i) => top[i] * top[3] + v * (1 - top[3]));
+  const behind = element => {
+    const layers = [];
+    for (let e = element; e; e = e.parentElement) {
+      const c = parse(getComputedStyle(e).backgroundColor);
+      if (c && c[3] > 0) {
+        layers.push(c);
+        if (c[3] >= 1) break;
+      }
+    }
+    let colour = [255, 255, 255];
+    for (const layer of layers.reverse()) colour = over(layer, colour);
+    return colour;
+  };
+  const luminance = rgb => {
+    const [r, g, b] = rgb.map(v => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const found = [];
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const text = node.textContent.trim();
+    const element = node.parentElement;
+    if (!text || !element.getClientRects().length) continue;
+    const style = getComputedStyle(element);
+    const raw = element instanceof SVGElement ? style.fill : style.color;
+    const colour = parse(raw);
+    const back = behind(element);
+    let ratio = 0;
+    if (colour) {
+      const [a, b] = [luminance(over(colour, back)), luminance(back)];
+      ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    }
+    const cls = element.getAttribute('class') || element.tagName;
+    found.push({ text: text.slice(0, 50), cls, colour: raw, ratio });
+  }
+  return found;
+}
+"""
+
+
+def contrast_failures(found: Any) -> list[dict[str, Any]]:
+    """The texts under ``found`` (a locator) that read below 4.5:1; fails if it has no text."""
+    texts = [text for one in found.all() for text in one.evaluate(CONTRAST_JS)]
+    assert texts, f"no text found under {found}"
+    return [text for text in texts if text["ratio"] < 4.5]

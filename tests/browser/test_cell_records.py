@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.browser.lab import phases_until_the_record, records_survive_saving
+from tests.browser.lab import contrast_failures, phases_until_the_record, records_survive_saving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,6 +85,8 @@ def test_each_ending_is_said_once_with_none_of_fluksio_nbs_frames(notebook, page
             number = re.search(r"\d+", count)[0]
             assert f"Cell In[{number}], line " in said, said
     nb.screenshot("endings-light")
+    low = contrast_failures(nb.panel.locator(".fluksio-status"))
+    assert low == [], f"records below 4.5:1 on the light theme: {low}"
     assert page.errors == [], page.errors
 
     # Saved, so that the page opened again in the dark theme shows the same.
@@ -97,6 +99,8 @@ def test_each_ending_is_said_once_with_none_of_fluksio_nbs_frames(notebook, page
         )
         nb.panel.locator(".fluksio-status").nth(len(ENDINGS) - 1).wait_for(timeout=60_000)
         nb.screenshot("endings-dark")
+        low = contrast_failures(nb.panel.locator(".fluksio-status"))
+        assert low == [], f"records below 4.5:1 on the dark theme: {low}"
     finally:
         server.use_theme("JupyterLab Light")
 

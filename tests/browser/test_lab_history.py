@@ -17,73 +17,11 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import HOSTILE, OUTPUT, JupyterLab, notebook_kernel
+from tests.browser.lab import HOSTILE, OUTPUT, JupyterLab, contrast_failures, notebook_kernel
 from tests.kernels import run_in
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
-
-#: Every visible piece of text under ``root``, with the contrast of its colour on what is
-#: behind it. Translucent colours and backgrounds are laid over what is under them, as
-#: the browser paints them; a colour the browser gives in a form not parsed here is
-#: reported with a ratio of 0, so it fails loudly rather than passing unseen.
-CONTRAST_JS = """
-(root) => {
-  const parse = value => {
-    const m = /^rgba?\\(([^)]+)\\)$/.exec(value.trim());
-    if (!m) return null;
-    const p = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
-    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
-  };
-  const over = (top, under) => under.map((v, i) => top[i] * top[3] + v * (1 - top[3]));
-  const behind = element => {
-    const layers = [];
-    for (let e = element; e; e = e.parentElement) {
-      const c = parse(getComputedStyle(e).backgroundColor);
-      if (c && c[3] > 0) {
-        layers.push(c);
-        if (c[3] >= 1) break;
-      }
-    }
-    let colour = [255, 255, 255];
-    for (const layer of layers.reverse()) colour = over(layer, colour);
-    return colour;
-  };
-  const luminance = rgb => {
-    const [r, g, b] = rgb.map(v => {
-      v /= 255;
-      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
-    });
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
-  };
-  const found = [];
-  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
-  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
-    const text = node.textContent.trim();
-    const element = node.parentElement;
-    if (!text || !element.getClientRects().length) continue;
-    const style = getComputedStyle(element);
-    const raw = element instanceof SVGElement ? style.fill : style.color;
-    const colour = parse(raw);
-    const back = behind(element);
-    let ratio = 0;
-    if (colour) {
-      const [a, b] = [luminance(over(colour, back)), luminance(back)];
-      ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
-    }
-    const cls = element.getAttribute('class') || element.tagName;
-    found.push({ text: text.slice(0, 50), cls, colour: raw, ratio });
-  }
-  return found;
-}
-"""
-
-
-def contrast_failures(page: Any, selector: str) -> list[dict[str, Any]]:
-    """The texts under ``selector`` that read below 4.5:1; fails if there is no text at all."""
-    texts = page.locator(selector).evaluate(CONTRAST_JS)
-    assert texts, f"no text found under {selector}"
-    return [text for text in texts if text["ratio"] < 4.5]
 
 
 def open_panel(page: Any) -> Any:
@@ -207,8 +145,8 @@ def test_the_panel_and_status_bar_read_at_4_5_to_1_in_light_and_dark(server, pag
             panel.screenshot(path=str(OUTPUT / f"lab-panel-{name}.png"))
             ui.screenshot(path=str(OUTPUT / f"lab-{name}.png"))
             seen[name] = {
-                "panel": contrast_failures(ui, "#fluksio-nb-panel"),
-                "status bar": contrast_failures(ui, ".fluksio-lab-status"),
+                "panel": contrast_failures(ui.locator("#fluksio-nb-panel")),
+                "status bar": contrast_failures(ui.locator(".fluksio-lab-status")),
             }
         failing = {
             f"{theme} {part}": texts

@@ -7,70 +7,21 @@ not on JupyterLab's dark one (WCAG asks for 4.5:1).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
 
-from tests.browser.lab import JupyterLab
+from tests.browser.lab import JupyterLab, contrast_failures
 
 pytestmark = pytest.mark.timeout(240)
-
-THEMES = "lab/api/settings/@jupyterlab/apputils-extension:themes"
-
-#: Every text element in a widget, and the contrast of its colour against the
-#: nearest background that is not transparent, as WCAG 2 defines it.
-CONTRAST = """(root) => {
-  const channel = (c) => {
-    c /= 255;
-    return c <= 0.03928 ? c / 12.92 : Math.pow((c + 0.055) / 1.055, 2.4);
-  };
-  const parse = (colour) => {
-    const m = colour.match(/rgba?\\(([^)]+)\\)/);
-    if (!m) return null;
-    const [r, g, b, a] = m[1].split(/[ ,/]+/).map(Number);
-    return { r, g, b, a: a === undefined || Number.isNaN(a) ? 1 : a };
-  };
-  const luminance = (c) => 0.2126 * channel(c.r) + 0.7152 * channel(c.g) + 0.0722 * channel(c.b);
-  const background = (node) => {
-    for (let n = node; n; n = n.parentElement) {
-      const c = parse(getComputedStyle(n).backgroundColor);
-      if (c && c.a > 0.5) return c;
-    }
-    return { r: 255, g: 255, b: 255, a: 1 };
-  };
-  const found = [];
-  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
-  for (let t = walker.nextNode(); t; t = walker.nextNode()) {
-    if (!t.textContent.trim()) continue;
-    const node = t.parentElement;
-    const style = getComputedStyle(node);
-    let fg = parse(style.color);
-    if (node instanceof SVGElement) fg = parse(style.fill) || fg;
-    const bg = background(node);
-    // Semi-transparent text (JupyterLab's secondary font colours) over its background.
-    const mixed = {
-      r: fg.r * fg.a + bg.r * (1 - fg.a),
-      g: fg.g * fg.a + bg.g * (1 - fg.a),
-      b: fg.b * fg.a + bg.b * (1 - fg.a),
-    };
-    const [hi, lo] = [luminance(mixed), luminance(bg)].sort((x, y) => y - x);
-    found.push({ text: t.textContent.trim().slice(0, 40), ratio: (hi + 0.05) / (lo + 0.05) });
-  }
-  return found;
-}"""
-
-
-def set_theme(lab: JupyterLab, theme: str) -> None:
-    lab.api("PUT", THEMES, {"raw": json.dumps({"theme": theme})})
 
 
 @pytest.fixture
 def dark(lab: JupyterLab) -> Iterator[None]:
     """JupyterLab's dark theme for pages opened in this test, and the light one after it."""
-    set_theme(lab, "JupyterLab Dark")
+    lab.use_theme("JupyterLab Dark")
     yield
-    set_theme(lab, "JupyterLab Light")
+    lab.use_theme("JupyterLab Light")
 
 
 def test_the_monitors_history_plot_moves_against_its_scales(notebook, page):
@@ -124,9 +75,7 @@ def test_in_the_dark_theme_every_widget_text_keeps_its_contrast(dark, notebook, 
     nb.screenshot("widgets-dark")
 
     for name, widget in (("claim", running), ("monitor", monitor)):
-        seen = widget.first.evaluate(CONTRAST)
-        assert seen, f"the {name} widget has no text"
-        low = [(s["text"], round(s["ratio"], 2)) for s in seen if s["ratio"] < 4.5]
+        low = contrast_failures(widget.first)
         assert low == [], f"text in the {name} widget below 4.5:1 on the dark theme: {low}"
     assert page.errors == [], page.errors
 
@@ -148,6 +97,5 @@ def test_in_the_light_theme_every_widget_text_keeps_its_contrast(notebook, page)
     monitor = nb.wait_for(2, ".fluksio-monitor")
     monitor.locator("[data-list=finished] [data-ending=error]").wait_for(timeout=60_000)
     for name, widget in (("claim", running), ("monitor", monitor)):
-        seen = widget.first.evaluate(CONTRAST)
-        low = [(s["text"], round(s["ratio"], 2)) for s in seen if s["ratio"] < 4.5]
+        low = contrast_failures(widget.first)
         assert low == [], f"text in the {name} widget below 4.5:1 on the light theme: {low}"
