@@ -44,6 +44,7 @@ from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.errors import BadClaim, ClaimCancelled, ClaimHalted, ClaimTimeout, WorkerDied
+from fluksio_nb.expected_wait import describe_wait, expected_waits
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
@@ -55,6 +56,7 @@ from fluksio_nb.sampler import Sample, Sampler, is_news
 from fluksio_nb.status import Ending, StatusView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
+from fluksio_nb.usage.recent import process_recent_usage
 from fluksio_nb.usage.record import UsageRecord
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import Outcome
@@ -62,6 +64,10 @@ from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
 _STATUS_EVERY_S = 0.5
+
+#: How often a waiting claim guesses again when it may start: each guess reads
+#: the queue and the usage records, and the answer moves in minutes.
+GUESS_EVERY_S = 5.0
 
 
 class Claim(ClaimLifecycle):
@@ -94,6 +100,8 @@ class Claim(ClaimLifecycle):
         self._told: Sample | None = None
         #: Its cores and cgroups, once granted.
         self._confinement: Confinement | None = None
+        #: When its wait was last guessed: the first guess comes a second into the wait.
+        self._guessed_at = time.monotonic() - GUESS_EVERY_S + 1.0
 
     @classmethod
     def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Claim:
@@ -237,12 +245,29 @@ class Claim(ClaimLifecycle):
         if ticket is None:
             return
         self.status.position = self._queue.position(ticket)
+        self._guess_the_wait(ticket)
         # By what they hold, not their ticket numbers, which read like a cell's In[n].
         self.status.holders = [
             f"{holder.label!r} ({held_words(holder.allocation)})"
             for holder in self._queue.holders()
             if holder.number != ticket.number
         ]
+
+    def _guess_the_wait(self, ticket: Ticket) -> None:
+        """When the claim may start, from the queue and past runs; every few seconds at most."""
+        now = time.monotonic()
+        if ticket.allocation is not None or now - self._guessed_at < GUESS_EVERY_S:
+            return
+        self._guessed_at = now
+        try:
+            snapshot = self._queue.snapshot()
+            guesses = expected_waits(snapshot, process_recent_usage().durations())
+        except Exception:
+            # A guess is a courtesy: records that cannot be read never fail a claim.
+            return
+        for waiting, guess in zip(snapshot.get("waiting", ()), guesses, strict=True):
+            if waiting.get("ticket") == ticket.number:
+                self.status.expected_wait = describe_wait(guess)
 
     def _give_back(self) -> None:
         if self._thread_limits is not None:

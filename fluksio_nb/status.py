@@ -91,6 +91,9 @@ class ClaimStatus:
     sent_bytes: int = 0
     #: Names the cell bound that could not come back to the kernel.
     not_back: list[str] = field(default_factory=list)
+    #: While waiting: when it may start, in words, or why nobody can tell
+    #: (:func:`fluksio_nb.expected_wait.describe_wait`); ``""`` until guessed.
+    expected_wait: str = ""
 
     @property
     def elapsed_s(self) -> float:
@@ -125,9 +128,10 @@ def describe(status: ClaimStatus) -> str:
     if status.phase == "waiting":
         place = f"{ordinal(status.position)} in the queue" if status.position else "in the queue"
         behind = f", behind {', '.join(status.holders)}" if status.holders else ""
+        guess = f"; {status.expected_wait}" if status.expected_wait else ""
         return (
             f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
-            f"({status.waited_s:.0f} s so far)"
+            f"({status.waited_s:.0f} s so far{guess})"
         )
     if status.phase == "done" and status.started_at is None:
         # Cancelled, timed out or stopped in the queue: it held no share and
@@ -164,14 +168,20 @@ def describe(status: ClaimStatus) -> str:
 def doing(status: ClaimStatus) -> str:
     """What a running claim is doing now, and for how long."""
     if status.stopped_since is not None:
-        since = time.strftime("%H:%M:%S", time.localtime(status.stopped_since))
         return (
-            f"stopped by a signal since {since} (SIGSTOP or a debugger: SIGCONT resumes it, "
+            f"{stopped_text(status.stopped_since)} (SIGSTOP or a debugger: SIGCONT resumes it, "
             "the stop button ends it)"
         )
     if status.sending_since is not None:
         return f"sending results back, {time.monotonic() - status.sending_since:.1f} s so far"
     return f"running for {status.elapsed_s:.1f} s"
+
+
+def stopped_text(since: float | None) -> str:
+    """``stopped by a signal since 14:02:11`` for a worker stopped (SIGSTOP) then; else ``""``."""
+    if since is None:
+        return ""
+    return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
 
 
 def _reading(status: ClaimStatus) -> str:
@@ -281,15 +291,17 @@ def status_bundle(status: ClaimStatus) -> dict[str, str]:
     tone: str = status.phase
     if status.phase == "done":
         tone = "ok" if status.ending == "ok" and not status.not_back else "failed"
+    return {"text/plain": text, "text/html": marked_html(text, tone)}
+
+
+def marked_html(text: str, tone: str) -> str:
+    """``text`` as HTML with the mark of its tone (waiting, running, ok, failed) beside it."""
     # Labels and messages come from users and from cells: escaped, always.
-    body = html.escape(text)
-    return {
-        "text/plain": text,
-        "text/html": (
-            f'<div class="fluksio-status fluksio-{tone}" '
-            f'style="border-left: 3px solid {_MARKS[tone]}; padding-left: 0.5em">{body}</div>'
-        ),
-    }
+    return (
+        f'<div class="fluksio-status fluksio-{tone}" '
+        f'style="border-left: 3px solid {_MARKS[tone]}; padding-left: 0.5em">'
+        f"{html.escape(text)}</div>"
+    )
 
 
 class TextView:

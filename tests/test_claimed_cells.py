@@ -488,6 +488,43 @@ def test_results_on_their_way_back_are_said_apart_from_the_running(kernel, tmp_p
     assert re.match(r"sender: ok · waited [\d.]+ s(, started a worker in [\d.]+ s)?, ran ", record)
 
 
+def test_a_waiting_cell_says_when_it_may_start_from_the_past_runs_of_what_it_waits_for(
+    kernel, tmp_path
+):
+    """A queued cell must say more than "waiting": a guess, and what it rests on."""
+    kernel.run("%%claim cpus=2 --label holder\nx = 1", check=True)  # a past run to go by
+    go = tmp_path / "go"
+    kernel.start_job(
+        "%%claim cpus=2 --background --label holder\n"
+        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)",
+        "holder",
+    )
+    msg_id = kernel.client.execute("%%claim cpus=1 --label next\ny = 2")
+
+    def guessed(ran) -> bool:
+        return any(
+            m["content"]["data"].get("state", {}).get("doing", "").startswith("expected to start")
+            for m in kernel.seen
+            if m["msg_type"] == "comm_msg"
+        )
+
+    try:
+        kernel.messages_of(msg_id, until=Until("say when it may start", guessed), timeout=60)
+    finally:
+        go.touch()
+    assert kernel.error_when_idle(msg_id) is None
+    # The guess, and what it rests on: the queue's past runs here.
+    said = [
+        m["content"]["data"]["state"]["doing"]
+        for m in kernel.seen
+        if m["msg_type"] == "comm_msg"
+        and m["content"]["data"].get("state", {}).get("doing", "").startswith("expected")
+    ][-1]
+    assert " past run" in said and "the running claims' ages" in said, said
+    assert kernel.facts("holder.result(30) is not None")
+    assert_books_balanced(kernel)
+
+
 def test_the_stop_button_while_a_claimed_cell_waits_for_input_ends_it(kernel):
     """Guards against a cell stopped at its prompt leaving the worker waiting for an answer."""
     msg_id = kernel.client.execute("%%claim\nname = input('who? ')", allow_stdin=True)

@@ -46,8 +46,8 @@ import anywidget
 import traitlets as t
 
 from fluksio_nb.sampler import Sample, is_news
-from fluksio_nb.status import ClaimStatus, status_bundle
-from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, claim_html, monitor_html
+from fluksio_nb.status import ClaimStatus, marked_html, status_bundle
+from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, doing_fact, monitor_html
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
 
 __all__ = ["ClaimWidget", "MonitorWidget", "WidgetView", "monitor"]
@@ -119,8 +119,7 @@ class ClaimWidget(_Widget):
     enforcement = t.Dict().tag(sync=True)
     #: The claim reached its memory's warning stage: the widget turns amber.
     memory_warning = t.Bool(False).tag(sync=True)
-    #: What a running claim is doing, in words: running, sending its results
-    #: back, or stopped by a signal.
+    #: What the claim does beyond its phase, in words (``facts.doing_fact``).
     doing = t.Unicode("").tag(sync=True)
 
     def __init__(self, status: ClaimStatus | None = None, **kwargs: Any) -> None:
@@ -148,8 +147,7 @@ class ClaimWidget(_Widget):
                 and status.holders == self.holders
                 and status.label == self.label
                 and status.memory_warning == self.memory_warning
-                and (status.sending_since is None) == ("sending" not in self.doing)
-                and (status.stopped_since is None) == ("stopped" not in self.doing)
+                and doing_fact(status) == self.doing
             )
             if quiet:
                 return True
@@ -177,7 +175,7 @@ class ClaimWidget(_Widget):
         data, metadata = super()._repr_mimebundle_(**kwargs)
         text = f"{self.label}: live status (its record replaces it when the claim ends)"
         data["text/plain"] = text
-        data["text/html"] = claim_html(text, "running", None)
+        data["text/html"] = marked_html(text, "running")
         return data, metadata
 
 

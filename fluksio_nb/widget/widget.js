@@ -324,6 +324,10 @@ function renderClaim(model, el) {
           holders.length ? field("holders", null, holders.join(", ")) : null,
         ),
       );
+      if (model.get("doing")) {
+        // When it may start, or why nobody can tell.
+        body.push(h("div", "fluksio-row fluksio-doing", model.get("doing")));
+      }
     } else {
       const allocation = model.get("share") || { cpus: 0, gpus: [], ram_bytes: 0 };
       const reading = model.get("reading");
