@@ -46,7 +46,7 @@ from fluksio_nb.variables import (
     choose_outputs,
     names_deleted,
 )
-from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.client import Outcome, kernels_cell_number
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
@@ -86,6 +86,11 @@ class ClaimMagics(Magics):
             inputs, outputs, deleted, if_changed = _names(cell, parsed, namespace)
         except (BadClaim, SyntaxError, ValueError) as error:
             raise UsageError(str(error)) from None
+        resources = parsed.resources
+        if resources.label is None and (number := kernels_cell_number()) is not None:
+            # Named as the notebook numbers the cell, which a person can find;
+            # the queue would name it by its ticket, which nobody can.
+            resources = resources.model_copy(update={"label": f"In[{number}]"})
         place = place_to_run(parsed.on)
         # Packed now, before the claim waits: an input that cannot travel is
         # refused before it takes a place in the queue, and a background cell
@@ -100,7 +105,7 @@ class ClaimMagics(Magics):
             # it belongs in the cell that started it, which is only the
             # executing one now.
             claimed = place.for_cell(
-                parsed.resources,
+                resources,
                 parsed.on,
                 view=new_view(),
                 show_after=None if parsed.background else SHOW_AFTER_S,

@@ -525,6 +525,15 @@ def test_a_waiting_cell_says_when_it_may_start_from_the_past_runs_of_what_it_wai
     assert_books_balanced(kernel)
 
 
+def test_a_cell_without_a_label_is_named_as_the_notebook_numbers_it(kernel):
+    """Not "claim 17", a ticket number nobody can find, but In[n], which is on the page."""
+    ran = kernel.run("%%claim\nunnamed = 1", check=True)
+    (began,) = ran.of("execute_input")
+    number = began["content"]["execution_count"]
+    (record,) = [t for t in ran.texts if ": ok · " in t]
+    assert record.startswith(f"In[{number}]: ok · waited "), record
+
+
 def test_the_stop_button_while_a_claimed_cell_waits_for_input_ends_it(kernel):
     """Guards against a cell stopped at its prompt leaving the worker waiting for an answer."""
     msg_id = kernel.client.execute("%%claim\nname = input('who? ')", allow_stdin=True)

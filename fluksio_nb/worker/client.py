@@ -349,7 +349,7 @@ class Worker:
                     environ=self._environ_to_send(),
                     path=list(sys.path),
                     cwd=os.getcwd(),
-                    execution_count=_kernels_execution_count(),
+                    execution_count=kernels_cell_number(),
                 )
                 return self._run(cell, request)
             except KeyboardInterrupt:
@@ -665,7 +665,7 @@ class Worker:
         self._process.close()
 
 
-def _kernels_execution_count() -> int | None:
+def kernels_cell_number() -> int | None:
     """The ``In[n]`` of the cell the kernel runs now, or ``None`` outside a kernel.
 
     Read from the cells IPython has entered, of which the running one is the

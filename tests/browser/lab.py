@@ -449,6 +449,39 @@ def peak_rss_of(record_text: str) -> int:
     return int(float(found[1]) * _UNITS[found[2]])
 
 
+def history_plot_moves(notebook: Any, page: Any) -> None:
+    """``%claims``'s history plot gains points while shown, against 0-100% and 0-total memory.
+
+    ``notebook`` and ``page`` are the tests' fixtures of those names, in
+    whichever app the test drives.
+    """
+    nb = notebook("history.ipynb", ["%load_ext fluksio_nb", "%claims"])
+    nb.run_all()
+    monitor = nb.wait_for(1, ".fluksio-monitor")
+    cpu = monitor.locator("[data-field=history-cpu]")
+    cpu.wait_for(timeout=60_000)
+    first = int(cpu.get_attribute("data-points"))
+    # A point every two seconds while the monitor is shown: wait for two more.
+    page.page.wait_for_function(
+        """(first) => {
+          const svg = document.querySelector('.fluksio-monitor [data-field=history-cpu]');
+          return svg && Number(svg.dataset.points) >= first + 2;
+        }""",
+        arg=first,
+        timeout=60_000,
+    )
+    axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
+    assert axis[:2] == ["100%", "0%"] and "10 min ago" in axis and "now" in axis, axis
+    memory = monitor.locator("[data-field=history-memory]")
+    top, bottom = [t.strip() for t in memory.locator("text").all_text_contents()][:2]
+    assert top.endswith("GB") and bottom == "0", (top, bottom)
+    said = monitor.locator("[data-field=host-memory]").inner_text()
+    assert said.endswith(" used") and "/" in said, said
+    assert " outside claims" in monitor.locator("[data-field=host-cpu]").inner_text()
+    assert monitor.locator("[data-field=kernel-rss]").inner_text().startswith("RSS ")
+    nb.screenshot(f"monitor-history-{nb.lab.app}")
+
+
 def stray_text(element: Any) -> list[str]:
     """The bare text nodes directly inside ``element``, a locator on a widget's root.
 
@@ -496,49 +529,6 @@ def memory_hog(label: str) -> str:
         "    time.sleep(4)\n"
         "hog()"
     )
-
-
-def records_survive_saving(notebook: Any, server: JupyterLab) -> None:
-    """Run claimed cells, save, end the kernel, open again: each record reads as it did.
-
-    ``notebook`` is the tests' fixture of that name. A long claim (a live
-    widget, then its record), a short one (only the record) and a
-    background one are each checked in the saved file, which must hold no
-    widget view, and on the page opened again with a new kernel, which knows
-    no widget of the old one's.
-    """
-    nb = notebook(
-        "saved.ipynb",
-        [
-            "%load_ext fluksio_nb",
-            "%%claim cpus=1 --label long\nimport time\ntime.sleep(2)",
-            "%%claim cpus=1 --label quick\nx = 1",
-            "%%claim cpus=1 --label later --background\nimport time\ntime.sleep(2)",
-        ],
-    )
-    claims = ((1, "long"), (2, "quick"), (3, "later"))
-    nb.run_all()
-    nb.wait_until_idle()
-    for index, label in claims:
-        _, record = phases_until_the_record(nb.output_of(index))
-        assert record.inner_text().startswith(f"{label}: ok · waited "), record.inner_text()
-    nb.save()
-    saved = server.read_notebook("saved.ipynb")
-    kinds = {
-        kind
-        for cell in saved["cells"]
-        for o in cell.get("outputs", [])
-        for kind in o.get("data", {})
-    }
-    assert "application/vnd.jupyter.widget-view+json" not in kinds, kinds
-    server.shutdown_kernels()
-
-    nb.open()
-    for index, label in claims:
-        said = nb.output_of(index).inner_text()
-        assert said.startswith(f"{label}: ok · waited "), said
-        assert "model not found" not in said and "Error displaying widget" not in said, said
-    nb.screenshot(f"saved-and-opened-again-{server.app}")
 
 
 #: Every visible piece of text under ``root``, with the contrast of its colour on what is

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.browser.lab import JupyterLab, contrast_failures
+from tests.browser.lab import JupyterLab, contrast_failures, history_plot_moves
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,31 +26,7 @@ def dark(lab: JupyterLab) -> Iterator[None]:
 
 def test_the_monitors_history_plot_moves_against_its_scales(notebook, page):
     """The plot must gain points while shown, with 0-100% and 0-total memory on its axes."""
-    nb = notebook("history.ipynb", ["%load_ext fluksio_nb", "%claims"])
-    nb.run_all()
-    monitor = nb.wait_for(1, ".fluksio-monitor")
-    cpu = monitor.locator("[data-field=history-cpu]")
-    cpu.wait_for(timeout=60_000)
-    first = int(cpu.get_attribute("data-points"))
-    # A point every two seconds while the monitor is shown: wait for two more.
-    page.page.wait_for_function(
-        """(first) => {
-          const svg = document.querySelector('.fluksio-monitor [data-field=history-cpu]');
-          return svg && Number(svg.dataset.points) >= first + 2;
-        }""",
-        arg=first,
-        timeout=60_000,
-    )
-    axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
-    assert axis[:2] == ["100%", "0%"] and "10 min ago" in axis and "now" in axis, axis
-    memory = monitor.locator("[data-field=history-memory]")
-    top, bottom = [t.strip() for t in memory.locator("text").all_text_contents()][:2]
-    assert top.endswith("GB") and bottom == "0", (top, bottom)
-    said = monitor.locator("[data-field=host-memory]").inner_text()
-    assert said.endswith(" used") and "/" in said, said
-    assert " outside claims" in monitor.locator("[data-field=host-cpu]").inner_text()
-    assert monitor.locator("[data-field=kernel-rss]").inner_text().startswith("RSS ")
-    nb.screenshot("monitor-history")
+    history_plot_moves(notebook, page)
     assert page.errors == [], page.errors
 
 

@@ -14,14 +14,15 @@ import time
 
 import pytest
 
+from tests.browser.cell_records import each_ending_said_once, records_survive_saving
 from tests.browser.lab import (
     HOSTILE,
     JupyterLab,
+    history_plot_moves,
     memory_hog,
     not_notebook7s_own,
     peak_rss_of,
     phases_until_the_record,
-    records_survive_saving,
     stray_text,
 )
 
@@ -84,4 +85,17 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
 def test_a_saved_notebook_opened_again_in_notebook_7_shows_each_record(notebook, page, server):
     """No "model not found" in Notebook 7 either: what was saved is each claim's record."""
     records_survive_saving(notebook, server)
+    assert not_notebook7s_own(page.errors) == [], page.errors
+
+
+@pytest.mark.timeout(300)
+def test_each_ending_is_said_once_in_notebook_7_too(notebook, page, server):
+    """The record, then the why, once each, in light and dark, in Notebook 7's page."""
+    each_ending_said_once(notebook, page.page, server)
+    assert not_notebook7s_own(page.errors) == [], page.errors
+
+
+def test_the_monitors_history_plot_moves_in_notebook_7_too(notebook, page):
+    """The monitor's plot gains points against its scales in Notebook 7's page."""
+    history_plot_moves(notebook, page)
     assert not_notebook7s_own(page.errors) == [], page.errors
