@@ -89,6 +89,11 @@ class Page:
         page.on("pageerror", lambda error: self.errors.append(error.stack or str(error)))
 
     def _dialog(self, dialog: Any) -> None:
+        if dialog.type == "beforeunload":
+            # "Leave the page?" as a test opens a notebook again: what it
+            # needs saved it saved first, and checks that it was.
+            dialog.accept()
+            return
         self.dialogs.append(f"{dialog.type}: {dialog.message}")
         dialog.dismiss()
 

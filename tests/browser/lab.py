@@ -378,8 +378,14 @@ class Notebook:
         self.page.keyboard.press("Shift+Enter")
 
     def save(self, timeout_ms: float = 30_000) -> None:
-        """Save, and wait until the page says the notebook is saved: no unsaved mark left."""
+        """Save, and wait until the server holds the saved file and the page no unsaved mark."""
+        before = self.lab.api("GET", f"api/contents/{self.name}?content=0")["last_modified"]
         self.menu("File", "docmanager:save")
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self.lab.api("GET", f"api/contents/{self.name}?content=0")["last_modified"] == before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} was not saved within {timeout_ms / 1000:g} s")
+            time.sleep(0.1)
         self.page.wait_for_function(
             "() => !document.querySelector('.jp-mod-dirty')", timeout=timeout_ms
         )
