@@ -253,7 +253,7 @@ def test_a_greedy_one_core_cell_uses_one_core_whatever_it_starts(tmp_path):
         assert len(got["affinities"]) == 1 and len(got["affinities"][0]) == 1, got
         assert got["cores_used"] <= 1.1, got
         (core,) = got["affinities"][0]
-        assert any(f"on cpus=1 (cores {core})" in text for text in ran.texts), ran.texts
+        assert any(f" · cpus=1 (cores {core}) " in text for text in ran.texts), ran.texts
         assert kernel.books()["running"] == []
     finally:
         kernel.shutdown()
@@ -339,7 +339,7 @@ def test_a_claim_that_cannot_have_cores_of_its_own_is_held_to_a_quota(tmp_path):
         ran = kernel.run(GREEDY, check=True)
         got = ran.json()
         assert got["processes"] >= 5 and got["cores_used"] <= 1.1, got
-        assert any(f"on cpus=1 (quota of 1 core ({place.version}))" in t for t in ran.texts)
+        assert any(f" · cpus=1 (quota of 1 core ({place.version})) " in t for t in ran.texts)
         held = kernel.books()["enforcement"]["cores"]
         assert held["label"] == f"a quota per claim ({place.version})", held
         assert "more than the cores there are to pin" in held["why"]

@@ -95,7 +95,9 @@ def kernel(lab: JupyterLab, name: str = "python3") -> Iterator[dict[str, Any]]:
     runtime = Path(lab.env["JUPYTER_RUNTIME_DIR"])
     client = BlockingKernelClient(connection_file=str(runtime / f"kernel-{started['id']}.json"))
     client.load_connection_file()
-    client.start_channels()
+    # No heartbeat: on a loaded machine a kernel still starting misses its first beats
+    # (1 s each), and the client takes it for dead. A dead kernel still fails the wait.
+    client.start_channels(hb=False)
     try:
         client.wait_for_ready(timeout=60)
         yield json.loads(run_in(client, REPORT).strip().splitlines()[-1])

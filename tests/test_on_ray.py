@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fluksio_nb.claim_line import parse_claim_line
@@ -32,7 +31,7 @@ from fluksio_nb.ray.connection import parse_target
 from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
 from tests.kernels import Kernel, printed, sent, started_kernel
-from tests.waiting import gone
+from tests.waiting import gone, processes_using
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,14 +40,6 @@ def _listing(path: Path) -> dict[str, float] | None:
     if not path.exists():
         return None
     return {str(p): p.stat().st_mtime for p in path.rglob("*")}
-
-
-def _processes_using(directory: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any(directory in part for part in process.info["cmdline"] or ()):
-            found.append(process)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +76,9 @@ def kernel(ray_state, tmp_path_factory):
         yield k
         k.run("ray.shutdown()", timeout=60)
     deadline = time.monotonic() + 15
-    while _processes_using(state) and time.monotonic() < deadline:
+    while processes_using(state) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for straggler in _processes_using(state):
+    for straggler in processes_using(state):
         straggler.kill()
 
 
@@ -649,87 +640,3 @@ def test_the_snapshot_is_none_where_ray_is_not_connected():
     assert ray_snapshot() is None
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
-
-
-# -----------------------------------------------------------------------------
-# A card memory budget, held on the node
-# -----------------------------------------------------------------------------
-
-
-def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(tmp_path):
-    """The node reads its cards (a stand-in nvidia-smi on the PATH its workers inherit),
-    hands JAX and torch their share of the card, and halts the cell past gpu_ram=."""
-    import json
-
-    from tests.gpu_standins import StandInSmi, card
-
-    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
-    cards = StandInSmi(tmp_path / "smi", [card(0), card(1)])
-    state = tempfile.mkdtemp(prefix="fluksio-ray-")
-    try:
-        with started_kernel(
-            tmp_path / "kernel",
-            RAY_TMPDIR=state,
-            RAY_AUTH_TOKEN=secrets.token_hex(16),
-            RAY_USAGE_STATS_ENABLED="0",
-            **cards.env(),
-        ) as kernel:
-            kernel.run(
-                "import ray\n"
-                f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
-                "log_to_driver=False)",
-                check=True,
-            )
-            msg_id = kernel.client.execute(
-                "%%claim gpus=1 gpu_ram=2G --on ray --background --label trainer\n"
-                "import json, os, time\n"
-                "print(json.dumps({'pid': os.getpid(), "
-                "'card': int(os.environ['CUDA_VISIBLE_DEVICES']), "
-                "'share': os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'), "
-                "'torch': os.environ.get('FLUKSIO_GPU_MEMORY_FRACTION')}), flush=True)\n"
-                "time.sleep(120)"
-            )
-            said = kernel.messages_of(
-                msg_id, until=printed("}"), timeout=120, past_idle=True
-            ).stdout
-            kernel.run("job = _", check=True)
-            worker = json.loads(said[said.index("{") :])
-            share = f"{2 * 10**9 / (40960 * 2**20):.3f}"
-            assert (worker["share"], worker["torch"]) == (share, share)
-
-            # The node reads the card memory of the cell's worker; the monitor says so.
-            held = cards.cards[worker["card"]]
-            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 1000}])
-            shown = f"GPU 1.0GB of 2.0GB on card {worker['card']}"
-            monitor = kernel.run(
-                "import time\n"
-                "from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now\n"
-                "deadline = time.monotonic() + 60\n"
-                "said = lambda: describe_monitor(kernel_snapshot(), ray_now())\n"
-                f"while {shown!r} not in (text := said()):\n"
-                "    assert time.monotonic() < deadline, text\n"
-                "    time.sleep(0.1)\n"
-                "print(text)",
-                check=True,
-            ).stdout
-            assert "ray running  trainer:" in monitor, monitor
-
-            # Over its gpu_ram=: halted on the node, in the one paragraph.
-            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 3000}])
-            halted = kernel.run(
-                "try:\n    job.result(60)\nexcept Exception as e:\n    print(type(e).__name__, e)",
-                check=True,
-            ).stdout
-            assert halted.startswith("ClaimHalted"), halted
-            assert f"on card {worker['card']}" in halted, halted
-            assert "over its card memory budget of 2.0GB a card" in halted
-            assert gone(worker["pid"])
-            kernel.run("ray.shutdown()", timeout=60)
-    finally:
-        deadline = time.monotonic() + 15
-        while _processes_using(state) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for straggler in _processes_using(state):
-            straggler.kill()
-        shutil.rmtree(state, ignore_errors=True)

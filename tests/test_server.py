@@ -409,7 +409,9 @@ def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(s
         connection_file=str(Path(server.env["JUPYTER_RUNTIME_DIR"]) / f"kernel-{kernel_id}.json")
     )
     client.load_connection_file()
-    client.start_channels()
+    # No heartbeat: on a loaded machine a kernel still starting misses its first beats
+    # (1 s each), and the client takes it for dead. A dead kernel still fails the wait.
+    client.start_channels(hb=False)
     try:
         client.wait_for_ready(timeout=60)
         run_in(client, "%load_ext fluksio_nb")

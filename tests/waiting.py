@@ -34,3 +34,12 @@ def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 def gone(pid: int, within: float = 5.0) -> bool:
     """Whether ``pid`` ended within ``within`` seconds."""
     return wait_until(lambda: has_ended(pid), within)
+
+
+def processes_using(directory: str) -> list[psutil.Process]:
+    """Every process whose command line names ``directory``: what a Ray cluster left there."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(directory in part for part in process.info["cmdline"] or ()):
+            found.append(process)
+    return found

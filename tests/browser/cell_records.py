@@ -10,6 +10,7 @@ for each app call these with that app's fixtures.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from tests.browser.lab import JupyterLab, contrast_failures, phases_until_the_record
@@ -83,8 +84,7 @@ def each_ending_said_once(notebook: Any, page: Any, server: JupyterLab) -> None:
         assert not OUR_FRAMES.search(said), f"{ending} shows fluksio_nb's own code:\n{said}"
         if ending in ("error", "interrupted"):
             # The user's own traceback, numbered as the notebook numbers the cell.
-            count = nb.panel.locator(".jp-Cell").nth(index).locator(".jp-InputPrompt").inner_text()
-            number = re.search(r"\d+", count)[0]
+            number = cell_number(nb, index)
             assert f"Cell In[{number}], line " in said, said
     nb.screenshot(f"endings-light-{server.app}")
     low = contrast_failures(nb.panel.locator(".fluksio-status"))
@@ -145,3 +145,17 @@ def records_survive_saving(notebook: Any, server: JupyterLab) -> None:
         assert said.startswith(f"{label}: ok · waited "), said
         assert "model not found" not in said and "Error displaying widget" not in said, said
     nb.screenshot(f"saved-and-opened-again-{server.app}")
+
+
+def cell_number(nb: Any, index: int, timeout_s: float = 30) -> str:
+    """The ``n`` of the In[n] the page shows for cell ``index``, once it shows one.
+
+    Notebook 7 draws the number a moment after the kernel is idle again.
+    """
+    prompt = nb.panel.locator(".jp-Cell").nth(index).locator(".jp-InputPrompt")
+    deadline = time.monotonic() + timeout_s
+    while (found := re.search(r"\d+", prompt.inner_text())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cell {index} shows no In[n]: {prompt.inner_text()!r}")
+        time.sleep(0.1)
+    return found[0]

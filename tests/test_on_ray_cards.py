@@ -1,0 +1,98 @@
+"""A card memory budget on a Ray node: ``gpu_ram=`` handed to the frameworks and held there.
+
+A module of its own because it starts a Ray cluster of its own (its node
+must read a stand-in nvidia-smi): the cluster of ``test_on_ray`` is gone by
+then, and two clusters starting on a two-core machine that runs another
+suite beside them left a raylet short of its 30 s to register.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from tests.gpu_standins import StandInSmi, card
+from tests.kernels import printed, started_kernel
+from tests.waiting import gone, processes_using
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(tmp_path):
+    """The node reads its cards (a stand-in nvidia-smi on the PATH its workers inherit),
+    hands JAX and torch their share of the card, and halts the cell past gpu_ram=."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
+    cards = StandInSmi(tmp_path / "smi", [card(0), card(1)])
+    state = tempfile.mkdtemp(prefix="fluksio-ray-")
+    try:
+        with started_kernel(
+            tmp_path / "kernel",
+            RAY_TMPDIR=state,
+            RAY_AUTH_TOKEN=secrets.token_hex(16),
+            RAY_USAGE_STATS_ENABLED="0",
+            **cards.env(),
+        ) as kernel:
+            kernel.run(
+                "import ray\n"
+                f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
+                "log_to_driver=False)",
+                check=True,
+            )
+            msg_id = kernel.client.execute(
+                "%%claim gpus=1 gpu_ram=2G --on ray --background --label trainer\n"
+                "import json, os, time\n"
+                "print(json.dumps({'pid': os.getpid(), "
+                "'card': int(os.environ['CUDA_VISIBLE_DEVICES']), "
+                "'share': os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'), "
+                "'torch': os.environ.get('FLUKSIO_GPU_MEMORY_FRACTION')}), flush=True)\n"
+                "time.sleep(120)"
+            )
+            said = kernel.messages_of(
+                msg_id, until=printed("}"), timeout=120, past_idle=True
+            ).stdout
+            kernel.run("job = _", check=True)
+            worker = json.loads(said[said.index("{") :])
+            share = f"{2 * 10**9 / (40960 * 2**20):.3f}"
+            assert (worker["share"], worker["torch"]) == (share, share)
+
+            # The node reads the card memory of the cell's worker; the monitor says so.
+            held = cards.cards[worker["card"]]
+            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 1000}])
+            shown = f"GPU 1.0GB of 2.0GB on card {worker['card']}"
+            monitor = kernel.run(
+                "import time\n"
+                "from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now\n"
+                "deadline = time.monotonic() + 60\n"
+                "said = lambda: describe_monitor(kernel_snapshot(), ray_now())\n"
+                f"while {shown!r} not in (text := said()):\n"
+                "    assert time.monotonic() < deadline, text\n"
+                "    time.sleep(0.1)\n"
+                "print(text)",
+                check=True,
+            ).stdout
+            assert "ray running  trainer:" in monitor, monitor
+
+            # Over its gpu_ram=: halted on the node, in the one paragraph.
+            cards.set_apps([{"uuid": held["uuid"], "pid": worker["pid"], "used_mib": 3000}])
+            halted = kernel.run(
+                "try:\n    job.result(60)\nexcept Exception as e:\n    print(type(e).__name__, e)",
+                check=True,
+            ).stdout
+            assert halted.startswith("ClaimHalted"), halted
+            assert f"on card {worker['card']}" in halted, halted
+            assert "over its card memory budget of 2.0GB a card" in halted
+            assert gone(worker["pid"])
+            kernel.run("ray.shutdown()", timeout=60)
+    finally:
+        deadline = time.monotonic() + 15
+        while processes_using(state) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for straggler in processes_using(state):
+            straggler.kill()
+        shutil.rmtree(state, ignore_errors=True)
