@@ -30,7 +30,7 @@ from fluksio_nb.errors import BadClaim, ClaimTooBigForCluster
 from fluksio_nb.ray.connection import parse_target
 from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
-from tests.kernels import Kernel, printed, sent, started_kernel
+from tests.kernels import Kernel, printed, sent, started_kernel, starting_ray
 from tests.waiting import gone, processes_using
 
 pytestmark = pytest.mark.timeout(240)
@@ -68,9 +68,10 @@ def kernel(ray_state, tmp_path_factory):
         RAY_USAGE_STATS_ENABLED="0",
     ) as k:
         k.run(
-            "import ray\n"
-            f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-            "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False)",
+            starting_ray(
+                f"num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False"
+            ),
             check=True,
         )
         yield k

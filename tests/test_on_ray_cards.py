@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.gpu_standins import StandInSmi, card
-from tests.kernels import printed, started_kernel
+from tests.kernels import printed, started_kernel, starting_ray
 from tests.waiting import gone, processes_using
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,10 +38,11 @@ def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(t
             **cards.env(),
         ) as kernel:
             kernel.run(
-                "import ray\n"
-                f"ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
-                "log_to_driver=False)",
+                starting_ray(
+                    f"num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
+                    "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
+                    "log_to_driver=False"
+                ),
                 check=True,
             )
             msg_id = kernel.client.execute(

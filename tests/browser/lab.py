@@ -372,10 +372,27 @@ class Notebook:
     def run_all(self) -> None:
         self.menu("Run", "runmenu:run-all")
 
-    def run_cell(self, index: int) -> None:
-        """Run the ``index``-th cell alone, as Shift+Enter in it does; returns at once."""
-        self.panel.locator(".jp-Cell").nth(index).locator(".jp-InputArea-editor").click()
-        self.page.keyboard.press("Shift+Enter")
+    def run_cell(self, index: int, timeout_ms: float = 30_000) -> None:
+        """Run the ``index``-th cell alone, from the Run menu; returns once it has started.
+
+        The cell is selected by its prompt and run only once the page says it
+        is the active one: a key pressed into an editor that a busy page has
+        not focused yet runs nothing, or another cell.
+        """
+        cell = self.panel.locator(".jp-Cell").nth(index)
+        cell.locator(".jp-InputPrompt").click()
+        self.page.wait_for_function(
+            "cell => cell.classList.contains('jp-mod-active')",
+            arg=cell.element_handle(),
+            timeout=timeout_ms,
+        )
+        self.menu("Run", "notebook:run-cell")
+        # Started: "[*]", or already a number, where "[ ]" was.
+        self.page.wait_for_function(
+            "p => /[*\\d]/.test(p.textContent)",
+            arg=cell.locator(".jp-InputPrompt").element_handle(),
+            timeout=timeout_ms,
+        )
 
     def save(self, timeout_ms: float = 30_000) -> None:
         """Save, and wait until the server holds the saved file and the page no unsaved mark."""

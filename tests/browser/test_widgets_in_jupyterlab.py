@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.browser.lab import HOSTILE, memory_hog, peak_rss_of, phases_until_the_record, stray_text
+from tests.kernels import starting_ray
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,10 +109,11 @@ def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, not
                 f"os.environ['RAY_TMPDIR'] = {state!r}\n"
                 "os.environ['RAY_AUTH_TOKEN'] = secrets.token_hex(16)\n"
                 "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
-                "import ray\n"
-                "_ = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, "
-                f"_temp_dir={state!r}, object_store_memory=256 * 2**20, "
-                "_node_ip_address='127.0.0.1', log_to_driver=False)",
+                + starting_ray(
+                    "num_cpus=2, num_gpus=2, include_dashboard=False, "
+                    f"_temp_dir={state!r}, object_store_memory=256 * 2**20, "
+                    "_node_ip_address='127.0.0.1', log_to_driver=False"
+                ),
                 "import threading, time\nfrom fluksio_nb import claim\nfrom fluksio_nb.ray.monitor "
                 "import ray_snapshot\n"
                 "def _hold():\n"
