@@ -291,8 +291,16 @@ class JupyterLab:
             {"raw": json.dumps({"theme": theme})},
         )
 
-    def read_notebook(self, name: str) -> dict[str, Any]:
-        return json.loads((self.root / name).read_text())
+    def read_notebook(self, name: str, timeout: float = 10) -> dict[str, Any]:
+        """The notebook as saved, once whole: a save still being written reads as nothing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return json.loads((self.root / name).read_text())
+            except json.JSONDecodeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 def notebook_kernel(lab: JupyterLab, path: str) -> Any:
