@@ -1,0 +1,118 @@
+"""How nbval runs these notebooks: what it compares, and how their Ray starts.
+
+**Each display as it stood when its cell ended.** A claimed cell that runs
+past half a second draws its live view, and when the claim ends it replaces
+that view in place with the claim's record (an ``update_display_data`` for the
+same display). The stored notebooks hold the record, as JupyterLab saves it.
+nbval 0.11 compares the first version of each display and drops every
+update, so a cell that ran a little long on a loaded machine was compared by
+its live view and failed. Here every update the kernel sent while the cell
+ran is applied first, as JupyterLab and nbclient apply them; what is then
+compared is what a person sees when the cell is done.
+
+**One Ray start at a time.** ``ray_cluster.ipynb`` starts a local Ray, and
+Ray gives itself a fixed 30 s to start. Its ``ray.init`` cell waits for any
+other Ray start of this user's on the machine, as the tests' own starts do
+(:mod:`tests.local_ray`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nbformat import NotebookNode, from_dict
+from nbval.plugin import IPyNbCell, IPyNbFile
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from tests.local_ray import START_TIMEOUT_S, one_start_at_a_time  # noqa: E402
+
+DISPLAYS = ("display_data", "execute_result")
+
+
+def as_shown_at_the_end(
+    outputs: list[NotebookNode], messages: list[dict[str, Any]]
+) -> list[NotebookNode]:
+    """``outputs``, which nbval gathered from ``messages``, with each display updated.
+
+    nbval keeps a cell's displays in the order the kernel sent them, so the
+    n-th display among the outputs is the n-th display message of the cell.
+    """
+    cell = next(
+        (m["parent_header"].get("msg_id") for m in messages if m["msg_type"] == "execute_input"),
+        None,
+    )
+    made = [
+        m
+        for m in messages
+        if m["msg_type"] in DISPLAYS and m["parent_header"].get("msg_id") == cell
+    ]
+    if len(made) != sum(output.output_type in DISPLAYS for output in outputs):
+        return outputs  # not the messages these outputs came from: compare them as nbval would
+    latest = {
+        m["content"]["transient"]["display_id"]: m["content"]
+        for m in messages
+        if m["msg_type"] == "update_display_data"
+    }
+    shown, displays = [], iter(made)
+    for output in outputs:
+        if output.output_type in DISPLAYS:
+            display_id = next(displays)["content"].get("transient", {}).get("display_id")
+            if display_id in latest:
+                output = from_dict({**output, **_shown_part(latest[display_id])})
+        shown.append(output)
+    return shown
+
+
+def _shown_part(content: dict[str, Any]) -> dict[str, Any]:
+    return {"data": content["data"], "metadata": content.get("metadata", {})}
+
+
+_read_message = IPyNbFile.get_kernel_message
+_compare_outputs = IPyNbCell.compare_outputs
+
+
+def _reading_every_message(self: IPyNbFile, timeout: float | None = None, stream: str = "iopub"):
+    message = _read_message(self, timeout=timeout, stream=stream)
+    if stream == "iopub":
+        self.__dict__.setdefault("messages_of_this_cell", []).append(message)
+    return message
+
+
+def _comparing_as_shown(self: IPyNbCell, test, ref, skip_compare=None):
+    shown = as_shown_at_the_end(test, self.parent.messages_of_this_cell)
+    return _compare_outputs(self, shown, ref, skip_compare)
+
+
+IPyNbFile.get_kernel_message = _reading_every_message
+IPyNbCell.compare_outputs = _comparing_as_shown
+
+
+def starts_ray(item: pytest.Item) -> bool:
+    return isinstance(item, IPyNbCell) and "ray.init(" in item.cell.source
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if starts_ray(item):
+            item.add_marker(pytest.mark.timeout(START_TIMEOUT_S))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if isinstance(item, IPyNbCell):
+        item.parent.messages_of_this_cell = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    if starts_ray(item):
+        with one_start_at_a_time():
+            yield
+    else:
+        yield
