@@ -391,24 +391,3 @@ def started_kernel(
         yield kernel
     finally:
         kernel.shutdown()
-
-
-def starting_ray(init_args: str) -> str:
-    """A cell that starts a local Ray with ``ray.init(init_args)``, again if Ray gave up on time.
-
-    Ray waits a fixed 30 s for its raylet to register, and a two-core machine
-    running a second suite beside this one can take longer. That is Ray
-    starting slowly, which no test here is about: it is tried up to three
-    times, and any other failure is raised at once.
-    """
-    return (
-        "import ray\n"
-        "for _attempt in range(3):\n"
-        "    try:\n"
-        f"        ray.init({init_args})\n"
-        "        break\n"
-        "    except Exception as _error:\n"
-        "        if 'timed out during startup' not in str(_error) or _attempt == 2:\n"
-        "            raise\n"
-        "        ray.shutdown()\n"
-    )

@@ -1,6 +1,6 @@
 """A Ray cluster of one node with a Ray Client server, for tests that connect with ray://.
 
-Run as ``python -m tests.ray_head STATE_DIR PORT``: starts Ray (2 CPUs, one
+Run as ``python -m tests.ray_head STATE_DIR PORT`` from the checkout: starts Ray (2 CPUs, one
 declared GPU, a 256 MB object store, its state in STATE_DIR, listening on the
 loopback only), serves Ray Client on 127.0.0.1:PORT, prints ``ready``, and
 stops both when its standard input closes, so the test that started it
@@ -14,28 +14,20 @@ import sys
 import ray
 from ray.util.client.server import server as client_server
 
+from tests.local_ray import start_local_ray
+
 
 def main() -> int:
     state, port = sys.argv[1], int(sys.argv[2])
-    # Again if Ray gave up on its own fixed 30 s for the raylet to register, as
-    # a two-core machine running another suite beside this one can make it:
-    # see tests.kernels.starting_ray.
-    for attempt in range(3):
-        try:
-            ray.init(
-                num_cpus=2,
-                num_gpus=1,
-                include_dashboard=False,
-                _temp_dir=state,
-                object_store_memory=256 * 2**20,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-            )
-            break
-        except Exception as error:
-            if "timed out during startup" not in str(error) or attempt == 2:
-                raise
-            ray.shutdown()
+    start_local_ray(
+        num_cpus=2,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=state,
+        object_store_memory=256 * 2**20,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
     # This process is already a driver of the cluster, so a client's session
     # needs no ray.init of its own: its tasks run in this driver's job.
     server = client_server.serve("127.0.0.1", port, ray_connect_handler=lambda *a, **k: None)

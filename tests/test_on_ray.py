@@ -30,10 +30,12 @@ from fluksio_nb.errors import BadClaim, ClaimTooBigForCluster
 from fluksio_nb.ray.connection import parse_target
 from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
-from tests.kernels import Kernel, printed, sent, started_kernel, starting_ray
+from tests.kernels import Kernel, printed, sent, started_kernel
+from tests.local_ray import START_TIMEOUT_S, starting_ray
 from tests.waiting import gone, processes_using
 
-pytestmark = pytest.mark.timeout(240)
+# The first test also waits for Ray to start, which may wait for another suite's.
+pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
 
 
 def _listing(path: Path) -> dict[str, float] | None:
@@ -72,6 +74,7 @@ def kernel(ray_state, tmp_path_factory):
                 f"num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
                 "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False"
             ),
+            timeout=START_TIMEOUT_S,
             check=True,
         )
         yield k

@@ -17,10 +17,11 @@ import time
 import pytest
 
 from tests.gpu_standins import StandInSmi, card
-from tests.kernels import printed, started_kernel, starting_ray
+from tests.kernels import printed, started_kernel
+from tests.local_ray import START_TIMEOUT_S, starting_ray
 from tests.waiting import gone, processes_using
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
 
 
 def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(tmp_path):
@@ -43,6 +44,7 @@ def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(t
                     "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
                     "log_to_driver=False"
                 ),
+                timeout=START_TIMEOUT_S,
                 check=True,
             )
             msg_id = kernel.client.execute(

@@ -21,14 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.kernels import started_kernel
+from tests.local_ray import REPO, START_TIMEOUT_S
 
-pytestmark = pytest.mark.timeout(240)
+# The first test also waits for Ray to start, which may wait for another suite's.
+pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
 
 
 def _free_port() -> int:
@@ -51,7 +52,8 @@ def cluster():
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     head = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("ray_head.py")), state, str(port)],
+        [sys.executable, "-m", "tests.ray_head", state, str(port)],
+        cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, **env},

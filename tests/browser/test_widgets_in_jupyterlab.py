@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.browser.lab import HOSTILE, memory_hog, peak_rss_of, phases_until_the_record, stray_text
-from tests.kernels import starting_ray
+from tests.local_ray import START_TIMEOUT_S, starting_ray
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,6 +90,7 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     assert page.errors == [], page.errors
 
 
+@pytest.mark.timeout(180 + START_TIMEOUT_S)
 def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, notebook, page):
     """While connected, %claims draws the cluster and this kernel's claim on it, label as text."""
     pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
@@ -126,7 +127,7 @@ def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, not
             ],
         )
         nb.run_all()
-        monitor = nb.wait_for(3, ".fluksio-monitor", timeout_ms=120_000)
+        monitor = nb.wait_for(3, ".fluksio-monitor", timeout_ms=(60 + START_TIMEOUT_S) * 1000)
         section = monitor.locator("[data-section=ray]")
         section.wait_for(timeout=30_000)
         claim = section.locator("[data-list=ray] .fluksio-item")

@@ -1,0 +1,82 @@
+"""A local Ray for a test, started on a machine that another suite may be using.
+
+Ray gives a new node's raylet a fixed 30 s to register with its GCS, and a
+raylet registers only once its agents have imported themselves: about 5 s of
+CPU on a two-core machine with nothing else to do. Two suites at once, one in
+its browser tests while the other starts Ray, push that past 30 s, and Ray
+gives up ("timed out during startup"). That is Ray starting slowly, which no
+test here is about. So a start waits until no other start of this user's is
+under way on this machine (a lock file, locked only while Ray starts), and is
+tried again when Ray gave up on its own clock. Any other failure is raised at
+once.
+
+The cells that start Ray run in a kernel, so :func:`starting_ray` writes the
+cell that imports this module there; ``python -m tests.ray_head`` and the
+notebooks' ``conftest.py`` use it in their own processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pwd
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Starts tried before Ray's own "timed out during startup" is the test's failure.
+ATTEMPTS = 4
+
+#: What a test that starts Ray may wait for it: another suite's start, every
+#: attempt of it, then every attempt of ours, each up to Ray's 30 s and the
+#: seconds it spends starting processes before that clock begins.
+START_TIMEOUT_S = 2 * ATTEMPTS * 60
+
+
+@contextmanager
+def one_start_at_a_time() -> Iterator[None]:
+    """Held while this user starts a Ray on this machine, by any suite or notebook.
+
+    The lock file is kept in the user's home directory (as the OS names it,
+    whatever a test set ``HOME`` to), so that the notebooks leave nothing in
+    the machine's temporary directory.
+    """
+    folder = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "fluksio-tests"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ray-start.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def start_local_ray(**init_kwargs: Any) -> Any:
+    """``ray.init(**init_kwargs)``, one start at a time, again when Ray gave up on time."""
+    import ray
+
+    with one_start_at_a_time():
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return ray.init(**init_kwargs)
+            except Exception as error:
+                if attempt == ATTEMPTS or "timed out during startup" not in str(error):
+                    raise
+                ray.shutdown()
+
+
+def starting_ray(init_args: str) -> str:
+    """A cell that starts a local Ray with :func:`start_local_ray` (``init_args``), then
+    has ``ray`` imported, as the cells after it expect."""
+    return (
+        "import sys\n"
+        f"if {str(REPO)!r} not in sys.path:\n"
+        f"    sys.path.append({str(REPO)!r})\n"
+        "from tests.local_ray import start_local_ray\n"
+        f"start_local_ray({init_args})\n"
+        "import ray\n"
+    )
