@@ -88,28 +88,54 @@ def queued_cell(go_on: Any) -> list[str]:
     ]
 
 
-def toast(page: Any, kind: str, text: str) -> Any:
-    """JupyterLab's notification toast of ``kind`` (info, success...) that says ``text``."""
-    return page.locator(f".jp-Notification-Toast-{kind}", has_text=text)
-
-
 def boxes(locator: Any) -> list[dict[str, float]]:
     return [box for box in (one.bounding_box() for one in locator.all()) if box is not None]
+
+
+RECORD_TOASTS = """() => {
+    const seen = (window.fluksioToastsSeen = new Set());
+    const look = () => {
+        for (const toast of document.querySelectorAll("[class*='jp-Notification-Toast-']")) {
+            seen.add(JSON.stringify([toast.className, toast.innerText]));
+        }
+    };
+    new MutationObserver(look).observe(document.body, {
+        childList: true, subtree: true, characterData: true,
+    });
+    look();
+}"""
+
+
+def recording_toasts(page: Any) -> None:
+    """From now on the page remembers every toast it shows, also once it has closed.
+
+    A notice closes itself after 10 s. Two come close together when a claim
+    ends and the next starts, and on a loaded machine the one looked for
+    second may have come and gone while the first was awaited.
+    """
+    page.evaluate(RECORD_TOASTS)
+
+
+def toasts_seen(page: Any, kind: str) -> list[str]:
+    """The text of every toast of ``kind`` shown since :func:`recording_toasts`."""
+    seen = [json.loads(one) for one in page.evaluate("() => [...window.fluksioToastsSeen]")]
+    return [text for classes, text in seen if f"jp-Notification-Toast-{kind}" in classes.split()]
 
 
 def wait_for_toast(server: JupyterLab, page: Any, kind: str, text: str) -> str:
     """The text of the toast, once shown; fails with every toast shown and the server's
     finished claims, which say how a claim ended."""
-    found = toast(page, kind, text)
-    try:
-        found.wait_for(timeout=30_000)
-    except Exception as error:
-        shown = page.locator("[class*='jp-Notification-Toast-']").all_inner_texts()
+
+    def found() -> str | None:
+        return next((shown for shown in toasts_seen(page, kind) if text in shown), None)
+
+    if not wait_until(lambda: found() is not None, timeout=90):
+        everything = page.evaluate("() => [...window.fluksioToastsSeen]")
         finished = server.api("GET", "fluksio/api/finished")
         raise AssertionError(
-            f"no {kind} notice saying {text!r}; shown: {shown}; finished: {finished}"
-        ) from error
-    return found.inner_text()
+            f"no {kind} notice saying {text!r}; shown: {everything}; finished: {finished}"
+        )
+    return found()
 
 
 def test_a_claim_that_waited_says_so_when_it_starts_and_a_long_one_says_how_it_ended(
@@ -121,6 +147,7 @@ def test_a_claim_that_waited_says_so_when_it_starts_and_a_long_one_says_how_it_e
     client = hold_the_machine(server, released)
     try:
         queued = notebook("queued.ipynb", queued_cell(go_on))
+        recording_toasts(page.page)
         queued.run_all()
         assert wait_until(lambda: waited_longer_than(server, "after the holder", 2), timeout=60)
         released.touch()
@@ -141,7 +168,7 @@ def test_a_claim_that_waited_says_so_when_it_starts_and_a_long_one_says_how_it_e
         ui.screenshot(path=str(OUTPUT / f"notices-{server.app}.png"))
 
         go_on.touch()
-        toast(ui, "success", "‘after the holder’ ended ok after running").wait_for(timeout=30_000)
+        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
         queued.wait_for(1, "text=its work is done")
         assert not_notebook7s_own(page.errors) == [], page.errors
     finally:
@@ -168,6 +195,7 @@ def test_start_notices_turned_off_in_the_settings_stay_silent(
     client = hold_the_machine(server, released)
     try:
         queued = notebook("silent.ipynb", queued_cell(go_on))
+        recording_toasts(page.page)
         queued.run_all()
         assert wait_until(lambda: waited_longer_than(server, "after the holder", 2), timeout=60)
         released.touch()
@@ -176,8 +204,8 @@ def test_start_notices_turned_off_in_the_settings_stay_silent(
         status = ui.locator(".fluksio-lab-status")
         assert wait_until(lambda: status.inner_text().startswith("CPU 1/2 used"), timeout=30)
         go_on.touch()
-        toast(ui, "success", "‘after the holder’ ended ok after running").wait_for(timeout=30_000)
-        assert toast(ui, "info", "started after waiting").count() == 0
+        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
+        assert [said for said in toasts_seen(ui, "info") if "started after waiting" in said] == []
         assert page.errors == [], page.errors
     finally:
         released.touch()
