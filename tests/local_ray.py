@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pwd
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,14 +70,38 @@ def start_local_ray(**init_kwargs: Any) -> Any:
                 ray.shutdown()
 
 
-def starting_ray(init_args: str) -> str:
-    """A cell that starts a local Ray with :func:`start_local_ray` (``init_args``), then
-    has ``ray`` imported, as the cells after it expect."""
+def ray_env(state: str) -> dict[str, str]:
+    """The environment of a process that starts a Ray keeping its state in ``state``: with
+    a token of its own, for without one Ray writes a new one to ``~/.ray``."""
+    return {
+        "RAY_TMPDIR": state,
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
+def local_ray_args(state: str, gpus: int = 2) -> dict[str, Any]:
+    """One node: 2 CPUs, ``gpus`` declared cards (Ray hands out declared cards whether or
+    not there are any), a 256 MB object store, its state in ``state``, loopback only."""
+    return {
+        "num_cpus": 2,
+        "num_gpus": gpus,
+        "include_dashboard": False,
+        "_temp_dir": state,
+        "object_store_memory": 256 * 2**20,
+        "_node_ip_address": "127.0.0.1",
+        "log_to_driver": False,
+    }
+
+
+def starting_ray(state: str) -> str:
+    """A cell that starts the local Ray of :func:`local_ray_args` with
+    :func:`start_local_ray`, then has ``ray`` imported, as the cells after it expect."""
     return (
         "import sys\n"
         f"if {str(REPO)!r} not in sys.path:\n"
         f"    sys.path.append({str(REPO)!r})\n"
         "from tests.local_ray import start_local_ray\n"
-        f"start_local_ray({init_args})\n"
+        f"start_local_ray(**{local_ray_args(state)!r})\n"
         "import ray\n"
     )

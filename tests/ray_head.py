@@ -14,20 +14,12 @@ import sys
 import ray
 from ray.util.client.server import server as client_server
 
-from tests.local_ray import start_local_ray
+from tests.local_ray import local_ray_args, start_local_ray
 
 
 def main() -> int:
     state, port = sys.argv[1], int(sys.argv[2])
-    start_local_ray(
-        num_cpus=2,
-        num_gpus=1,
-        include_dashboard=False,
-        _temp_dir=state,
-        object_store_memory=256 * 2**20,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(**local_ray_args(state, gpus=1))
     # This process is already a driver of the cluster, so a client's session
     # needs no ray.init of its own: its tasks run in this driver's job.
     server = client_server.serve("127.0.0.1", port, ray_connect_handler=lambda *a, **k: None)

@@ -16,7 +16,6 @@ files left behind in the home directory.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from fluksio_nb.ray.connection import parse_target
 from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
 from tests.kernels import Kernel, printed, sent, started_kernel
-from tests.local_ray import START_TIMEOUT_S, starting_ray
+from tests.local_ray import START_TIMEOUT_S, ray_env, starting_ray
 from tests.waiting import gone, processes_using
 
 # The first test also waits for Ray to start, which may wait for another suite's.
@@ -62,21 +61,8 @@ def ray_state():
 @pytest.fixture(scope="module")
 def kernel(ray_state, tmp_path_factory):
     state, _ = ray_state
-    with started_kernel(
-        tmp_path_factory.mktemp("kernel"),
-        RAY_TMPDIR=state,
-        # A token of its own: without one, Ray writes a new one to ~/.ray.
-        RAY_AUTH_TOKEN=secrets.token_hex(16),
-        RAY_USAGE_STATS_ENABLED="0",
-    ) as k:
-        k.run(
-            starting_ray(
-                f"num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-                "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', log_to_driver=False"
-            ),
-            timeout=START_TIMEOUT_S,
-            check=True,
-        )
+    with started_kernel(tmp_path_factory.mktemp("kernel"), **ray_env(state)) as k:
+        k.run(starting_ray(state), timeout=START_TIMEOUT_S, check=True)
         yield k
         k.run("ray.shutdown()", timeout=60)
     deadline = time.monotonic() + 15

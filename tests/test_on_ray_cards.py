@@ -9,7 +9,6 @@ suite beside them left a raylet short of its 30 s to register.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import tempfile
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from tests.gpu_standins import StandInSmi, card
 from tests.kernels import printed, started_kernel
-from tests.local_ray import START_TIMEOUT_S, starting_ray
+from tests.local_ray import START_TIMEOUT_S, ray_env, starting_ray
 from tests.waiting import gone, processes_using
 
 pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
@@ -31,22 +30,8 @@ def test_a_gpu_ram_budget_is_handed_to_the_frameworks_and_held_on_the_ray_node(t
     cards = StandInSmi(tmp_path / "smi", [card(0), card(1)])
     state = tempfile.mkdtemp(prefix="fluksio-ray-")
     try:
-        with started_kernel(
-            tmp_path / "kernel",
-            RAY_TMPDIR=state,
-            RAY_AUTH_TOKEN=secrets.token_hex(16),
-            RAY_USAGE_STATS_ENABLED="0",
-            **cards.env(),
-        ) as kernel:
-            kernel.run(
-                starting_ray(
-                    f"num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir={state!r}, "
-                    "object_store_memory=256 * 2**20, _node_ip_address='127.0.0.1', "
-                    "log_to_driver=False"
-                ),
-                timeout=START_TIMEOUT_S,
-                check=True,
-            )
+        with started_kernel(tmp_path / "kernel", **ray_env(state), **cards.env()) as kernel:
+            kernel.run(starting_ray(state), timeout=START_TIMEOUT_S, check=True)
             msg_id = kernel.client.execute(
                 "%%claim gpus=1 gpu_ram=2G --on ray --background --label trainer\n"
                 "import json, os, time\n"

@@ -14,7 +14,6 @@ feasibility check that does not reach the cluster.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -26,7 +25,7 @@ import psutil
 import pytest
 
 from tests.kernels import started_kernel
-from tests.local_ray import REPO, START_TIMEOUT_S
+from tests.local_ray import REPO, START_TIMEOUT_S, ray_env
 
 # The first test also waits for Ray to start, which may wait for another suite's.
 pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
@@ -45,12 +44,7 @@ def cluster():
     pytest.importorskip("grpc", reason="Ray Client needs grpcio: pip install 'ray[client]'")
     state = tempfile.mkdtemp(prefix="fluksio-ray-")
     port = _free_port()
-    env = {
-        "RAY_TMPDIR": state,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(16),
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = {**ray_env(state), "RAY_AUTH_MODE": "token"}
     head = subprocess.Popen(
         [sys.executable, "-m", "tests.ray_head", state, str(port)],
         cwd=REPO,

@@ -303,6 +303,19 @@ class JupyterLab:
                 time.sleep(0.1)
 
 
+def until_exists(path: Path) -> str:
+    """A cell body that runs until ``path`` exists: a claim held as long as a test needs it."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.1)\n"
+
+
+def in_background(client: Any, line: str, body: str, name: str) -> None:
+    """Run ``%%claim LINE --background`` with ``body`` in ``client``, its job bound to ``name``."""
+    from tests.kernels import run_in
+
+    run_in(client, f"%%claim {line} --background\n{body}")
+    run_in(client, f"{name} = _")
+
+
 def notebook_kernel(lab: JupyterLab, path: str) -> Any:
     """A client on the kernel of a notebook session started through the server, with
     fluksio_nb loaded: another tab, or another user, as the page under test sees it."""

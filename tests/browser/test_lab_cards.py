@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import OUTPUT, JupyterLab
+from tests.browser.lab import OUTPUT, JupyterLab, until_exists
 from tests.gpu_standins import StandInSmi, card
 from tests.waiting import wait_until
 
@@ -76,9 +76,7 @@ def test_the_panel_says_what_each_card_holds_and_whose_memory_nobody_claimed(
             "import json, os, time\n"
             f"with open({str(facts)!r}, 'w') as f:\n"
             "    card = int(os.environ['CUDA_VISIBLE_DEVICES'])\n"
-            "    json.dump({'pid': os.getpid(), 'card': card}, f)\n"
-            f"while not os.path.exists({str(released)!r}):\n"
-            "    time.sleep(0.1)",
+            "    json.dump({'pid': os.getpid(), 'card': card}, f)\n" + until_exists(released),
         ],
     )
     try:

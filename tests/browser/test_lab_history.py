@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import HOSTILE, OUTPUT, JupyterLab, contrast_failures, notebook_kernel
+from tests.browser.lab import (
+    HOSTILE,
+    OUTPUT,
+    JupyterLab,
+    contrast_failures,
+    in_background,
+    notebook_kernel,
+    until_exists,
+)
 from tests.kernels import run_in
 from tests.waiting import wait_until
 
@@ -117,15 +125,8 @@ def test_the_panel_and_status_bar_read_at_4_5_to_1_in_light_and_dark(server, pag
     client = notebook_kernel(server, "themes/holder.ipynb")
     try:
         run_in(client, "%%claim cpus=1 --label 'finished first'\nx = 1")
-        run_in(
-            client,
-            "%%claim cpus=2 --background --label holder\n"
-            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
-            "    time.sleep(0.1)",
-        )
-        run_in(client, "holder = _")
-        run_in(client, "%%claim cpus=1 --background --label 'queued'\nprint('ran')")
-        run_in(client, "queued = _")
+        in_background(client, "cpus=2 --label holder", until_exists(released), "holder")
+        in_background(client, "cpus=1 --label 'queued'", "print('ran')", "queued")
 
         ui = page.page
         panel = open_lab(server, ui, "contrast")

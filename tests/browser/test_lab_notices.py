@@ -22,8 +22,14 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import OUTPUT, JupyterLab, not_notebook7s_own, notebook_kernel
-from tests.kernels import run_in
+from tests.browser.lab import (
+    OUTPUT,
+    JupyterLab,
+    in_background,
+    not_notebook7s_own,
+    notebook_kernel,
+    until_exists,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,12 +67,7 @@ def waited_longer_than(server: JupyterLab, label: str, seconds: float) -> bool:
 def hold_the_machine(server: JupyterLab, released: Any) -> Any:
     """A kernel whose background claim holds both CPUs until ``released`` exists."""
     client = notebook_kernel(server, "holders/holder.ipynb")
-    run_in(
-        client,
-        "%%claim cpus=2 --background --label holder\n"
-        f"import os, time\nwhile not os.path.exists({str(released)!r}):\n    time.sleep(0.1)",
-    )
-    run_in(client, "holder = _")
+    in_background(client, "cpus=2 --label holder", until_exists(released), "holder")
     assert wait_until(
         lambda: any(
             claim["label"] == "holder"
@@ -83,8 +84,8 @@ def queued_cell(go_on: Any) -> list[str]:
     return [
         "%load_ext fluksio_nb",
         "%%claim cpus=1 --label 'after the holder'\n"
-        f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n    time.sleep(0.1)\n"
-        "print('its work is done')",
+        + until_exists(go_on)
+        + "print('its work is done')",
     ]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import OUTPUT, notebook_kernel
+from tests.browser.lab import OUTPUT, in_background, notebook_kernel, until_exists
 from tests.kernels import run_in
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,9 +52,7 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         "first.ipynb",
         [
             "%load_ext fluksio_nb",
-            "%%claim cpus=1 gpus=1 --label first\n"
-            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
-            "    time.sleep(0.1)",
+            "%%claim cpus=1 gpus=1 --label first\n" + until_exists(released),
         ],
     )
     ui = page.page
@@ -67,15 +65,9 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
     holder_released = lab.home / "release-holder"
     client = notebook_kernel(lab, "work/second.ipynb")
     try:
-        run_in(
-            client,
-            "%%claim gpus=2 --background --label holder\n"
-            f"import os, time\nblock = bytearray(40_000_000)\n"
-            f"while not os.path.exists({str(holder_released)!r}):\n    time.sleep(0.1)",
-        )
-        run_in(client, "holder = _")
-        run_in(client, f"%%claim gpus=1 --background --label '{HOSTILE}'\nprint('ran')")
-        run_in(client, "waiting = _")
+        holding = "block = bytearray(40_000_000)\n" + until_exists(holder_released)
+        in_background(client, "gpus=2 --label holder", holding, "holder")
+        in_background(client, f"gpus=1 --label '{HOSTILE}'", "print('ran')", "waiting")
         wait_for_status(ui, "CPU 1/2 used · GPU 2/2 used · 1 waiting")
 
         ui.locator(".fluksio-lab-status").click()
@@ -134,15 +126,8 @@ def test_a_queued_claim_says_its_place_and_when_it_may_start(lab, page):
         # A past run of each label is what the guess is made from.
         run_in(client, "%%claim cpus=2 --label holder\nx = 1")
         run_in(client, "%%claim cpus=1 --label 'next in line'\nx = 1")
-        run_in(
-            client,
-            "%%claim cpus=2 --background --label holder\n"
-            f"import os, time\nwhile not os.path.exists({str(released)!r}):\n"
-            "    time.sleep(0.1)",
-        )
-        run_in(client, "holder = _")
-        run_in(client, "%%claim cpus=1 --background --label 'next in line'\nx = 1")
-        run_in(client, "queued = _")
+        in_background(client, "cpus=2 --label holder", until_exists(released), "holder")
+        in_background(client, "cpus=1 --label 'next in line'", "x = 1", "queued")
         ui = page.page
         ui.goto(lab.url("lab/workspaces/guess"))
         ui.locator(".fluksio-lab-status").click(timeout=30_000)

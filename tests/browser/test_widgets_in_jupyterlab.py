@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.browser.lab import HOSTILE, memory_hog, peak_rss_of, phases_until_the_record, stray_text
-from tests.local_ray import START_TIMEOUT_S, starting_ray
+from tests.local_ray import START_TIMEOUT_S, ray_env, starting_ray
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,15 +106,7 @@ def test_the_monitor_shows_the_ray_cluster_and_this_kernels_claim_on_it(lab, not
             "ray_monitor.ipynb",
             [
                 "%load_ext fluksio_nb",
-                "import os, secrets\n"
-                f"os.environ['RAY_TMPDIR'] = {state!r}\n"
-                "os.environ['RAY_AUTH_TOKEN'] = secrets.token_hex(16)\n"
-                "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
-                + starting_ray(
-                    "num_cpus=2, num_gpus=2, include_dashboard=False, "
-                    f"_temp_dir={state!r}, object_store_memory=256 * 2**20, "
-                    "_node_ip_address='127.0.0.1', log_to_driver=False"
-                ),
+                f"import os\nos.environ.update({ray_env(state)!r})\n" + starting_ray(state),
                 "import threading, time\nfrom fluksio_nb import claim\nfrom fluksio_nb.ray.monitor "
                 "import ray_snapshot\n"
                 "def _hold():\n"
