@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,3 +391,20 @@ def started_kernel(
         yield kernel
     finally:
         kernel.shutdown()
+
+
+@contextmanager
+def shut_down_at_the_end(start: Callable[..., Kernel]) -> Iterator[Callable[..., Kernel]]:
+    """``start``, whose every kernel is shut down when the block ends, in any case.
+
+    Killed ones too: a kernel that a test killed has left its connection file
+    (and, run as another user, its directory) for its manager to remove.
+    """
+    with ExitStack() as stack:
+
+        def started(*args: Any, **kwargs: Any) -> Kernel:
+            kernel = start(*args, **kwargs)
+            stack.callback(kernel.shutdown)
+            return kernel
+
+        yield started

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import process_started
-from tests.kernels import Kernel
+from tests.kernels import Kernel, shut_down_at_the_end
 from tests.machines import fluksio_nb, machine, machine_env, wait_until
 from tests.unix_users import (
     USER_A,
@@ -45,17 +45,11 @@ def users():
 
 @pytest.fixture
 def kernels():
-    started: list[Kernel] = []
-
     def start(user, layout, **env) -> Kernel:
-        kernel = Kernel(user=user, **machine_env(layout, **env))
-        started.append(kernel)
-        return kernel
+        return Kernel(user=user, **machine_env(layout, **env))
 
-    yield start
-    for kernel in started:
-        if kernel.manager.is_alive():
-            kernel.shutdown()
+    with shut_down_at_the_end(start) as started:
+        yield started
 
 
 def running_labels(kernel: Kernel) -> list:

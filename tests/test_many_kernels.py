@@ -10,30 +10,24 @@ import time
 
 import pytest
 
-from tests.kernels import Kernel
+from tests.kernels import Kernel, shut_down_at_the_end
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
 def kernels(tmp_path):
-    started: list[Kernel] = []
-
     def start() -> Kernel:
-        kernel = Kernel(
+        return Kernel(
             FLUKSIO_CPUS="4",
             FLUKSIO_GPUS="1",
             FLUKSIO_RESERVE_CPUS="0",
             FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
             FLUKSIO_LEDGER=str(tmp_path / "ledger"),
         )
-        started.append(kernel)
-        return kernel
 
-    yield start
-    for kernel in started:
-        if kernel.manager.is_alive():
-            kernel.shutdown()
+    with shut_down_at_the_end(start) as started:
+        yield started
 
 
 def start_gpu_job(kernel: Kernel, seconds: float, label: str) -> None:
