@@ -3,8 +3,9 @@
 A cell queued behind someone else's share may wait minutes, and its user
 has long since looked elsewhere. The failures guarded against: no notice
 when the claim starts, a notice that does not say which claim or which
-notebook, no word of how a long claim ended, and a notice the user turned
-off in the settings that speaks anyway.
+notebook, no word of how a long claim ended, a notice the user turned off
+in the settings that speaks anyway, and nothing through the browser's own
+notifications while the tab is hidden (or something while it is in view).
 
 The machine (2 CPUs) is held by a claim in a second notebook's kernel,
 started through the server's sessions API; the page's own notebook queues
@@ -207,6 +208,64 @@ def test_start_notices_turned_off_in_the_settings_stay_silent(
         go_on.touch()
         wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
         assert [said for said in toasts_seen(ui, "info") if "started after waiting" in said] == []
+        assert page.errors == [], page.errors
+    finally:
+        released.touch()
+        go_on.touch()
+        client.stop_channels()
+
+
+DESKTOP = """hidden => {
+    Object.defineProperty(document, 'hidden', { configurable: true, get: () => hidden });
+    if (window.fluksioDesktop === undefined) {
+        const Browsers = window.Notification;
+        window.fluksioDesktop = [];
+        window.Notification = class extends Browsers {
+            constructor(title, options) {
+                super(title, options);
+                window.fluksioDesktop.push(options.body);
+            }
+        };
+    }
+}"""
+
+
+def tab_hidden(server: JupyterLab, page: Any, hidden: bool) -> None:
+    """The browser may notify, as if the user had said yes once; the tab is ``hidden`` or
+    in view; and from now on the page remembers what each notification it made said."""
+    page.context.grant_permissions(["notifications"], origin=server.base_url)
+    page.evaluate(DESKTOP, hidden)
+
+
+def desktop_said(page: Any) -> list[str]:
+    return page.evaluate("() => window.fluksioDesktop")
+
+
+@pytest.mark.parametrize("server", ["jupyter-lab"], indirect=True)
+def test_a_notice_reaches_the_desktop_while_its_tab_is_hidden_and_only_then(
+    server, notebook, page, notice_settings
+):
+    """The user has looked elsewhere: the start after a wait comes through the browser's
+    own notifications too. Back on the tab, the end is a toast and nothing more."""
+    notice_settings({"startedAfterWaitingSeconds": 1, "endedAfterRunningSeconds": 1})
+    released = server.home / "release-hidden-holder"
+    go_on = server.home / "release-hidden-queued"
+    client = hold_the_machine(server, released)
+    try:
+        queued = notebook("hidden.ipynb", queued_cell(go_on))
+        ui = page.page
+        recording_toasts(ui)
+        queued.run_all()
+        assert wait_until(lambda: waited_longer_than(server, "after the holder", 2), timeout=60)
+        tab_hidden(server, ui, True)
+        released.touch()
+        started = "‘after the holder’ started after waiting"
+        assert wait_until(lambda: any(started in said for said in desktop_said(ui)), timeout=90)
+
+        tab_hidden(server, ui, False)
+        go_on.touch()
+        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
+        assert not [said for said in desktop_said(ui) if "‘after the holder’ ended" in said]
         assert page.errors == [], page.errors
     finally:
         released.touch()
