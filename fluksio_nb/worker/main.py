@@ -73,7 +73,8 @@ from fluksio_nb.worker.shell import (
 )
 
 #: How often the worker asks who its parent is, for the case the lifeline
-#: cannot see: a process forked from the kernel that still holds its write end.
+#: cannot see (a process forked from the kernel that still holds its write
+#: end), where the kernel's death cannot be waited for as a file descriptor.
 PARENT_CHECK_SECONDS = 1.0
 
 #: The variables the worker set in its own environment as it started
@@ -355,6 +356,29 @@ def sweep_after(kernel_pid: int) -> None:
         transfer.sweep_orphans(gone=kernel_pid)
 
 
+def kernels_death(kernel_pid: int) -> int | None:
+    """A descriptor that becomes readable when the kernel exits, or None where Linux has none.
+
+    A pidfd (Linux 5.3): unlike the lifeline, no process the kernel forked can
+    hold it open. Opened, then the parent checked, so that a kernel already
+    gone, whose number may be someone else's by now, is not the one watched.
+    """
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        fd = pidfd_open(kernel_pid)
+    except OSError:
+        return None
+    if os.getppid() != kernel_pid:
+        # Gone already: a descriptor that is readable at once says so.
+        os.close(fd)
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+    return fd
+
+
 def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     """Take the worker and everything it started down as soon as the kernel is gone.
 
@@ -367,15 +391,23 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     # claim's cgroup later, that is where it goes back to.
     born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu")}
 
+    kernel_gone = kernels_death(kernel_pid)
+
     def watch() -> None:
         # Any thread may take a signal sent to the process, and a SIGINT taken
         # here would only be flagged for the main thread, not wake it from a
         # cell's `time.sleep`.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        while True:
-            readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
-            if readable or os.getppid() != kernel_pid:
-                break
+        if kernel_gone is not None:
+            # Both are waited for with no timeout: an idle worker, the one
+            # started ahead of a notebook's first claim included, is then
+            # never woken while its kernel lives.
+            select.select([lifeline_fd, kernel_gone], [], [])
+        else:
+            while True:
+                readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
+                if readable or os.getppid() != kernel_pid:
+                    break
         sweep_after(kernel_pid)
         for controller, home in born_in.items():
             with contextlib.suppress(Exception):
