@@ -18,6 +18,9 @@ What it decides:
   A claimed cell is a function of what it was given, so that what it hands back
   cannot depend on which claimed cell ran here before. Modules stay imported,
   so the second ``import torch`` costs nothing.
+- **A warm worker may take another share's thread count** between cells, when
+  every thread pool loaded in it will hold the new count
+  (:mod:`fluksio_nb.worker.threads`); otherwise it keeps the count it has.
 - **Every cell ends with one** :class:`~fluksio_nb.worker.messages.Done`,
   however it ended, so the kernel is never left waiting on a cell that is over.
 - **The worker never outlives its kernel.** A pipe whose write end only the
@@ -56,6 +59,8 @@ from fluksio_nb.worker.messages import (
     Exit,
     InputReply,
     Ready,
+    Reshape,
+    Reshaped,
     Run,
     SendingBack,
 )
@@ -71,6 +76,7 @@ from fluksio_nb.worker.shell import (
     report_exception_only,
     start_fresh,
 )
+from fluksio_nb.worker.threads import take_threads
 
 #: How often the worker asks who its parent is, for the case the lifeline
 #: cannot see (a process forked from the kernel that still holds its write
@@ -425,6 +431,19 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     threading.Thread(target=watch, name="fluksio-lifeline", daemon=True).start()
 
 
+def reshape(environ: dict[str, str]) -> str | None:
+    """Take another share's thread variables, if every pool here will hold them; why not if not."""
+    try:
+        refused = take_threads(environ)
+    except Exception as error:
+        # threadpoolctl failing to read a library is a worker nobody can vouch
+        # for at the new count: the claim gets a fresh one instead.
+        refused = f"its thread pools could not be read ({type(error).__name__}: {error})"
+    if refused is None:
+        follow_the_kernel(None, None, environ)
+    return refused
+
+
 def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
     """Answer requests until the kernel says exit (True) or stops listening (False)."""
     shell.report(Ready(os.getpid()))
@@ -440,6 +459,8 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
                 run_one_cell(shell, request, interrupts)
                 if shell.exit_now:
                     return True
+            case Reshape(environ=environ):
+                shell.report(Reshaped(reshape(environ)))
             case InputReply():
                 # An answer that crossed the stop button on its way: its cell is over.
                 continue
