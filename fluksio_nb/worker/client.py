@@ -223,7 +223,8 @@ class Worker:
     it importing IPython). ``env`` is what the share implies, laid over the
     kernel's own environment as it is at each cell (:meth:`_whole_environ`).
     ``cores``, when given, are the only cores it and everything it starts may
-    run on.
+    run on. Between cells, :meth:`reshape` may give it another share's thread
+    variables, which it takes only where every thread pool in it will hold them.
 
     :meth:`run` is for one thread at a time; :meth:`interrupt`, :meth:`kill`
     and :attr:`alive` are for any thread.

@@ -78,12 +78,13 @@ def take_threads(environ: Mapping[str, str]) -> str | None:
         counts.append((pool, count, pool.num_threads))
     for pool, count, _ in counts:
         pool.set_num_threads(count)
-    wrong = [(pool, count) for pool, count, _ in counts if pool.num_threads != count]
+    wrong = [(pool, count, pool.num_threads) for pool, count, _ in counts]
+    wrong = [(pool, count, got) for pool, count, got in wrong if got != count]
     if wrong:
         for pool, _, before in counts:
             pool.set_num_threads(before)
-        pool, count = wrong[0]
-        return f"{pool.internal_api} was set to {count} threads and reads back {pool.num_threads}"
+        pool, count, got = wrong[0]
+        return f"{pool.internal_api} was set to {count} threads and reads back {got}"
     return None
 
 
