@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.smoke:
         runs = [
             lambda: overload.main(n=100, k=2, repeats=1),
-            lambda: cells.main(rounds=2, mib=8, others=False),
+            lambda: cells.main(rounds=2, mib=8, others=False, first_rounds=1, idle_s=0.2),
             lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
             lambda: books.main(cycles=40, rounds=3),
             lambda: enforcement.main(seconds=0.5, repeats=1),

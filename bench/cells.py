@@ -3,8 +3,9 @@
 What a notebook user pays for ``%%claim``: the round trip of a trivial cell
 and of a cell that imports numpy, from a real kernel, against a plain cell
 and ``%%script python3`` (a fresh interpreter per cell, the usual way to get
-a separate process); and the bandwidth of shipping a 256 MiB array in and
-back, against numpy's own copy of it.
+a separate process); a notebook's first claimed cell, and the first of a new
+``cpus=``, which used to start a worker each; and the bandwidth of shipping a
+256 MiB array in and back, against numpy's own copy of it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import itertools
 import secrets
 import tempfile
+import time
+
+import psutil
 
 from bench.harness import interleaved, median, ms, percentile, table
 from tests.kernels import Kernel
@@ -95,6 +99,103 @@ def round_trips(kernel: Kernel, rounds: int, others: bool = True) -> tuple[str, 
     return text, ratios
 
 
+#: How long a user is taken to think between loading the extension and the
+#: first claimed cell, in which the warm start does its work.
+THINK_S = 1.0
+
+
+def switches(pid: int) -> int:
+    """Every time a thread of ``pid`` was scheduled off the CPU, so far."""
+    total = 0
+    for thread in psutil.Process(pid).threads():
+        with open(f"/proc/{pid}/task/{thread.id}/status") as status:
+            for line in status:
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+def first_claims(rounds: int, idle_s: float = 5.0) -> tuple[str, dict[str, float]]:
+    """A notebook's first claimed cell, and a new ``cpus=`` after a warm one, each in a new kernel.
+
+    Each round is a kernel of its own, started as a notebook starts one, with
+    two claimable cores so that ``cpus=2`` is a shape of its own. The first
+    claim comes once the warm start is over and :data:`THINK_S` later, as a
+    user's would; ``%%script python3`` and a cold worker (a variable no warm
+    worker holds) are timed in the same kernel as baselines. The idle
+    pre-started worker's wake-ups are counted over ``idle_s`` first.
+    """
+    samples: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "%%script python3",
+            "first %%claim after %load_ext",
+            "%%claim cpus=2 after a warm cpus=1",
+            "%%claim cpus=2 + numpy after a warm cpus=1 that loaded numpy",
+            "%%claim, cold worker",
+        )
+    }
+    wake_ups, rss = [], []
+    counter = itertools.count()
+    with tempfile.TemporaryDirectory() as ledger:
+        for _ in range(rounds):
+            kernel = Kernel(
+                FLUKSIO_LEDGER=ledger,
+                FLUKSIO_CONFIG=f"{ledger}/none.json",
+                FLUKSIO_CPUS="2",
+                FLUKSIO_RESERVE_CPUS="0",
+            )
+            try:
+                kernel.run(
+                    "from fluksio_nb import warm_start\nassert warm_start.wait(60)", check=True
+                )
+                # The kernel's one child, while nothing has been claimed.
+                for worker in psutil.Process(kernel.pid).children():
+                    before = switches(worker.pid)
+                    time.sleep(idle_s)
+                    wake_ups.append((switches(worker.pid) - before) / idle_s)
+                    rss.append(worker.memory_info().rss)
+                time.sleep(THINK_S)
+
+                def timed(name: str, code: str, kernel: Kernel = kernel) -> None:
+                    started = time.perf_counter()
+                    kernel.run(code, check=True)
+                    samples[name].append(time.perf_counter() - started)
+
+                timed("%%script python3", f"%%script python3\n{TRIVIAL}")
+                timed("first %%claim after %load_ext", f"%%claim\n{TRIVIAL}")
+                timed("%%claim cpus=2 after a warm cpus=1", f"%%claim cpus=2\n{TRIVIAL}")
+                kernel.run(f"%%claim cpus=1\n{NUMPY}", check=True)
+                timed(
+                    "%%claim cpus=2 + numpy after a warm cpus=1 that loaded numpy",
+                    f"%%claim cpus=2\n{NUMPY}",
+                )
+                timed("%%claim, cold worker", f"%%claim BENCH_COLD={next(counter)}\n{TRIVIAL}")
+            finally:
+                kernel.shutdown()
+    rows = [[name, ms(median(s)), ms(max(s))] for name, s in samples.items()]
+    medians = {name: median(s) for name, s in samples.items()}
+    cold = medians["%%claim, cold worker"]
+    ratios = {
+        "first %%claim / %%script (target ≤ 1)": medians["first %%claim after %load_ext"]
+        / medians["%%script python3"],
+        "new cpus= / cold worker (target ≤ 0.2)": medians["%%claim cpus=2 after a warm cpus=1"]
+        / cold,
+        "new cpus= with numpy loaded / cold worker": medians[
+            "%%claim cpus=2 + numpy after a warm cpus=1 that loaded numpy"
+        ]
+        / cold,
+    }
+    text = table([f"cell, {rounds} new kernels", "median", "max"], rows)
+    text += "\n\n" + "\n".join(f"- {name}: {value:.3f}" for name, value in ratios.items())
+    if wake_ups:
+        text += (
+            f"\n- the idle pre-started worker: {max(wake_ups):.2f} wake-ups a second at most, "
+            f"over {idle_s:g} s in each kernel; {median(rss) / 2**20:.0f} MiB resident"
+        )
+    return text, ratios
+
+
 #: Each alternative moves ``a`` into another process and back, timed inside
 #: the kernel: the best of a few runs, in seconds.
 PIPE_SETUP = '''
@@ -164,7 +265,13 @@ def transfer(
     return text, ratios
 
 
-def main(rounds: int = 20, mib: int = 256, others: bool = True) -> str:
+def main(
+    rounds: int = 20,
+    mib: int = 256,
+    others: bool = True,
+    first_rounds: int = 10,
+    idle_s: float = 5.0,
+) -> str:
     with tempfile.TemporaryDirectory() as ledger, tempfile.TemporaryDirectory() as ray_state:
         # Ray's state, and the token it would otherwise write to ~/.ray, stay
         # in a directory of the run's own.
@@ -180,7 +287,12 @@ def main(rounds: int = 20, mib: int = 256, others: bool = True) -> str:
             moved, _ = transfer(kernel, max(3, rounds // 4), mib, others)
         finally:
             kernel.shutdown()
-    return f"### Running a cell elsewhere\n\n{trips}\n\n### Moving data\n\n{moved}\n"
+    first, _ = first_claims(first_rounds, idle_s)
+    return (
+        f"### Running a cell elsewhere\n\n{trips}\n\n"
+        f"### The first claim of a notebook, and of a new shape\n\n{first}\n\n"
+        f"### Moving data\n\n{moved}\n"
+    )
 
 
 if __name__ == "__main__":

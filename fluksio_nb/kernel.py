@@ -2,9 +2,11 @@
 
 Every claim a kernel makes goes through the same instance, whichever thread,
 cell or background job makes it; that is what serialises a notebook's
-workloads. It is made on first use rather than at import, so that loading
-the extension costs nothing and the settings in force are those of the
-moment the first claim is made.
+workloads. It is made on first use rather than at import, so that importing
+the package (as every worker does) costs nothing. ``%load_ext`` makes it in
+the background (:mod:`fluksio_nb.warm_start`), so the settings in force are
+those of the moment the extension was loaded; :func:`forget_accountant`
+reads them again.
 
 Which books it keeps (:func:`books_in_force`) is decided here, once:
 

@@ -301,23 +301,23 @@ class Claim(ClaimLifecycle):
         held = self._confinement
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
-        asked_at, cold = time.monotonic(), self._pool.started
-        worker = self._pool.checkout(self.env)
-        cold = self._pool.started != cold
+        asked_at = time.monotonic()
+        worker = self._pool.checkout(self.env, timeout=self._time_left())
         # A cold worker's start is not the cell running: the live view is due
         # one reading into the cell, not into the worker's own imports, which
         # take half a second on a slow machine and put a live view, then the
         # record, under every first claimed cell that was over at once.
         try:
-            left = None if self._deadline is None else self._deadline - time.monotonic()
-            worker.wait_until_ready(timeout=30.0 if left is None else max(left, 0.0), sink=sink)
+            worker.wait_until_ready(timeout=self._time_left(), sink=sink)
         except BaseException:
             worker.kill()
             self._pool.checkin(worker, self.env)
             raise
-        if cold:
-            # A new worker's start is not the cell's running: said apart.
-            self.status.starting_s += time.monotonic() - asked_at
+        ready_at = worker.ready_at or time.monotonic()
+        if ready_at > asked_at:
+            # Waited for a worker to start, a fresh one or the one started
+            # ahead of the first claim: not the cell's running, said apart.
+            self.status.starting_s += ready_at - asked_at
         # A warm worker ran an earlier claim on other cores, and its thread
         # pools are still there: every thread of it moves to this claim's.
         held.admit(worker.pid)
@@ -354,6 +354,11 @@ class Claim(ClaimLifecycle):
             self.status.sent_bytes += outcome.sent_bytes
         self._raise_for(outcome)
         return outcome
+
+    def _time_left(self) -> float:
+        """How long a worker may take to start or answer: the claim's time left, or 30 s."""
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        return 30.0 if left is None else max(left, 0.0)
 
     def _sending_back(self) -> None:
         self.status.sending_since = time.monotonic()

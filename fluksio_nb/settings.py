@@ -51,6 +51,7 @@ ENV_VARS = {
     "memory_cap": "FLUKSIO_MEMORY_CAP",
     "memory_warn_at": "FLUKSIO_MEMORY_WARN_AT",
     "memory_halt_at": "FLUKSIO_MEMORY_HALT_AT",
+    "warm_start": "FLUKSIO_WARM_START",
 }
 
 #: Cores kept back for the kernel and the Jupyter server when nobody said.
@@ -110,6 +111,10 @@ class Settings(BaseModel):
     #: Shares of a claim's memory budget: warned at the first, stopped at the second.
     memory_warn_at: float = DEFAULT_MEMORY_WARN_AT
     memory_halt_at: float = DEFAULT_MEMORY_HALT_AT
+    #: ``%load_ext`` starts a worker ahead of the first claim
+    #: (:mod:`fluksio_nb.warm_start`). ``false`` leaves the first claim to start
+    #: its own, for a machine where many kernels load the extension and few claim.
+    warm_start: bool = True
 
     @model_validator(mode="before")
     @classmethod

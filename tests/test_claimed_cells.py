@@ -700,10 +700,16 @@ def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(
 # -----------------------------------------------------------------------------
 
 
-def test_the_same_claim_shape_reuses_a_warm_worker(kernel):
+def test_the_same_claim_shape_reuses_a_warm_worker_and_another_environment_does_not(kernel):
+    """A variable on the claim's line may be read at any import: only a new worker has it.
+
+    A new thread count alone may reuse the worker (``test_warm_start.py``).
+    """
     first = kernel.run("%%claim cpus=1\nimport os\nprint(os.getpid())", check=True).stdout
     again = kernel.run("%%claim cpus=1\nimport os\nprint(os.getpid())", check=True).stdout
-    other = kernel.run("%%claim cpus=2\nimport os\nprint(os.getpid())", check=True).stdout
+    other = kernel.run(
+        "%%claim cpus=1 SOME_SETTING=1\nimport os\nprint(os.getpid())", check=True
+    ).stdout
     assert first == again
     assert other != first
 

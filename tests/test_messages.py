@@ -23,6 +23,8 @@ from fluksio_nb.worker.messages import (
     InputReply,
     InputRequest,
     Ready,
+    Reshape,
+    Reshaped,
     Result,
     Run,
     Sink,
@@ -37,6 +39,7 @@ EVERY_MESSAGE = [
     InputReply(value="yes"),
     InputReply(refused="nobody to ask"),
     Exit(),
+    Reshape({"OMP_NUM_THREADS": "2"}),
     Ready(1234),
     Stream("stdout", "epoch 1\n"),
     Stream("stderr", "warning\n"),
@@ -46,6 +49,8 @@ EVERY_MESSAGE = [
     ClearOutput(wait=True),
     InputRequest("name? ", password=False),
     Done(True, None, {"f": "cannot pickle"}, ["gone"], {"random": 4}, ["random"], exiting=True),
+    Reshaped(),
+    Reshaped(refused="libgomp (OpenMP) holds a thread count per thread"),
 ]
 
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb import transfer
-from fluksio_nb.env import worker_environ
+from fluksio_nb.env import THREAD_VARS, worker_environ
 from fluksio_nb.errors import Interrupted, UnsendableInput
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
@@ -78,6 +78,8 @@ from fluksio_nb.worker.messages import (
     Message,
     Output,
     Ready,
+    Reshape,
+    Reshaped,
     Result,
     Run,
     SendingBack,
@@ -173,6 +175,8 @@ class _Cell:
     on_sending_back: Callable[[], None] | None = None
     #: When that was (monotonic), if it was.
     sending_since: float | None = None
+    #: The worker's answer to a :class:`Reshape`, once it has come.
+    reshaped: Reshaped | None = None
     #: Where each output message goes: the sink's ``forward``, or relayed to it.
     show: Callable[[Output], None] = field(init=False)
 
@@ -219,7 +223,8 @@ class Worker:
     it importing IPython). ``env`` is what the share implies, laid over the
     kernel's own environment as it is at each cell (:meth:`_whole_environ`).
     ``cores``, when given, are the only cores it and everything it starts may
-    run on.
+    run on. Between cells, :meth:`reshape` may give it another share's thread
+    variables, which it takes only where every thread pool in it will hold them.
 
     :meth:`run` is for one thread at a time; :meth:`interrupt`, :meth:`kill`
     and :attr:`alive` are for any thread.
@@ -238,7 +243,7 @@ class Worker:
                     f"strings — pass str({value!r})"
                 )
         self._derived = dict(env)
-        #: The whole environment the worker was started with.
+        #: The whole environment the worker was started with, or last reshaped to.
         self.env = self._whole_environ()
         kernel_end, worker_end = socket.socketpair()
         try:
@@ -264,6 +269,8 @@ class Worker:
         self._run_lock = threading.Lock()
         self._cell: _Cell | None = None
         self._ready = False
+        #: When the worker said it was ready (monotonic), once it has.
+        self.ready_at: float | None = None
         self._released = False
         #: The environment the worker holds for every cell, as last sent: only
         #: a change is sent again.
@@ -380,13 +387,64 @@ class Worker:
             outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
             return self._ready and outcome is None
 
-    def _whole_environ(self) -> dict[str, str]:
+    def reshape(self, derived: Mapping[str, str], timeout: float = 30.0) -> str | None:
+        """Give the worker another share's thread variables; None if it took them, else why not.
+
+        ``derived`` may differ from the worker's own in its thread variables
+        only. Between cells, and once the worker is ready (waited for, up to
+        ``timeout``). A worker that refuses is as it was and stays usable; one
+        that does not answer within ``timeout`` is killed.
+        """
+        wanted = dict(derived)
+        held = self._derived
+        changed = {name for name in {*wanted, *held} if wanted.get(name) != held.get(name)}
+        if not changed <= set(THREAD_VARS):
+            raise WorkerMisuse(
+                f"a worker only takes another share's thread variables, not {sorted(changed)}: "
+                "start a worker with that environment instead"
+            )
+        deadline = time.monotonic() + timeout
+        if not self.wait_until_ready(timeout):
+            return "it did not start" if self._released else "it did not start in time"
+        with self._run_lock:
+            if not self.alive:
+                return "it has ended"
+            environ = self._whole_environ(wanted)
+            cell = _Cell(Sink())
+            try:
+                self._channel.send(Reshape(environ))
+                outcome = self._follow(
+                    cell, deadline=deadline, until=lambda: cell.reshaped is not None
+                )
+            except ChannelClosed:
+                outcome = self._died(cell)
+            except BaseException:
+                self.kill()
+                raise
+            if outcome is not None:
+                return f"it ended: {outcome.died}"
+            if cell.reshaped is None:
+                self.kill()
+                return f"it did not answer within {timeout:g} s"
+            if cell.reshaped.refused is not None:
+                return cell.reshaped.refused
+            self._derived = wanted
+            self.env, self._environ_there = dict(environ), environ
+            return None
+
+    @property
+    def derived(self) -> dict[str, str]:
+        """The share's variables the worker holds now: those it was started with, or reshaped to."""
+        return dict(self._derived)
+
+    def _whole_environ(self, derived: Mapping[str, str] | None = None) -> dict[str, str]:
         """The kernel's environment as it is now, the share's on top, and output unbuffered.
 
         Unbuffered, so that a ``print`` reaches the notebook while the cell is
         still running.
         """
-        return {**worker_environ(self._derived), "PYTHONUNBUFFERED": "1"}
+        share = self._derived if derived is None else derived
+        return {**worker_environ(share), "PYTHONUNBUFFERED": "1"}
 
     def _environ_to_send(self) -> dict[str, str] | None:
         """The whole environment for the worker to keep, if it differs from what it has."""
@@ -426,9 +484,17 @@ class Worker:
         return outcome
 
     def _follow(
-        self, cell: _Cell, deadline: float | None = None, until_ready: bool = False
+        self,
+        cell: _Cell,
+        deadline: float | None = None,
+        until_ready: bool = False,
+        until: Callable[[], bool] | None = None,
     ) -> Outcome | None:
-        """Relay the cell's output until it ends; None if ``deadline`` came first."""
+        """Relay the cell's output until it ends; None if ``deadline`` came first.
+
+        None too as soon as the worker is ready, with ``until_ready``, or
+        ``until()`` holds after a message.
+        """
         longest_wait = (
             _SIGNAL_CHECK_SECONDS if threading.current_thread() is threading.main_thread() else None
         )
@@ -467,7 +533,7 @@ class Worker:
             outcome = self._take(message, cell)
             if outcome is not None:
                 return outcome
-            if until_ready and self._ready:
+            if (until_ready and self._ready) or (until is not None and until()):
                 return None
 
     def _take(self, message: Message, cell: _Cell) -> Outcome | None:
@@ -483,6 +549,9 @@ class Worker:
                 self._answer(message, cell.sink)
             case Ready():
                 self._ready = True
+                self.ready_at = time.monotonic()
+            case Reshaped():
+                cell.reshaped = message
             case SendingBack():
                 cell.sending_since = time.monotonic()
                 if cell.on_sending_back is not None:

@@ -18,6 +18,9 @@ What it decides:
   A claimed cell is a function of what it was given, so that what it hands back
   cannot depend on which claimed cell ran here before. Modules stay imported,
   so the second ``import torch`` costs nothing.
+- **A warm worker may take another share's thread count** between cells, when
+  every thread pool loaded in it will hold the new count
+  (:mod:`fluksio_nb.worker.threads`); otherwise it keeps the count it has.
 - **Every cell ends with one** :class:`~fluksio_nb.worker.messages.Done`,
   however it ended, so the kernel is never left waiting on a cell that is over.
 - **The worker never outlives its kernel.** A pipe whose write end only the
@@ -56,6 +59,8 @@ from fluksio_nb.worker.messages import (
     Exit,
     InputReply,
     Ready,
+    Reshape,
+    Reshaped,
     Run,
     SendingBack,
 )
@@ -71,9 +76,11 @@ from fluksio_nb.worker.shell import (
     report_exception_only,
     start_fresh,
 )
+from fluksio_nb.worker.threads import take_threads
 
 #: How often the worker asks who its parent is, for the case the lifeline
-#: cannot see: a process forked from the kernel that still holds its write end.
+#: cannot see (a process forked from the kernel that still holds its write
+#: end), where the kernel's death cannot be waited for as a file descriptor.
 PARENT_CHECK_SECONDS = 1.0
 
 #: The variables the worker set in its own environment as it started
@@ -355,6 +362,29 @@ def sweep_after(kernel_pid: int) -> None:
         transfer.sweep_orphans(gone=kernel_pid)
 
 
+def kernels_death(kernel_pid: int) -> int | None:
+    """A descriptor that becomes readable when the kernel exits, or None where Linux has none.
+
+    A pidfd (Linux 5.3): unlike the lifeline, no process the kernel forked can
+    hold it open. Opened, then the parent checked, so that a kernel already
+    gone, whose number may be someone else's by now, is not the one watched.
+    """
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        fd = pidfd_open(kernel_pid)
+    except OSError:
+        return None
+    if os.getppid() != kernel_pid:
+        # Gone already: a descriptor that is readable at once says so.
+        os.close(fd)
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+    return fd
+
+
 def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     """Take the worker and everything it started down as soon as the kernel is gone.
 
@@ -367,15 +397,23 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     # claim's cgroup later, that is where it goes back to.
     born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu")}
 
+    kernel_gone = kernels_death(kernel_pid)
+
     def watch() -> None:
         # Any thread may take a signal sent to the process, and a SIGINT taken
         # here would only be flagged for the main thread, not wake it from a
         # cell's `time.sleep`.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        while True:
-            readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
-            if readable or os.getppid() != kernel_pid:
-                break
+        if kernel_gone is not None:
+            # Both are waited for with no timeout: an idle worker, the one
+            # started ahead of a notebook's first claim included, is then
+            # never woken while its kernel lives.
+            select.select([lifeline_fd, kernel_gone], [], [])
+        else:
+            while True:
+                readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
+                if readable or os.getppid() != kernel_pid:
+                    break
         sweep_after(kernel_pid)
         for controller, home in born_in.items():
             with contextlib.suppress(Exception):
@@ -393,6 +431,19 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     threading.Thread(target=watch, name="fluksio-lifeline", daemon=True).start()
 
 
+def reshape(environ: dict[str, str]) -> str | None:
+    """Take another share's thread variables, if every pool here will hold them; why not if not."""
+    try:
+        refused = take_threads(environ)
+    except Exception as error:
+        # threadpoolctl failing to read a library is a worker nobody can vouch
+        # for at the new count: the claim gets a fresh one instead.
+        refused = f"its thread pools could not be read ({type(error).__name__}: {error})"
+    if refused is None:
+        follow_the_kernel(None, None, environ)
+    return refused
+
+
 def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
     """Answer requests until the kernel says exit (True) or stops listening (False)."""
     shell.report(Ready(os.getpid()))
@@ -408,6 +459,8 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
                 run_one_cell(shell, request, interrupts)
                 if shell.exit_now:
                     return True
+            case Reshape(environ=environ):
+                shell.report(Reshaped(reshape(environ)))
             case InputReply():
                 # An answer that crossed the stop button on its way: its cell is over.
                 continue

@@ -27,6 +27,10 @@ The conversation, one worker and one kernel:
   announces, so the kernel never hands the next cell to a worker on its way
   out. The first :class:`Error` of the cell is the one the kernel reports as
   its failure.
+- **Between cells, the kernel may send** :class:`Reshape`: another share's
+  thread variables for the cells from now on. The worker answers with one
+  :class:`Reshaped`, saying that it holds them, or why it cannot
+  (:mod:`fluksio_nb.worker.threads`), and then changes nothing.
 - **The conversation ends** with :class:`Exit` from the kernel between cells,
   with the kernel closing its end, or with the worker dying, which the kernel
   hears as the channel closing, not as a message.
@@ -113,6 +117,17 @@ class InputReply(_Message):
     value: str | None = None
     #: Set when nobody could answer; the cell's ``input()`` raises with it.
     refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reshape(_Message):
+    """Between cells: hold every thread pool to this environment's thread variables.
+
+    Answered by exactly one :class:`Reshaped`. On a yes the worker's
+    environment is ``environ`` from then on, as after a :class:`Run` carrying it.
+    """
+
+    environ: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +231,19 @@ class Done(_Message):
     exiting: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Reshaped(_Message):
+    """The answer to a :class:`Reshape`: done, or why not, with nothing changed."""
+
+    refused: str | None = None
+
+
 #: What a running cell shows, in the order it showed it.
 Output = Stream | Display | Result | Error | ClearOutput
 #: What the kernel sends.
-ToWorker = Run | InputReply | Exit
+ToWorker = Run | InputReply | Reshape | Exit
 #: What the worker sends.
-FromWorker = Ready | Output | InputRequest | SendingBack | Done
+FromWorker = Ready | Output | InputRequest | SendingBack | Done | Reshaped
 #: Every frame on the channel.
 Message = ToWorker | FromWorker
 

@@ -1,19 +1,36 @@
-"""Warm workers, one set per environment, so a second claim does not pay for imports.
+"""Warm workers, so that a claimed cell does not pay for a Python to start.
 
 A worker's environment is fixed when it starts: that is the whole point, since
-the thread variables are read once, at import. So a worker can only be reused
-by a claim whose derived environment is exactly the one it was started with,
-and the pool is keyed by that environment. Two cells that each claim
-``cpus=2`` share one warm worker and its imported numpy; a ``cpus=1`` cell
-gets another.
+the thread variables are read once, at import. The pool is keyed by the share's
+derived environment, and a claim is handed, in this order:
 
-Three rules bound what is kept:
+1. an idle worker started with (or reshaped to) exactly its environment: two
+   cells that each claim ``cpus=2`` share one warm worker and its imported numpy;
+2. an idle worker whose environment differs from it in the thread variables
+   only, told the new ones (:meth:`~fluksio_nb.worker.client.Worker.reshape`)
+   if every thread pool loaded in it will hold them. What holds and what does
+   not was measured, and is written down in :mod:`fluksio_nb.worker.threads`:
+   a worker that has loaded no pool, or only OpenBLAS, MKL or BLIS, takes a
+   new count; one with an OpenMP runtime, numexpr, numba, torch or TensorFlow
+   loaded refuses, keeps its shape, and is not asked again. A reshape is a
+   round trip to an idle worker, a few milliseconds against the quarter of a
+   second a fresh one takes;
+3. a fresh worker.
+
+One worker may be started before any claim (:meth:`WorkerPool.prestart`), for
+the shape a notebook's first claim is likeliest to have, so that not even the
+first claimed cell waits for a Python to start.
+
+Rules bound what is kept:
 
 - A worker whose environment names GPUs is ended when its claim gives the
   share back. A CUDA context stays on the card for as long as the process
   lives, and the card may be granted to somebody else next.
 - Idle workers are few (:data:`MAX_IDLE`) and age out (:data:`IDLE_TTL_S`):
-  each one holds a Python interpreter and whatever it imported.
+  each one holds a Python interpreter and whatever it imported. The worker
+  started ahead of any claim does not age out until it has run one: it holds
+  an interpreter with IPython and nothing else (about 40 MB), sleeps without
+  a timeout, and no claim is in the books for it.
 - All of them end when the kernel does. The workers also watch for their
   parent's death themselves, for a kernel that is killed and cannot say so.
 """
@@ -23,8 +40,11 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.worker.client import Worker
 
 #: Idle workers kept at once. Each is an interpreter with its imports, about
@@ -47,8 +67,23 @@ def names_gpus(derived: Mapping[str, str]) -> bool:
     return bool(derived.get("CUDA_VISIBLE_DEVICES", "").strip())
 
 
+def differs_only_in_threads(one: Mapping[str, str], other: Mapping[str, str]) -> bool:
+    """Whether two derived environments differ in nothing but their thread variables."""
+    names = {*one, *other}.difference(THREAD_VARS)
+    return all(one.get(name) == other.get(name) for name in names)
+
+
+@dataclass
+class _Idle:
+    key: EnvKey
+    since: float
+    worker: Worker
+    #: Started ahead of any claim and not used yet: kept until it is.
+    kept: bool = False
+
+
 class WorkerPool:
-    """Hands out a worker started with a given environment, warm when it can."""
+    """Hands out a worker holding a given environment, warm when it can."""
 
     def __init__(
         self,
@@ -60,34 +95,105 @@ class WorkerPool:
         self._start = start or (lambda env: Worker(env))
         self.max_idle = max_idle
         self.idle_ttl_s = idle_ttl_s
-        self._idle: list[tuple[EnvKey, float, Worker]] = []
+        self._idle: list[_Idle] = []
         self._lock = threading.Lock()
         self._reaper: threading.Timer | None = None
+        self._closed = False
+        #: Workers that refused another thread count: they refuse for good,
+        #: since what made them refuse stays loaded.
+        self._fixed: weakref.WeakSet[Worker] = weakref.WeakSet()
+        #: Workers started for a checkout that found none to reuse.
         self.started = 0
+        #: Checkouts served by a worker told another thread count.
+        self.reshaped = 0
+        #: Why the last worker asked to take another thread count refused.
+        self.last_refusal: str | None = None
 
-    def checkout(self, derived: Mapping[str, str]) -> Worker:
-        """A live worker with exactly this derived environment, warm if one is idle."""
+    def prestart(self, derived: Mapping[str, str]) -> Worker | None:
+        """Start a worker ahead of any claim, kept idle until one comes.
+
+        None, and nothing started, if a worker is idle already or the pool is
+        closed: one warm worker can serve the first claim of any thread count.
+        """
+        with self._lock:
+            if self._idle or self._closed:
+                return None
+        worker = self._start(dict(derived))
+        with self._lock:
+            if not self._closed:
+                self._idle.append(_Idle(env_key(derived), time.monotonic(), worker, kept=True))
+                return worker
+        worker.close()
+        return None
+
+    def checkout(self, derived: Mapping[str, str], timeout: float = 30.0) -> Worker:
+        """A live worker holding exactly this derived environment, warm if one can be.
+
+        ``timeout`` bounds the wait for an idle worker that is still starting
+        to answer whether it takes this environment's thread count.
+        """
         key = env_key(derived)
         with self._lock:
             self._age_out(time.monotonic())
-            for index, (idle_key, _, worker) in enumerate(self._idle):
-                if idle_key == key and worker.alive:
+            for index, entry in enumerate(self._idle):
+                if entry.key == key and entry.worker.alive:
                     del self._idle[index]
-                    return worker
+                    return entry.worker
+            # The most recently used first: the likeliest to be in the cache.
+            others = [
+                entry
+                for entry in reversed(self._idle)
+                if entry.worker.alive
+                and entry.worker not in self._fixed
+                and differs_only_in_threads(dict(entry.key), derived)
+            ]
+            for entry in others:
+                self._idle.remove(entry)
+        deadline = time.monotonic() + timeout
+        taken = None
+        try:
+            while others and taken is None:
+                entry = others.pop(0)
+                refused = entry.worker.reshape(derived, max(0.0, deadline - time.monotonic()))
+                if refused is None:
+                    taken = entry.worker
+                    self.reshaped += 1
+                else:
+                    self.last_refusal = refused
+                    self._fixed.add(entry.worker)
+                    self._put_back(entry)
+        except BaseException:
+            # Stopped while a worker was asked: that one was ended by it.
+            entry.worker.close()
+            raise
+        finally:
+            for entry in others:
+                self._put_back(entry)
+        if taken is not None:
+            return taken
         self.started += 1
-        return self._start(derived)
+        return self._start(dict(derived))
 
     def checkin(self, worker: Worker, derived: Mapping[str, str]) -> None:
         """Take a worker back after its claim: keep it warm, or end it."""
         if not worker.alive or names_gpus(derived) or self.max_idle == 0:
             worker.close()
             return
+        self._put_back(_Idle(env_key(derived), time.monotonic(), worker))
+
+    def _put_back(self, entry: _Idle) -> None:
+        if not entry.worker.alive:
+            entry.worker.close()
+            return
         evicted: list[Worker] = []
         with self._lock:
-            self._idle.append((env_key(derived), time.monotonic(), worker))
-            while len(self._idle) > self.max_idle:
-                evicted.append(self._idle.pop(0)[2])
-            self._schedule_reaper()
+            if self._closed:
+                evicted.append(entry.worker)
+            else:
+                self._idle.append(entry)
+                while len(self._idle) > self.max_idle:
+                    evicted.append(self._idle.pop(0).worker)
+                self._schedule_reaper()
         for old in evicted:
             # A GPU worker, above, is waited for: its card is given back next.
             _close_later(old)
@@ -99,24 +205,27 @@ class WorkerPool:
     def close(self) -> None:
         """End every idle worker. Called when the kernel shuts down."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
             if self._reaper is not None:
                 self._reaper.cancel()
                 self._reaper = None
-        for _, _, worker in idle:
-            worker.close()
+        for entry in idle:
+            entry.worker.close()
 
     def _age_out(self, now: float) -> None:
         """Drop idle workers past their age. Called with the lock held."""
         keep, old = [], []
         for entry in self._idle:
-            (old if now - entry[1] >= self.idle_ttl_s or not entry[2].alive else keep).append(entry)
+            aged = not entry.kept and now - entry.since >= self.idle_ttl_s
+            (old if aged or not entry.worker.alive else keep).append(entry)
         self._idle = keep
-        for _, _, worker in old:
-            _close_later(worker)
+        for entry in old:
+            _close_later(entry.worker)
 
     def _schedule_reaper(self) -> None:
-        if self._reaper is not None or not self._idle:
+        ageing = [entry.since for entry in self._idle if not entry.kept]
+        if self._reaper is not None or not ageing:
             return
 
         def reap() -> None:
@@ -125,8 +234,7 @@ class WorkerPool:
                 self._age_out(time.monotonic())
                 self._schedule_reaper()
 
-        oldest = min(entry[1] for entry in self._idle)
-        delay = max(0.05, oldest + self.idle_ttl_s - time.monotonic())
+        delay = max(0.05, min(ageing) + self.idle_ttl_s - time.monotonic())
         self._reaper = threading.Timer(delay, reap)
         self._reaper.daemon = True
         self._reaper.start()
