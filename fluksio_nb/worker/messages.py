@@ -27,6 +27,11 @@ The conversation, one worker and one kernel:
   announces, so the kernel never hands the next cell to a worker on its way
   out. The first :class:`Error` of the cell is the one the kernel reports as
   its failure.
+- **Its results on their way back** are announced with :class:`SendingBack`
+  as the cell's code ends, then their size and how much is written with
+  :class:`Sending`.
+- **Outputs lent** (``lend_outputs``) are answered, once the kernel has
+  mapped them, with :class:`Unpacked`, which the worker takes between cells.
 - **The conversation ends** with :class:`Exit` from the kernel between cells,
   with the kernel closing its end, or with the worker dying, which the kernel
   hears as the channel closing, not as a message.
@@ -91,6 +96,10 @@ class Run(_Message):
     outputs: list[str] | None = None
     #: Write big outputs into files the worker keeps for its next cell's.
     keep_outputs: bool = False
+    #: Write big outputs into files the worker keeps, lent to the kernel:
+    #: written again only once the kernel has said :class:`Unpacked` and its
+    #: arrays on them are gone.
+    lend_outputs: bool = False
     #: Inputs to bring back too if the cell changed them in place.
     if_changed: Sequence[str] = ()
     #: The kernel's global random streams, each :data:`fluksio_nb.random_streams.SAME`
@@ -113,6 +122,16 @@ class InputReply(_Message):
     value: str | None = None
     #: Set when nobody could answer; the cell's ``input()`` raises with it.
     refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked(_Message):
+    """The kernel has mapped the outputs the worker lent it (``lend_outputs``).
+
+    Until then the worker may neither write nor let go of their files: the
+    kernel's lock on each, which says it still has arrays there, is only
+    taken as it maps them.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +216,19 @@ class SendingBack(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Sending(_Message):
+    """How far the results are on their way back, in bytes of their big buffers.
+
+    Sent once every value is pickled, when what is left is writing their
+    buffers into shared memory, with nothing written; then as the writing
+    goes, a few times a second at most.
+    """
+
+    written: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class Done(_Message):
     """The cell is over, and what it leaves: the last message of every :class:`Run`."""
 
@@ -219,9 +251,9 @@ class Done(_Message):
 #: What a running cell shows, in the order it showed it.
 Output = Stream | Display | Result | Error | ClearOutput
 #: What the kernel sends.
-ToWorker = Run | InputReply | Exit
+ToWorker = Run | InputReply | Unpacked | Exit
 #: What the worker sends.
-FromWorker = Ready | Output | InputRequest | SendingBack | Done
+FromWorker = Ready | Output | InputRequest | SendingBack | Sending | Done
 #: Every frame on the channel.
 Message = ToWorker | FromWorker
 
