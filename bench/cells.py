@@ -265,6 +265,52 @@ def transfer(
     return text, ratios
 
 
+#: What a cell makes, in words and in code for ``n`` float64s an array: 800 MB
+#: in one array, and in eight of 100 MB in a list.
+MADE = {
+    "800 MB array": ("np.ones({n})", 100_000_000),
+    "8 × 100 MB in a list": ("[np.ones({n}) for _ in range(8)]", 12_500_000),
+}
+
+
+def outputs(kernel: Kernel, rounds: int, scale: float = 1.0) -> tuple[str, dict[str, float]]:
+    """Big values made in a claimed cell and bound in the kernel, against made in the kernel.
+
+    Each subject binds a name of its own, again every round, as a cell run
+    again does: the claimed cell's new value arrives while the kernel still
+    holds the last one. ``scale`` shrinks the sizes for a smoke run.
+    """
+    kernel.run("import numpy as np", check=True)
+    subjects = {}
+    for index, (what, (code, n)) in enumerate(MADE.items()):
+        made = code.format(n=int(n * scale))
+        subjects[f"{what}, made in the kernel"] = _bind(kernel, f"k{index} = {made}")
+        claimed = f"%%claim ram=8G --out c{index}\nimport numpy as np\nc{index} = {made}"
+        subjects[f"{what}, made in a claimed cell"] = _bind(kernel, claimed)
+    for action in subjects.values():
+        action()  # a worker started, numpy imported, the first value bound
+    samples = interleaved(subjects, rounds)
+    rows, ratios = [], {}
+    for what in MADE:
+        here = samples[f"{what}, made in the kernel"]
+        there = samples[f"{what}, made in a claimed cell"]
+        rows.append([f"{what}, made in the kernel", ms(median(here)), ms(percentile(here, 0.9))])
+        rows.append(
+            [f"{what}, made in a claimed cell", ms(median(there)), ms(percentile(there, 0.9))]
+        )
+        ratios[f"{what}: claimed / kernel, p50"] = median(there) / median(here)
+        ratios[f"{what}: claimed / kernel, p90 (target ≤ 2)"] = percentile(there, 0.9) / percentile(
+            here, 0.9
+        )
+    text = table([f"bound in the kernel ({rounds} runs)", "p50", "p90"], rows)
+    text += "\n\n" + "\n".join(f"- {name}: {value:.2f}" for name, value in ratios.items())
+    return text, ratios
+
+
+def _bind(kernel: Kernel, code: str):
+    return lambda: kernel.run(code, check=True)
+
+
 def main(
     rounds: int = 20,
     mib: int = 256,
@@ -285,13 +331,15 @@ def main(
         try:
             trips, _ = round_trips(kernel, rounds, others)
             moved, _ = transfer(kernel, max(3, rounds // 4), mib, others)
+            made, _ = outputs(kernel, rounds, scale=mib / 256)
         finally:
             kernel.shutdown()
     first, _ = first_claims(first_rounds, idle_s)
     return (
         f"### Running a cell elsewhere\n\n{trips}\n\n"
         f"### The first claim of a notebook, and of a new shape\n\n{first}\n\n"
-        f"### Moving data\n\n{moved}\n"
+        f"### Moving data\n\n{moved}\n\n"
+        f"### Big values a claimed cell made\n\n{made}\n"
     )
 
 

@@ -335,6 +335,7 @@ class Claim(ClaimLifecycle):
             )
         finally:
             self.status.sending_since = None
+            self.status.sending_written = self.status.sending_total = 0
             self._watch.discard(watched)
             if not self.status.readings.count:
                 # Over before the first reading was due: one now, so that how
@@ -360,8 +361,11 @@ class Claim(ClaimLifecycle):
         left = None if self._deadline is None else self._deadline - time.monotonic()
         return 30.0 if left is None else max(left, 0.0)
 
-    def _sending_back(self) -> None:
-        self.status.sending_since = time.monotonic()
+    def _sending_back(self, written: int, total: int) -> None:
+        status = self.status
+        if status.sending_since is None:
+            status.sending_since = time.monotonic()
+        status.sending_written, status.sending_total = written, total
         self._update_view()
 
     def popen(self, args: Sequence[str] | str, **kwargs: Any) -> subprocess.Popen:

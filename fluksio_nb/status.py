@@ -84,8 +84,11 @@ class ClaimStatus:
     stopped_since: float | None = None
     #: How long the claim waited for new workers to start, all told.
     starting_s: float = 0.0
-    #: While results are on their way back: since when (monotonic).
+    #: While results are on their way back: since when (monotonic), and the
+    #: bytes of their big buffers written so far and in all (0 until known).
     sending_since: float | None = None
+    sending_written: int = 0
+    sending_total: int = 0
     #: How long results took to come back, and how big they were, all told.
     sent_s: float | None = None
     sent_bytes: int = 0
@@ -173,7 +176,11 @@ def doing(status: ClaimStatus) -> str:
             "the stop button ends it)"
         )
     if status.sending_since is not None:
-        return f"sending results back, {time.monotonic() - status.sending_since:.1f} s so far"
+        took = time.monotonic() - status.sending_since
+        if status.sending_total:
+            share = min(100, 100 * status.sending_written // status.sending_total)
+            return f"sending {human(status.sending_total)} back, {share}% after {took:.1f} s"
+        return f"sending results back, {took:.1f} s so far"
     return f"running for {status.elapsed_s:.1f} s"
 
 

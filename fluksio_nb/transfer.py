@@ -51,8 +51,22 @@ cell after cell, which is what notebooks do:
   the file it wrote. Only whole buffers, or most of one, go back this way: a
   small slice would keep a big file alive.
 
+- **A worker keeps the files it sends back** (``pack(..., reuse=True,
+  unmapped=True, room_in_segment_dir=True)``), lent to the kernel, which
+  holds its lock on each for as long as its arrays are there. A cell run
+  again writes its new value into a second set while the kernel still holds
+  the last one, and the run after that into the first, warm. These files are
+  made in ``/dev/shm`` and unlinked before a byte is written: nameless, so
+  nothing is left there however the worker ends, yet taking its room, so a
+  value too big for it still fails by name. They are written with
+  ``write()``, never mapped in the worker, so they do not count in its
+  resident memory, which a sampler holds to the claim's budget.
+
 Measured the same way: 256 MiB into a claimed cell and back (``b = a``) went
-from 200 ms (two new files) to about 35 ms once warm.
+from 200 ms (two new files) to about 35 ms once warm. 800 MB made in a
+claimed cell: written into a new file in 590-650 ms, into a warm one in
+180-240 ms (a copy into a warm mapping takes about 110 ms, but would count in
+the worker's memory).
 
 It is long because the files' whole life is kept in one place: where a
 buffer is written, how it is mapped, reused, referred back and removed are
@@ -75,7 +89,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +120,10 @@ _PROTOCOL = 5
 #: At most this much kept on the shelf while idle: enough for a couple of big
 #: arrays sent cell after cell, little next to what they take in the kernel.
 SHELF_BYTES = 1 << 30
+
+#: At most this many kept files, held by receivers or not: each is a
+#: descriptor in this process.
+SHELF_FILES = 256
 
 #: An idle kept file goes after this long: a notebook sending the same array
 #: again does so within seconds; one that stopped should get its memory back.
@@ -184,6 +202,8 @@ def pack(
     reuse: bool = False,
     refer_back: bool = False,
     unmapped: bool = False,
+    room_in_segment_dir: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Parcel:
     """Pickle each value on its own; report the ones that cannot travel by name.
 
@@ -194,15 +214,76 @@ def pack(
     as a reference to that file instead of a copy. ``unmapped`` writes kept
     files without mapping them here, so they stay out of this process's
     resident memory, which a sampler may be holding to a budget.
+    ``room_in_segment_dir`` makes new kept files in :data:`SEGMENT_DIR`, nameless
+    from the start, so that they take their room there and a full one is a
+    :class:`NoRoom` for the name, as a file that is not kept would be.
+
+    Every value is pickled before any big buffer is written, so that
+    ``progress(written, total)`` is told the bytes to write before the first
+    is: once with nothing written, then as the writing goes.
     """
-    packed: dict[str, PackedValue] = {}
+    planned: dict[str, tuple[bytes, list[Segment | memoryview]]] = {}
     failures: dict[str, str] = {}
     for name, value in values.items():
         try:
-            packed[name] = _pack_one(value, reuse, refer_back, unmapped)
+            planned[name] = _plan_one(value, refer_back)
         except Exception as error:
             failures[name] = _reason(error)
+    total = sum(
+        part.nbytes
+        for _, parts in planned.values()
+        for part in parts
+        if isinstance(part, memoryview)
+    )
+    written = _Written(total, progress)
+    packed: dict[str, PackedValue] = {}
+    for name, (data, parts) in planned.items():
+        segments: list[Segment] = []
+        try:
+            for part in parts:
+                if isinstance(part, Segment):
+                    segments.append(part)
+                elif reuse:
+                    segments.append(
+                        _shelf.write(
+                            part,
+                            unmapped=unmapped,
+                            in_segment_dir=room_in_segment_dir,
+                            written=written,
+                        )
+                    )
+                else:
+                    segments.append(_write_segment(part, written))
+        except Exception as error:
+            _let_go(segments)
+            failures[name] = _reason(error)
+            continue
+        except BaseException:
+            _let_go(segments)
+            for done in packed.values():
+                _let_go(done.segments)
+            raise
+        packed[name] = PackedValue(data, tuple(segments))
     return Parcel(packed, failures)
+
+
+class _Written:
+    """How much of a parcel's big buffers is written, told to whoever asked as it grows."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.total, self.done, self._progress = total, 0, progress
+        if progress is not None:
+            progress(0, total)
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self._progress is not None:
+            self._progress(self.done, self.total)
+
+
+#: Big buffers are written this much at a time, so that progress can be told
+#: between the pieces; big enough that the system calls do not show.
+_WRITE_PIECE = 32 << 20
 
 
 def pack_pickled(data: bytes, buffers: Sequence[Any], *, reuse: bool = False) -> PackedValue:
@@ -333,8 +414,9 @@ def dumps(value: object, buffer_callback: Any = None) -> bytes:
     return cloudpickle.dumps(value, protocol=_PROTOCOL, buffer_callback=buffer_callback)
 
 
-def _pack_one(value: object, reuse: bool, refer_back: bool, unmapped: bool = False) -> PackedValue:
-    segments: list[Segment] = []
+def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | memoryview]]:
+    """``value``'s pickle, and its big buffers in order: each to write, or a file to refer to."""
+    parts: list[Segment | memoryview] = []
 
     def spill(buffer: pickle.PickleBuffer) -> bool:
         # Returning True keeps the buffer in the stream.
@@ -342,24 +424,17 @@ def _pack_one(value: object, reuse: bool, refer_back: bool, unmapped: bool = Fal
         if raw is None:
             return True
         back = _where_received(raw) if refer_back else None
-        segments.append(
-            back or (_shelf.write(raw, unmapped=unmapped) if reuse else _write_segment(raw))
-        )
+        parts.append(back or raw)
         return False
 
-    try:
-        data = dumps(value, spill)
-    except BaseException:
-        _let_go(segments)
-        raise
-    return PackedValue(data, tuple(segments))
+    return dumps(value, spill), parts
 
 
-def _write_segment(raw: memoryview) -> Segment:
+def _write_segment(raw: memoryview, written: _Written | None = None) -> Segment:
     path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = _create(path)
     try:
-        _write_all(fd, raw)
+        _write_all(fd, raw, written)
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -368,14 +443,23 @@ def _write_segment(raw: memoryview) -> Segment:
     return Segment(path, raw.nbytes)
 
 
-def _write_all(fd: int, raw: memoryview) -> None:
+def _create(path: str) -> int:
+    # Only ever a new file of our own: another user's symlink or file of the
+    # same name in the shared directory is an error, never something to open.
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _write_all(fd: int, raw: memoryview, written: _Written | None = None) -> None:
     # write() rather than filling a mapping: a full /dev/shm is then an
     # ENOSPC here instead of a SIGBUS at some later page, and it is faster
     # (256 MiB: 91 ms, against 199 ms copying into a fresh mapping).
     try:
-        written = 0
-        while written < raw.nbytes:
-            written += os.pwrite(fd, raw[written:], written)
+        done = 0
+        while done < raw.nbytes:
+            n = os.pwrite(fd, raw[done : done + _WRITE_PIECE], done)
+            done += n
+            if written is not None:
+                written.add(n)
     except OSError as error:
         if error.errno == errno.ENOSPC:
             raise NoRoom(raw.nbytes) from None
@@ -500,29 +584,43 @@ class _Kept:
 
 
 class _Shelf:
-    """This process's kept files: written again once nobody maps them, removed when idle."""
+    """This process's kept files: written again once nobody maps them, removed when idle.
+
+    A file a receiver still holds is not idle: its memory is the receiver's
+    arrays, not memory kept for nothing, so it counts against neither
+    :data:`SHELF_BYTES` nor :data:`SHELF_IDLE_S` until the receiver lets go.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._files: dict[str, _Kept] = {}
         self._timer: threading.Timer | None = None
 
-    def write(self, raw: memoryview, *, unmapped: bool = False) -> Segment:
+    def write(
+        self,
+        raw: memoryview,
+        *,
+        unmapped: bool = False,
+        in_segment_dir: bool = False,
+        written: _Written | None = None,
+    ) -> Segment:
         with self._lock:
             path = self._free_of_size(raw.nbytes)
             if path is not None:
                 self._files[path].lent = True
         if path is None:
-            path, fd = _new_kept_file(raw)
+            path, fd = self._new_file(raw, in_segment_dir, written)
             with self._lock:
                 self._files[path] = _Kept(fd, raw.nbytes, True, time.monotonic())
+                self._trim(time.monotonic())
             return Segment(path, raw.nbytes, kept=True)
         kept = self._files[path]
         try:
             if unmapped:
                 # Into pages the file already has: 8 MB took 1.0 ms, against
-                # 2.2 ms into a new file (0.6 ms through a warm mapping).
-                _write_all(kept.fd, raw)
+                # 2.2 ms into a new file (0.6 ms through a warm mapping); 800 MB
+                # 200-240 ms, against 600 ms.
+                _write_all(kept.fd, raw, written)
                 return Segment(path, raw.nbytes, kept=True)
             if kept.mapping is None:
                 # Populated in one go: faulting 65,536 pages in one by one on
@@ -533,11 +631,34 @@ class _Shelf:
                     flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                     prot=mmap.PROT_READ | mmap.PROT_WRITE,
                 )
-            kept.mapping[: raw.nbytes] = raw
+            for start in range(0, raw.nbytes, _WRITE_PIECE):
+                piece = raw[start : start + _WRITE_PIECE]
+                kept.mapping[start : start + piece.nbytes] = piece
+                if written is not None:
+                    written.add(piece.nbytes)
         except BaseException:
             self.give_back(path)
             raise
         return Segment(path, raw.nbytes, kept=True)
+
+    def _new_file(
+        self, raw: memoryview, in_segment_dir: bool, written: _Written | None
+    ) -> tuple[str, int]:
+        before = None if written is None else written.done
+        try:
+            return _new_kept_file(raw, in_segment_dir, written)
+        except NoRoom:
+            # Files kept idle take room in the same place: given up, before
+            # the value is.
+            with self._lock:
+                idle = [path for path, kept in self._files.items() if not kept.lent]
+                for path in idle:
+                    self._drop(path)
+            if not idle:
+                raise
+        if written is not None and before is not None:
+            written.done = before  # this one is counted again from its start
+        return _new_kept_file(raw, in_segment_dir, written)
 
     def give_back(self, path: str) -> None:
         with self._lock:
@@ -567,21 +688,33 @@ class _Shelf:
             if not _still_there(path, kept.fd):
                 self._drop(path)  # removed behind our back: receivers could not open it
                 continue
-            try:
-                fcntl.flock(kept.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if _held(kept.fd):
                 continue  # somebody still has arrays on it
-            fcntl.flock(kept.fd, fcntl.LOCK_UN)
             return path
         return None
 
     def _trim(self, now: float) -> None:
-        idle = sorted((kept.since, path) for path, kept in self._files.items() if not kept.lent)
+        idle = []
+        for path, kept in self._files.items():
+            if kept.lent:
+                continue
+            if _held(kept.fd):
+                kept.since = now  # idle from when the receiver lets go
+                continue
+            idle.append((kept.since, path))
+        idle.sort()
         total = sum(self._files[path].nbytes for _, path in idle)
         for since, path in idle:
             if total <= SHELF_BYTES and now - since < SHELF_IDLE_S:
                 continue
             total -= self._files[path].nbytes
+            self._drop(path)
+        # Each kept file is a descriptor here, and a receiver holding
+        # thousands of small arrays must not run this process out of them:
+        # past the limit, the oldest are let go (a receiver's mapping keeps
+        # the memory, not our descriptor).
+        spare = sorted((kept.since, path) for path, kept in self._files.items() if not kept.lent)
+        for _, path in spare[: max(0, len(self._files) - SHELF_FILES)]:
             self._drop(path)
 
     def _drop(self, path: str) -> None:
@@ -603,24 +736,46 @@ class _Shelf:
                 self._timer.start()
 
 
-def _new_kept_file(raw: memoryview) -> tuple[str, int]:
+def _held(fd: int) -> bool:
+    """Whether a receiver has arrays on the kept file: it holds a shared lock for as long."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _new_kept_file(
+    raw: memoryview, in_segment_dir: bool = False, written: _Written | None = None
+) -> tuple[str, int]:
     """A new file holding ``raw``, to keep: its path for receivers, and our descriptor.
 
-    An anonymous ``memfd`` where there is one, which receivers open through
-    ``/proc/<pid>/fd/<n>``: it has no name to remove, so however this process
-    ends, even killed, the memory goes with the last mapping of it. Elsewhere
-    a named file, which :func:`sweep_orphans` removes after a kill.
+    Nameless, and opened by receivers through ``/proc/<pid>/fd/<n>``: with no
+    name to remove, however this process ends, even killed, the memory goes
+    with the last mapping of it. An anonymous ``memfd`` by default; with
+    ``in_segment_dir``, a file made in :data:`SEGMENT_DIR` and unlinked before
+    a byte is written, which takes its room there like any segment, so that a
+    full one is a :class:`NoRoom` rather than memory taken from wherever.
+    Where there is no ``/proc``, a named file, which :func:`sweep_orphans`
+    removes after a kill.
     """
-    if not hasattr(os, "memfd_create"):
-        segment = _write_segment(raw)
-        return segment.path, os.open(segment.path, os.O_RDWR)
-    fd = os.memfd_create(f"{SEGMENT_PREFIX}{os.getpid()}-kept", os.MFD_CLOEXEC)
+    pid = os.getpid()
+    if not hasattr(os, "memfd_create") or not os.path.isdir(f"/proc/{pid}/fd"):
+        segment = _write_segment(raw, written)
+        return segment.path, os.open(segment.path, os.O_RDWR | os.O_NOFOLLOW)
+    if in_segment_dir:
+        path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{pid}-{secrets.token_hex(8)}")
+        fd = _create(path)
+        os.unlink(path)
+    else:
+        fd = os.memfd_create(f"{SEGMENT_PREFIX}{pid}-kept", os.MFD_CLOEXEC)
     try:
-        _write_all(fd, raw)
+        _write_all(fd, raw, written)
     except BaseException:
         os.close(fd)
         raise
-    return f"/proc/{os.getpid()}/fd/{fd}", fd
+    return f"/proc/{pid}/fd/{fd}", fd
 
 
 def _still_there(path: str, fd: int) -> bool:

@@ -33,6 +33,7 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
         "Running a cell elsewhere",
         "The first claim of a notebook, and of a new shape",
         "Moving data",
+        "Big values a claimed cell made",
         "A hop to a process that sat idle",
         "The books",
         "A share the OS enforces",
@@ -40,6 +41,7 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
         assert f"### {heading}" in report
     assert "%%claim, warm worker" in report
     assert "first %%claim after %load_ext" in report
+    assert "8 × 100 MB in a list, made in a claimed cell" in report
     assert "freed share reaches a waiter in another process" in report
     assert "| 1 ms |" in report  # the hop after its shortest idle gap
 

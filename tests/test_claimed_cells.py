@@ -488,6 +488,151 @@ def test_results_on_their_way_back_are_said_apart_from_the_running(kernel, tmp_p
     assert re.match(r"sender: ok · waited [\d.]+ s(, started a worker in [\d.]+ s)?, ran ", record)
 
 
+def says_doing(kernel, pattern: str):
+    """An ``until`` for the claim's widget saying ``pattern`` (a regex) of what it does."""
+
+    def said(ran) -> bool:
+        return any(
+            re.fullmatch(pattern, m["content"]["data"].get("state", {}).get("doing", ""))
+            for m in kernel.seen
+            if m["msg_type"] == "comm_msg"
+        )
+
+    return Until(f"say it is {pattern!r}", said)
+
+
+#: Bound by a cell, it arrives in the kernel only once ``GO`` exists: rebuilding
+#: it there waits, after everything sorted before it has arrived.
+SLOW_TO_ARRIVE = (
+    "import os, time\n"
+    "def _arrive_when_told():\n"
+    "    while not os.path.exists(GO):\n"
+    "        time.sleep(0.05)\n"
+    "    return 7\n"
+    "class SlowToArrive:\n"
+    "    def __reduce__(self):\n"
+    "        return (_arrive_when_told, ())\n"
+    "late = SlowToArrive()\n"
+)
+
+
+def dev_shm_files_of(*pids: int) -> list[str]:
+    return sorted(
+        name
+        for name in os.listdir("/dev/shm")
+        if any(name.startswith(f"fluksio-{pid}-") for pid in pids)
+    )
+
+
+def test_while_big_results_travel_the_claim_says_how_big_they_are(kernel, tmp_path):
+    """Guards against "sending results back" for seconds with no word of how much:
+    the size is known before the first byte is written, and said."""
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        f"%%claim --label sizes\nimport numpy as np\nGO = {str(go)!r}\n"
+        "a = np.ones(2**23)\n" + SLOW_TO_ARRIVE  # 64 MiB: 67.1 MB as the widget says sizes
+    )
+    kernel.messages_of(
+        msg_id, until=says_doing(kernel, r"sending 67\.1MB back, \d+% after \d+\.\d s")
+    )
+    go.touch()
+    kernel.messages_of(msg_id, timeout=60)
+    assert kernel.reply_to(msg_id)["content"]["status"] == "ok"
+    assert kernel.facts("[late, float(a.sum())]") == [7, 2.0**23]
+
+
+def test_big_outputs_arrive_writable_and_equal_and_leave_no_file_in_dev_shm(kernel):
+    """Guards against outputs that come back read-only, wrong, or leave memory named
+    in /dev/shm: an array, a list of them and a dict of them."""
+    kernel.run(
+        "%%claim --label outputs\nimport os, numpy as np\n"
+        "worker = os.getpid()\n"
+        "one = np.arange(2**23, dtype=np.float64)\n"
+        "parts = [np.full(2**20, float(i)) for i in range(4)]\n"
+        "table = {'x': np.ones(2**20), 'y': np.zeros(2**20)}",
+        check=True,
+    )
+    arrived = kernel.facts(
+        "[bool((one == __import__('numpy').arange(2**23)).all()), "
+        "[float(p.mean()) for p in parts], float(table['x'].sum()), float(table['y'].sum())]"
+    )
+    assert arrived == [True, [0.0, 1.0, 2.0, 3.0], 2.0**20, 0.0]
+    kernel.run("one[0] = -1.0\nparts[3][:] = 9.0\ntable['y'] += 1", check=True)
+    assert kernel.facts("[one[0], parts[3][-1], float(table['y'].sum())]") == [-1.0, 9.0, 2.0**20]
+    assert dev_shm_files_of(kernel.pid, kernel.facts("worker")) == []
+
+
+def test_a_cell_run_again_writes_its_big_output_into_the_memory_the_last_run_let_go(kernel):
+    """Guards against every run of a cell paying for fresh shared memory: the run
+    before's value is held while the new one arrives, then let go, and the run
+    after that writes into its memory."""
+    kernel.run(
+        "def backing(array):\n"
+        "    start = array.__array_interface__['data'][0]\n"
+        "    for line in open('/proc/self/maps'):\n"
+        "        fields = line.split(maxsplit=5)\n"
+        "        low, high = (int(bound, 16) for bound in fields[0].split('-'))\n"
+        "        if low <= start < high:\n"
+        "            return [int(fields[4]), fields[5].strip()]",
+        check=True,
+    )
+    files = []
+    for run in range(3):
+        kernel.run(
+            f"%%claim --label again\nimport numpy as np\nbig = np.full(2**22, {run}.0)",
+            check=True,
+        )
+        assert kernel.facts("float(big.mean())") == float(run)
+        inode, path = kernel.facts("backing(big)")
+        assert path.startswith("/dev/shm/fluksio-") and path.endswith("(deleted)"), path
+        files.append(inode)
+    assert files[1] != files[0], "the first run's value was still held as the second's arrived"
+    assert files[2] == files[0]
+
+
+def test_a_name_that_cannot_travel_leaves_no_file_behind_and_the_big_ones_arrive(kernel):
+    """Guards against a failed name stranding what was written for the names beside it."""
+    ran = kernel.run(
+        "%%claim --label half\nimport os, threading, numpy as np\n"
+        "worker = os.getpid()\n"
+        "big = np.ones(2**22)\n"
+        "lock = threading.Lock()\n"
+        "more = [np.ones(2**20), threading.Lock()]"
+    )
+    assert ran.status == "error" and ran.error["ename"] == "NotBroughtBack", ran.error
+    shown = "".join(ran.error["traceback"])
+    assert "lock (" in shown and "more (" in shown, shown
+    assert kernel.facts("[float(big.sum()), 'more' in dir()]") == [2.0**22, False]
+    assert dev_shm_files_of(kernel.pid, kernel.facts("worker")) == []
+
+
+def test_a_worker_killed_while_sending_back_leaves_no_file_in_dev_shm(kernel, tmp_path):
+    """Guards against the values a dead worker had started to send staying in /dev/shm."""
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        "%%claim --label killed\nimport os, time, numpy as np\n"
+        "a_big = np.ones(2**23)\n"
+        "class SlowToSend:\n"
+        "    def __reduce__(self):\n"
+        f"        while not os.path.exists({str(go)!r}):\n"
+        "            time.sleep(0.05)\n"
+        "        return (int, (7,))\n"
+        "z_late = SlowToSend()"
+    )
+    kernel.messages_of(msg_id, until=says_doing(kernel, r"sending results back, .*"))
+    (worker,) = [
+        p
+        for p in psutil.Process(kernel.pid).children()
+        if any("fluksio_nb.worker" in part for part in p.cmdline())
+    ]
+    worker.kill()
+    kernel.messages_of(msg_id, timeout=60)
+    assert kernel.reply_to(msg_id)["content"]["status"] == "error"
+    assert gone(worker.pid)
+    assert dev_shm_files_of(kernel.pid, worker.pid) == []
+    assert_books_balanced(kernel)
+
+
 def test_a_waiting_cell_says_when_it_may_start_from_the_past_runs_of_what_it_waits_for(
     kernel, tmp_path
 ):

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -506,3 +507,106 @@ def test_a_segment_older_than_the_process_with_its_pid_is_swept():
     os.utime(stale, (a_day_ago, a_day_ago))
     assert str(stale) in sweep_orphans()
     assert not stale.exists()
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {},
+        {"reuse": True},
+        {"reuse": True, "unmapped": True, "room_in_segment_dir": True},
+    ],
+    ids=["new files", "kept files", "kept files in the segment directory"],
+)
+def test_packing_says_the_size_to_write_before_writing_and_how_far_it_got_after(where):
+    """Guards against a progress that cannot say "1.6 GB" until it is over, or ends short of it."""
+    told: list[tuple[int, int]] = []
+    values = {"a": np.ones(BIG), "many": [np.ones(BIG // 2), np.full(BIG // 2, 2.0)], "n": 7}
+    parcel = pack(values, progress=lambda written, total: told.append((written, total)), **where)
+    total = 2 * BIG * 8
+    assert told[0] == (0, total), told
+    assert told[-1] == (total, total), told
+    written = [done for done, _ in told]
+    assert written == sorted(written) and {whole for _, whole in told} == {total}
+    arrived, failures = unpack(parcel)
+    assert failures == {} and arrived["many"][1][-1] == 2.0 and arrived["n"] == 7
+    parcel.discard()
+
+
+def test_a_kept_file_in_the_segment_directory_has_no_name_there_yet_arrives_writable_elsewhere():
+    """Guards against a worker's kept outputs either leaving names in /dev/shm or
+    escaping its size: they take its room, nameless from before the first byte."""
+    sent = np.arange(BIG, dtype=np.float64)
+    parcel = pack({"array": sent}, reuse=True, unmapped=True, room_in_segment_dir=True)
+    assert segments_of(os.getpid()) == []
+    arrived = json.loads(python(RECEIVER, parcel=parcel))
+    assert arrived["failures"] == {}
+    assert arrived["digest"] == hashlib.sha256(sent).hexdigest()
+    assert arrived["first"] == -1.0, "writable"
+    segment = mapped_segment(arrived["address"], arrived["nbytes"], arrived["maps"])
+    assert segment is not None
+    assert segment.startswith(f"{SEGMENT_DIR}/{SEGMENT_PREFIX}{os.getpid()}-"), segment
+    assert segment.endswith("(deleted)"), segment
+    parcel.discard()
+    assert segments_of(os.getpid()) == []
+
+
+def test_a_value_sent_again_reuses_the_file_let_go_though_two_were_held_past_the_idle_limit(
+    monkeypatch,
+):
+    """Guards against a cell run again paying for fresh pages: the receiver holds the
+    last run's value while the new one arrives, so two files are in use at once,
+    and neither is memory kept for nothing."""
+    monkeypatch.setattr(transfer, "SHELF_BYTES", BIG * 8)
+    one = pack({"a": np.ones(BIG)}, reuse=True)
+    # By inode: a descriptor's number, and so the path, is used again once closed.
+    first_file = os.stat(kept_path(one, "a")).st_ino
+    held_one = unpack(one)[0]["a"]
+    one.discard()
+    two = pack({"a": np.full(BIG, 2.0)}, reuse=True)
+    held_two = unpack(two)[0]["a"]
+    two.discard()
+    del held_one  # the first run's value, replaced by the second's
+    gc.collect()
+    three = pack({"a": np.full(BIG, 3.0)}, reuse=True)
+    assert os.stat(kept_path(three, "a")).st_ino == first_file
+    assert held_two.min() == held_two.max() == 2.0
+    assert unpack(three)[0]["a"][0] == 3.0
+    three.discard()
+
+
+def test_kept_files_a_receiver_holds_never_run_the_sender_out_of_descriptors(monkeypatch):
+    """Guards against a receiver holding thousands of small arrays taking as many of
+    the sender's descriptors; the arrays stay whole when the sender lets go of them."""
+    monkeypatch.setattr(transfer, "SHELF_FILES", 3)
+    values = {f"a{index}": np.full(2**16, float(index)) for index in range(6)}
+    parcel = pack(values, reuse=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdin.write(pickle.dumps(parcel))
+        holder.stdin.close()
+        assert holder.stdout.readline() == b"held\n"
+        parcel.discard()
+        assert len(kept_here()) <= 3
+        os.kill(holder.pid, signal.SIGUSR1)
+        assert json.loads(holder.stdout.read()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+#: Unpacks a parcel, says so, and reads its arrays once told to (SIGUSR1).
+HOLDER = """
+    import json, pickle, signal, sys
+    from fluksio_nb.transfer import unpack
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    values, failures = unpack(pickle.load(sys.stdin.buffer))
+    assert failures == {}, failures
+    print("held", flush=True)
+    signal.sigwait([signal.SIGUSR1])
+    print(json.dumps([float(values[name].mean()) for name in sorted(values)]))
+"""

@@ -32,7 +32,7 @@ from fluksio_nb.resources import ask
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, describe, ordinal, running_statuses, status_bundle
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
-from fluksio_nb.widget.facts import machine_facts, monitor_html
+from fluksio_nb.widget.facts import doing_fact, machine_facts, monitor_html
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
 from tests.waiting import wait_until
 
@@ -160,6 +160,19 @@ def test_a_record_says_the_time_waited_starting_running_and_sending_back_apart()
     # Small results come back in no time worth a word, and warm workers start in none.
     status.starting_s, status.sent_s, status.sent_bytes = 0.0, 0.01, 2_000
     assert "waited 17.0 s, ran 18.0 s · " in describe(status)
+
+
+def test_results_on_their_way_back_are_said_with_their_size_and_how_far_they_got():
+    """A cell that built 1.6 GB must not say only "sending results back" for seconds."""
+    status = running_status()
+    status.sending_since = time.monotonic() - 1.2
+    # Seconds as they pass: a loaded machine may add a few tenths between the lines.
+    said = describe(status)
+    assert re.match(r"fit: sending results back, 1\.\d s so far · ", said), said
+    status.sending_written, status.sending_total = 640_000_000, 1_600_000_000
+    said = describe(status)
+    assert re.match(r"fit: sending 1\.6GB back, 40% after 1\.\d s · ", said), said
+    assert re.fullmatch(r"sending 1\.6GB back, 40% after 1\.\d s", doing_fact(status))
 
 
 def test_a_record_of_a_claim_never_read_says_so_rather_than_zero():

@@ -82,9 +82,11 @@ from fluksio_nb.worker.messages import (
     Reshaped,
     Result,
     Run,
+    Sending,
     SendingBack,
     Sink,
     Stream,
+    Unpacked,
     forwarder,
 )
 from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_ended
@@ -171,8 +173,9 @@ class _Cell:
     error: CellError | None = None
     #: Whether its outputs are left packed, for another process to unpack.
     forward: bool = False
-    #: Called as the cell's code ends and its results start back.
-    on_sending_back: Callable[[], None] | None = None
+    #: Called as the cell's code ends and its results start back, and as they
+    #: go, with the bytes written and to write (0 and 0 until known).
+    on_sending_back: Callable[[int, int], None] | None = None
     #: When that was (monotonic), if it was.
     sending_since: float | None = None
     #: The worker's answer to a :class:`Reshape`, once it has come.
@@ -316,7 +319,7 @@ class Worker:
         forward_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
-        on_sending_back: Callable[[], None] | None = None,
+        on_sending_back: Callable[[int, int], None] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -337,8 +340,10 @@ class Worker:
         before the cell (only where the worker's differ), and those the cell
         drew from are in the outcome. A variable the kernel set or dropped
         since the worker started is set or dropped in the worker too, as a
-        normal cell would see it. ``on_sending_back`` is called as the cell's
-        code ends and its results start back, if it has any.
+        normal cell would see it. ``on_sending_back(written, total)`` is
+        called as the cell's code ends and its results start back, if it has
+        any, with ``0, 0``; then, for results with big buffers, with their
+        size in bytes and how much of it is written, as the writing goes.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -351,6 +356,8 @@ class Worker:
                     inputs=parcel,
                     outputs=outputs,
                     keep_outputs=keep_outputs,
+                    # Mapped here in a moment, and held as long as the arrays are.
+                    lend_outputs=not keep_outputs and not forward_outputs,
                     if_changed=list(if_changed),
                     random_state=self._streams_to_send(cell, random_state),
                     environ=self._environ_to_send(),
@@ -555,7 +562,10 @@ class Worker:
             case SendingBack():
                 cell.sending_since = time.monotonic()
                 if cell.on_sending_back is not None:
-                    cell.on_sending_back()
+                    cell.on_sending_back(0, 0)
+            case Sending(written=written, total=total):
+                if cell.on_sending_back is not None:
+                    cell.on_sending_back(written, total)
             case Done():
                 cell.over = True
                 self._drain_streams(cell.show)
@@ -583,6 +593,10 @@ class Worker:
             self._streams_there = {name: held[name] for name in done.streams_held}
         parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
+        if parcel is not None and not cell.forward and not done.exiting:
+            # Mapped, and locked where lent: the worker may take its files back.
+            with contextlib.suppress(ChannelClosed):
+                self._channel.send(Unpacked())
         sent_s = None if cell.sending_since is None else time.monotonic() - cell.sending_since
         ok = done.ok
         error = None if ok else cell.error

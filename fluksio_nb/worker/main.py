@@ -45,7 +45,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FunctionType, ModuleType
 from typing import Any
 
@@ -62,7 +62,9 @@ from fluksio_nb.worker.messages import (
     Reshape,
     Reshaped,
     Run,
+    Sending,
     SendingBack,
+    Unpacked,
 )
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from fluksio_nb.worker.shell import (
@@ -82,6 +84,9 @@ from fluksio_nb.worker.threads import take_threads
 #: cannot see (a process forked from the kernel that still holds its write
 #: end), where the kernel's death cannot be waited for as a file descriptor.
 PARENT_CHECK_SECONDS = 1.0
+
+#: How often, at most, the kernel is told how far the results are on their way.
+SENDING_REPORT_S = 0.25
 
 #: The variables the worker set in its own environment as it started
 #: (``MPLBACKEND``), which the kernel's environment does not carry.
@@ -140,18 +145,70 @@ def settle_inputs(namespace: dict[str, Any], inputs: dict[str, Any]) -> dict[str
 
 
 def pack_outputs(
-    namespace: dict[str, Any], names: list[str], keep: bool = False
+    namespace: dict[str, Any],
+    names: list[str],
+    keep: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, dict[str, str], list[str]]:
     """What goes back for ``names``, why each one that cannot go back can't, and the absent.
 
-    ``keep`` writes big values into files this worker keeps for the next
-    cell's, for a receiver that copies them elsewhere at once (a Ray task,
-    into the object store); a kernel that keeps the arrays gets files of its own.
+    ``keep`` writes big values into files this worker keeps, warm for the
+    next cell's: a receiver copies them elsewhere at once (a Ray task, into
+    the object store), or, the kernel, holds a lock on each for as long as it
+    has arrays there. Written unmapped, so they never count in the worker's
+    resident memory, and in ``/dev/shm``, so a value with no room there fails
+    by name. Otherwise each goes into a new file of its own for the kernel
+    to take over. ``progress(written, total)`` is told how the writing goes.
     """
     present = {name: namespace[name] for name in names if name in namespace}
     absent = [name for name in names if name not in namespace]
-    parcel = transfer.pack(present, refer_back=True, reuse=keep, unmapped=keep)
+    parcel = transfer.pack(
+        present,
+        refer_back=True,
+        reuse=keep,
+        unmapped=keep,
+        room_in_segment_dir=keep,
+        progress=progress,
+    )
     return parcel, dict(parcel.failures), absent
+
+
+def telling_the_kernel(shell: WorkerShell) -> Callable[[int, int], None]:
+    """A ``progress`` for :func:`pack_outputs` that says how it goes in :class:`Sending` messages.
+
+    The size as soon as it is known, then no more often than
+    :data:`SENDING_REPORT_S`: what the kernel shows moves by the second.
+    """
+    told = 0.0
+
+    def progress(written: int, total: int) -> None:
+        nonlocal told
+        if not total:
+            return  # nothing big: over before anyone could read a size
+        now = time.monotonic()
+        if written and written < total and now - told < SENDING_REPORT_S:
+            return
+        told = now
+        shell.report(Sending(written, total))
+
+    return progress
+
+
+#: Outputs lent to the kernel (``lend_outputs``): their files are put back for
+#: the next cell's once the kernel has said it mapped them.
+_lent: list[Any] = []
+
+
+def take_back_lent() -> None:
+    """Put the files of outputs lent to the kernel back on the shelf, for the next cell's.
+
+    Only once the kernel has them mapped, which it says with :class:`Unpacked`
+    or by sending the next request: before that, nothing on a file says it is
+    in use, and a shelf trimming its idle files would close one the kernel is
+    about to open.
+    """
+    while _lent:
+        _lent.pop().discard()
 
 
 def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list[str]:
@@ -244,9 +301,14 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
     names += changed_in_place(shell.user_ns, request.if_changed, request.inputs, inputs)
     keep = request.keep_outputs
+    # A worker on its way out would take its kept files with it before the
+    # kernel had mapped them.
+    lend = request.lend_outputs and not shell.exit_now
     if names:
         shell.report(SendingBack(len(names)))
-    outputs, failed, absent = pack_outputs(shell.user_ns, names, keep)
+    outputs, failed, absent = pack_outputs(
+        shell.user_ns, names, keep or lend, progress=telling_the_kernel(shell) if names else None
+    )
     flush_c_streams()
     shell.report(
         Done(
@@ -265,6 +327,8 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
         # cell's outputs, which come after the receiver has mapped these:
         # it holds a shared lock on each for as long as it has them mapped.
         outputs.discard()
+    elif lend:
+        _lent.append(outputs)
     # Emptied now rather than when the next cell comes: an idle worker then
     # holds none of the last cell's data, the arrays it was sent stop
     # pinning the kernel's shared memory, and the next cell does not wait
@@ -452,9 +516,13 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
             request = channel.receive()
         except ChannelClosed:
             return False
+        # Whatever the kernel sends after a cell, it has unpacked that cell's outputs.
+        take_back_lent()
         match request:
             case Exit():
                 return True
+            case Unpacked():
+                continue
             case Run():
                 run_one_cell(shell, request, interrupts)
                 if shell.exit_now:

@@ -31,6 +31,11 @@ The conversation, one worker and one kernel:
   thread variables for the cells from now on. The worker answers with one
   :class:`Reshaped`, saying that it holds them, or why it cannot
   (:mod:`fluksio_nb.worker.threads`), and then changes nothing.
+- **Its results on their way back** are announced with :class:`SendingBack`
+  as the cell's code ends, then their size and how much is written with
+  :class:`Sending`.
+- **Outputs lent** (``lend_outputs``) are answered, once the kernel has
+  mapped them, with :class:`Unpacked`, which the worker takes between cells.
 - **The conversation ends** with :class:`Exit` from the kernel between cells,
   with the kernel closing its end, or with the worker dying, which the kernel
   hears as the channel closing, not as a message.
@@ -95,6 +100,10 @@ class Run(_Message):
     outputs: list[str] | None = None
     #: Write big outputs into files the worker keeps for its next cell's.
     keep_outputs: bool = False
+    #: Write big outputs into files the worker keeps, lent to the kernel:
+    #: written again only once the kernel has said :class:`Unpacked` and its
+    #: arrays on them are gone.
+    lend_outputs: bool = False
     #: Inputs to bring back too if the cell changed them in place.
     if_changed: Sequence[str] = ()
     #: The kernel's global random streams, each :data:`fluksio_nb.random_streams.SAME`
@@ -128,6 +137,16 @@ class Reshape(_Message):
     """
 
     environ: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked(_Message):
+    """The kernel has mapped the outputs the worker lent it (``lend_outputs``).
+
+    Until then the worker may neither write nor let go of their files: the
+    kernel's lock on each, which says it still has arrays there, is only
+    taken as it maps them.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +231,19 @@ class SendingBack(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Sending(_Message):
+    """How far the results are on their way back, in bytes of their big buffers.
+
+    Sent once every value is pickled, when what is left is writing their
+    buffers into shared memory, with nothing written; then as the writing
+    goes, a few times a second at most.
+    """
+
+    written: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class Done(_Message):
     """The cell is over, and what it leaves: the last message of every :class:`Run`."""
 
@@ -241,9 +273,9 @@ class Reshaped(_Message):
 #: What a running cell shows, in the order it showed it.
 Output = Stream | Display | Result | Error | ClearOutput
 #: What the kernel sends.
-ToWorker = Run | InputReply | Reshape | Exit
+ToWorker = Run | InputReply | Reshape | Unpacked | Exit
 #: What the worker sends.
-FromWorker = Ready | Output | InputRequest | SendingBack | Done | Reshaped
+FromWorker = Ready | Output | InputRequest | SendingBack | Sending | Done | Reshaped
 #: Every frame on the channel.
 Message = ToWorker | FromWorker
 
