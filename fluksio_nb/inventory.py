@@ -253,6 +253,51 @@ def claimable_core_ids(affinity: Iterable[int], reserve: int, cpus: int) -> tupl
     return tuple(past[:cpus]) if len(past) >= cpus else ()
 
 
+#: Whether this kernel lists a task's children in /proc (Linux 3.5 and later,
+#: with CONFIG_PROC_CHILDREN, which every mainstream distribution sets).
+_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, by asking the kernel for each one's children.
+
+    psutil finds children by reading the parent of every process on the
+    machine, a few milliseconds on a busy host, paid on every claimed cell
+    (3.7 ms of a warm trivial one's 12, measured on a quiet two-core machine)
+    and on every reading of a running claim;
+    ``/proc/<pid>/task/<tid>/children`` names them directly.
+    """
+    if not _PROC_CHILDREN:
+        try:
+            return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue  # gone since its parent listed it
+        for task in tasks:
+            try:
+                fd = os.open(f"/proc/{parent}/task/{task}/children", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # a thread that ended since the listing
+            try:
+                listing = os.read(fd, 65536)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if listing:
+                children = [int(child) for child in listing.split()]
+                found += children
+                pending += children
+    return found
+
+
 def confine_tree(pid: int, cores: Iterable[int]) -> None:
     """Run process ``pid``, everything it started and every thread of each, on ``cores``.
 
@@ -260,11 +305,7 @@ def confine_tree(pid: int, cores: Iterable[int]) -> None:
     no confining.
     """
     wanted = frozenset(cores)
-    try:
-        children = [child.pid for child in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return
-    for each in (pid, *children):
+    for each in (pid, *descendants(pid)):
         confine_threads(each, wanted)
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import psutil
 
 from fluksio_nb.gpu_usage import CardsReading, held_by
-from fluksio_nb.inventory import host_memory, usable_cpus
+from fluksio_nb.inventory import descendants, host_memory, usable_cpus
 
 SAMPLE_INTERVAL_S = 0.5
 
@@ -219,7 +219,7 @@ class Sampler:
         if root is None or root[0] == "Z":
             return None  # gone, or a zombie: it runs nothing and holds nothing
         family = [(self.pid, root)]
-        for pid in _descendants(self.pid):
+        for pid in descendants(self.pid):
             found = files.read(pid)
             if found is not None:  # gone between listing and looking: it holds nothing now
                 family.append((pid, found))
@@ -339,49 +339,6 @@ def _read_with_psutil(pid: int) -> Reading | None:
             )
     except psutil.Error:
         return None
-
-
-#: Whether this kernel lists a task's children in /proc (Linux 3.5 and later,
-#: with CONFIG_PROC_CHILDREN, which every mainstream distribution sets).
-_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, by asking the kernel for each one's children.
-
-    psutil finds children by reading the parent of every process on the
-    machine, a few milliseconds on a busy host, paid on every claimed cell;
-    ``/proc/<pid>/task/<tid>/children`` names them directly.
-    """
-    if not _PROC_CHILDREN:
-        try:
-            return [child.pid for child in psutil.Process(pid).children(recursive=True)]
-        except psutil.Error:
-            return []
-    found: list[int] = []
-    pending = [pid]
-    while pending:
-        parent = pending.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue  # gone since its parent listed it
-        for task in tasks:
-            try:
-                fd = os.open(f"/proc/{parent}/task/{task}/children", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                continue  # a thread that ended since the listing
-            try:
-                listing = os.read(fd, 65536)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            if listing:
-                children = [int(child) for child in listing.split()]
-                found += children
-                pending += children
-    return found
 
 
 #: How far a reading must move from the one last told to be news to anyone
