@@ -351,6 +351,9 @@ for n in range(100):
         start = time.time()
         time.sleep(random.uniform(0, 0.004))
         end = time.time()
+        # The hold is over: what is printed of it is the test's, and an interrupt
+        # between a line and its newline would run it into the next one.
+        armed = False
         held = ticket.allocation
         said = {"cpus": held.cpus, "gpus": list(held.gpus), "start": start, "end": end}
         print(json.dumps(said), flush=True)
