@@ -53,6 +53,12 @@ THREAD_VARS = (
 )
 
 
+def differs_only_in_threads(one: Mapping[str, str], other: Mapping[str, str]) -> bool:
+    """Whether two derived environments differ in nothing but their thread variables."""
+    names = {*one, *other}.difference(THREAD_VARS)
+    return all(one.get(name) == other.get(name) for name in names)
+
+
 #: On a claim granted cards: allocate card memory as it is used, not up front.
 GPU_MEMORY_VARS = {
     "XLA_PYTHON_CLIENT_PREALLOCATE": "false",

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb import transfer
-from fluksio_nb.env import THREAD_VARS, worker_environ
+from fluksio_nb.env import differs_only_in_threads, worker_environ
 from fluksio_nb.errors import Interrupted, UnsendableInput
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
@@ -391,7 +391,9 @@ class Worker:
             if self._released:
                 return False
             cell = _Cell(sink if sink is not None else Sink())
-            outcome = self._follow(cell, deadline=time.monotonic() + timeout, until_ready=True)
+            outcome = self._follow(
+                cell, deadline=time.monotonic() + timeout, until=lambda: self._ready
+            )
             return self._ready and outcome is None
 
     def reshape(self, derived: Mapping[str, str], timeout: float = 30.0) -> str | None:
@@ -403,11 +405,11 @@ class Worker:
         that does not answer within ``timeout`` is killed.
         """
         wanted = dict(derived)
-        held = self._derived
-        changed = {name for name in {*wanted, *held} if wanted.get(name) != held.get(name)}
-        if not changed <= set(THREAD_VARS):
+        if not differs_only_in_threads(wanted, self._derived):
+            held = self._derived
+            changed = sorted(n for n in {*wanted, *held} if wanted.get(n) != held.get(n))
             raise WorkerMisuse(
-                f"a worker only takes another share's thread variables, not {sorted(changed)}: "
+                f"a worker only takes another share's thread variables, not {changed}: "
                 "start a worker with that environment instead"
             )
         deadline = time.monotonic() + timeout
@@ -438,11 +440,6 @@ class Worker:
             self._derived = wanted
             self.env, self._environ_there = dict(environ), environ
             return None
-
-    @property
-    def derived(self) -> dict[str, str]:
-        """The share's variables the worker holds now: those it was started with, or reshaped to."""
-        return dict(self._derived)
 
     def _whole_environ(self, derived: Mapping[str, str] | None = None) -> dict[str, str]:
         """The kernel's environment as it is now, the share's on top, and output unbuffered.
@@ -494,13 +491,12 @@ class Worker:
         self,
         cell: _Cell,
         deadline: float | None = None,
-        until_ready: bool = False,
         until: Callable[[], bool] | None = None,
     ) -> Outcome | None:
         """Relay the cell's output until it ends; None if ``deadline`` came first.
 
-        None too as soon as the worker is ready, with ``until_ready``, or
-        ``until()`` holds after a message.
+        None too as soon as ``until()`` holds after a message (the worker is
+        ready, say).
         """
         longest_wait = (
             _SIGNAL_CHECK_SECONDS if threading.current_thread() is threading.main_thread() else None
@@ -540,7 +536,7 @@ class Worker:
             outcome = self._take(message, cell)
             if outcome is not None:
                 return outcome
-            if (until_ready and self._ready) or (until is not None and until()):
+            if until is not None and until():
                 return None
 
     def _take(self, message: Message, cell: _Cell) -> Outcome | None:

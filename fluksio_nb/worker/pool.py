@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from fluksio_nb.env import THREAD_VARS
+from fluksio_nb.env import differs_only_in_threads
 from fluksio_nb.worker.client import Worker
 
 #: Idle workers kept at once. Each is an interpreter with its imports, about
@@ -65,12 +65,6 @@ def env_key(derived: Mapping[str, str]) -> EnvKey:
 
 def names_gpus(derived: Mapping[str, str]) -> bool:
     return bool(derived.get("CUDA_VISIBLE_DEVICES", "").strip())
-
-
-def differs_only_in_threads(one: Mapping[str, str], other: Mapping[str, str]) -> bool:
-    """Whether two derived environments differ in nothing but their thread variables."""
-    names = {*one, *other}.difference(THREAD_VARS)
-    return all(one.get(name) == other.get(name) for name in names)
 
 
 @dataclass
