@@ -29,6 +29,7 @@ Waiting is never held back: a claim in the queue stops at once.
 
 from __future__ import annotations
 
+import _signal
 import itertools
 import os
 import signal
@@ -273,7 +274,11 @@ def _need(resources: Resources) -> Need:
 
 #: The signals that raise in the main thread while it changes the books: the
 #: stop button's, and what a test or a timer uses in its place.
-_HELD_BACK = (signal.SIGINT, signal.SIGALRM, signal.SIGTERM)
+_HELD_BACK = (int(signal.SIGINT), int(signal.SIGALRM), int(signal.SIGTERM))
+
+#: How deep the main thread is in :func:`books_changing`: a ledger transaction
+#: inside a claim's own change holds the signals once, not twice.
+_holding_depth = 0
 
 
 @contextmanager
@@ -289,8 +294,14 @@ def books_changing() -> Iterator[None]:
     them. A kernel has other threads, the signal goes to one of those, and
     Python runs the handler in the main thread at its next bytecode, halfway
     through the change, or late enough to stop the next one.
+
+    Every claim and give-back passes through here a few times, so the swap
+    goes through ``_signal``, the C functions under :mod:`signal`: the
+    module's wrappers turn every number into an enum and back, which cost
+    more than the rest of a ledger transaction together.
     """
-    if threading.current_thread() is not threading.main_thread():
+    global _holding_depth
+    if _holding_depth or threading.current_thread() is not threading.main_thread():
         yield
         return
     arrived: list[int] = []
@@ -301,13 +312,15 @@ def books_changing() -> Iterator[None]:
     before = {}
     for signum in _HELD_BACK:
         # A handler not set from Python cannot be put back from Python: leave it.
-        if signal.getsignal(signum) is not None:
-            before[signum] = signal.signal(signum, write_down)
+        if _signal.getsignal(signum) is not None:
+            before[signum] = _signal.signal(signum, write_down)
+    _holding_depth += 1
     try:
         yield
     finally:
+        _holding_depth -= 1
         for signum, handler in before.items():
-            signal.signal(signum, handler)
+            _signal.signal(signum, handler)
         for signum in dict.fromkeys(arrived):
             signal.raise_signal(signum)
 

@@ -438,3 +438,40 @@ def test_a_stop_delivered_to_another_thread_lands_after_the_books_change():
         check=True,
     )
     assert ran.stdout.split() == ["after", "the", "change"], ran.stderr
+
+
+HELD_BACK_ACROSS_A_NESTED_CHANGE = """
+import os, signal
+from fluksio_nb.queue import books_changing
+
+where = "nowhere"
+try:
+    with books_changing():
+        with books_changing():  # a ledger transaction inside a claim's own change
+            os.kill(os.getpid(), signal.SIGINT)
+        where = "between"
+        sum(range(1000))  # bytecodes, each a moment the handler could run at
+        where = "after"
+    print("not at all")
+except KeyboardInterrupt:
+    print(where)
+# The handlers are the ones from before: a second stop raises at once.
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    sum(range(1000))
+    print("held for good")
+except KeyboardInterrupt:
+    print("restored")
+"""
+
+
+def test_a_stop_during_a_nested_change_lands_once_the_outermost_change_is_whole():
+    """Guards the claim's change that holds a ledger transaction: the inner end lets nothing in."""
+    ran = subprocess.run(
+        [sys.executable, "-c", HELD_BACK_ACROSS_A_NESTED_CHANGE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert ran.stdout.split() == ["after", "restored"], ran.stderr
