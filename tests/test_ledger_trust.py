@@ -474,3 +474,26 @@ def test_an_entry_written_before_notebooks_were_kept_still_reads(tmp_path, live_
         (1, None),
         (2, "work/train.ipynb"),
     ]
+
+
+def test_an_entry_planted_after_this_kernel_wrote_the_ledger_is_still_validated(
+    tmp_path, live_process
+):
+    """Guards the read that skips validating what this kernel wrote: a changed one is checked."""
+    queue = MachineQueue(tmp_path, inventory(cpus=4, gpus=1))
+    mine = queue.enqueue(Resources(cpus=1))
+    document = json.loads((tmp_path / LEDGER_FILE).read_text())
+    planted = an_entry(
+        document["next"],
+        owner_of(live_process.pid),
+        state="waiting",
+        asked={"cpus": "4", "gpus": 0, "ram_bytes": 0},
+    )
+    document["tickets"].append(planted)
+    (tmp_path / LEDGER_FILE).write_text(json.dumps(document))
+
+    seen, said = caught_broken(queue.snapshot)
+    assert said and f"entry {len(document['tickets'])}" in " ".join(said)
+    assert [claim["ticket"] for claim in seen["running"]] == [mine.number]
+    assert seen["waiting"] == []
+    queue.release(mine)
