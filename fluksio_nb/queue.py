@@ -260,9 +260,13 @@ def wait_for_grant(
                 )
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise ClaimTimeout(timeout_message(ticket, timeout))
+                break
             wait_on(granted, _WAKE_S if left is None else min(left, _WAKE_S))
-        return ticket.allocation
+        else:
+            return ticket.allocation
+    # Said with ``granted`` let go of: who holds what may be the machine's
+    # books service to ask, and its answer is read under that lock.
+    raise ClaimTimeout(timeout_message(ticket, timeout))
 
 
 Need = tuple[int, int, int]
