@@ -145,6 +145,11 @@ def pack_inputs(values: Mapping[str, Any]) -> Any:
     return parcel
 
 
+def _lends_files(parcel: Any) -> bool:
+    """Whether a parcel of outputs holds shared-memory files the worker lent."""
+    return any(value.segments for value in parcel.values.values())
+
+
 def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """The cell's outputs by name, and why each one that could not be rebuilt wasn't."""
     if parcel is None:
@@ -589,8 +594,10 @@ class Worker:
             self._streams_there = {name: held[name] for name in done.streams_held}
         parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
-        if parcel is not None and not cell.forward and not done.exiting:
+        if parcel is not None and not cell.forward and not done.exiting and _lends_files(parcel):
             # Mapped, and locked where lent: the worker may take its files back.
+            # Values small enough to come inline lend none, and the worker is
+            # not woken to hear so.
             with contextlib.suppress(ChannelClosed):
                 self._channel.send(Unpacked())
         sent_s = None if cell.sending_since is None else time.monotonic() - cell.sending_since
