@@ -117,7 +117,7 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
     """
     books = books or books_in_force()
     if books.mode == "machine":
-        from fluksio_nb.machine.client import cancel_claim
+        from fluksio_nb.machine.connection import cancel_claim
 
         assert books.socket is not None
         return cancel_claim(books.socket, number, reason)

@@ -46,7 +46,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     settings = load_settings()
     books = books or books_in_force(settings=settings)
     if books.mode == "machine":
-        from fluksio_nb.machine.client import read_snapshot
+        from fluksio_nb.machine.connection import read_snapshot
 
         assert books.socket is not None
         snapshot = read_snapshot(books.socket)

@@ -6,7 +6,8 @@ came from. The service around them is tested with real users in
 ``test_machine_service.py``.
 """
 
-from fluksio_nb.machine.books import Cap, Entry, MachineBooks
+from fluksio_nb.machine.books import Entry, MachineBooks
+from fluksio_nb.machine.caps import Cap
 
 ALICE, BOB = 1001, 1002
 

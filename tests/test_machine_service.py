@@ -38,7 +38,7 @@ q.release(t)
 
 
 def snapshot(layout) -> dict:
-    from fluksio_nb.machine.client import read_snapshot
+    from fluksio_nb.machine.connection import read_snapshot
 
     return read_snapshot(layout.socket)
 

@@ -375,7 +375,7 @@ def test_many_processes_of_two_users_never_share_a_card_and_the_books_balance(us
     """Guards against a grant made twice, a claim lost, or a share never given back when
     two users' processes claim at once, are interrupted at random moments, and one
     of them is killed."""
-    from fluksio_nb.machine.client import read_snapshot
+    from fluksio_nb.machine.connection import read_snapshot
 
     alice, bob = users
     with machine(cpus=4, gpus=2) as layout:

@@ -4,7 +4,7 @@ A lab's GPU workstation or a JupyterHub node is shared by people, and each
 person's kernels keeping books of their own is how two of them are both
 granted card 0. Once an admin runs ``fluksio-nb machine init``, every kernel
 of every user takes its claims from one service (:mod:`.service`), run by
-root, over a Unix socket (:mod:`.protocol`, :mod:`.client`).
+root, over a Unix socket (:mod:`.protocol`, :mod:`.connection`, :mod:`.client`).
 
 Why a service, and not files every user writes: a daemonless design needs
 an order of claims nobody can forge and a grant nobody can stall. Files
@@ -39,7 +39,7 @@ The trust model:
    says ``share_labels``. Usage records and shared-memory transfers are
    readable by their owner only.
 
-Fairness is between people first (:mod:`.books`), and an admin can cap what
+Fairness is between people first (:mod:`.books`), and an admin can cap (:mod:`.caps`) what
 any user holds at once. Where nobody ran ``machine init``, each user keeps
 books of their own (:mod:`fluksio_nb.ledger`), which no other user can write.
 """

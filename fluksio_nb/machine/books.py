@@ -33,23 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb.books import pick_cores
-
-Need = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class Cap:
-    """The most one user may hold at once; ``None`` is no limit."""
-
-    cpus: int | None = None
-    gpus: int | None = None
-    ram_bytes: int | None = None
-
-    def room(self, held: Need) -> list[float]:
-        return [
-            math.inf if limit is None else limit - used
-            for limit, used in zip((self.cpus, self.gpus, self.ram_bytes), held, strict=True)
-        ]
+from fluksio_nb.machine.caps import Cap, Need
 
 
 @dataclass(eq=False)

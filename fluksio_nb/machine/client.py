@@ -28,7 +28,6 @@ What it decides:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import socket
@@ -41,13 +40,12 @@ from typing import Any
 from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.errors import (
     ClaimTooLarge,
-    ClampedWarning,
     NotYours,
     ServiceUnavailable,
-    warn_at_users_line,
 )
 from fluksio_nb.machine import protocol
-from fluksio_nb.machine.books import Cap
+from fluksio_nb.machine.caps import Cap, fit_to_cap
+from fluksio_nb.machine.connection import ANSWER_WITHIN_S, Lines, connect, hello
 from fluksio_nb.queue import (
     Ticket,
     books_changing,
@@ -57,11 +55,6 @@ from fluksio_nb.queue import (
 )
 from fluksio_nb.resources import Resources
 
-#: How long a request waits for the service's answer before it is an error.
-ANSWER_WITHIN_S = 10.0
-#: How long a kernel keeps trying to reach a service that is set up but not
-#: answering, before a claim says so.
-REACH_WITHIN_S = 3.0
 #: How long a claim granted on the spot has run before the reader thread
 #: starts watching the connection for news of it: a stop, or the service
 #: going away. A cell's claim and give-back come microseconds apart far more
@@ -78,107 +71,6 @@ READ_SLICE_S = 0.25
 #: at once on two cores: a median of 1.2-2.0 ms sleeping at once, 0.4 ms
 #: reading this long first).
 SPIN_S = 150e-6
-
-
-def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
-    """A connection to the service at ``path``, checked to be root's."""
-    deadline = time.monotonic() + within
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(ANSWER_WITHIN_S)
-            sock.connect(str(path))
-            _, uid, _ = protocol.peer_credentials(sock)
-            if uid != 0:
-                raise ServiceUnavailable(
-                    f"the process answering at {path} runs as uid {uid}, not root; "
-                    "fluksio_nb trusts only a books service run by root"
-                )
-            return sock
-        except OSError as error:
-            sock.close()
-            if time.monotonic() >= deadline:
-                raise ServiceUnavailable(
-                    f"this machine's books are set up at {path.parent}, but their service "
-                    f"does not answer ({error.strerror or error}). `fluksio-nb machine status` "
-                    "says more; the machine's admin restarts it with `fluksio-nb machine init`."
-                ) from None
-            time.sleep(0.1)
-        except BaseException:
-            sock.close()
-            raise
-
-
-def _hello(share_labels: bool) -> dict[str, Any]:
-    from fluksio_nb.ledger.owner import identity
-
-    me = identity()
-    return {
-        "op": "hello",
-        "kernel_id": me.get("kernel_id"),
-        "notebook": me.get("notebook"),
-        "share_labels": share_labels,
-    }
-
-
-class _Lines:
-    """Reading whole lines from a socket, no longer than the protocol allows."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buffer = sock, b""
-
-    def next(self) -> dict[str, Any] | None:
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > protocol.MAX_LINE_BYTES:
-                raise ValueError("the service sent a line longer than the protocol allows")
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                return None
-            self.buffer += chunk
-        raw, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(raw)
-
-    def ready(self) -> list[dict[str, Any]] | None:
-        """Every whole line after one read that does not block; ``None`` once the peer closed."""
-        try:
-            chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return []
-        if not chunk:
-            return None
-        self.buffer += chunk
-        *whole, self.buffer = self.buffer.split(b"\n")
-        if len(self.buffer) > protocol.MAX_LINE_BYTES:
-            raise ValueError("the service sent a line longer than the protocol allows")
-        return [json.loads(raw) for raw in whole]
-
-
-def ask_once(path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S) -> dict[str, Any]:
-    """One request on a connection of its own: for the server and the terminal."""
-    with connect(path, within) as sock:
-        sock.sendall(protocol.line(_hello(False)) + protocol.line({**request, "id": 1}))
-        lines = _Lines(sock)
-        welcome = lines.next()
-        if welcome is None or welcome.get("op") != "welcome":
-            raise ServiceUnavailable(f"the books service at {path} refused: {welcome}")
-        while True:
-            message = lines.next()
-            if message is None:
-                raise ServiceUnavailable(f"the books service at {path} closed the connection")
-            if message.get("id") == 1:
-                return {**message, "welcome": welcome}
-
-
-def read_snapshot(path: Path) -> dict[str, Any]:
-    answer = ask_once(path, {"op": "snapshot"})
-    return {**answer["snapshot"], "user": answer["welcome"]["user"], "books": "machine"}
-
-
-def cancel_claim(path: Path, number: int, reason: str) -> bool:
-    answer = ask_once(path, {"op": "cancel", "ticket": number, "reason": reason})
-    if answer["op"] == "error":
-        raise NotYours(answer["message"])
-    return bool(answer.get("found"))
 
 
 class ServiceQueue:
@@ -234,8 +126,8 @@ class ServiceQueue:
 
     def _attach(self) -> None:
         sock = connect(self.path)
-        sock.sendall(protocol.line(_hello(self._share_labels)))
-        lines = _Lines(sock)
+        sock.sendall(protocol.line(hello(self._share_labels)))
+        lines = Lines(sock)
         welcome = lines.next()
         if welcome is None or welcome.get("op") != "welcome":
             sock.close()
@@ -351,7 +243,7 @@ class ServiceQueue:
         for message in messages or ():
             self._heard(message)
 
-    def _read_ready(self, lines: _Lines) -> list[dict[str, Any]] | None:
+    def _read_ready(self, lines: Lines) -> list[dict[str, Any]] | None:
         """The whole lines there are now; ``None`` once the connection is dropped."""
         try:
             messages = lines.ready()
@@ -695,35 +587,3 @@ class ServiceQueue:
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
         return timeout_message(ticket, timeout, self.holders())
-
-
-def fit_to_cap(wanted: Resources, cap: Cap | None, user: str) -> Resources:
-    """The claim shrunk to what its user may hold, or refused if strict; says which cap."""
-    if cap is None:
-        return wanted
-    limits = {"cpus": cap.cpus, "gpus": cap.gpus, "ram": cap.ram_bytes}
-    over = {
-        name: limit
-        for name, limit in limits.items()
-        if limit is not None and (getattr(wanted, name) or 0) > limit
-    }
-    if not over:
-        return wanted
-    from fluksio_nb.budget import human
-
-    said = " ".join(
-        f"{name}={human(limit) if name == 'ram' else limit}" for name, limit in over.items()
-    )
-    where = f"the cap this machine's admin set for {user} ({said})"
-    if wanted.strict:
-        raise ClaimTooLarge(
-            f"{wanted.describe()} asks for more than {where}; ask for less, or drop "
-            "--strict to be given what the cap allows"
-        )
-    shrunk = Resources(**{**wanted.model_dump(exclude_unset=True), **over})
-    warn_at_users_line(
-        f"{wanted.describe()} is more than {where}; running with {shrunk.describe()} instead. "
-        "Add --strict to refuse instead.",
-        ClampedWarning,
-    )
-    return shrunk

@@ -37,7 +37,8 @@ from pydantic import ValidationError
 
 from fluksio_nb.identity import user_name
 from fluksio_nb.machine import protocol
-from fluksio_nb.machine.books import Cap, Entry, MachineBooks
+from fluksio_nb.machine.books import Entry, MachineBooks
+from fluksio_nb.machine.caps import Cap
 
 log = logging.getLogger("fluksio_nb.machine")
 

@@ -36,7 +36,8 @@ from typing import Any
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 from fluksio_nb.errors import BadClaim
-from fluksio_nb.machine.books import Cap, MachineBooks
+from fluksio_nb.machine.books import MachineBooks
+from fluksio_nb.machine.caps import Cap
 from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, MARKER_NAME, SOCKET_NAME
 from fluksio_nb.resources import explain
 
@@ -227,7 +228,7 @@ def start_service(layout: Layout) -> str:
 
 def answering(layout: Layout) -> bool:
     from fluksio_nb.errors import ServiceUnavailable
-    from fluksio_nb.machine.client import ask_once
+    from fluksio_nb.machine.connection import ask_once
     from fluksio_nb.machine.run_dir import socket_in
 
     path = socket_in(layout.run_dir)

@@ -237,7 +237,7 @@ def usage_dirs() -> list[Path]:
     """
     from fluksio_nb.errors import ServiceUnavailable
     from fluksio_nb.kernel import books_in_force
-    from fluksio_nb.machine.client import ask_once
+    from fluksio_nb.machine.connection import ask_once
 
     dirs = [default_usage_dir()]
     books = books_in_force()

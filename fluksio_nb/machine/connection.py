@@ -1,0 +1,130 @@
+"""Talking to the machine's books service over its socket, below any one request.
+
+Finding the service and checking that root runs it, the hello every
+connection starts with, and reading whole lines no longer than the protocol
+allows. One-off requests on a connection of their own (a snapshot, a cancel)
+are here too, for the server and the terminal; a kernel keeps one connection
+open instead (:mod:`fluksio_nb.machine.client`).
+
+What it decides: a process answering at the socket that is not root's is
+refused before anything is sent, since another user could otherwise plant
+a socket that collects this kernel's claims.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from fluksio_nb.errors import NotYours, ServiceUnavailable
+from fluksio_nb.machine import protocol
+
+#: How long a request waits for the service's answer before it is an error.
+ANSWER_WITHIN_S = 10.0
+#: How long a kernel keeps trying to reach a service that is set up but not
+#: answering, before a claim says so.
+REACH_WITHIN_S = 3.0
+
+
+def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
+    """A connection to the service at ``path``, checked to be root's."""
+    deadline = time.monotonic() + within
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(ANSWER_WITHIN_S)
+            sock.connect(str(path))
+            _, uid, _ = protocol.peer_credentials(sock)
+            if uid != 0:
+                raise ServiceUnavailable(
+                    f"the process answering at {path} runs as uid {uid}, not root; "
+                    "fluksio_nb trusts only a books service run by root"
+                )
+            return sock
+        except OSError as error:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(
+                    f"this machine's books are set up at {path.parent}, but their service "
+                    f"does not answer ({error.strerror or error}). `fluksio-nb machine status` "
+                    "says more; the machine's admin restarts it with `fluksio-nb machine init`."
+                ) from None
+            time.sleep(0.1)
+        except BaseException:
+            sock.close()
+            raise
+
+
+def hello(share_labels: bool) -> dict[str, Any]:
+    from fluksio_nb.ledger.owner import identity
+
+    me = identity()
+    return {
+        "op": "hello",
+        "kernel_id": me.get("kernel_id"),
+        "notebook": me.get("notebook"),
+        "share_labels": share_labels,
+    }
+
+
+class Lines:
+    """Reading whole lines from a socket, no longer than the protocol allows."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buffer = sock, b""
+
+    def next(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > protocol.MAX_LINE_BYTES:
+                raise ValueError("the service sent a line longer than the protocol allows")
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        raw, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(raw)
+
+    def ready(self) -> list[dict[str, Any]] | None:
+        """Every whole line after one read that does not block; ``None`` once the peer closed."""
+        try:
+            chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            return None
+        self.buffer += chunk
+        *whole, self.buffer = self.buffer.split(b"\n")
+        if len(self.buffer) > protocol.MAX_LINE_BYTES:
+            raise ValueError("the service sent a line longer than the protocol allows")
+        return [json.loads(raw) for raw in whole]
+
+
+def ask_once(path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S) -> dict[str, Any]:
+    """One request on a connection of its own: for the server and the terminal."""
+    with connect(path, within) as sock:
+        sock.sendall(protocol.line(hello(False)) + protocol.line({**request, "id": 1}))
+        lines = Lines(sock)
+        welcome = lines.next()
+        if welcome is None or welcome.get("op") != "welcome":
+            raise ServiceUnavailable(f"the books service at {path} refused: {welcome}")
+        while True:
+            message = lines.next()
+            if message is None:
+                raise ServiceUnavailable(f"the books service at {path} closed the connection")
+            if message.get("id") == 1:
+                return {**message, "welcome": welcome}
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    answer = ask_once(path, {"op": "snapshot"})
+    return {**answer["snapshot"], "user": answer["welcome"]["user"], "books": "machine"}
+
+
+def cancel_claim(path: Path, number: int, reason: str) -> bool:
+    answer = ask_once(path, {"op": "cancel", "ticket": number, "reason": reason})
+    if answer["op"] == "error":
+        raise NotYours(answer["message"])
+    return bool(answer.get("found"))
