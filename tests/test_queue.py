@@ -404,6 +404,13 @@ def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_kernels_books
     assert (got["running"], got["waiting"], got["free"]) == (0, 0, 2), got
 
 
+def words_printed_by(script: str) -> list[str]:
+    """Run ``script`` in a Python of its own, whose signals are its own; what it printed."""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout.split()
+
+
 HELD_BACK_FROM_ANOTHER_THREAD = """
 import os, select, signal, sys, threading
 from fluksio_nb.queue import books_changing
@@ -430,14 +437,7 @@ except KeyboardInterrupt:
 
 def test_a_stop_delivered_to_another_thread_lands_after_the_books_change():
     """Guards against the stop landing halfway through a change in a kernel with threads."""
-    ran = subprocess.run(
-        [sys.executable, "-c", HELD_BACK_FROM_ANOTHER_THREAD],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert ran.stdout.split() == ["after", "the", "change"], ran.stderr
+    assert words_printed_by(HELD_BACK_FROM_ANOTHER_THREAD) == ["after", "the", "change"]
 
 
 HELD_BACK_ACROSS_A_NESTED_CHANGE = """
@@ -467,11 +467,4 @@ except KeyboardInterrupt:
 
 def test_a_stop_during_a_nested_change_lands_once_the_outermost_change_is_whole():
     """Guards the claim's change that holds a ledger transaction: the inner end lets nothing in."""
-    ran = subprocess.run(
-        [sys.executable, "-c", HELD_BACK_ACROSS_A_NESTED_CHANGE],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert ran.stdout.split() == ["after", "restored"], ran.stderr
+    assert words_printed_by(HELD_BACK_ACROSS_A_NESTED_CHANGE) == ["after", "restored"]
