@@ -427,9 +427,12 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     # Far short of the cell's 60 s sleep, with room for a loaded machine.
     assert time.monotonic() - started < 10
     assert error["ename"] == "KeyboardInterrupt"
-    # Where the user's cell was, as the worker says it; none of fluksio_nb's frames.
+    # Where the user's cell was, as the worker says it: in the sleep, or at the
+    # print whose line was still on its way out when the stop came (it is held
+    # back until the line is out); none of fluksio_nb's frames either way.
     shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
-    assert "----> 3 time.sleep(60)" in shown and "fluksio_nb" not in shown, shown
+    assert "----> 3 time.sleep(60)" in shown or "----> 2 print(" in shown, shown
+    assert "fluksio_nb" not in shown, shown
     assert_books_balanced(kernel)
     assert kernel.facts("'still here'") == "still here"
 

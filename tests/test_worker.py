@@ -700,3 +700,24 @@ def test_a_traceback_ends_at_the_users_frame_not_in_fluksio_nbs_code_below_it():
         ours = error.__traceback__.tb_next
     whole = _frames(ours)
     assert _frames(without_our_last_frames(ours)) == whole
+
+
+def test_a_stop_raised_as_a_with_of_ours_ends_shows_the_users_line():
+    """A stop held back while a frame went out is raised as our ``with`` ends, inside the
+    standard library's contextlib: the traceback still ends at the user's line."""
+    import os
+    import signal
+
+    from fluksio_nb.queue import books_changing
+    from fluksio_nb.worker.shell import without_our_last_frames
+
+    def users_cell():
+        with books_changing():  # a with of ours that holds the stop back, as a frame's does
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        users_cell()
+    except KeyboardInterrupt as error:
+        tb = error.__traceback__
+    assert "__exit__" in _frames(tb), "the stop was not raised as the with ended"
+    assert _frames(without_our_last_frames(tb))[-1] == "users_cell"

@@ -388,6 +388,9 @@ _fflush: Any = None
 
 #: Where fluksio_nb's own files are: frames there are none of the user's business.
 _OUR_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: The standard library's glue under a ``with`` of ours: a stop held back
+#: while a frame went out is raised as that ``with`` ends, inside it.
+_GLUE_FILES = (contextlib.__file__,)
 
 
 def without_our_last_frames(tb: Any) -> Any:
@@ -405,13 +408,17 @@ def without_our_last_frames(tb: Any) -> Any:
         frames.append(walk)
         walk = walk.tb_next
     cut = len(frames)
-    while cut > 0 and frames[cut - 1].tb_frame.f_code.co_filename.startswith(_OUR_FILES):
+    while cut > 0 and _ours_or_glue(frames[cut - 1].tb_frame.f_code.co_filename):
         cut -= 1
     if 0 < cut < len(frames) and not all(
         f.tb_frame.f_code.co_filename.startswith(_OUR_FILES) for f in frames[:cut]
     ):
         frames[cut - 1].tb_next = None
     return tb
+
+
+def _ours_or_glue(filename: str) -> bool:
+    return filename.startswith(_OUR_FILES) or filename in _GLUE_FILES
 
 
 def report_exception_only(shell: WorkerShell, error: BaseException) -> None:
