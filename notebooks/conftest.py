@@ -14,11 +14,21 @@ compared is what a person sees when the cell is done.
 Ray gives itself a fixed 30 s to start. Its ``ray.init`` cell waits for any
 other Ray start of this user's on the machine, as the tests' own starts do
 (:mod:`tests.local_ray`).
+
+**Books of the run's own.** The notebooks' kernels keep their claims in a
+ledger made for this run and removed after it, not in the user's own. Two
+runs on one machine would otherwise queue behind each other's cells, and
+``gpus.ipynb`` declares a machine with two cards that no other kernel on
+the same books has: kernels that disagree about the machine leave each
+other's claims out of the books.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,9 +114,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(START_TIMEOUT_S))
 
 
+_books: list[str] = []
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if isinstance(item, IPyNbCell):
         item.parent.messages_of_this_cell = []
+        # Before the notebook's kernel starts, which happens in this setup.
+        if not _books:
+            _books.append(tempfile.mkdtemp(prefix="fluksio-notebook-books-"))
+        os.environ["FLUKSIO_LEDGER"] = _books[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for books in _books:
+        shutil.rmtree(books, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
