@@ -85,15 +85,15 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
         outermost, frame = frame, frame.f_back
     # Machinery all the way out, which no claim made in a cell or a script is: the outermost.
     at = frame or outermost
-    warnings.warn_explicit(
-        message,
-        category,
-        at.f_code.co_filename,
-        at.f_lineno,
-        module=str(at.f_globals.get("__name__", "")),
-        registry=None,
-        module_globals=at.f_globals,
-    )
+    where = (message, category, at.f_code.co_filename, at.f_lineno)
+    module = str(at.f_globals.get("__name__", ""))
+    try:
+        # The module's globals let the warning quote the user's line.
+        warnings.warn_explicit(*where, module=module, registry=None, module_globals=at.f_globals)
+    except ImportError:
+        # `python -c`: __main__'s loader is the built-in importer, which has
+        # no source to give and raises for it; the warning goes without the line.
+        warnings.warn_explicit(*where, module=module, registry=None)
 
 
 class ClaimTimeout(TimeoutError):

@@ -8,6 +8,7 @@ was doing, so the arithmetic is what is checked, under real threads.
 
 import _thread
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -468,3 +469,22 @@ except KeyboardInterrupt:
 def test_a_stop_during_a_nested_change_lands_once_the_outermost_change_is_whole():
     """Guards the claim's change that holds a ledger transaction: the inner end lets nothing in."""
     assert words_printed_by(HELD_BACK_ACROSS_A_NESTED_CHANGE) == ["after", "restored"]
+
+
+def test_an_oversized_claim_in_python_dash_c_warns_instead_of_failing(tmp_path):
+    """Guards against the clamp's warning raising ImportError where __main__ has no source."""
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from fluksio_nb import claim\n"
+            "with claim(cpus=100_000) as c:\n    print('granted', c.allocation.cpus)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "FLUKSIO_LEDGER": str(tmp_path / "ledger")},
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "ClampedWarning" in ran.stderr and "cpus=100000" in ran.stderr, ran.stderr
+    assert ran.stdout.startswith("granted"), ran.stdout
