@@ -217,8 +217,8 @@ class ServiceQueue:
                 if not self._askers and self._stepped_aside:
                     self._reader_wakes.notify()
 
-    def _hear_what_is_there(self, wait_s: float | None) -> None:
-        """Wait up to ``wait_s`` (``None``: for good) for the connection; hear every line on it.
+    def _hear_what_is_there(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for the connection, and hear every line on it.
 
         Only the thread holding :attr:`_reading` calls this. An asker reads
         for :data:`SPIN_S` before it sleeps. A connection that ends, or sends
@@ -237,7 +237,7 @@ class ServiceQueue:
             # poll, not select: a kernel may hold more descriptors than select takes.
             poller = select.poll()
             poller.register(sock, select.POLLIN)
-            if not poller.poll(None if wait_s is None else wait_s * 1000):
+            if not poller.poll(wait_s * 1000):
                 return
             messages = self._read_ready(lines)
         for message in messages or ():
@@ -327,14 +327,17 @@ class ServiceQueue:
     def _watch(self) -> None:
         """Hear what comes until an asker wants the connection or nothing is held."""
         with self._reading:
+            with self._cond:
+                sock, nudged = self._sock, self._nudge_out
+            if sock is None:
+                return
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            poller.register(nudged, select.POLLIN)
             while True:
                 with self._cond:
-                    if self._askers or self._closed or self._sock is None or not self._mine:
+                    if self._askers or self._closed or self._sock is not sock or not self._mine:
                         return
-                    sock, nudged = self._sock, self._nudge_out
-                poller = select.poll()
-                poller.register(sock, select.POLLIN)
-                poller.register(nudged, select.POLLIN)
                 ready = dict(poller.poll())
                 if nudged in ready:
                     with contextlib.suppress(BlockingIOError):
