@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(300)
 def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
     out = tmp_path / "results.md"
-    subprocess.run(
+    ran = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
         cwd=ROOT,
-        check=True,
         capture_output=True,
+        text=True,
         timeout=280,
     )
+    assert ran.returncode == 0, ran.stderr[-4000:]
     report = out.read_text()
     for heading in (
         "The overload story",
