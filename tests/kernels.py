@@ -369,9 +369,10 @@ def started_kernel(
     """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
 
     With ``place``, a directory of the test's, the kernel's config file
-    (``fluksio_nb.json``, named but never written) and its ledger
-    (``ledger/``) are there, unless ``env`` names others: nothing of the
-    developer's is read and no book of the machine's is touched. ``user``,
+    (``fluksio_nb.json``, named but never written), its ledger (``ledger/``)
+    and its usage records (under ``jupyter-data/``) are there, unless ``env``
+    names others: nothing of the developer's is read or added to, and no
+    book of the machine's is touched. ``user``,
     ``launched_by`` and ``env`` are the kernel's own, as for :class:`Kernel`.
     A module's kernel is::
 
@@ -384,6 +385,10 @@ def started_kernel(
         env = {
             "FLUKSIO_CONFIG": str(place / "fluksio_nb.json"),
             "FLUKSIO_LEDGER": str(place / "ledger"),
+            # A module's kernel starts before the test's own settings are in
+            # place; without this its records went to the developer's, and
+            # its expected waits were read from them.
+            "JUPYTER_DATA_DIR": str(place / "jupyter-data"),
             **env,
         }
     kernel = Kernel(user=user, launched_by=launched_by, **env)
