@@ -13,11 +13,13 @@ What it decides:
 - **The queue is played forward.** Each running claim ends after its
   typical run less its age (now, if it has outlasted it); each share freed
   goes to the next claim in the queue, which then holds it for its own
-  typical run. A claim's wait is when a share first comes to it. This is
-  how the queue moves when claims are alike; it is a guess, said as one.
-- **Cannot tell is an answer.** Nothing running to wait for, a label nothing
-  like has finished here, a claim ahead whose label is private: ``seconds`` is
-  ``None`` and ``why`` says which.
+  typical run. A claim's wait is when a share first comes to it, so it
+  rests on the past runs of what is ahead of it, never on its own: work
+  run for the first time still gets a guess. This is how the queue moves
+  when claims are alike; it is a guess, said as one.
+- **Cannot tell is an answer.** Nothing running to wait for, a label
+  nothing like has finished here, running or ahead, or a claim ahead whose
+  label is private: ``seconds`` is ``None`` and ``why`` says which.
 """
 
 from __future__ import annotations
@@ -64,42 +66,45 @@ def expected_waits(
         ends.append(max(0.0, runs - age))
     answers: list[dict[str, Any]] = []
     heapq.heapify(ends)
-    labels_used = {claim.get("label") for claim in running}
+    rests_on = {claim.get("label") for claim in running}
     for claim in waiting:
-        label = claim.get("label")
-        if unknown is None and typical(durations, label) is None:
-            # It cannot tell how long this one holds its share, so nor when those behind it start.
-            answers.append({"seconds": None, "why": _why_unknown(label, "queued")})
-            unknown = _why_unknown(label, "ahead")
-            continue
         if unknown is not None:
             answers.append({"seconds": None, "why": unknown})
             continue
+        # When a share first comes to it: what runs and waits ahead decides
+        # that, not how long it runs itself, so work never run here before
+        # still gets its guess.
         start = heapq.heappop(ends)
+        answers.append({"seconds": round(start, 1), "why": _why_known(rests_on, durations)})
+        label = claim.get("label")
         runs = typical(durations, label)
-        assert runs is not None
+        if runs is None:
+            # How long it holds its share is unknown, so is when those behind it start.
+            unknown = _why_unknown(label, "ahead")
+            continue
         heapq.heappush(ends, start + runs)
-        labels_used.add(label)
-        answers.append({"seconds": round(start, 1), "why": _why_known(label, durations)})
+        rests_on.add(label)
     return answers
 
 
 def _why_unknown(label: str | None, where: str) -> str:
     if label is None:
-        whose = {"running": "a running claim", "ahead": "a claim ahead of it"}.get(where, "it")
+        whose = {"running": "a running claim", "ahead": "a claim ahead of it"}[where]
         return f"cannot tell: {whose} keeps its label private"
     subject = {
         "running": f"the running claim {label!r}",
         "ahead": f"the claim ahead of it, {label!r},",
-        "queued": f"{label!r}",
     }[where]
     return f"cannot tell: nothing like {subject} has finished here yet"
 
 
-def _why_known(label: str | None, durations: Mapping[str, Sequence[float]]) -> str:
-    runs = len(durations.get(label or "", ()))
+def _why_known(labels: set[str | None], durations: Mapping[str, Sequence[float]]) -> str:
+    """What a guess rests on: the past runs of the labels that run or wait ahead."""
+    named = sorted(label for label in labels if label)
+    runs = sum(len(durations.get(label, ())) for label in named)
     return (
-        f"from {runs} past run{'s' if runs != 1 else ''} of {label!r} and the running claims' ages"
+        f"from {runs} past run{'s' if runs != 1 else ''} of "
+        f"{' and '.join(map(repr, named))} and the running claims' ages"
     )
 
 

@@ -47,20 +47,31 @@ def test_an_overdue_running_claim_makes_it_any_moment_now():
     assert describe_wait(guess).startswith("expected to start any moment now")
 
 
-def test_cannot_tell_says_why_and_passes_it_down_the_queue():
-    """Guards against a number made up where nothing like the work has run here."""
+def test_work_never_run_here_learns_when_it_starts_but_those_behind_it_cannot():
+    """Guards against a first run of anything being told "cannot tell": when it
+    starts rests on what is ahead of it, only how long it holds its share on itself."""
     durations = {"fit": [300.0]}
     snapshot = {"running": [running("fit", 0)], "waiting": [waiting("new"), waiting("fit")]}
     first, second = expected_waits(snapshot, durations, now=NOW)
     assert first == {
-        "seconds": None,
-        "why": "cannot tell: nothing like 'new' has finished here yet",
+        "seconds": 300.0,
+        "why": "from 1 past run of 'fit' and the running claims' ages",
     }
-    assert second["seconds"] is None
-    assert (
-        second["why"]
-        == "cannot tell: nothing like the claim ahead of it, 'new', has finished here yet"
-    )
+    assert second == {
+        "seconds": None,
+        "why": "cannot tell: nothing like the claim ahead of it, 'new', has finished here yet",
+    }
+
+
+def test_cannot_tell_says_why_and_passes_it_down_the_queue():
+    """Guards against a number made up where nothing like the work has run here."""
+    durations = {"fit": [300.0]}
+    ahead_private = {"running": [running("fit", 0)], "waiting": [waiting(None), waiting("fit")]}
+    _, behind = expected_waits(ahead_private, durations, now=NOW)
+    assert behind == {
+        "seconds": None,
+        "why": "cannot tell: a claim ahead of it keeps its label private",
+    }
 
     unknown_running = {"running": [running("mystery", 0)], "waiting": [waiting("fit")]}
     (guess,) = expected_waits(unknown_running, durations, now=NOW)

@@ -123,9 +123,8 @@ def test_a_queued_claim_says_its_place_and_when_it_may_start(lab, page):
     released = lab.home / "release-guessed"
     client = notebook_kernel(lab, "guess/holder.ipynb")
     try:
-        # A past run of each label is what the guess is made from.
+        # The guess is made from what it waits for: a past run of the holder.
         run_in(client, "%%claim cpus=2 --label holder\nx = 1")
-        run_in(client, "%%claim cpus=1 --label 'next in line'\nx = 1")
         in_background(client, "cpus=2 --label holder", until_exists(released), "holder")
         in_background(client, "cpus=1 --label 'next in line'", "x = 1", "queued")
         ui = page.page
@@ -138,7 +137,9 @@ def test_a_queued_claim_says_its_place_and_when_it_may_start(lab, page):
             r"1st in the queue · starts in (under a minute|about \d+ min)", said.inner_text()
         ), said.inner_text()
         why = said.get_attribute("title")
-        assert why.startswith("asked at ") and "from 1 past run of 'next in line'" in why, why
+        # Another test here ran a holder too: how many past runs is not this test's.
+        assert why.startswith("asked at "), why
+        assert re.search(r"from \d+ past runs? of 'holder' and the running claims' ages$", why), why
         assert waiting.locator(".fluksio-lab-claim-label").inner_text() == "next in line"
         assert page.errors == [], page.errors
     finally:
