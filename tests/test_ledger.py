@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 
-from fluksio_nb.errors import ClaimCancelled
+from fluksio_nb.errors import BadClaim, ClaimCancelled
 from fluksio_nb.gpus import Gpu
 from fluksio_nb.inventory import Inventory
 from fluksio_nb.ledger import LedgerBroken, MachineQueue, ledger_location
@@ -186,6 +186,51 @@ def test_a_running_claim_cancelled_elsewhere_is_told_to_stop(tmp_path):
         time.sleep(0.05)
     assert stopped == ["stop"]
     mine.release(ticket)
+
+
+def test_a_kernel_describing_another_machine_is_refused_and_drops_nobodys_claim(tmp_path):
+    """Guards against two notebooks declaring different machines on one user's books
+    each dropping the other's claims as "not this machine's"."""
+    holder = other_process(
+        tmp_path,
+        "t = q.enqueue(Resources(gpus=2), 'demo'); q.wait(t); say(gpus=list(t.allocation.gpus))\n"
+        "sys.stdin.readline(); q.look()\n"
+        "say(state=t.state, cancelled=t.cancelled); q.release(t)\n",
+        cpus=4,
+        gpus=2,
+    )
+    assert heard(holder) == {"gpus": [0, 1]}
+    mine = MachineQueue(tmp_path, inventory(cpus=4, gpus=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LedgerBroken)
+        with pytest.raises(BadClaim) as refused:
+            mine.enqueue(Resources(cpus=1), "mine")
+        # What this kernel shows is the books as they are kept, warning of nothing.
+        assert mine.snapshot()["gpus"]["total"] == 2
+    said = str(refused.value)
+    assert said.startswith("mine was not queued: the books in "), said
+    assert "cards [0, 1] there, none here" in said, said
+    assert f"1 claim held by the kernel pid {holder.pid}" in said, said
+    assert "FLUKSIO_GPUS" in said and "FLUKSIO_LEDGER" in said, said
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert heard(holder) == {"state": "running", "cancelled": None}
+    holder.wait(timeout=10)
+    # Nobody holds anything under the other description now: this kernel's is taken.
+    ticket = mine.enqueue(Resources(cpus=1), "mine")
+    assert ticket.state == "running"
+    assert mine.snapshot()["gpus"]["total"] == 0
+    mine.release(ticket)
+
+
+def test_a_kernel_restarted_with_a_new_setting_describes_the_machine_from_then_on(tmp_path):
+    before = MachineQueue(tmp_path, inventory(cpus=2, gpus=1))
+    before.release(before.enqueue(Resources(gpus=1)))
+    after = MachineQueue(tmp_path, inventory(cpus=8, gpus=2))
+    held = after.enqueue(Resources(cpus=8, gpus=2))
+    assert held.state == "running"
+    assert after.snapshot()["cpus"]["total"] == 8
+    after.release(held)
 
 
 def test_a_truncated_ledger_is_rebuilt_and_the_next_claim_works(tmp_path):

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
 from fluksio_nb.ledger.directory import UnsafeLedgerDir, open_directory, untrusted_file
 from fluksio_nb.ledger.document import (
@@ -55,6 +55,30 @@ _FILE_MODE = 0o600
 
 def _dump(state: dict[str, Any]) -> str:
     return json.dumps(state, separators=(",", ":"))
+
+
+def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
+    """Where two descriptions of the machine differ: "cards [0, 1] there, none here"."""
+
+    def said(key: str, value: Any) -> str:
+        if key == "ram_bytes":
+            return ByteSize(value).human_readable(decimal=True)
+        if isinstance(value, list | dict):
+            return str(sorted(value)) if value else "none"
+        return str(value)
+
+    names = {
+        "cpus": "claimable cpus",
+        "gpu_ids": "cards",
+        "ram_bytes": "claimable RAM",
+        "core_ids": "cores",
+        "core_nodes": "NUMA nodes of the cores",
+    }
+    return "; ".join(
+        f"{name} {said(key, theirs.get(key))} there, {said(key, mine.get(key))} here"
+        for key, name in names.items()
+        if theirs.get(key) != mine.get(key)
+    )
 
 
 class LedgerFile:
@@ -94,6 +118,9 @@ class LedgerFile:
         #: transactions, it is not validated again: it passed once, and
         #: validating every entry on every transaction grows with the books.
         self._sound_text: str | None = None
+        #: Set by each read when the books are kept over another description
+        #: of the machine than this process's, which it cannot take over: why.
+        self.disagreement: str | None = None
 
     def close(self) -> None:
         """Let go of the directory and the files. The ledger cannot be used after."""
@@ -135,6 +162,7 @@ class LedgerFile:
         with self._thread_lock, self._locked(fcntl.LOCK_SH):
             # Outside the try: a file that is not ours is refused, not read as empty.
             fd = self._document()
+            self.disagreement = None
             try:
                 return self._parse(self._read_text(fd), self.inventory)
             except (OSError, ValueError):
@@ -196,6 +224,7 @@ class LedgerFile:
 
     def _load_for_update(self) -> tuple[dict[str, Any], str]:
         """The document to change, and its text as read, to tell whether it changed."""
+        self.disagreement = None
         try:
             text = self._read_text(self._document())
         except UnicodeDecodeError:
@@ -254,8 +283,8 @@ class LedgerFile:
                 Document.model_validate(state)
             except ValidationError as error:
                 raise ValueError(f"the document is incomplete: {explain(error)}") from None
-        if inventory is not None:
-            state["inventory"] = inventory
+        if inventory is not None and inventory != state["inventory"]:
+            state["inventory"], self.disagreement = self._in_force(state, inventory, sound)
         # Owners are looked at every time: a kernel that died since is reaped.
         state["tickets"], problems = trusted(state["tickets"], state["inventory"], checked=sound)
         warn_left_out(self.path, problems)
@@ -264,6 +293,40 @@ class LedgerFile:
         # A ticket number is never handed out twice, whatever "next" said.
         state["next"] = max([state["next"], *(t["number"] + 1 for t in state["tickets"])])
         return state
+
+    def _in_force(
+        self, state: dict[str, Any], mine: dict[str, Any], checked: bool
+    ) -> tuple[dict[str, Any], str | None]:
+        """Which description of the machine the books are kept over, and why not this one.
+
+        A kernel restarted with a new ``FLUKSIO_*`` setting means it, so this
+        process's description takes over, unless counting by it would drop
+        claims that live kernels hold under the one written: two notebooks
+        declaring different machines would otherwise each drop the other's
+        claims as "not this machine's". Then the written one stays, and what
+        differs is said, for this process's next claim to be refused with.
+        """
+        theirs = state["inventory"]
+        kept_by_theirs, _ = trusted(state["tickets"], theirs, checked=checked)
+        kept_by_mine, _ = trusted(state["tickets"], mine, checked=checked)
+        kept = {entry["number"] for entry in kept_by_mine}
+        dropped = [entry for entry in kept_by_theirs if entry["number"] not in kept]
+        if not dropped:
+            return mine, None
+        kernels = sorted(
+            {
+                f"pid {entry['owner']['pid']}"
+                + (f" ({entry['owner']['notebook']})" if entry["owner"].get("notebook") else "")
+                for entry in dropped
+            }
+        )
+        claims = f"{len(dropped)} claim{'s' if len(dropped) != 1 else ''}"
+        whose = f"kernel{'s' if len(kernels) != 1 else ''} {', '.join(kernels)}"
+        return theirs, (
+            f"the books in {self.directory} are kept over another description of the "
+            f"machine ({_differences(theirs, mine)}), and counting by this kernel's "
+            f"description would drop {claims} held by the {whose}"
+        )
 
     def _write(self, text: str) -> None:
         fd = self._document()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.errors import ClaimCancelled, ClaimTimeout
+from fluksio_nb.errors import BadClaim, ClaimCancelled, ClaimTimeout
 from fluksio_nb.inventory import Inventory
 from fluksio_nb.ledger.file import LedgerFile
 from fluksio_nb.ledger.owner import identity
@@ -84,6 +84,8 @@ class MachineQueue:
             # claim as well as the ledger does.
             with books_changing():
                 with self.ledger.transaction() as state:
+                    if self.ledger.disagreement is not None:
+                        raise BadClaim(_not_queued(label or wanted.label, self.ledger.disagreement))
                     number = state["next"]
                     state["next"] += 1
                     ticket = Ticket(
@@ -277,7 +279,9 @@ class MachineQueue:
     def snapshot(self) -> dict[str, Any]:
         """The machine: totals, free, every kernel's waiting and running claims."""
         state = self.ledger.read()
-        shown = machine_snapshot(state, self.ledger.inventory, checked=True)
+        # The description the books are kept over, which is this kernel's
+        # unless it would drop claims other kernels hold (LedgerFile._in_force).
+        shown = machine_snapshot(state, state["inventory"], checked=True)
         return {**shown, "enforcement": self.enforcement}
 
     def position(self, ticket: Ticket) -> int | None:
@@ -304,3 +308,13 @@ class MachineQueue:
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
         return timeout_message(ticket, timeout, self.holders())
+
+
+def _not_queued(label: str | None, disagreement: str) -> str:
+    return (
+        f"{label or 'the claim'} was not queued: {disagreement}. Kernels sharing books must "
+        "describe the machine alike: start this kernel with the same FLUKSIO_CPUS, "
+        "FLUKSIO_GPUS, FLUKSIO_RAM, FLUKSIO_RESERVE_CPUS and FLUKSIO_PIN_CORES as theirs "
+        "(or the same config file), or give it books of its own by setting FLUKSIO_LEDGER "
+        "to another directory. Once their claims have ended, this kernel's description is taken"
+    )
