@@ -232,8 +232,8 @@ class LedgerFile:
         if not text:
             return empty_state(self.inventory), ""
         try:
-            # The kernel that wrote the inventory last describes the machine: a
-            # restarted kernel with a new FLUKSIO_* setting means it.
+            # This kernel's description of the machine is taken, unless it
+            # would drop claims that others hold (_in_force).
             return self._parse(text, self.inventory), text
         except ValueError as error:
             aside = f"{LEDGER_FILE}.broken-{int(time.time())}"
