@@ -16,14 +16,17 @@ import sys
 import textwrap
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
 from fluksio_nb.errors import BadClaim, ClaimCancelled
 from fluksio_nb.gpus import Gpu
 from fluksio_nb.inventory import Inventory
-from fluksio_nb.ledger import LedgerBroken, MachineQueue, ledger_location
+from fluksio_nb.kernel import books_in_force
+from fluksio_nb.ledger import LedgerBroken, MachineQueue
 from fluksio_nb.resources import Resources
+from fluksio_nb.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -294,33 +297,40 @@ def test_four_processes_of_two_hundred_claims_keep_the_books(tmp_path):
     assert after["running"] == [] and after["waiting"] == []
 
 
+def books_for(tmp_path, ledger: str | None):
+    """The books a kernel with ``ledger`` as its setting uses, on a machine without a service."""
+    no_service = SimpleNamespace(run_dir=tmp_path / "no-machine-service")
+    return books_in_force(no_service, Settings(ledger=ledger))
+
+
 def test_a_chosen_location_is_private_to_the_user_too(tmp_path):
     """Guards against the old team mode: a FLUKSIO_LEDGER place made group-writable.
 
     A group member could rewrite every claim in it; books several users share
-    are the machine service's, so ``shared`` asks for nothing any more.
+    are the machine service's.
     """
-    directory, shared = ledger_location(str(tmp_path / "team"))
-    assert directory == tmp_path / "team" and not shared
-    queue = MachineQueue(directory, inventory(), shared=True)
+    books = books_for(tmp_path, str(tmp_path / "team"))
+    assert (books.mode, books.where) == ("user", tmp_path / "team")
+    queue = MachineQueue(books.where, inventory())
     queue.release(queue.enqueue(Resources()))
-    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(books.where).st_mode & 0o777 == 0o700
     assert os.stat(queue.ledger.path).st_mode & 0o777 == 0o600
-    assert os.stat(directory / "ledger.lock").st_mode & 0o777 == 0o600
+    assert os.stat(books.where / "ledger.lock").st_mode & 0o777 == 0o600
 
 
 def test_the_default_ledger_is_private_to_the_user(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    directory, shared = ledger_location(None)
-    assert not shared
-    queue = MachineQueue(directory, inventory())
+    books = books_for(tmp_path, None)
+    assert (books.mode, books.where) == ("user", tmp_path / "runtime" / "fluksio")
+    queue = MachineQueue(books.where, inventory())
     queue.release(queue.enqueue(Resources()))
-    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(books.where).st_mode & 0o777 == 0o700
     assert os.stat(queue.ledger.path).st_mode & 0o077 == 0
 
 
-def test_kernel_only_books_are_a_setting():
-    assert ledger_location("kernel") is None
+def test_kernel_only_books_are_a_setting(tmp_path):
+    books = books_for(tmp_path, "kernel")
+    assert (books.mode, books.where) == ("kernel", None)
 
 
 def test_the_command_line_prints_every_kernels_claims(tmp_path):

@@ -40,7 +40,7 @@ changed in the module that reads it: :data:`~.queue.LOOK_EVERY_S` is
 ``fluksio_nb.ledger.queue``'s, and setting it here would change nothing.
 """
 
-from fluksio_nb.ledger.directory import UnsafeLedgerDir, default_ledger_dir, ledger_location
+from fluksio_nb.ledger.directory import UnsafeLedgerDir, default_ledger_dir
 from fluksio_nb.ledger.document import LedgerBroken, LedgerEntry
 from fluksio_nb.ledger.file import LEDGER_FILE, LOCK_FILE, LedgerFile
 from fluksio_nb.ledger.owner import identity, process_started
@@ -60,7 +60,6 @@ __all__ = [
     "cancel_claim",
     "default_ledger_dir",
     "identity",
-    "ledger_location",
     "machine_as_found",
     "machine_snapshot",
     "process_started",

@@ -139,17 +139,3 @@ def untrusted_file(path: Path, found: os.stat_result) -> str | None:
         # Its other name may be somewhere the books must never write.
         return f"has {found.st_nlink} names (hard links). Fix it: {remove}"
     return None
-
-
-def ledger_location(setting: str | None) -> tuple[Path, bool] | None:
-    """Where the ledger lives for a setting; None for kernel-only books.
-
-    The second item, once whether the ledger was a team's, is always False: a
-    ledger is one user's books wherever it is (see :mod:`fluksio_nb.ledger`).
-    It stays until the callers that unpack it are updated.
-    """
-    if setting == "kernel":
-        return None
-    if setting:
-        return Path(setting).expanduser(), False
-    return default_ledger_dir(), False

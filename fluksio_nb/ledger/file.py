@@ -95,13 +95,7 @@ class LedgerFile:
     opened, if what it finds is not this user's alone.
     """
 
-    def __init__(
-        self, directory: Path, inventory: dict[str, Any] | None = None, shared: bool = False
-    ):
-        # ``shared`` is ignored: a ledger is one user's books, and books
-        # several users share are the machine service's. It stays until the
-        # callers that pass it are updated.
-        del shared
+    def __init__(self, directory: Path, inventory: dict[str, Any] | None = None):
         #: What this process says the machine has; ``None`` for a reader that
         #: takes the ledger's word for it (the server).
         self.inventory = inventory

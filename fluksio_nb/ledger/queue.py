@@ -49,8 +49,7 @@ class MachineQueue:
     rules; only where the books live differs.
     """
 
-    def __init__(self, directory: Path, inventory: Inventory, shared: bool = False) -> None:
-        # ``shared`` is ignored, as by :class:`LedgerFile`.
+    def __init__(self, directory: Path, inventory: Inventory) -> None:
         self.books = ResourceAccountant.from_inventory(inventory)
         self.ledger = LedgerFile(
             directory,
