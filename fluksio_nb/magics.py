@@ -155,7 +155,7 @@ class ClaimMagics(Magics):
         return None
 
     @contextlib.contextmanager
-    def _keeping_what_came_back(self, deleted: set[str]) -> Iterator[None]:
+    def _keeping_what_came_back(self, deleted: frozenset[str]) -> Iterator[None]:
         """On the cell's error or the stop button, bind what it had bound, then raise.
 
         A normal cell that raises halfway through a training loop leaves the
@@ -175,7 +175,9 @@ class ClaimMagics(Magics):
                 sys.stderr.write(stopped.outcome.warning(by_hand=False))
             raise
 
-    def _bring_back(self, outcome: Outcome, deleted: set[str], by_hand: bool) -> dict[str, str]:
+    def _bring_back(
+        self, outcome: Outcome, deleted: frozenset[str], by_hand: bool
+    ) -> dict[str, str]:
         """Bind what the cell made, drop what it deleted; what did not come back, and why."""
         namespace = self.shell.user_ns
         namespace.update(each_at_home(outcome.outputs, namespace))
@@ -203,12 +205,12 @@ ClaimMagics.claim.__doc__ = claim_parser().format_help()
 
 def _names(
     cell: str, parsed: ClaimLine, namespace: dict[str, Any]
-) -> tuple[list[str], list[str], set[str], list[str]]:
+) -> tuple[list[str], list[str], frozenset[str], list[str]]:
     """What travels: the inputs, the outputs, the names it deletes, the inputs it may change."""
     inputs = choose_inputs(cell, namespace, parsed.inputs)
     outputs = choose_outputs(cell, parsed.outputs)
     if parsed.outputs is not None:
-        return inputs, outputs, set(), []
+        return inputs, outputs, frozenset(), []
     # `bump()` binds nothing the source shows; a `global` in bump does.
     assigned = globals_assigned((namespace[name] for name in inputs), namespace)
     outputs += sorted(assigned.difference(outputs))

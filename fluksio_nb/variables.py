@@ -91,34 +91,42 @@ class CellSyntaxError(SyntaxError):
         return str(self.msg)
 
 
-def names_read(source: str) -> set[str]:
+# The four walks below are cached beside the parse: a cell is walked by each
+# of them once per claim, and a cell run again is the same text. Frozen, so
+# that no caller can change what the next one is given.
+
+
+@functools.lru_cache(maxsize=32)
+def names_read(source: str) -> frozenset[str]:
     """Names the cell may read from the namespace it runs in."""
     flow = _TopLevelFlow()
     flow.block(_parse(source).body, set())
-    return flow.reads
+    return frozenset(flow.reads)
 
 
-def names_written(source: str) -> set[str]:
+@functools.lru_cache(maxsize=32)
+def names_written(source: str) -> frozenset[str]:
     """Names the cell may bind or store into in the namespace it runs in.
 
     ``except E as e`` is left out: Python deletes ``e`` when the handler ends.
     """
-    return _module_writes(_parse(source).body)
+    return frozenset(_module_writes(_parse(source).body))
 
 
-def names_deleted(source: str) -> set[str]:
+@functools.lru_cache(maxsize=32)
+def names_deleted(source: str) -> frozenset[str]:
     """Names a ``del`` at the cell's top level may remove from its namespace.
 
     A name the cell deleted and did not bind again is gone from the kernel
     too when the cell ends, as it would be after a normal cell.
     """
-    return {
+    return frozenset(
         target.id
         for node in _scope_nodes(_parse(source).body)
         if isinstance(node, ast.Delete)
         for target in node.targets
         if isinstance(target, ast.Name)
-    }
+    )
 
 
 def choose_inputs(
@@ -169,7 +177,8 @@ def choose_if_changed(source: str, inputs: Iterable[str], outputs: Iterable[str]
     return sorted((names_changed_by_calls(source) & set(inputs)) - set(outputs))
 
 
-def names_changed_by_calls(source: str) -> set[str]:
+@functools.lru_cache(maxsize=32)
+def names_changed_by_calls(source: str) -> frozenset[str]:
     """Names whose object a call may change, in any scope of the cell that sees them."""
     body = _parse(source).body
     changed: set[str] = set()
@@ -177,7 +186,7 @@ def names_changed_by_calls(source: str) -> set[str]:
         changed |= _handed_to_call(node)
         if isinstance(node, _SCOPES):
             changed |= _scope_effects(node, frozenset()).handed_to_calls
-    return changed
+    return frozenset(changed)
 
 
 def _is_bookkeeping(name: str) -> bool:
