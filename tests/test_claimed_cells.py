@@ -491,14 +491,16 @@ def test_results_on_their_way_back_are_said_apart_from_the_running(kernel, tmp_p
     assert re.match(r"sender: ok · waited [\d.]+ s(, started a worker in [\d.]+ s)?, ran ", record)
 
 
-def says_doing(kernel, pattern: str):
-    """An ``until`` for the claim's widget saying ``pattern`` (a regex) of what it does."""
+def says_doing(pattern: str):
+    """An ``until`` for the claim's widget saying ``pattern`` (a regex) of what it does.
+
+    Only this cell's widget counts: an earlier cell's said the same of itself.
+    """
 
     def said(ran) -> bool:
         return any(
             re.fullmatch(pattern, m["content"]["data"].get("state", {}).get("doing", ""))
-            for m in kernel.seen
-            if m["msg_type"] == "comm_msg"
+            for m in ran.of("comm_msg")
         )
 
     return Until(f"say it is {pattern!r}", said)
@@ -535,9 +537,7 @@ def test_while_big_results_travel_the_claim_says_how_big_they_are(kernel, tmp_pa
         f"%%claim --label sizes\nimport numpy as np\nGO = {str(go)!r}\n"
         "a = np.ones(2**23)\n" + SLOW_TO_ARRIVE  # 64 MiB: 67.1 MB as the widget says sizes
     )
-    kernel.messages_of(
-        msg_id, until=says_doing(kernel, r"sending 67\.1MB back, \d+% after \d+\.\d s")
-    )
+    kernel.messages_of(msg_id, until=says_doing(r"sending 67\.1MB back, \d+% after \d+\.\d s"))
     go.touch()
     kernel.messages_of(msg_id, timeout=60)
     assert kernel.reply_to(msg_id)["content"]["status"] == "ok"
@@ -624,7 +624,7 @@ def test_a_worker_killed_while_sending_back_leaves_no_file_in_dev_shm(kernel, tm
         "z_late = SlowToSend()"
     )
     try:
-        kernel.messages_of(msg_id, until=says_doing(kernel, r"sending results back, .*"))
+        kernel.messages_of(msg_id, until=says_doing(r"sending results back, .*"))
         # This cell's worker, by its own word: a warm one started beside it is another.
         worker = psutil.Process(int(said_pid.read_text()))
         worker.kill()
