@@ -84,7 +84,6 @@ class Watch:
         self.linger_s = linger_s
         self._lock = threading.Lock()
         self._watched: set[Watched] = set()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -93,16 +92,21 @@ class Watch:
         return thread is not None and thread.is_alive()
 
     def add(self, watched: Watched) -> Watched:
+        # A running thread is not woken: it looks again within an interval,
+        # which is when the first reading is due anyway, and a deadline is
+        # looked at once an interval whether it was woken or not. Waking it
+        # twice per claim put it on the GIL in the middle of every short
+        # claimed cell.
         with self._lock:
             self._watched.add(watched)
             self._thread = ensure_running(self._thread, self._loop, "fluksio-watch")
-        self._wake.set()
         return watched
 
     def discard(self, watched: Watched) -> None:
+        # Not woken either: the thread finds the claim gone at its next look,
+        # and only lingers from then on.
         with self._lock:
             self._watched.discard(watched)
-        self._wake.set()
 
     def _loop(self) -> None:
         idle_since: float | None = None
@@ -119,8 +123,7 @@ class Watch:
                     return
                 watched = list(self._watched)
             self._tick(watched)
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            time.sleep(self.interval_s)
 
     def _tick(self, watched: list[Watched]) -> None:
         host = _HostOnce()
