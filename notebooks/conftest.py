@@ -19,8 +19,8 @@ other Ray start of this user's on the machine, as the tests' own starts do
 ledger made for this run and removed after it, not in the user's own. Two
 runs on one machine would otherwise queue behind each other's cells, and
 ``gpus.ipynb`` declares a machine with two cards that no other kernel on
-the same books has: kernels that disagree about the machine leave each
-other's claims out of the books.
+the same books has: while one of them holds a claim, the books refuse the
+other's.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
     def said(key: str, value: Any) -> str:
         if key == "ram_bytes":
             return ByteSize(value).human_readable(decimal=True)
-        if isinstance(value, list | dict):
+        if isinstance(value, dict):
+            return str(dict(sorted(value.items()))) if value else "none"
+        if isinstance(value, list):
             return str(sorted(value)) if value else "none"
         return str(value)
 
