@@ -147,11 +147,14 @@ class LedgerFile:
         # The stop button waits for the lock like everyone, but never lands
         # between reading the document and writing it back.
         with self._thread_lock, self._locked(fcntl.LOCK_EX), books_changing():
-            state, before = self._load_for_update()
+            # Looked up once: while the lock is held, no kernel of this user
+            # replaces the file, and no other user can.
+            fd = self._document()
+            state, before = self._load_for_update(fd)
             yield state
             after = _dump(state)
             if after != before:
-                self._write(after)
+                self._write(fd, after)
 
     def read(self) -> dict[str, Any]:
         """The document as it stands; a missing or broken one reads as empty."""
@@ -218,11 +221,11 @@ class LedgerFile:
         size = os.fstat(fd).st_size
         return os.pread(fd, size, 0).decode() if size else ""
 
-    def _load_for_update(self) -> tuple[dict[str, Any], str]:
+    def _load_for_update(self, fd: int) -> tuple[dict[str, Any], str]:
         """The document to change, and its text as read, to tell whether it changed."""
         self.disagreement = None
         try:
-            text = self._read_text(self._document())
+            text = self._read_text(fd)
         except UnicodeDecodeError:
             text = "\0"  # not a ledger: rebuilt below
         if not text:
@@ -324,8 +327,7 @@ class LedgerFile:
             f"description would drop {claims} held by the {whose}"
         )
 
-    def _write(self, text: str) -> None:
-        fd = self._document()
+    def _write(self, fd: int, text: str) -> None:
         data = text.encode()
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))
