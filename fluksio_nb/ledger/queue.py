@@ -41,6 +41,10 @@ from fluksio_nb.resources import Resources
 #: it: the bound on how long a silently dead holder keeps its share.
 LOOK_EVERY_S = 0.5
 
+#: How long the looking thread stays once this kernel holds nothing, waking
+#: each :data:`LOOK_EVERY_S` without reading the ledger.
+LINGER_S = 30.0
+
 
 class MachineQueue:
     """The kernel's accountant, keeping its books in the machine's ledger.
@@ -256,19 +260,32 @@ class MachineQueue:
             waker.close()
 
     def _start_looking(self) -> None:
-        """While this kernel holds a share, look every half second. Lock held."""
+        """While this kernel holds a share, look every half second. Lock held.
+
+        The looking thread stays for :data:`LINGER_S` after the kernel's last
+        share is given back, only to be there for the next one: a notebook's
+        claimed cells come seconds apart, and starting a thread for each was
+        a tenth of a millisecond of a trivial claim, on the main thread.
+        """
         if self._looker is not None and self._looker.is_alive():
             return
 
         def keep_looking() -> None:
+            idle_since: float | None = None
             while True:
                 time.sleep(LOOK_EVERY_S)
                 with self._lock:
-                    if not any(t.state == "running" for t in self._mine.values()):
-                        self._looker = None
-                        return
-                with contextlib.suppress(Exception):
-                    self.look()
+                    holding = any(t.state == "running" for t in self._mine.values())
+                    if holding:
+                        idle_since = None
+                    else:
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since >= LINGER_S:
+                            self._looker = None
+                            return
+                if holding:
+                    with contextlib.suppress(Exception):
+                        self.look()
 
         self._looker = threading.Thread(target=keep_looking, name="fluksio-ledger", daemon=True)
         self._looker.start()
