@@ -132,7 +132,7 @@ class CellOutput:
 def _kernel():
     """The running ipykernel, or ``None`` outside one."""
     try:
-        from IPython import get_ipython
+        from IPython.core.getipython import get_ipython
     except ImportError:
         return None
     shell = get_ipython()

@@ -387,7 +387,7 @@ def can_show_widgets() -> bool:
     """
     if not _anywidget_installed():
         return False
-    from IPython import get_ipython
+    from IPython.core.getipython import get_ipython
 
     return getattr(get_ipython(), "kernel", None) is not None
 
