@@ -207,6 +207,29 @@ def test_each_cell_starts_from_an_empty_namespace_but_imports_stay_warm(worker):
     assert second.outputs == {"warm": True, "leftover_gone": True}
 
 
+def test_aliases_a_cell_made_or_dropped_are_as_they_were_for_the_next_cell(worker, tmp_path):
+    """Guards the reset's shortcut past remaking IPython's aliases when no cell touched them."""
+    worker.run("pass")  # a worker that has emptied itself once, as a warm one has
+    touched = worker.run(
+        "%alias say_hi echo hi\n%unalias ls\n"
+        "aliases = get_ipython().alias_manager\n"
+        "made, dropped = aliases.is_alias('say_hi'), not aliases.is_alias('ls')"
+    )
+    assert touched.outputs == {"made": True, "dropped": True}
+    for _ in range(2):
+        after = worker.run(
+            "aliases = get_ipython().alias_manager\n"
+            "made, ls = aliases.is_alias('say_hi'), aliases.retrieve_alias('ls')"
+        )
+        assert after.outputs["made"] is False
+        assert after.outputs["ls"].startswith("ls ")
+    (tmp_path / "inside").mkdir()
+    recorder = Recorder()
+    listed = worker.run("%ls $where", inputs={"where": str(tmp_path)}, sink=recorder)
+    assert listed.ok, listed.error
+    assert "inside" in recorder.text()
+
+
 def test_a_cell_may_await_at_top_level_as_in_the_kernel(worker):
     """Guards the worker's shortcut past IPython's async check: a cell with `await` still runs."""
     outcome = worker.run(

@@ -39,6 +39,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from IPython.core.alias import AliasManager
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import StdinNotImplementedError, UsageError
@@ -237,6 +238,33 @@ class ResultHook(DisplayHook):
         self._is_active = False
 
 
+class SteadyAliases(AliasManager):
+    """IPython's aliases, made again after a cell only where the cell changed them.
+
+    ``InteractiveShell.reset``, which empties the worker after every cell,
+    takes every alias down and makes each again: two thirds of the reset's
+    time. Only ``%alias``, ``%unalias`` and the like change them, and a cell
+    that left the line magics as the last reset did has nothing to put back.
+    """
+
+    #: The line magics as the last reset left them.
+    _as_left: dict[str, Any] | None = None
+    _unchanged = False
+
+    def clear_aliases(self) -> None:
+        self._unchanged = self._as_left is not None and self.linemagics == self._as_left
+        if not self._unchanged:
+            super().clear_aliases()
+
+    def init_aliases(self) -> None:
+        if not self._unchanged:
+            super().init_aliases()
+        self._unchanged = False
+
+    def reset_done(self) -> None:
+        self._as_left = dict(self.linemagics)
+
+
 class WorkerShell(InteractiveShell):
     """An ``InteractiveShell`` whose tracebacks go to the kernel as :class:`Error` messages."""
 
@@ -244,6 +272,14 @@ class WorkerShell(InteractiveShell):
     #: Python's stdout and stderr as frames; put back before every cell, in
     #: case the last one replaced them and never restored them.
     streams: tuple[FrameStream, FrameStream]
+
+    def init_alias(self):
+        self.alias_manager = SteadyAliases(shell=self, parent=self)
+        self.configurables.append(self.alias_manager)
+
+    def reset(self, new_session=True, aggressive=False):
+        super().reset(new_session, aggressive)
+        self.alias_manager.reset_done()
 
     def _get_exc_info(self, exc_tuple=None):
         etype, value, tb = super()._get_exc_info(exc_tuple)
