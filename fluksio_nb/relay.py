@@ -18,7 +18,9 @@ executing: ipykernel answers input requests for that cell alone.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import uuid
 from typing import Any
 
 #: Why a claimed cell's ``input()`` found nobody to ask.
@@ -26,6 +28,21 @@ BACKGROUND_CANNOT_ASK = (
     "input() in a claimed cell asks the notebook only from a cell the kernel is waiting on, "
     "not from a --background cell or a Ray task. Ask in a normal cell, and use the answer here."
 )
+
+
+#: What sets this process's display ids apart from every other kernel's.
+_THIS_PROCESS = uuid.uuid4().hex[:16]
+_displays = itertools.count()
+
+
+def new_display_id() -> str:
+    """An id no other display in any notebook has, for a display to be redrawn by.
+
+    Random once per process and counted after: a random id per display asked
+    the OS for randomness twice in every claimed cell, and let the main
+    thread's hold on the interpreter go each time.
+    """
+    return f"fluksio-{_THIS_PROCESS}-{next(_displays)}"
 
 
 class NoOneToAsk(Exception):

@@ -30,7 +30,6 @@ import functools
 import html
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -39,6 +38,7 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
 from fluksio_nb.enforcement import Enforcement
 from fluksio_nb.inventory import format_cpu_list
+from fluksio_nb.relay import new_display_id
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 
@@ -328,7 +328,7 @@ class TextView:
         self._output = output
         self._shown = False
         self._ended = False
-        self._display_id = f"fluksio-{uuid.uuid4().hex}"
+        self._display_id = new_display_id()
         self._last = 0.0
         self._lock = threading.Lock()
 

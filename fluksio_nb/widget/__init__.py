@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from typing import Any
 import anywidget
 import traitlets as t
 
+from fluksio_nb.relay import new_display_id
 from fluksio_nb.sampler import Sample, is_news
 from fluksio_nb.status import ClaimStatus, marked_html, status_bundle
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, doing_fact, monitor_html
@@ -201,7 +201,7 @@ class WidgetView:
     def __init__(self) -> None:
         self.widget: ClaimWidget | None = None
         self._output: Any = None
-        self._display_id = f"fluksio-{uuid.uuid4().hex}"
+        self._display_id = new_display_id()
         self._phase: str | None = None
         self._last = 0.0
         self._ended = False
