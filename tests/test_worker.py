@@ -177,6 +177,21 @@ def test_without_named_outputs_only_what_the_cell_bound_comes_back(worker):
     assert outcome.failed == {}
 
 
+def test_results_are_announced_as_sending_back_unless_they_pack_at_once(worker):
+    """Guards the fast path for a few numbers: anything else is said to be on its way."""
+    for code, announced in [
+        ("n, f, s, nothing = 1, 2.5, 'short', None", False),
+        ("listed = [1]", True),
+        ("long_text = 'x' * 100_000", True),
+        ("class Number(int): pass\nsubclassed = Number(1)", True),
+    ]:
+        heard: list[tuple[int, int]] = []
+        outcome = worker.run(code, on_sending_back=lambda *told, heard=heard: heard.append(told))
+        assert outcome.ok, outcome.error
+        assert outcome.outputs, code
+        assert bool(heard) is announced, code
+
+
 def test_an_unpicklable_output_is_reported_by_name_and_the_rest_still_arrive(worker):
     """One lock in the namespace must not cost the user every other variable."""
     outcome = worker.run(

@@ -173,6 +173,30 @@ def pack_outputs(
     return parcel, dict(parcel.failures), absent
 
 
+#: Values whose packing is over in microseconds: numbers, and text or bytes
+#: below :data:`_AT_ONCE_BYTES`. Only these types themselves, not subclasses,
+#: which may pickle as slowly as they like.
+_AT_ONCE_TYPES = frozenset({int, float, complex, bool, type(None), str, bytes})
+_AT_ONCE_BYTES = 1 << 16
+
+
+def packs_at_once(namespace: dict[str, Any], names: list[str]) -> bool:
+    """Whether every value named is one whose packing nobody could watch go.
+
+    Then there is no "sending back" to show: the kernel is not told the
+    cell's code is over before its :class:`Done`, a message and a wake of
+    the kernel fewer for each such cell (``x = 1`` in a warm worker).
+    """
+    for name in names:
+        value = namespace.get(name)
+        kind = type(value)
+        if kind not in _AT_ONCE_TYPES:
+            return False
+        if kind in (str, bytes) and len(value) > _AT_ONCE_BYTES:
+            return False
+    return True
+
+
 def telling_the_kernel(shell: WorkerShell) -> Callable[[int, int], None]:
     """A ``progress`` for :func:`pack_outputs` that says how it goes in :class:`Sending` messages.
 
@@ -304,7 +328,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     # A worker on its way out would take its kept files with it before the
     # kernel had mapped them.
     lend = request.lend_outputs and not shell.exit_now
-    if names:
+    if names and not packs_at_once(shell.user_ns, names):
         shell.report(SendingBack(len(names)))
     outputs, failed, absent = pack_outputs(
         shell.user_ns, names, keep or lend, progress=telling_the_kernel(shell) if names else None

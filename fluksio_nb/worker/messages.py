@@ -33,7 +33,7 @@ The conversation, one worker and one kernel:
   (:mod:`fluksio_nb.worker.threads`), and then changes nothing.
 - **Its results on their way back** are announced with :class:`SendingBack`
   as the cell's code ends, then their size and how much is written with
-  :class:`Sending`.
+  :class:`Sending`; results that pack at once (a few numbers) are not.
 - **Outputs lent** (``lend_outputs``) are answered, once the kernel has
   mapped them, with :class:`Unpacked`, which the worker takes between cells.
 - **The conversation ends** with :class:`Exit` from the kernel between cells,
@@ -224,7 +224,8 @@ class SendingBack(_Message):
 
     Sent only when there are names to send, so that the kernel can say
     "sending results back" for as long as that takes, and tell the time the
-    cell ran from the time its results took.
+    cell ran from the time its results took; not when every one of them is a
+    number or short text (:func:`fluksio_nb.worker.main.packs_at_once`).
     """
 
     names: int
