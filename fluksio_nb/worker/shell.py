@@ -87,11 +87,12 @@ class Interrupts:
     @contextlib.contextmanager
     def cell_running(self) -> Iterator[None]:
         self._in_cell, self._held_back = True, False
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The C module's calls, as in frame_in_flight: once each way per cell.
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, self._outside_user_code)
+            _signal.signal(_signal.SIGINT, self._outside_user_code)
             self._in_cell = False
 
     @contextlib.contextmanager
