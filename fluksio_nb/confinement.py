@@ -112,13 +112,14 @@ class Confinement:
     def cgroups(self) -> list[ClaimCgroup]:
         return [cgroup for cgroup in (self.cap, self.quota) if cgroup is not None]
 
-    def admit(self, pid: int) -> None:
+    def admit(self, pid: int) -> list[int]:
         """Move a running worker, every thread of it, onto the claim's cores and into its cgroups.
 
         A cgroup that cannot take it is let go, and :attr:`memory` or
-        :attr:`cpus` says what holds the claim instead.
+        :attr:`cpus` says what holds the claim instead. Returns the worker's
+        processes as they were found: it and what it had started.
         """
-        confine_tree(pid, self.cores)
+        family = confine_tree(pid, self.cores)
         quota = self.quota
         if quota is not None:
             try:
@@ -133,7 +134,7 @@ class Confinement:
                 )
         cap = self.cap
         if cap is None:
-            return
+            return family
         try:
             held = psutil.Process(pid).memory_info().rss
             cap.admit(pid, held)
@@ -141,6 +142,7 @@ class Confinement:
             self.cap = None
             cap.remove()
             self.memory = sampled(f"the worker could not be moved into {cap.path}: {error}")
+        return family
 
     def let_go(self, pid: int) -> None:
         """A warm worker goes back to the pool as it came: outside any claim."""

@@ -298,15 +298,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def confine_tree(pid: int, cores: Iterable[int]) -> None:
+def confine_tree(pid: int, cores: Iterable[int]) -> list[int]:
     """Run process ``pid``, everything it started and every thread of each, on ``cores``.
 
     What they start from now on inherits it. A process that has gone needs
-    no confining.
+    no confining. Returns the processes found: ``pid`` and its descendants.
     """
     wanted = frozenset(cores)
-    for each in (pid, *descendants(pid)):
+    family = [pid, *descendants(pid)]
+    for each in family:
         confine_threads(each, wanted)
+    return family
 
 
 def confine(pid: int, cores: frozenset[int] | None) -> None:

@@ -320,9 +320,9 @@ class Claim(ClaimLifecycle):
             self.status.starting_s += ready_at - asked_at
         # A warm worker ran an earlier claim on other cores, and its thread
         # pools are still there: every thread of it moves to this claim's.
-        held.admit(worker.pid)
+        family = held.admit(worker.pid)
         self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
-        watched = self._watch_process(worker.pid, stop=worker.kill)
+        watched = self._watch_process(worker.pid, stop=worker.kill, family=family)
         try:
             outcome = worker.run(
                 code,
@@ -387,7 +387,9 @@ class Claim(ClaimLifecycle):
 
     # -- stopping ----------------------------------------------------------------
 
-    def _watch_process(self, pid: int, stop: Callable[[], None]) -> Watched:
+    def _watch_process(
+        self, pid: int, stop: Callable[[], None], family: Sequence[int] | None = None
+    ) -> Watched:
         # A process of the claim the cap killed (a `c.popen`'s, a cell's
         # child) stopped the claim: whatever it is asked to do next is refused.
         if self._stop_reason is None:
@@ -404,7 +406,11 @@ class Claim(ClaimLifecycle):
         assert self.budget is not None and self._confinement is not None
         return self._watch.add(
             Watched(
-                sampler=Sampler(pid, gpus=tuple(self.allocation.gpus) if self.allocation else ()),
+                sampler=Sampler(
+                    pid,
+                    gpus=tuple(self.allocation.gpus) if self.allocation else (),
+                    family=family,
+                ),
                 budget=self.budget,
                 on_sample=self._sampled,
                 on_halt=self._halt,

@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -117,6 +117,7 @@ class Sampler:
         gpus: tuple[int, ...] = (),
         memory_probe: Callable[[], tuple[int, int]] = host_memory,
         clock: Callable[[], float] = time.monotonic,
+        family: Iterable[int] | None = None,
     ) -> None:
         self.pid = pid
         self.interval_s = interval_s
@@ -132,7 +133,9 @@ class Sampler:
         self._cpu_seen: dict[tuple[int, int], float] = {}
         self._cpu_at = self._clock()
         self._alive = True
-        found = self._tree()
+        # A caller that listed the tree just now (to confine it) passes it as
+        # ``family``: listing processes is the slowest part of a reading.
+        found = self._tree(family)
         if found is None:
             self._alive = False
         else:
@@ -211,15 +214,19 @@ class Sampler:
         """Let go of the files kept open for reading; a later sample opens them again."""
         self._files.close()
 
-    def _tree(self) -> tuple[list[tuple[tuple[int, int], float, int]], bool] | None:
+    def _tree(
+        self, known: Iterable[int] | None = None
+    ) -> tuple[list[tuple[tuple[int, int], float, int]], bool] | None:
         """(pid, start) key, CPU seconds and resident bytes of every live process in the
-        tree, and whether its first process is stopped."""
+        tree, and whether its first process is stopped. ``known``: the tree's
+        processes as just listed, instead of listing them here."""
         files = self._files
         root = files.read(self.pid)
         if root is None or root[0] == "Z":
             return None  # gone, or a zombie: it runs nothing and holds nothing
         family = [(self.pid, root)]
-        for pid in descendants(self.pid):
+        below = descendants(self.pid) if known is None else [p for p in known if p != self.pid]
+        for pid in below:
             found = files.read(pid)
             if found is not None:  # gone between listing and looking: it holds nothing now
                 family.append((pid, found))
