@@ -106,6 +106,30 @@ def card_memory_share(
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
 
 
+class EnvironMark:
+    """Whether this process's environment moved since it was last marked, told cheaply.
+
+    Compared as the bytes ``os.environ`` keeps for the C library: comparing
+    ``os.environ`` itself decodes every name and value, which the kernel and
+    the worker each paid on every claimed cell for an environment that seldom
+    moves. Where there are no such bytes, it always says moved.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, bytes] | None = None
+
+    def unmoved(self) -> bool:
+        raw = getattr(os.environ, "_data", None)
+        return raw is not None and raw == self._seen
+
+    def mark(self) -> None:
+        raw = getattr(os.environ, "_data", None)
+        self._seen = dict(raw) if raw is not None else None
+
+    def forget(self) -> None:
+        self._seen = None
+
+
 def worker_environ(
     derived: Mapping[str, str], base: Mapping[str, str] | None = None
 ) -> dict[str, str]:

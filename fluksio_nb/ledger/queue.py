@@ -274,15 +274,13 @@ class MachineQueue:
             idle_since: float | None = None
             while True:
                 time.sleep(LOOK_EVERY_S)
+                now = time.monotonic()
                 with self._lock:
                     holding = any(t.state == "running" for t in self._mine.values())
-                    if holding:
-                        idle_since = None
-                    else:
-                        idle_since = idle_since or time.monotonic()
-                        if time.monotonic() - idle_since >= LINGER_S:
-                            self._looker = None
-                            return
+                    idle_since = None if holding else (idle_since or now)
+                    if idle_since is not None and now - idle_since >= LINGER_S:
+                        self._looker = None
+                        return
                 if holding:
                     with contextlib.suppress(Exception):
                         self.look()

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb import transfer
-from fluksio_nb.env import differs_only_in_threads, worker_environ
+from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
 from fluksio_nb.errors import Interrupted, UnsendableInput
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
@@ -283,8 +283,8 @@ class Worker:
         #: The environment the worker holds for every cell, as last sent: only
         #: a change is sent again.
         self._environ_there: dict[str, str] = dict(self.env)
-        #: The kernel's own environment, raw, when that was last compared.
-        self._kernels_environ_seen: dict[bytes, bytes] | None = None
+        #: The kernel's own environment when it was last compared.
+        self._kernels_environ = EnvironMark()
         #: The random streams the worker holds as the kernel had them, by name.
         self._streams_there: dict[str, Any] = {}
         #: Whether the worker said it ends after its cell (``exit()`` in the cell).
@@ -446,7 +446,7 @@ class Worker:
                 return cell.reshaped.refused
             self._derived = wanted
             self.env, self._environ_there = dict(environ), environ
-            self._kernels_environ_seen = None
+            self._kernels_environ.forget()
             return None
 
     def _whole_environ(self, derived: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -460,14 +460,11 @@ class Worker:
 
     def _environ_to_send(self) -> dict[str, str] | None:
         """The whole environment for the worker to keep, if it differs from what it has."""
-        # Compared as the bytes os.environ keeps first: building it as text,
-        # a decode per name and value, was 2 % of a warm trivial claim, and
-        # the kernel's environment seldom moves between cells.
-        raw = getattr(os.environ, "_data", None)
-        if raw is not None and raw == self._kernels_environ_seen:
+        # Building the whole environment was 2 % of a warm trivial claim.
+        if self._kernels_environ.unmoved():
             return None
         wanted = self._whole_environ()
-        self._kernels_environ_seen = dict(raw) if raw is not None else None
+        self._kernels_environ.mark()
         if wanted == self._environ_there:
             return None
         self._environ_there = wanted

@@ -52,7 +52,7 @@ from typing import Any
 from IPython.core.interactiveshell import InteractiveShell
 
 from fluksio_nb import memory_cap, namespaces, random_streams, transfer
-from fluksio_nb.env import GPU_FRACTION_VAR
+from fluksio_nb.env import GPU_FRACTION_VAR, EnvironMark
 from fluksio_nb.worker.messages import (
     Done,
     Error,
@@ -95,9 +95,9 @@ OWN_ENVIRON: dict[str, str] = {}
 #: The environment every cell starts with, as the kernel last sent it.
 _environ_wanted: dict[str, str] | None = None
 
-#: ``os.environ`` as encoded for the C library once it was last made
-#: :data:`_environ_wanted`: a cell that changed nothing left it equal to this.
-_environ_as_left: dict[bytes, bytes] | None = None
+#: ``os.environ`` once it was last made :data:`_environ_wanted`: a cell that
+#: changed nothing left it unmoved.
+_environ_as_left = EnvironMark()
 
 
 # -----------------------------------------------------------------------------
@@ -394,20 +394,18 @@ def follow_the_kernel(
     The variables the worker set for itself at start (:data:`OWN_ENVIRON`)
     stay, unless the kernel sets them too.
     """
-    global _environ_wanted, _environ_as_left
+    global _environ_wanted
     if path is not None and sys.path[: len(path)] != path:
         sys.path[:] = [*path, *(entry for entry in sys.path if entry not in path)]
     if cwd is not None and cwd != os.getcwd():
         os.chdir(cwd)
     if environ is not None:
         _environ_wanted = {**OWN_ENVIRON, **environ}
-        _environ_as_left = None
+        _environ_as_left.forget()
     wanted = _environ_wanted
-    # The environment as encoded for the C library, compared as it was left
-    # after the last cell's start: comparing os.environ itself decodes every
-    # variable, a millisecond of a cell in a worker that sat idle.
-    encoded = getattr(os.environ, "_data", None)
-    if wanted is None or (encoded is not None and encoded == _environ_as_left):
+    # Comparing os.environ itself was a millisecond of a cell in a worker
+    # that sat idle.
+    if wanted is None or _environ_as_left.unmoved():
         return
     if os.environ != wanted:
         for name in [name for name in os.environ if name not in wanted]:
@@ -415,7 +413,7 @@ def follow_the_kernel(
         for name, value in wanted.items():
             if os.environ.get(name) != value:
                 os.environ[name] = value
-    _environ_as_left = dict(encoded) if encoded is not None else None
+    _environ_as_left.mark()
 
 
 # -----------------------------------------------------------------------------
