@@ -476,6 +476,65 @@ def test_keyboard_interrupt_in_the_calling_thread_stops_the_cell_and_is_reraised
         assert own_worker.run("1 + 1").ok
 
 
+@contextlib.contextmanager
+def crowded_core(others: int):
+    """One of this machine's cores, shared with ``others`` processes that never stop computing.
+
+    Each is a session of its own, so that the scheduler's grouping of
+    sessions does not fold them into one share.
+    """
+    core = max(os.sched_getaffinity(0))
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        )
+        for _ in range(others)
+    ]
+    try:
+        yield core
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_worker_answering_a_stop_on_a_crowded_core_is_not_killed_as_deaf(own_worker):
+    """On a loaded machine an answer to SIGINT is slow, not absent: the worker and its state live.
+
+    The cell tidies up for 0.6 s of CPU after the stop, on a core it shares
+    with four busy processes: several seconds by the clock, and far less than
+    the grace by the chances it had.
+    """
+    recorder = Recorder()
+    with crowded_core(4) as core:
+        os.sched_setaffinity(own_worker.pid, {core})
+        interrupt_once_it_prints(own_worker, recorder)
+        outcome = own_worker.run(
+            textwrap.dedent(
+                """
+                import signal, time
+
+                def tidy_up(signum, frame):
+                    started = time.thread_time()
+                    while time.thread_time() - started < 0.6:
+                        pass
+                    raise KeyboardInterrupt
+
+                signal.signal(signal.SIGINT, tidy_up)
+                print("sleeping")
+                time.sleep(60)
+                """
+            ),
+            sink=recorder,
+        )
+    assert outcome.interrupted
+    assert not outcome.died, outcome.description
+    assert outcome.error is not None and outcome.error.ename == "KeyboardInterrupt"
+    assert own_worker.run("1 + 1").ok
+
+
 # -----------------------------------------------------------------------------
 # How a worker ends
 # -----------------------------------------------------------------------------

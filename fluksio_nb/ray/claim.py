@@ -64,7 +64,7 @@ from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import StatusView
 from fluksio_nb.worker.client import (
-    GRACE_AFTER_SIGINT,
+    GRACE_AFTER_SIGINT_AT_MOST,
     GRACE_AFTER_SIGKILL,
     GRACE_AFTER_SIGTERM,
     Outcome,
@@ -78,7 +78,7 @@ _SIGNAL_CHECK_S = 0.1
 #: How long a cancelled task gets to end its cell itself before Ray kills it:
 #: the worker's whole ladder, SIGINT to SIGKILL, taken from the worker's own
 #: graces so that the two cannot drift apart.
-_GRACE_TO_STOP_S = GRACE_AFTER_SIGINT + GRACE_AFTER_SIGTERM + GRACE_AFTER_SIGKILL
+_GRACE_TO_STOP_S = GRACE_AFTER_SIGINT_AT_MOST + GRACE_AFTER_SIGTERM + GRACE_AFTER_SIGKILL
 
 #: How long one read of the mailbox waits for output before asking again.
 _TAKE_WAIT_S = 1.0

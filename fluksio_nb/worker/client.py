@@ -18,10 +18,11 @@ with that process, and it decides:
 - **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
   button sends the kernel does not reach it behind the kernel's back. Stopping
   a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
-  worker's whole process group, then SIGTERM, then SIGKILL, about a second from
-  first to last. A cell that stops at SIGINT leaves the worker usable; one that
-  does not costs the worker, because a cell that ignores being asked has left
-  it in a state nobody can vouch for.
+  worker's whole process group, then SIGTERM, then SIGKILL. SIGINT's grace is
+  1.5 s of the worker's chances to act, not of the clock: on a crowded machine
+  a slow answer is still an answer. A cell that stops at SIGINT leaves the
+  worker usable; one that does not costs the worker, because a cell that
+  ignores being asked has left it in a state nobody can vouch for.
 - **A worker dying is an outcome, not an exception.** Segfault, ``os._exit``,
   the out-of-memory killer: :meth:`Worker.run` returns an :class:`Outcome` that
   says which, in a sentence a notebook can show. Only ``KeyboardInterrupt``
@@ -90,17 +91,22 @@ from fluksio_nb.worker.messages import (
     forwarder,
 )
 from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_ended
-from fluksio_nb.worker.process import WorkerProcess
+from fluksio_nb.worker.process import Chances, WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
-#: How long a cell gets to end by itself after SIGINT before SIGTERM follows.
-#: A Python cell in ``time.sleep`` or a numpy loop raises KeyboardInterrupt
-#: within a millisecond, but a worker's first traceback took 180-200 ms to
-#: format on an idle machine (IPython's traceback code is imported then), and
-#: several times that on a loaded one: at 0.3 s, a worker that had stopped was
-#: killed as deaf, and what its cell had bound was lost with it. The rest is
-#: room for a ``finally`` block to tidy up.
+#: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
+#: counted in the worker's chances to act (:class:`~fluksio_nb.worker.process.Chances`),
+#: not by the clock. A Python cell in ``time.sleep`` or a numpy loop raises
+#: KeyboardInterrupt within a millisecond, but a worker's first traceback took
+#: 180-200 ms to format on an idle machine (IPython's traceback code is
+#: imported then): at 0.3 s, a worker that had stopped was killed as deaf, and
+#: what its cell had bound was lost with it. The rest is room for a
+#: ``finally`` block to tidy up.
 GRACE_AFTER_SIGINT = 1.5
+#: The longest that grace lasts by the clock, however crowded the machine.
+GRACE_AFTER_SIGINT_AT_MOST = 15.0
+#: How often the worker's chances are read while it has its grace.
+_CHANCES_EVERY_S = 0.1
 #: And after SIGTERM, before SIGKILL.
 GRACE_AFTER_SIGTERM = 0.3
 #: SIGKILL cannot be refused, but a process stuck in the kernel (a hung NFS
@@ -645,7 +651,7 @@ class Worker:
     # -- stopping ------------------------------------------------------------------
 
     def interrupt(self) -> None:
-        """Stop the running cell: SIGINT, then SIGTERM, then SIGKILL, within about a second.
+        """Stop the running cell: SIGINT, then SIGTERM, then SIGKILL, as the graces above say.
 
         Returns once the cell has ended. If it ended at SIGINT the worker is
         still usable; otherwise it is dead and :attr:`alive` is False. The
@@ -701,7 +707,7 @@ class Worker:
     def _ladder(self, cell: _Cell, cell_ended_within: Callable[[float], bool]) -> None:
         cell.interrupted = True
         self._process.signal_group(signal.SIGINT)
-        if cell_ended_within(GRACE_AFTER_SIGINT):
+        if self._ended_given_its_chances(cell_ended_within):
             return
         cell.escalated_to = "SIGTERM"
         self._process.signal_group(signal.SIGTERM)
@@ -710,6 +716,17 @@ class Worker:
         cell.escalated_to = "SIGKILL"
         self._process.signal_group(signal.SIGKILL)
         cell_ended_within(GRACE_AFTER_SIGKILL)
+
+    def _ended_given_its_chances(self, cell_ended_within: Callable[[float], bool]) -> bool:
+        """Whether the cell ended before the worker had had :data:`GRACE_AFTER_SIGINT` to end it."""
+        chances = Chances(self._process.pid)
+        latest = time.monotonic() + GRACE_AFTER_SIGINT_AT_MOST
+        while True:
+            left = GRACE_AFTER_SIGINT - chances.taken()
+            if left <= 0 or time.monotonic() >= latest:
+                return False
+            if cell_ended_within(min(left, _CHANCES_EVERY_S)):
+                return True
 
     def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
         if not cell.sent or cell.over:
