@@ -267,20 +267,31 @@ def descendants(pid: int) -> list[int]:
     and on every reading of a running claim;
     ``/proc/<pid>/task/<tid>/children`` names them directly.
     """
+    return [each for each in _family_threads(pid) if each != pid]
+
+
+def _family_threads(pid: int) -> dict[int, list[int]]:
+    """``pid`` and every live process below it, each with its threads' ids.
+
+    Each process's threads are listed once, for finding its children and for
+    whoever needs the threads themselves: listing a process's tasks in /proc
+    is the slowest part of the walk.
+    """
     if not _PROC_CHILDREN:
         try:
-            return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+            below = [child.pid for child in psutil.Process(pid).children(recursive=True)]
         except psutil.Error:
-            return []
-    found: list[int] = []
+            below = []
+        return {each: threads for each in [pid, *below] if (threads := _threads(each))}
+    family: dict[int, list[int]] = {}
     pending = [pid]
     while pending:
         parent = pending.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
+        threads = _threads(parent)
+        if not threads:
             continue  # gone since its parent listed it
-        for task in tasks:
+        family[parent] = threads
+        for task in threads:
             try:
                 fd = os.open(f"/proc/{parent}/task/{task}/children", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
@@ -292,10 +303,16 @@ def descendants(pid: int) -> list[int]:
             finally:
                 os.close(fd)
             if listing:
-                children = [int(child) for child in listing.split()]
-                found += children
-                pending += children
-    return found
+                pending += [int(child) for child in listing.split()]
+    return family
+
+
+def _threads(pid: int) -> list[int]:
+    """The ids of ``pid``'s threads; none once it has gone."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
 
 
 def confine_tree(pid: int, cores: Iterable[int]) -> list[int]:
@@ -305,10 +322,10 @@ def confine_tree(pid: int, cores: Iterable[int]) -> list[int]:
     no confining. Returns the processes found: ``pid`` and its descendants.
     """
     wanted = frozenset(cores)
-    family = [pid, *descendants(pid)]
-    for each in family:
-        confine_threads(each, wanted)
-    return family
+    family = _family_threads(pid)
+    for threads in family.values():
+        _confine_each(threads, wanted)
+    return [pid, *(each for each in family if each != pid)]
 
 
 def confine(pid: int, cores: frozenset[int] | None) -> None:
@@ -332,12 +349,12 @@ def confine_threads(pid: int, cores: frozenset[int]) -> int:
     Its child processes are left alone: they may hold cores of their own.
     A thread or process that has ended meanwhile needs no confining.
     """
-    try:
-        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
-        return 0
+    return _confine_each(_threads(pid), cores)
+
+
+def _confine_each(threads: list[int], cores: frozenset[int]) -> int:
     confined = 0
-    for tid in tids:
+    for tid in threads:
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(tid, cores)
             confined += 1
