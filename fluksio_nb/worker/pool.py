@@ -128,17 +128,17 @@ class WorkerPool:
         """
         key = env_key(derived)
         with self._lock:
+            # Drops the dead too: each is asked once, a system call each.
             self._age_out(time.monotonic())
             for index, entry in enumerate(self._idle):
-                if entry.key == key and entry.worker.alive:
+                if entry.key == key:
                     del self._idle[index]
                     return entry.worker
             # The most recently used first: the likeliest to be in the cache.
             others = [
                 entry
                 for entry in reversed(self._idle)
-                if entry.worker.alive
-                and entry.worker not in self._fixed
+                if entry.worker not in self._fixed
                 and differs_only_in_threads(dict(entry.key), derived)
             ]
             for entry in others:
@@ -170,9 +170,10 @@ class WorkerPool:
 
     def checkin(self, worker: Worker, derived: Mapping[str, str]) -> None:
         """Take a worker back after its claim: keep it warm, or end it."""
-        if not worker.alive or names_gpus(derived) or self.max_idle == 0:
+        if names_gpus(derived) or self.max_idle == 0:
             worker.close()
             return
+        # A worker that died is closed there.
         self._put_back(_Idle(env_key(derived), time.monotonic(), worker))
 
     def _put_back(self, entry: _Idle) -> None:
