@@ -484,13 +484,10 @@ def crowded_core(others: int):
     sessions does not fold them into one share.
     """
     core = max(os.sched_getaffinity(0))
+    # Each moves itself: a preexec_fn is not safe in a process with threads.
+    hog = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
     hogs = [
-        subprocess.Popen(
-            [sys.executable, "-c", "while True: pass"],
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
-        )
-        for _ in range(others)
+        subprocess.Popen([sys.executable, "-c", hog], start_new_session=True) for _ in range(others)
     ]
     try:
         yield core

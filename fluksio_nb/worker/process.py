@@ -185,8 +185,8 @@ class Chances:
         """The seconds of chances the process has had so far; read again on each call."""
         now = time.monotonic()
         cpu, runnable = self._look()
-        # Looked at between reads only: a process that ran and then slept is
-        # counted by the clock, which is the more generous of the two.
+        # Looked at only between reads: a process that ran and then slept is
+        # counted by the clock, which is never less than the CPU it used.
         self._taken += cpu - self._cpu if runnable else now - self._at
         self._at, self._cpu = now, cpu
         return self._taken
