@@ -322,7 +322,17 @@ class Claim(ClaimLifecycle):
         # pools are still there: every thread of it moves to this claim's.
         family = held.admit(worker.pid)
         self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
-        watched = self._watch_process(worker.pid, stop=worker.kill, family=family)
+        self._hold_process(stop=worker.kill)
+        watched: list[Watched] = []
+
+        def watch_it() -> None:
+            # Once the worker has the cell, while it runs it: the first reading
+            # is an interval away, and the kernel would only wait meanwhile.
+            # Side by side, in four runs of 300 claims, a warm trivial claim
+            # answered 0-0.6 ms sooner, 0.3 ms on average. The sampler's count
+            # of CPU starts some microseconds into the cell.
+            watched.append(self._watch_process(worker.pid, family=family))
+
         try:
             outcome = worker.run(
                 code,
@@ -332,20 +342,22 @@ class Claim(ClaimLifecycle):
                 if_changed=if_changed,
                 random_state=random_state,
                 on_sending_back=self._sending_back,
+                on_sent=watch_it,
             )
         finally:
             self.status.sending_since = None
             self.status.sending_written = self.status.sending_total = 0
-            self._watch.discard(watched)
-            if not self.status.readings.count:
-                # Over before the first reading was due: one now, so that how
-                # it went still says what the worker held.
-                reader = kernel_cards()
-                cards = reader.latest(wait_for_first=False) if watched.sampler.gpus else None
-                last = watched.sampler.sample(cards=cards)
-                if last is not None:
-                    self.status.readings.add(last)
-            watched.sampler.close()
+            for each in watched:
+                self._watch.discard(each)
+                if not self.status.readings.count:
+                    # Over before the first reading was due: one now, so that
+                    # how it went still says what the worker held.
+                    reader = kernel_cards()
+                    cards = reader.latest(wait_for_first=False) if each.sampler.gpus else None
+                    last = each.sampler.sample(cards=cards)
+                    if last is not None:
+                        self.status.readings.add(last)
+                each.sampler.close()
             self._stoppers.remove(worker.kill)
             if worker.alive:
                 held.let_go(worker.pid)
@@ -382,14 +394,14 @@ class Claim(ClaimLifecycle):
         kwargs["preexec_fn"] = held.into_the_share(then=kwargs.pop("preexec_fn", None))
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
         self._processes.append(process)
-        self._watch_process(process.pid, stop=lambda: _end_process_group(process))
+        self._hold_process(stop=lambda: _end_process_group(process))
+        self._watch_process(process.pid)
         return process
 
     # -- stopping ----------------------------------------------------------------
 
-    def _watch_process(
-        self, pid: int, stop: Callable[[], None], family: Sequence[int] | None = None
-    ) -> Watched:
+    def _hold_process(self, stop: Callable[[], None]) -> None:
+        """Make ``stop`` end a process of the claim's when the claim is stopped; now, if it is."""
         # A process of the claim the cap killed (a `c.popen`'s, a cell's
         # child) stopped the claim: whatever it is asked to do next is refused.
         if self._stop_reason is None:
@@ -403,6 +415,9 @@ class Claim(ClaimLifecycle):
             # Stopped (cancelled, out of time) before this process was there to
             # stop, as while a cold worker started: it goes at once.
             stop()
+
+    def _watch_process(self, pid: int, family: Sequence[int] | None = None) -> Watched:
+        """Read the process and what it starts, and halt the claim on what the readings say."""
         assert self.budget is not None and self._confinement is not None
         return self._watch.add(
             Watched(

@@ -333,6 +333,7 @@ class Worker:
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
         on_sending_back: Callable[[int, int], None] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
 
@@ -357,6 +358,8 @@ class Worker:
         called as the cell's code ends and its results start back, if it has
         any, with ``0, 0``; then, for results with big buffers, with their
         size in bytes and how much of it is written, as the writing goes.
+        ``on_sent()`` is called once the worker has the cell, from this thread,
+        while the worker runs it.
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
@@ -378,7 +381,7 @@ class Worker:
                     cwd=os.getcwd(),
                     execution_count=kernels_cell_number(),
                 )
-                return self._run(cell, request)
+                return self._run(cell, request, on_sent)
             except KeyboardInterrupt:
                 self._stop_after_keyboard_interrupt(cell)
                 raise Interrupted(cell.outcome) from None
@@ -491,7 +494,7 @@ class Worker:
             for name, state in random_state.items()
         }
 
-    def _run(self, cell: _Cell, request: Run) -> Outcome:
+    def _run(self, cell: _Cell, request: Run, on_sent: Callable[[], None] | None) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
@@ -501,6 +504,8 @@ class Worker:
         except ChannelClosed:
             return self._died(cell)
         cell.sent = True
+        if on_sent is not None:
+            on_sent()
         outcome = self._follow(cell)
         assert outcome is not None, "with no deadline, following a cell ends with an outcome"
         return outcome
