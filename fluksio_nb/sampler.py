@@ -31,6 +31,9 @@ of one process each takes 20 µs a claim (it was 210 µs through psutil and
 path-by-path reads of the cgroup files, two thirds of which was the host's
 memory read once per claim).
 
+A stop's grace is counted on the same reading (:class:`Chances`): a worker
+waiting for a core on a crowded machine is slow, not deaf.
+
 The cadence is half a second: quick enough that a runaway allocation is
 caught within a second or two, slow enough that reading a few dozen
 processes stays far below one percent of a core. The sampler owns no thread
@@ -322,11 +325,14 @@ class _ProcessFiles:
             self.close()
 
 
-#: psutil's words for the states a sample tells apart, as /proc/<pid>/stat spells them.
+#: psutil's words for the states a reading tells apart, as /proc/<pid>/stat spells them.
 _STATE_LETTERS = {
     psutil.STATUS_ZOMBIE: "Z",
     psutil.STATUS_STOPPED: "T",
     psutil.STATUS_TRACING_STOP: "t",
+    psutil.STATUS_SLEEPING: "S",
+    psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_IDLE: "I",
 }
 
 
@@ -346,6 +352,47 @@ def _read_with_psutil(pid: int) -> Reading | None:
             )
     except psutil.Error:
         return None
+
+
+class Chances:
+    """How long a process has had to act: its CPU time while it could run, the clock while asleep.
+
+    Counted from when this is made. A grace measured by the clock alone runs
+    out for a process that is only waiting for a core. A worker that answers a
+    stop in 0.2 s on an idle machine took over 1.5 s on one running two test
+    suites at once, and was killed as deaf, with everything its cell had
+    bound. So time spent runnable but off the CPU does not count; time asleep
+    does, since a process asleep past a signal it should have acted on is not
+    acting on it.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._files = _ProcessFiles()
+        self._taken, self._cpu, self._at = 0.0, 0.0, time.monotonic()
+        self._cpu, _ = self._look()
+
+    def taken(self) -> float:
+        """The seconds of chances the process has had so far; read again on each call."""
+        now = time.monotonic()
+        cpu, runnable = self._look()
+        # Looked at only between reads: a process that ran and then slept is
+        # counted by the clock, which is never less than the CPU it used.
+        self._taken += cpu - self._cpu if runnable else now - self._at
+        self._at, self._cpu = now, cpu
+        return self._taken
+
+    def close(self) -> None:
+        self._files.close()
+
+    def _look(self) -> tuple[float, bool]:
+        """Its CPU time so far, and whether it is running or waiting for a core."""
+        found = self._files.read(self.pid)
+        if found is None:
+            # Gone: it acts no more, and the clock is all there is.
+            return self._cpu, False
+        state, seconds, _, _ = found
+        return seconds, state == "R"
 
 
 #: How far a reading must move from the one last told to be news to anyone

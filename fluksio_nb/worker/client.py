@@ -68,6 +68,7 @@ from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
 from fluksio_nb.errors import Interrupted, UnsendableInput
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
+from fluksio_nb.sampler import Chances
 from fluksio_nb.worker.messages import (
     ClearOutput,
     Display,
@@ -91,11 +92,11 @@ from fluksio_nb.worker.messages import (
     forwarder,
 )
 from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_ended
-from fluksio_nb.worker.process import Chances, WorkerProcess
+from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 
 #: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
-#: counted in the worker's chances to act (:class:`~fluksio_nb.worker.process.Chances`),
+#: counted in the worker's chances to act (:class:`~fluksio_nb.sampler.Chances`),
 #: not by the clock. A Python cell in ``time.sleep`` or a numpy loop raises
 #: KeyboardInterrupt within a millisecond, but a worker's first traceback took
 #: 180-200 ms to format on an idle machine (IPython's traceback code is
@@ -726,12 +727,15 @@ class Worker:
         """Whether the cell ended before the worker had had :data:`GRACE_AFTER_SIGINT` to end it."""
         chances = Chances(self._process.pid)
         latest = time.monotonic() + GRACE_AFTER_SIGINT_AT_MOST
-        while True:
-            left = GRACE_AFTER_SIGINT - chances.taken()
-            if left <= 0 or time.monotonic() >= latest:
-                return False
-            if cell_ended_within(min(left, _CHANCES_EVERY_S)):
-                return True
+        try:
+            while True:
+                left = GRACE_AFTER_SIGINT - chances.taken()
+                if left <= 0 or time.monotonic() >= latest:
+                    return False
+                if cell_ended_within(min(left, _CHANCES_EVERY_S)):
+                    return True
+        finally:
+            chances.close()
 
     def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
         if not cell.sent or cell.over:

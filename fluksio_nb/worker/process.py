@@ -14,8 +14,6 @@ decides:
 - **The group is signalled only while the worker is unreaped**, because after
   that its number may already belong to somebody else's process. Whether it
   has exited is asked without reaping it, for the same reason.
-- **A grace is counted in the worker's chances, not the clock** (:class:`Chances`):
-  a worker waiting for a core on a crowded machine is slow, not deaf.
 - **The worker never outlives the kernel**, however the kernel ends: it holds
   the read end of a pipe only the kernel writes to, and leaves when that pipe
   reaches end-of-file (:func:`fluksio_nb.worker.main.leave_with_the_kernel`).
@@ -159,50 +157,6 @@ class WorkerProcess:
         # At interpreter exit the finalizer may have run first and closed it.
         if self._finalizer.detach() is not None:
             os.close(self._lifeline)
-
-
-class Chances:
-    """How long a process has had to act: its CPU time while it could run, the clock while asleep.
-
-    Counted from when this is made. A grace measured by the clock alone runs
-    out for a process that is only waiting for a core. A worker that answers a
-    stop in 0.2 s on an idle machine took over 1.5 s on one running two test
-    suites at once, and was killed as deaf, with everything its cell had
-    bound. So time spent runnable but off the CPU does not count; time asleep
-    does, since a process asleep past a signal it should have acted on is not
-    acting on it.
-    """
-
-    def __init__(self, pid: int) -> None:
-        self._taken, self._cpu, self._at = 0.0, 0.0, time.monotonic()
-        try:
-            self._process: psutil.Process | None = psutil.Process(pid)
-        except psutil.Error:
-            self._process = None
-        self._cpu, _ = self._look()
-
-    def taken(self) -> float:
-        """The seconds of chances the process has had so far; read again on each call."""
-        now = time.monotonic()
-        cpu, runnable = self._look()
-        # Looked at only between reads: a process that ran and then slept is
-        # counted by the clock, which is never less than the CPU it used.
-        self._taken += cpu - self._cpu if runnable else now - self._at
-        self._at, self._cpu = now, cpu
-        return self._taken
-
-    def _look(self) -> tuple[float, bool]:
-        """Its CPU time so far, and whether it is running or waiting for a core."""
-        if self._process is not None:
-            try:
-                with self._process.oneshot():
-                    times = self._process.cpu_times()
-                    running = self._process.status() == psutil.STATUS_RUNNING
-                return times.user + times.system, running
-            except psutil.Error:
-                self._process = None
-        # Gone, or a zombie: it acts no more, and the clock is all there is.
-        return self._cpu, False
 
 
 def _descendants_outside_group(pid: int) -> list[psutil.Process]:
