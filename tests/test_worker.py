@@ -256,6 +256,22 @@ def test_a_cell_may_await_at_top_level_as_in_the_kernel(worker):
     assert outcome.outputs["value"] == 42
 
 
+def test_a_transform_a_cell_adds_rewrites_cells_the_worker_has_seen_before(own_worker):
+    """Guards the worker's memory of IPython's rewrites: it never outlives a change to them."""
+    seen = "value = 'as typed'\n%env FLUKSIO_SEEN=1"
+    assert own_worker.run(seen, outputs=["value"]).outputs["value"] == "as typed"
+    added = own_worker.run(
+        "def rewrite(lines):\n"
+        "    return [line.replace('as typed', 'rewritten') for line in lines]\n"
+        "get_ipython().input_transformers_cleanup.append(rewrite)"
+    )
+    assert added.ok, added.error
+    assert own_worker.run(seen, outputs=["value"]).outputs["value"] == "rewritten"
+    removed = own_worker.run("get_ipython().input_transformers_cleanup.pop()")
+    assert removed.ok, removed.error
+    assert own_worker.run(seen, outputs=["value"]).outputs["value"] == "as typed"
+
+
 def test_a_mistyped_magic_is_reported_as_an_error(worker):
     """IPython prints usage errors instead of raising; the notebook would show no error."""
     recorder = Recorder()

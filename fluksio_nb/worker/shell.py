@@ -21,7 +21,8 @@ and decides:
   while a frame is on its way out, it waits until the frame is whole, because
   a half-written frame would leave the kernel unable to find the next one.
 - **A worker that lives for many cells holds on to none of them**: no
-  history, no output cache, no copy of what a cell printed.
+  history, no output cache, no copy of what a cell printed. It remembers
+  only how IPython rewrote the last few cells' text (:class:`RememberedTransforms`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import _signal
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import io
 import os
@@ -336,6 +338,49 @@ class WorkerShell(InteractiveShell):
         yield
 
 
+class RememberedTransforms:
+    """IPython's rewriting of a cell's text (``%magic``, ``!cmd``, ``?``), done once per text.
+
+    A notebook runs the same claimed cells again and again, and the rewrite
+    is a pure function of the text: tokenizing it again was an eighth of a
+    warm worker's time on ``x = 1`` after a pause (120 of 1020 µs, side by side).
+    Only IPython's own transforms are remembered; once a cell has added or
+    removed one, every cell is rewritten afresh, since a transform of the
+    user's may count or log what it sees. What depends on the namespace
+    (a bare ``ls`` becoming ``%ls``) is IPython's later, dynamic step, which
+    still runs every time.
+    """
+
+    #: Cells whose rewrite is kept: a notebook's claimed cells, most recent first.
+    SIZE = 64
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._transform = manager.transform_cell
+        self._ipythons = self._transforms()
+        self._remembered = functools.lru_cache(maxsize=self.SIZE)(self._transform)
+
+    def _transforms(self) -> tuple[Any, ...]:
+        manager = self._manager
+        return (
+            *manager.cleanup_transforms,
+            None,
+            *manager.line_transforms,
+            None,
+            *manager.token_transformers,
+        )
+
+    def __call__(self, cell: str) -> str:
+        if self._transforms() != self._ipythons:
+            return self._transform(cell)
+        return self._remembered(cell)
+
+    @classmethod
+    def install(cls, shell: InteractiveShell) -> None:
+        manager = shell.input_transformer_manager
+        manager.transform_cell = cls(manager)
+
+
 def make_shell(reporter: Reporter) -> WorkerShell:
     config = Config()
     # A worker's cells are not history anyone will search, and a sqlite file
@@ -351,6 +396,7 @@ def make_shell(reporter: Reporter) -> WorkerShell:
         displayhook_class=ResultHook,
     )
     shell.report = reporter
+    RememberedTransforms.install(shell)
     shell.streams = (
         FrameStream("stdout", 1, reporter),
         FrameStream("stderr", 2, reporter),
