@@ -311,7 +311,11 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
             report_exception_only(shell, escaped)
     # Again after: the cell that first touched a card is the one that started torch's CUDA.
     hold_torch_to_the_card_budget()
-    drawn, held = random_streams.drawn_since(streams_before, given) if given else ({}, [])
+    if given:
+        drawn, held = random_streams.drawn_since(streams_before, given)
+    else:
+        drawn, held = {}, []
+        random_streams.lose_track()
     random_streams.forget_pending()
     wanted = request.outputs
     names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
