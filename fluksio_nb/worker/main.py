@@ -364,8 +364,9 @@ def hold_torch_to_the_card_budget() -> None:
     for nothing. The cap then holds every later allocation at once; the
     sampler holds the rest, including the allocations made before it.
     """
-    fraction = os.environ.get(GPU_FRACTION_VAR)
+    # Twice a cell: torch first, a dict lookup, where the environment's is an encode and a copy.
     torch = sys.modules.get("torch")
+    fraction = os.environ.get(GPU_FRACTION_VAR) if torch is not None else None
     if not fraction or torch is None:
         return
     try:
