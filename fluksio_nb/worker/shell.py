@@ -351,7 +351,7 @@ class RememberedTransforms:
     still runs every time.
     """
 
-    #: Cells whose rewrite is kept: a notebook's claimed cells, most recent first.
+    #: Cells whose rewrite is kept; the one run longest ago goes first.
     SIZE = 64
 
     def __init__(self, manager: Any) -> None:
@@ -362,6 +362,7 @@ class RememberedTransforms:
 
     def _transforms(self) -> tuple[Any, ...]:
         manager = self._manager
+        # Marked apart, so that a transform moved from one list to the next is a change.
         return (
             *manager.cleanup_transforms,
             None,
