@@ -103,15 +103,16 @@ def arrive(states: States) -> States:
 
 
 def drawn_since(before: States, names: object) -> tuple[States, list[str]]:
-    """The worker's side, after a cell: the streams it drew from, and every stream it holds."""
+    """The worker's side, after a cell: the streams it drew from, and every stream it holds.
+
+    No ``names``: the cell was not told of the streams, and may have drawn from any.
+    """
     global _as_left
+    if not names:
+        _as_left = {}
+        return {}, []
     after = _as_left = capture(names)
     return {name: state for name, state in after.items() if before.get(name) != state}, list(after)
-
-
-def lose_track() -> None:
-    """The worker's side, for a cell not told of the streams: it may draw from any of them."""
-    _as_left.clear()
 
 
 def forget_pending() -> None:
