@@ -349,16 +349,7 @@ class Claim(ClaimLifecycle):
             self.status.sending_since = None
             self.status.sending_written = self.status.sending_total = 0
             if watched is not None:
-                self._watch.discard(watched)
-                if not self.status.readings.count:
-                    # Over before the first reading was due: one now, so that
-                    # how it went still says what the worker held.
-                    reader = kernel_cards()
-                    cards = reader.latest(wait_for_first=False) if watched.sampler.gpus else None
-                    last = watched.sampler.sample(cards=cards)
-                    if last is not None:
-                        self.status.readings.add(last)
-                watched.sampler.close()
+                self._stop_watching(watched)
             self._stoppers.remove(worker.kill)
             if worker.alive:
                 held.let_go(worker.pid)
@@ -368,6 +359,17 @@ class Claim(ClaimLifecycle):
             self.status.sent_bytes += outcome.sent_bytes
         self._raise_for(outcome)
         return outcome
+
+    def _stop_watching(self, watched: Watched) -> None:
+        """Take the worker off the watch, with one reading now if none came while it ran."""
+        self._watch.discard(watched)
+        if not self.status.readings.count:
+            # Over before the first reading was due: how it went still says what the worker held.
+            cards = kernel_cards().latest(wait_for_first=False) if watched.sampler.gpus else None
+            last = watched.sampler.sample(cards=cards)
+            if last is not None:
+                self.status.readings.add(last)
+        watched.sampler.close()
 
     def _time_left(self) -> float:
         """How long a worker may take to start or answer: the claim's time left, or 30 s."""

@@ -87,12 +87,12 @@ def asleep(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/wchan") as wchan:
             waiting_in = wchan.read().strip()
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        if waiting_in not in ("", "0"):
+            return "sleep" in waiting_in
+        # Where the kernel hides wchan, asleep at all is as near as it tells.
+        return psutil.Process(pid).status() == psutil.STATUS_SLEEPING
+    except (OSError, psutil.Error):
         return False
-    # Where the kernel hides wchan, "S" is as near as it tells.
-    return "sleep" in waiting_in if waiting_in not in ("", "0") else state == "S"
 
 
 def interrupt_once_it_prints(worker: Worker, recorder: Recorder, stop=None) -> None:
