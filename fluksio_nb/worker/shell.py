@@ -20,6 +20,8 @@ and decides:
   idle, it is an interrupt that arrived after its cell ended and is dropped;
   while a frame is on its way out, it waits until the frame is whole, because
   a half-written frame would leave the kernel unable to find the next one.
+  A stop the main thread took no notice of, because it arrived just as the
+  cell went to sleep, is made to land by waking that thread.
 - **A worker that lives for many cells holds on to none of them**: no
   history, no output cache, no copy of what a cell printed. It remembers
   only how IPython rewrote the last few cells' text (:class:`RememberedTransforms`).
@@ -38,6 +40,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,18 +80,31 @@ class Interrupts:
     after the cell ended. While the cell's own code runs, Python's default
     handler is in place: it raises from C, so the traceback the user sees ends
     on their line rather than in here. Everywhere else, this object decides.
+    A stop the main thread missed is made to land by a thread of its own
+    (:meth:`_wake_the_cell_if_unheard`).
     """
 
     def __init__(self) -> None:
         self._in_cell = False
         self._held_back = False
+        self._cells = 0
+        self._wakeup = -1
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._outside_user_code)
+        signal.signal(NUDGE, _only_wake)
+        taken, self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup, False)
+        signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        threading.Thread(
+            target=self._wake_the_cell_if_unheard, args=(taken,), name="fluksio-stop", daemon=True
+        ).start()
 
     @contextlib.contextmanager
     def cell_running(self) -> Iterator[None]:
         self._in_cell, self._held_back = True, False
+        self._cells += 1
+        self._hear_signals_again()
         # The C module's calls, as in frame_in_flight: once each way per cell.
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
         try:
@@ -126,6 +142,57 @@ class Interrupts:
         # its cell had already ended, and is dropped.
         if self._in_cell:
             self._held_back = True
+
+    def _wake_the_cell_if_unheard(self, taken: int) -> None:
+        """Wake the main thread when a stop may have reached it as it went to sleep.
+
+        CPython's C handler only flags a signal; the main thread acts on the
+        flag between bytecodes, or when a blocking call returns EINTR. A SIGINT
+        that lands after its last look and before ``time.sleep`` enters the
+        kernel — or one another thread of the cell took — is acted on only
+        when the sleep ends: the cell sleeps on, and the kernel ends the worker
+        as deaf. From outside, that looks just like a cleanup that sleeps, so
+        the kernel cannot tell them apart; in here, every signal Python takes
+        writes its number to the wakeup pipe, which this thread reads.
+
+        The nudge interrupts whatever call the main thread is blocked in.
+        Python then runs every handler due, the SIGINT's first if it was
+        missed, and retries the call if nothing raised: a cleanup that was
+        sleeping sleeps on.
+        """
+        # Any thread may take a signal sent to the process; this one must not,
+        # or it would only flag the stop, never wake anyone.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, NUDGE})
+        main_thread = threading.main_thread().ident
+        assert main_thread is not None
+        while True:
+            if signal.SIGINT not in os.read(taken, 64) or not self._in_cell:
+                continue
+            cell = self._cells
+            time.sleep(NUDGE_AFTER_SECONDS)
+            if self._in_cell and self._cells == cell:
+                signal.pthread_kill(main_thread, NUDGE)
+
+    def _hear_signals_again(self) -> None:
+        # A cell's asyncio loop that added and then removed signal handlers
+        # sets the wakeup fd to -1 as it goes. One that still holds it keeps
+        # it: its handlers would stop working otherwise.
+        before = _signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        if before not in (-1, self._wakeup):
+            _signal.set_wakeup_fd(before)
+
+
+#: What wakes a main thread that did not act on a stop. SIGURG, because
+#: nothing a cell is likely to run uses it, and by default it is ignored, so a
+#: cell that resets every handler cannot be killed by it.
+NUDGE = signal.SIGURG
+#: How long a stop goes unanswered before the main thread is woken to answer it.
+#: A cell that is running Python answers within microseconds.
+NUDGE_AFTER_SECONDS = 0.05
+
+
+def _only_wake(signum: int, frame: Any) -> None:
+    """The nudge's handler: its delivery has already broken the blocking call."""
 
 
 # -----------------------------------------------------------------------------
