@@ -18,7 +18,7 @@ A worker the kernel's out-of-memory killer ended inside the claim's memory
 cgroup was stopped for its budget, not lost: it ends as
 :class:`~fluksio_nb.errors.ClaimHalted`, like the sampler's halt, and says
 which of the two acted. Past the budget's warning stage the cell is told
-so, once.
+so, once, unless the halt follows before the next reading.
 
 Inside a ``with claim(...)`` block, the kernel's own BLAS and OpenMP pools are
 also held to the share (threadpoolctl), and restored after: code run directly
@@ -98,6 +98,8 @@ class Claim(ClaimLifecycle):
         self._processes: list[subprocess.Popen] = []
         #: The reading last written to the machine's ledger.
         self._told: Sample | None = None
+        #: The reading that reached the warning stage, until the cell is told of it.
+        self._warning_due: Sample | None = None
         #: Its cores and cgroups, once granted.
         self._confinement: Confinement | None = None
         #: When its wait was last guessed: the first guess comes a second into the wait.
@@ -444,8 +446,7 @@ class Claim(ClaimLifecycle):
         elif self.status.stopped_since is None:
             self.status.stopped_since = time.time()
         self._warn_if_amber(sample)
-        # The first reading comes one interval after the work started: a cell
-        # still running then is worth a live status.
+        # A cell still running at the first reading is worth a live status.
         self._show()
         # Written to the machine's ledger only when it changed by more than
         # drift: each report rewrites the file every other kernel and the
@@ -469,24 +470,30 @@ class Claim(ClaimLifecycle):
         self._update_view()
 
     def _warn_if_amber(self, sample: Sample) -> None:
-        """Past the warning stage: the status turns amber and the cell is told, once."""
+        """Past the warning stage: the status turns amber, and the cell is told a reading later.
+
+        Not at once: a claim growing straight through its budget is halted by
+        then, and the halt says all the warning would. Told once, at the next
+        reading short of the stop, or as the claim ends unstopped.
+        """
         budget = self.budget
-        warn_at = None if budget is None else budget.warn_bytes
-        if warn_at is None or sample.rss_bytes < warn_at:
+        if budget is None or budget.warn_bytes is None or budget.halt_bytes is None:
             return
-        assert budget is not None and budget.halt_bytes is not None
         if sample.rss_bytes >= budget.halt_bytes:
-            # Past the warning and the stop in one reading: the halt says it all.
             return
+        self._tell_the_warning()
         with self._lock:
-            if self.status.memory_warning:
+            if sample.rss_bytes < budget.warn_bytes or self.status.memory_warning:
                 return
             self.status.memory_warning = True
-        enforcement = self.status.memory_enforcement
-        line = memory_warning(
-            sample.rss_bytes, budget, enforcement.by if enforcement else "sampler"
-        )
-        (self._cell or CellOutput()).stderr(line)
+            self._warning_due = sample
+
+    def _tell_the_warning(self) -> None:
+        with self._lock:
+            due, self._warning_due = self._warning_due, None
+        if due is not None and self._stop_reason is None and self.budget is not None:
+            by = self.status.memory_enforcement.by if self.status.memory_enforcement else "sampler"
+            (self._cell or CellOutput()).stderr(memory_warning(due.rss_bytes, self.budget, by))
 
     def _halt(self, decision: HaltDecision | None) -> None:
         if decision is None:
@@ -539,6 +546,7 @@ class Claim(ClaimLifecycle):
 
     def _ended(self, ending: Ending) -> None:
         note_ended(self.status)
+        self._tell_the_warning()
         self._record_usage(ending)
 
     def _record_usage(self, ending: Ending) -> None:

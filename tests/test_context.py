@@ -6,6 +6,7 @@ left limited after it), a subprocess that outlives its claim, and threads
 using claims at once over-granting the machine.
 """
 
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from fluksio_nb.errors import BadClaim
 from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,6 +105,54 @@ def test_a_subprocess_over_the_budget_is_halted():
         c.run(pow, 1, 1)  # the claim was stopped: further work is refused
     # Held by the kernel's cap or by the sampler: see test_memory_cap for which says what.
     assert "memory budget of 150.0MB" in str(caught.value)
+
+
+def hold_nine_tenths_of(budget_bytes, told, then_grow):
+    """In the worker: hold 90% of the budget (the warning stage), then grow past it when told."""
+    import psutil
+
+    held = []
+    while psutil.Process().memory_info().rss < 0.9 * budget_bytes:
+        held.append(bytearray(b"x") * 10**6)
+    with open(told) as fifo:
+        fifo.read()
+    while then_grow:
+        held.append(bytearray(b"x") * 10**6)
+    return "let go"
+
+
+@pytest.mark.parametrize("then_grow", [True, False], ids=["halted", "ends"])
+def test_the_warning_stage_is_told_at_the_next_reading_unless_the_halt_comes_first(
+    tmp_path, capfd, then_grow
+):
+    """A claim growing straight through its budget would hear its halt twice, as a warning first.
+
+    The readings come 5 s apart here, so that the test, and not the machine's
+    load, decides what happens between the reading that turns the claim amber
+    and the next one.
+    """
+    told = tmp_path / "told"
+    os.mkfifo(told)
+    with Claim(ask(ram="400M"), watch=Watch(interval_s=5, linger_s=0)) as held:
+
+        def tell_once_amber():
+            if wait_until(lambda: held.status.memory_warning, timeout=60):
+                with open(told, "w"):
+                    pass
+
+        threading.Thread(target=tell_once_amber, daemon=True).start()
+        if then_grow:
+            with pytest.raises(ClaimHalted):
+                held.run(hold_nine_tenths_of, 400 * 10**6, str(told), then_grow)
+        else:
+            assert held.run(hold_nine_tenths_of, 400 * 10**6, str(told), then_grow) == "let go"
+    assert held.status.memory_warning
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "memory budget" in line]
+    if then_grow:
+        assert warnings == [], "the halt says it all"
+    else:
+        assert len(warnings) == 1
+        assert "of its memory budget of 400.0MB" in warnings[0]
 
 
 def test_the_kernels_own_thread_pools_are_limited_inside_the_block():
