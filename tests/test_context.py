@@ -127,9 +127,10 @@ def test_the_warning_stage_is_told_at_the_next_reading_unless_the_halt_comes_fir
 ):
     """A claim growing straight through its budget would hear its halt twice, as a warning first.
 
-    The readings come 5 s apart here, so that the test, and not the machine's
-    load, decides what happens between the reading that turns the claim amber
-    and the next one.
+    The readings come 5 s apart here rather than every half second: the test
+    tells the worker to grow once a reading has turned the claim amber, and
+    the halt then has seconds, not a fraction of one, to come before the next
+    reading, however crowded the machine.
     """
     told = tmp_path / "told"
     os.mkfifo(told)
