@@ -280,6 +280,9 @@ class Claim(ClaimLifecycle):
                 _end_process_group(process)
         held = self._confinement
         if held is not None:
+            # One of its processes the cap killed, unasked about since: still a halt.
+            if self._stop_reason is None and (capped := self._stopped_by_the_cap()) is not None:
+                self._stop("halted", capped.message, capped)
             peak = held.peak_bytes()
             if peak is not None and peak > self.status.readings.peak_rss_bytes:
                 self.status.readings.peak_rss_bytes = peak
@@ -306,9 +309,8 @@ class Claim(ClaimLifecycle):
         asked_at = time.monotonic()
         worker = self._pool.checkout(self.env, timeout=self._time_left())
         # A cold worker's start is not the cell running: the live view is due
-        # one reading into the cell, not into the worker's own imports, which
-        # take half a second on a slow machine and put a live view, then the
-        # record, under every first claimed cell that was over at once.
+        # one reading into the cell, not into the worker's imports (half a
+        # second on a slow machine), or every quick first cell would get one.
         try:
             worker.wait_until_ready(timeout=self._time_left(), sink=sink)
         except BaseException:
@@ -330,10 +332,8 @@ class Claim(ClaimLifecycle):
         def watch_it() -> None:
             nonlocal watched
             # Once the worker has the cell, while it runs it: the first reading
-            # is an interval away, and the kernel would only wait meanwhile.
-            # Side by side, in four runs of 300 claims, a warm trivial claim
-            # answered 0-0.6 ms sooner, 0.3 ms on average. The sampler's count
-            # of CPU starts some microseconds into the cell.
+            # is an interval away, and the kernel would only wait meanwhile
+            # (0.3 ms off a warm trivial claim, side by side).
             watched = self._watch_process(worker.pid, family=family)
 
         try:

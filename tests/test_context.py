@@ -107,6 +107,21 @@ def test_a_subprocess_over_the_budget_is_halted():
     assert "memory budget of 150.0MB" in str(caught.value)
 
 
+def test_a_block_whose_subprocess_was_stopped_for_its_budget_ends_halted():
+    """Ended "ok", its record and its usage line would hide why the subprocess died.
+
+    Nothing in the block asks the claim anything after the subprocess is
+    killed, by the kernel's cap or by the sampler; the block's end must notice.
+    """
+    hog = "b = bytearray(400 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+    with claim(ram="150M") as c:
+        process = c.popen([sys.executable, "-c", hog + "import time\ntime.sleep(30)"])
+        process.wait(timeout=30)
+    assert process.returncode < 0, "the subprocess was meant to be stopped, not to finish"
+    assert c.status.ending == "halted"
+    assert "memory budget of 150.0MB" in c.status.message
+
+
 def hold_nine_tenths_of(budget_bytes, told, then_grow):
     """In the worker: hold 90% of the budget (the warning stage), then grow past it when told."""
     import psutil
