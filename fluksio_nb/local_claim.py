@@ -281,8 +281,7 @@ class Claim(ClaimLifecycle):
         held = self._confinement
         if held is not None:
             # One of its processes the cap killed, unasked about since: still a halt.
-            if self._stop_reason is None and (capped := self._stopped_by_the_cap()) is not None:
-                self._stop("halted", capped.message, capped)
+            self._halt_if_the_cap_killed()
             peak = held.peak_bytes()
             if peak is not None and peak > self.status.readings.peak_rss_bytes:
                 self.status.readings.peak_rss_bytes = peak
@@ -409,10 +408,7 @@ class Claim(ClaimLifecycle):
         """Make ``stop`` end a process of the claim's when the claim is stopped; now, if it is."""
         # A process of the claim the cap killed (a `c.popen`'s, a cell's
         # child) stopped the claim: whatever it is asked to do next is refused.
-        if self._stop_reason is None:
-            capped = self._stopped_by_the_cap()
-            if capped is not None:
-                self._stop("halted", capped.message, capped)
+        self._halt_if_the_cap_killed()
         with self._lock:
             self._stoppers.append(stop)
             stopped = self._stop_reason is not None
@@ -526,21 +522,23 @@ class Claim(ClaimLifecycle):
                 raise ClaimTimeout(message)
             raise ClaimCancelled(message)
         if outcome.died is not None:
-            capped = self._stopped_by_the_cap()
+            capped = self._halt_if_the_cap_killed()
             if capped is not None:
-                self._stop("halted", capped.message, capped)
                 raise ClaimHalted(capped)
             raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
         if outcome.error is not None:
             error = outcome.error
             raise cell_raised(error.ename, error.evalue, error.traceback, outcome)
 
-    def _stopped_by_the_cap(self) -> HaltDecision | None:
-        """The halt to report for a worker that died, if the kernel's cap is what killed it."""
+    def _halt_if_the_cap_killed(self) -> HaltDecision | None:
+        """Halt the claim if the cap killed one of its processes and nothing stopped it first."""
         held = self._confinement
-        if held is None:
+        if held is None or self._stop_reason is not None:
             return None
-        return held.halt_by_the_cap(self.budget, self.status.readings.peak_rss_bytes)
+        capped = held.halt_by_the_cap(self.budget, self.status.readings.peak_rss_bytes)
+        if capped is not None:
+            self._stop("halted", capped.message, capped)
+        return capped
 
     # -- ending ------------------------------------------------------------------
 
