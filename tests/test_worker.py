@@ -478,6 +478,48 @@ def test_a_stop_the_sleeping_main_thread_never_saw_still_stops_the_cell(own_work
     assert own_worker.run("1 + 1").ok
 
 
+class StopWhenItPrints(Recorder):
+    """Says when the cell first printed, and keeps nothing of what it printed."""
+
+    def stdout(self, text: str) -> None:
+        self.stdout_seen.set()
+
+
+def test_a_stop_held_back_for_a_frame_still_stops_a_cell_whose_main_thread_blocks_sigint(
+    own_worker,
+):
+    """A stop that lands as the cell's main thread sends a frame waits for the frame to be whole.
+
+    It was then raised again at the main thread alone, which this cell keeps
+    from taking SIGINT: it stayed pending there, and the cell printed on until
+    the worker was killed. The stop the kernel sent, to the whole process, is
+    taken by a thread of the cell's own and lands in the main thread anyway;
+    the one held back must do the same. The cell spends nearly all its time
+    sending frames, so the stop lands in one.
+    """
+    recorder = StopWhenItPrints()
+    interrupt_once_it_prints(own_worker, recorder)
+    outcome = own_worker.run(
+        cell(
+            """
+            import signal, threading, time
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            line = "x" * (1 << 16)
+            try:
+                while True:
+                    print(line, flush=True)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            """
+        ),
+        sink=recorder,
+    )
+    assert outcome.status == "error", outcome.description
+    assert outcome.error.ename == "KeyboardInterrupt"
+    assert own_worker.alive
+
+
 def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_worker):
     """A cell deaf to SIGINT would otherwise hold its share, and its children, for ever."""
     recorder = Recorder()

@@ -131,11 +131,13 @@ class Interrupts:
             _signal.signal(_signal.SIGINT, during_the_cell)
         if self._held_back:
             self._held_back = False
-            # Raised again rather than turned into KeyboardInterrupt here, so
+            # Sent again rather than turned into KeyboardInterrupt here, so
             # that whatever the cell set for SIGINT — ignore it, or a handler
-            # that stops a training loop gently — is what answers it.
+            # that stops a training loop gently — is what answers it. Sent to
+            # the process, as the kernel sent it: raised at this thread alone,
+            # it would wait for good in a main thread that blocks SIGINT.
             if deliver_held_back:
-                signal.raise_signal(signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
 
     def _outside_user_code(self, signum: int, frame: Any) -> None:
         # Outside a cell there is nothing to stop: the interrupt arrived after
