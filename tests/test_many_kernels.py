@@ -7,6 +7,7 @@ would, and checks what the users of those notebooks would see.
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,32 +31,43 @@ def kernels(tmp_path):
         yield started
 
 
-def start_gpu_job(kernel: Kernel, seconds: float, label: str) -> None:
+def start_gpu_job(kernel: Kernel, label: str, until: Path) -> None:
+    """A ``gpus=1`` background claim that holds the card until the file ``until`` exists."""
     kernel.start_job(
         f"%%claim gpus=1 --background --label {label}\n"
-        f"import time\nstart = time.time()\ntime.sleep({seconds})\nend = time.time()",
+        "import os, time\nstart = time.time()\n"
+        f"while not os.path.exists({str(until)!r}):\n    time.sleep(0.01)\n"
+        "end = time.time()",
         "job",
     )
 
 
-def test_a_second_kernels_gpu_cell_waits_for_the_first(kernels):
+@pytest.fixture
+def released(tmp_path) -> Path:
+    """A file that is there from the start: a job told to hold until it exists ends at once."""
+    path = tmp_path / "released"
+    path.touch()
+    return path
+
+
+def test_a_second_kernels_gpu_cell_waits_for_the_first(kernels, tmp_path, released):
     first, second = kernels(), kernels()
-    start_gpu_job(first, 2, "first")
-    time.sleep(0.5)
-    start_gpu_job(second, 0.1, "second")
+    go = tmp_path / "go"
+    start_gpu_job(first, "first", until=go)
+    start_gpu_job(second, "second", until=released)
     books = second.books()
     assert [w["label"] for w in books["waiting"]] == ["second"]
     assert [r["label"] for r in books["running"]] == ["first"]
+    go.touch()
     first_end = first.facts("job.result(30)['end']")
     second_start = second.facts("job.result(30)['start']")
     assert second_start >= first_end
 
 
-def test_killing_the_holding_kernel_lets_the_next_one_run(kernels):
+def test_killing_the_holding_kernel_lets_the_next_one_run(kernels, tmp_path, released):
     first, second = kernels(), kernels()
-    start_gpu_job(first, 60, "doomed")
-    time.sleep(0.5)
-    start_gpu_job(second, 0.1, "next")
+    start_gpu_job(first, "doomed", until=tmp_path / "never")
+    start_gpu_job(second, "next", until=released)
     assert second.facts("job.status") == "waiting"
     first.manager.signal_kernel(signal.SIGKILL)
     killed = time.time()
@@ -63,23 +75,27 @@ def test_killing_the_holding_kernel_lets_the_next_one_run(kernels):
     assert start - killed < 2.0, "a dead kernel's share must be reclaimed within two seconds"
 
 
-def test_claims_queue_first_come_first_served_across_three_kernels(kernels):
+def test_claims_queue_first_come_first_served_across_three_kernels(kernels, tmp_path, released):
     holder, *others = kernels(), kernels(), kernels()
-    start_gpu_job(holder, 1.5, "holder")
+    go = tmp_path / "go"
+    start_gpu_job(holder, "holder", until=go)
     for index, kernel in enumerate(others):
-        time.sleep(0.3)
-        start_gpu_job(kernel, 0.2, f"k{index}")
+        # Its place is taken before the cell returns: the next one queues behind it.
+        start_gpu_job(kernel, f"k{index}", until=released)
     waiting = holder.books()["waiting"]
     assert [w["label"] for w in waiting] == ["k0", "k1"]
+    go.touch()
     starts = [kernel.facts("job.result(30)['start']") for kernel in others]
     assert starts == sorted(starts)
 
 
-def test_the_ledger_records_who_holds_what(kernels):
+def test_the_ledger_records_who_holds_what(kernels, tmp_path):
     kernel = kernels()
-    start_gpu_job(kernel, 1, "recorded")
+    go = tmp_path / "go"
+    start_gpu_job(kernel, "recorded", until=go)
     running = kernel.books()["running"]
     assert running[0]["pid"] == kernel.pid
     assert running[0]["kernel_id"] and running[0]["user"]
     assert running[0]["allocation"]["gpus"] == [0]
+    go.touch()
     kernel.facts("job.result(30) and 1")
