@@ -896,11 +896,13 @@ def test_background_claims_run_in_order_and_never_over_the_inventory(kernel):
 
 def test_a_background_claims_output_stays_in_its_own_cell(kernel):
     """The job prints while another cell runs; the print belongs to the job's cell."""
-    started = kernel.run(
-        "%%claim --background\nimport time\ntime.sleep(1)\nprint('from the job')", check=True
+    started = kernel.start_job(
+        "%%claim --background\nimport time\ntime.sleep(1)\nprint('from the job')", "job"
     )
-    later = kernel.run("import time\ntime.sleep(3)\nprint('later cell')", check=True)
-    assert "from the job" not in later.stdout
+    # Running until the job has ended, so its print comes while this cell runs,
+    # and is read before this cell is idle.
+    later = kernel.run("job.result(60)\nprint('later cell')", check=True)
+    assert later.stdout == "later cell\n"
     assert any(
         m["msg_type"] == "stream"
         and "from the job" in m["content"]["text"]
