@@ -92,13 +92,16 @@ def test_a_plain_cell_still_runs_in_the_kernel(kernel):
     assert kernel.facts("__import__('os').getpid()") == kernel.pid
 
 
-def test_two_gpu_claims_at_once_get_different_cards(kernel):
+def test_two_gpu_claims_at_once_get_different_cards(kernel, tmp_path):
+    go = tmp_path / "go"
     cell = (
-        "%%claim gpus=1 --background --out card\nimport os, time\ntime.sleep(1)\n"
-        "card = os.environ['CUDA_VISIBLE_DEVICES']"
+        "%%claim gpus=1 --background --out card\nimport os, time\n"
+        "card = os.environ['CUDA_VISIBLE_DEVICES']\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)"
     )
     kernel.start_job(cell, "first")
     kernel.start_job(cell, "second")
+    go.touch()
     cards = kernel.facts("[first.result(30)['card'], second.result(30)['card']]")
     assert sorted(cards) == ["0", "1"]
     assert_books_balanced(kernel)
@@ -973,12 +976,18 @@ def test_background_claims_draw_reproducible_and_distinct_random_numbers(kernel)
     assert draws() == first
 
 
-def test_a_waiting_background_claim_can_be_cancelled(kernel):
-    kernel.start_job("%%claim cpus=2 --background\nimport time\ntime.sleep(3)", "holder")
+def test_a_waiting_background_claim_can_be_cancelled(kernel, tmp_path):
+    go = tmp_path / "go"
+    kernel.start_job(
+        "%%claim cpus=2 --background\nimport os, time\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
+        "holder",
+    )
     kernel.start_job("%%claim cpus=2 --background\nprint('never')", "waiter")
     assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
+    go.touch()
     assert kernel.facts("[sorted(holder.result(30)), holder.status, waiter.done()]") == [
-        ["time"],
+        ["os", "time"],
         "ok",
         True,
     ]
@@ -986,9 +995,12 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel):
     assert_books_balanced(kernel)
 
 
-def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
+def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path):
+    go = tmp_path / "go"
     kernel.start_job(
-        "%%claim cpus=2 --background --label holder\nimport time\ntime.sleep(4)", "holder"
+        "%%claim cpus=2 --background --label holder\nimport os, time\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
+        "holder",
     )
     msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
     ledger = Path(kernel.env["FLUKSIO_LEDGER"])
@@ -1003,6 +1015,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel):
     assert len(error["traceback"]) == 1 and "the cell was stopped" in error["traceback"][0]
     books = kernel.books()
     assert [w["label"] for w in books["waiting"]] == []
+    go.touch()
     kernel.facts("holder.result(30) and 1")
     assert_books_balanced(kernel)
 
