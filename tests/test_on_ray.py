@@ -331,17 +331,21 @@ def test_input_in_a_task_is_refused_with_the_reason(kernel):
     assert why.startswith("StdinNotImplementedError") and "Ray task" in why
 
 
-def test_stdout_arrives_while_the_task_is_still_running(kernel):
-    ran = kernel.run(
-        "%%claim --on ray\nimport time\nprint('early', flush=True)\ntime.sleep(2)\nprint('late')",
-        check=True,
+def test_stdout_arrives_while_the_task_is_still_running(kernel, tmp_path):
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        "%%claim --on ray\nimport os, time\nprint('early', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
+        "print('late')"
     )
-    early = next(
-        when
-        for when, m in zip(ran.arrived, ran.messages, strict=True)
-        if m["msg_type"] == "stream" and "early" in m["content"]["text"]
-    )
-    assert ran.finished_at - early > 1.5, "the first line only arrived when the task ended"
+    try:
+        # The task goes on only once its first line has been seen here: a line
+        # held back until the task ended would never be.
+        kernel.wait_for_output(msg_id, "early")
+    finally:
+        go.touch()
+    ran = kernel.messages_of(msg_id)
+    assert ran.error is None, ran.error
     assert ran.stdout.split() == ["early", "late"]
 
 
