@@ -349,6 +349,24 @@ class Kernel:
         """
         self.messages_of(msg_id, until=printed(text), timeout=timeout)
 
+    def prints_while_running(self, magic: str, go: Path) -> Ran:
+        """Run a cell under ``magic`` that prints, then waits for the file ``go``, then prints.
+
+        The file is made only once the first line has been seen here, so a
+        line held back until the cell ended would never be: the test fails
+        at the wait, rather than on how long anything took.
+        """
+        msg_id = self.client.execute(
+            f"{magic}\nimport os, time\nprint('early', flush=True)\n"
+            f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
+            "print('late')"
+        )
+        try:
+            self.wait_for_output(msg_id, "early")
+        finally:
+            go.touch()
+        return self.messages_of(msg_id)
+
     def shutdown(self) -> None:
         self.client.stop_channels()
         try:

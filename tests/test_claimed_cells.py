@@ -367,19 +367,7 @@ def test_every_claimed_cell_starts_from_a_fresh_namespace(kernel):
 
 
 def test_stdout_arrives_while_the_cell_is_still_running(kernel, tmp_path):
-    go = tmp_path / "go"
-    msg_id = kernel.client.execute(
-        "%%claim\nimport os, time\nprint('early', flush=True)\n"
-        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
-        "print('late')"
-    )
-    try:
-        # The cell goes on only once its first line has been seen here: a line
-        # held back until the cell ended would never be.
-        kernel.wait_for_output(msg_id, "early")
-    finally:
-        go.touch()
-    ran = kernel.messages_of(msg_id)
+    ran = kernel.prints_while_running("%%claim", go=tmp_path / "go")
     assert ran.error is None, ran.error
     assert ran.stdout.split() == ["early", "late"]
 

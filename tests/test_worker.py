@@ -97,6 +97,15 @@ def interrupt_once_it_prints(worker: Worker, recorder: Recorder, stop=None) -> N
     threading.Thread(target=wait_then_stop, daemon=True).start()
 
 
+def assert_stopped_and_still_usable(outcome, worker: Worker) -> None:
+    """The cell ended in the user's ``KeyboardInterrupt``, and the worker runs the next one."""
+    assert outcome.status == "error", outcome.description
+    assert outcome.error.ename == "KeyboardInterrupt"
+    assert outcome.interrupted
+    assert worker.alive
+    assert worker.run("1 + 1").ok
+
+
 @pytest.fixture(scope="module")
 def worker():
     """One worker for the tests that leave it usable, which is also what they check."""
@@ -434,11 +443,7 @@ def test_interrupt_stops_a_sleeping_cell_and_the_worker_stays_usable(own_worker)
     outcome = own_worker.run("import time\nprint('sleeping')\ntime.sleep(60)", sink=recorder)
     # Far short of the cell's 60 s sleep, with room for a loaded machine.
     assert time.monotonic() - started < 10
-    assert outcome.status == "error"
-    assert outcome.error.ename == "KeyboardInterrupt"
-    assert outcome.interrupted
-    assert own_worker.alive
-    assert own_worker.run("1 + 1").ok
+    assert_stopped_and_still_usable(outcome, own_worker)
 
 
 def test_a_stop_the_sleeping_main_thread_never_saw_still_stops_the_cell(own_worker):
@@ -472,10 +477,7 @@ def test_a_stop_the_sleeping_main_thread_never_saw_still_stops_the_cell(own_work
         ),
         sink=recorder,
     )
-    assert outcome.status == "error", outcome.description
-    assert outcome.error.ename == "KeyboardInterrupt"
-    assert own_worker.alive
-    assert own_worker.run("1 + 1").ok
+    assert_stopped_and_still_usable(outcome, own_worker)
 
 
 class StopWhenItPrints(Recorder):
@@ -515,9 +517,7 @@ def test_a_stop_held_back_for_a_frame_still_stops_a_cell_whose_main_thread_block
         ),
         sink=recorder,
     )
-    assert outcome.status == "error", outcome.description
-    assert outcome.error.ename == "KeyboardInterrupt"
-    assert own_worker.alive
+    assert_stopped_and_still_usable(outcome, own_worker)
 
 
 def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_worker):
