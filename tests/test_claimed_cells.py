@@ -977,9 +977,11 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel, tmp_path):
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
         "holder",
     )
-    kernel.start_job("%%claim cpus=2 --background\nprint('never')", "waiter")
-    assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
-    go.touch()
+    try:
+        kernel.start_job("%%claim cpus=2 --background\nprint('never')", "waiter")
+        assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
+    finally:
+        go.touch()
     assert kernel.facts("[sorted(holder.result(30)), holder.status, waiter.done()]") == [
         ["os", "time"],
         "ok",
@@ -996,20 +998,22 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path):
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
         "holder",
     )
-    msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
-    ledger = Path(kernel.env["FLUKSIO_LEDGER"])
-    deadline = time.monotonic() + 20
-    while not any(w["label"] == "impatient" for w in read_snapshot(ledger)["waiting"]):
-        assert time.monotonic() < deadline, "the claim never joined the queue"
-        time.sleep(0.05)
-    kernel.interrupt()
-    error = kernel.messages_of(msg_id).error
-    assert error["ename"] == "KeyboardInterrupt"
-    # Stopped before anything of the user's ran: one line, no frames at all.
-    assert len(error["traceback"]) == 1 and "the cell was stopped" in error["traceback"][0]
-    books = kernel.books()
-    assert [w["label"] for w in books["waiting"]] == []
-    go.touch()
+    try:
+        msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
+        ledger = Path(kernel.env["FLUKSIO_LEDGER"])
+        deadline = time.monotonic() + 20
+        while not any(w["label"] == "impatient" for w in read_snapshot(ledger)["waiting"]):
+            assert time.monotonic() < deadline, "the claim never joined the queue"
+            time.sleep(0.05)
+        kernel.interrupt()
+        error = kernel.messages_of(msg_id).error
+        assert error["ename"] == "KeyboardInterrupt"
+        # Stopped before anything of the user's ran: one line, no frames at all.
+        assert len(error["traceback"]) == 1 and "the cell was stopped" in error["traceback"][0]
+        books = kernel.books()
+        assert [w["label"] for w in books["waiting"]] == []
+    finally:
+        go.touch()
     kernel.facts("holder.result(30) and 1")
     assert_books_balanced(kernel)
 
