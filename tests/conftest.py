@@ -6,10 +6,19 @@ otherwise leak them into the next, and a developer's own ``~/.jupyter`` would
 change what the suite sees.
 """
 
+import signal
+
 import pytest
 
 from fluksio_nb.kernel import forget_accountant
 from fluksio_nb.settings import ENV_VARS
+
+# A shell starts a job in the background (`make test &`) with SIGINT ignored,
+# and every Python started from it inherits that: the tests of the stop button
+# would send their stops into nothing, and fail waiting. The suite takes
+# SIGINT as a run in the foreground does, and so do the processes it starts.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
