@@ -357,9 +357,7 @@ class Kernel:
         at the wait, rather than on how long anything took.
         """
         msg_id = self.client.execute(
-            f"{magic}\nimport os, time\nprint('early', flush=True)\n"
-            f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
-            "print('late')"
+            f"{magic}\nprint('early', flush=True)\n{until_it_exists(go)}print('late')"
         )
         try:
             self.wait_for_output(msg_id, "early")
@@ -414,6 +412,11 @@ def started_kernel(
         yield kernel
     finally:
         kernel.shutdown()
+
+
+def until_it_exists(path: Path) -> str:
+    """Lines of a cell that wait for the file ``path``, which the test makes when it may go on."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.01)\n"
 
 
 @contextmanager

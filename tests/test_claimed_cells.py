@@ -18,7 +18,7 @@ import pytest
 
 from fluksio_nb.ledger import read_snapshot
 from tests import small_shm
-from tests.kernels import Until, printed, started_kernel
+from tests.kernels import Until, printed, started_kernel, until_it_exists
 from tests.small_shm import require_small_shm
 from tests.waiting import gone
 
@@ -95,9 +95,8 @@ def test_a_plain_cell_still_runs_in_the_kernel(kernel):
 def test_two_gpu_claims_at_once_get_different_cards(kernel, tmp_path):
     go = tmp_path / "go"
     cell = (
-        "%%claim gpus=1 --background --out card\nimport os, time\n"
-        "card = os.environ['CUDA_VISIBLE_DEVICES']\n"
-        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)"
+        "%%claim gpus=1 --background --out card\n"
+        f"{until_it_exists(go)}card = os.environ['CUDA_VISIBLE_DEVICES']"
     )
     kernel.start_job(cell, "first")
     kernel.start_job(cell, "second")
@@ -972,11 +971,7 @@ def test_background_claims_draw_reproducible_and_distinct_random_numbers(kernel)
 
 def test_a_waiting_background_claim_can_be_cancelled(kernel, tmp_path):
     go = tmp_path / "go"
-    kernel.start_job(
-        "%%claim cpus=2 --background\nimport os, time\n"
-        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
-        "holder",
-    )
+    kernel.start_job(f"%%claim cpus=2 --background\n{until_it_exists(go)}", "holder")
     try:
         kernel.start_job("%%claim cpus=2 --background\nprint('never')", "waiter")
         assert kernel.facts("[waiter.status, waiter.cancel()]") == ["waiting", True]
@@ -993,11 +988,7 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel, tmp_path):
 
 def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path):
     go = tmp_path / "go"
-    kernel.start_job(
-        "%%claim cpus=2 --background --label holder\nimport os, time\n"
-        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)",
-        "holder",
-    )
+    kernel.start_job(f"%%claim cpus=2 --background --label holder\n{until_it_exists(go)}", "holder")
     try:
         msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
         ledger = Path(kernel.env["FLUKSIO_LEDGER"])

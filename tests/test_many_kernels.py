@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels import Kernel, shut_down_at_the_end
+from tests.kernels import Kernel, shut_down_at_the_end, until_it_exists
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,9 +35,7 @@ def start_gpu_job(kernel: Kernel, label: str, until: Path) -> None:
     """A ``gpus=1`` background claim that holds the card until the file ``until`` exists."""
     kernel.start_job(
         f"%%claim gpus=1 --background --label {label}\n"
-        "import os, time\nstart = time.time()\n"
-        f"while not os.path.exists({str(until)!r}):\n    time.sleep(0.01)\n"
-        "end = time.time()",
+        f"import time\nstart = time.time()\n{until_it_exists(until)}end = time.time()",
         "job",
     )
 
