@@ -417,11 +417,9 @@ def test_the_stop_button_interrupts_a_running_claim(kernel):
     )
     # Its worker's pid: the cell is running.
     kernel.messages_of(msg_id, until=printed("\n"))
-    started = time.monotonic()
     kernel.interrupt()
-    error = kernel.messages_of(msg_id).error
-    # Far short of the cell's 60 s sleep, with room for a loaded machine.
-    assert time.monotonic() - started < 10
+    # Waited for 30 s at most, half the cell's sleep: only the stop can end it.
+    error = kernel.messages_of(msg_id, timeout=30).error
     assert error["ename"] == "KeyboardInterrupt"
     # Where the user's cell was, as the worker says it: in the sleep, or at the
     # print whose line was still on its way out when the stop came (it is held
@@ -756,9 +754,8 @@ def test_exit_in_a_claimed_cell_ends_its_worker_not_the_kernel(kernel):
 
 
 def test_a_cell_past_its_timeout_is_stopped(kernel):
-    started = time.monotonic()
-    ran = kernel.run("%%claim --timeout 1\nimport time\ntime.sleep(60)")
-    assert time.monotonic() - started < 10
+    # Waited for a minute at most, against the cell's hour: only the timeout can end it.
+    ran = kernel.run("%%claim --timeout 1\nimport time\ntime.sleep(3600)", timeout=60)
     assert ran.error["ename"] == "ClaimTimeout"
     assert "ran past its 1 s timeout" in "".join(ran.error["traceback"])
     assert_books_balanced(kernel)

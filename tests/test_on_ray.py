@@ -371,10 +371,8 @@ def test_a_cell_that_kills_its_process_says_how_it_died(kernel):
 
 
 def test_a_claim_no_node_can_hold_fails_at_once_with_the_clusters_capacity(kernel):
-    """Ray itself would keep such a task pending forever."""
-    started = time.monotonic()
-    ran = kernel.run("%%claim cpus=64 --on ray\nprint('never')")
-    assert time.monotonic() - started < 5
+    """Ray itself would keep such a task pending forever: a cell that ends at all was refused."""
+    ran = kernel.run("%%claim cpus=64 --on ray\nprint('never')", timeout=60)
     assert ran.status == "error"
     shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
     assert "cpus=64 cannot run on this Ray cluster: its largest node has cpus=2 gpus=2" in shown
@@ -394,9 +392,8 @@ def test_a_task_over_its_memory_budget_is_halted_with_the_numbers(kernel):
 
 
 def test_a_task_past_its_timeout_is_stopped(kernel):
-    started = time.monotonic()
+    # Not stopped, the cell would end a minute later without an error.
     ran = kernel.run("%%claim --on ray --timeout 2\nimport time\ntime.sleep(60)")
-    assert time.monotonic() - started < 10
     assert ran.error["ename"] == "ClaimTimeout"
     assert_cluster_idle(kernel)
 
@@ -409,10 +406,9 @@ def test_the_stop_button_cancels_the_task(kernel):
     )
     printing = kernel.messages_of(msg_id, until=printed("\n"), timeout=60)
     pids = [int(pid) for pid in printing.stdout.split()]
-    started = time.monotonic()
     kernel.interrupt()
-    ename = kernel.error_when_idle(msg_id)
-    assert time.monotonic() - started < 3
+    # Waited for 30 s at most, half the cell's sleep: only the stop can end it.
+    ename = kernel.error_when_idle(msg_id, timeout=30)
     assert ename == "KeyboardInterrupt"
     assert all(gone(pid, within=10) for pid in pids), (
         "the cell's process, or its child, outlived the task"

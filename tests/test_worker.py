@@ -439,10 +439,8 @@ def test_interrupt_stops_a_sleeping_cell_and_the_worker_stays_usable(own_worker)
     """The stop button has to work, and stopping a cell must not cost the worker."""
     recorder = Recorder()
     interrupt_once_it_prints(own_worker, recorder)
-    started = time.monotonic()
+    # Unstopped, the cell would end a minute later, as a success the check below refuses.
     outcome = own_worker.run("import time\nprint('sleeping')\ntime.sleep(60)", sink=recorder)
-    # Far short of the cell's 60 s sleep, with room for a loaded machine.
-    assert time.monotonic() - started < 10
     assert_stopped_and_still_usable(outcome, own_worker)
 
 
@@ -524,7 +522,7 @@ def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_wor
     """A cell deaf to SIGINT would otherwise hold its share, and its children, for ever."""
     recorder = Recorder()
     interrupt_once_it_prints(own_worker, recorder)
-    started = time.monotonic()
+    # Unkilled, the cell would end a minute later, alive: `died` says which.
     outcome = own_worker.run(
         cell(
             """
@@ -537,7 +535,6 @@ def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_wor
         ),
         sink=recorder,
     )
-    assert time.monotonic() - started < 10
     assert outcome.died
     assert outcome.interrupted
     assert "did not stop" in outcome.description
