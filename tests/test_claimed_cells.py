@@ -640,8 +640,7 @@ def test_a_waiting_cell_says_when_it_may_start_from_the_past_runs_of_what_it_wai
     kernel.run("%%claim cpus=2 --label holder\nx = 1", check=True)  # a past run to go by
     go = tmp_path / "go"
     kernel.start_job(
-        "%%claim cpus=2 --background --label holder\n"
-        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)",
+        f"%%claim cpus=2 --background --label holder\n{until_it_exists(go)}",
         "holder",
     )
     msg_id = kernel.client.execute("%%claim cpus=1 --label next\ny = 2")

@@ -313,15 +313,14 @@ def test_a_claimed_cell_on_a_card_shows_its_card_memory_live_and_its_peak_when_d
     kernel, standin, cards_dir
 ):
     """In the cell itself: while it runs, what it holds of its card; when done, its peak."""
-    from tests.kernels import Until
+    from tests.kernels import Until, until_it_exists
 
     go = cards_dir / "go"
     msg_id = kernel.client.execute(
         "%%claim cpus=1 gpus=1 --label on-a-card\n"
-        "import os, pathlib, time\n"
+        "import os\n"
         "print('worker', os.getpid(), os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n"
-        f"while not pathlib.Path({str(go)!r}).exists():\n"
-        "    time.sleep(0.1)\n"
+        f"{until_it_exists(go)}"
     )
     started = kernel.messages_of(msg_id, until=Until("say its pid", lambda r: "worker" in r.stdout))
     pid, index = map(int, started.stdout.split("worker", 1)[1].split()[:2])

@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from fluksio_nb.ledger import process_started
-from tests.kernels import Kernel, shut_down_at_the_end
+from tests.kernels import Kernel, shut_down_at_the_end, until_it_exists
 from tests.machines import fluksio_nb, machine, machine_env, wait_until
 from tests.unix_users import (
     USER_A,
@@ -56,12 +57,13 @@ def running_labels(kernel: Kernel) -> list:
     return [(c["user"], c["label"]) for c in kernel.books()["running"]]
 
 
-HOLD = """%%claim gpus=1 --background --label {label}
-import time
-start = time.time()
-while not __import__('os').path.exists({stop!r}):
-    time.sleep(0.02)
-"""
+#: A file that never comes: a claim told to hold until it exists holds until it is killed.
+NEVER = Path("/nonexistent")
+
+
+def hold(label: str, until: Path) -> str:
+    """A ``gpus=1`` background claim that holds its card until the file ``until`` exists."""
+    return f"%%claim gpus=1 --background --label {label}\n{until_it_exists(until)}"
 
 
 def test_two_users_get_different_cards_and_the_second_waits_for_the_one_card(users, kernels):
@@ -94,7 +96,7 @@ def test_another_user_cannot_cancel_my_claim_even_calling_itself_root(users, ker
         stop = layout.prefix / "stop"
         a = kernels(alice, layout)
         b = kernels(bob, layout, USER="root", LOGNAME="root")
-        a.start_job(HOLD.format(label="alices-training", stop=str(stop)), "job")
+        a.start_job(hold("alices-training", until=stop), "job")
         ticket = wait_until(lambda: a.books()["running"], what="alice's claim")[0]["ticket"]
 
         attempt = b.run(f"import fluksio_nb\nfluksio_nb.accountant().cancel({ticket})")
@@ -257,7 +259,7 @@ def test_a_killed_kernels_card_reaches_another_users_waiting_cell_within_two_sec
     alice, bob = users
     with machine(gpus=1) as layout:
         a, b = kernels(alice, layout), kernels(bob, layout)
-        a.start_job(HOLD.format(label="doomed", stop="/nonexistent"), "job")
+        a.start_job(hold("doomed", until=NEVER), "job")
         wait_until(lambda: b.books()["running"], what="alice's claim")
         b.start_job(
             "%%claim gpus=1 --background --label next\nimport time\nstarted = time.time()",
@@ -280,7 +282,7 @@ def test_an_admin_may_cancel_anyones_claim_and_the_owner_reads_who(users, kernel
     subprocess.run(["usermod", "-aG", admins, bob.name], check=True)
     with machine(gpus=1, config={"admin_group": admins}) as layout:
         a, b = kernels(alice, layout), kernels(bob, layout)
-        a.start_job(HOLD.format(label="forgotten", stop="/nonexistent"), "job")
+        a.start_job(hold("forgotten", until=NEVER), "job")
         ticket = wait_until(lambda: b.books()["running"], what="alice's claim")[0]["ticket"]
         assert b.books()["can_cancel_any"] is True
         b.run(f"import fluksio_nb\nassert fluksio_nb.accountant().cancel({ticket})", check=True)
