@@ -4,7 +4,9 @@ Every claimed cell pays for one claim and one give-back, on the kernel's own
 books, on the user's ledger or on the machine's books service, so their
 latency under contention is what the accounting adds to a cell. The other
 number is how long freed capacity takes to reach a waiter in another kernel:
-the sleep-and-wake path. On the machine's books the contenders and the waiter
+the sleep-and-wake path; and how long the share of a holder killed outright
+takes, which nobody gives back, so the waiter's own looks must find its
+holder dead. On the machine's books the contenders and the waiter
 are real second Unix users when the benchmark runs as root; otherwise the
 rows say they are one user.
 """
@@ -63,6 +65,14 @@ for _ in range(int(sys.argv[2])):
     q.release(t)
 """
 )
+
+#: Holds the whole machine until it is killed, which gives nothing back.
+HOLDER = """
+whole = Resources(cpus=64)
+q.wait(q.enqueue(whole))
+print("held", flush=True)
+time.sleep(3600)
+"""
 
 
 def kernel_books(threads: int, cycles: int) -> list[float]:
@@ -138,6 +148,41 @@ def wake_latency(rounds: int, directory: str) -> list[float]:
         latencies.append(json.loads(waiter.stdout.readline())["granted"] - freed)
     waiter.wait()
     return latencies
+
+
+def killed_holder_latency(
+    rounds: int, start_holder: Callable[[], subprocess.Popen], waiter: subprocess.Popen
+) -> list[float]:
+    """A holder killed with SIGKILL, as the OOM killer would: how soon its share reaches a waiter.
+
+    Nobody gives the share back: the waiter's own looks must find the holder
+    dead. The issues ask for two seconds at most.
+    """
+    latencies = []
+    for _ in range(rounds):
+        holder = start_holder()
+        assert holder.stdout.readline().strip() == "held"
+        waiter.stdin.write("\n")  # now queue behind it
+        waiter.stdin.flush()
+        assert json.loads(waiter.stdout.readline())["state"] == "waiting"
+        killed = time.time()
+        holder.kill()
+        latencies.append(json.loads(waiter.stdout.readline())["granted"] - killed)
+        holder.wait()
+    waiter.wait()
+    return latencies
+
+
+def ledger_killed_holder_latency(rounds: int, directory: str) -> list[float]:
+    def start(script: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", script, directory, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    return killed_holder_latency(rounds, lambda: start(SETUP + HOLDER), start(WAITER, str(rounds)))
 
 
 SERVICE_SETUP = """
@@ -243,6 +288,22 @@ for _ in range({rounds}):
     return latencies
 
 
+def service_killed_holder_latency(rounds: int, run_dir: str, users: list[object]) -> list[float]:
+    """A claim of one user is killed with its process; a waiter of the other gets the machine."""
+    holder, waiter_user = users
+    whole = "Resources(cpus=q.books.cpus)"
+    waiter = _as_user_with_books(
+        waiter_user,
+        run_dir,
+        SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
+        str(rounds),
+    )
+    holding = SERVICE_SETUP + HOLDER.replace("Resources(cpus=64)", whole)
+    return killed_holder_latency(
+        rounds, lambda: _as_user_with_books(holder, run_dir, holding), waiter
+    )
+
+
 def main(cycles: int = 500, rounds: int = 30) -> str:
     rows = []
     results: dict[str, float] = {}
@@ -259,6 +320,11 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
         row("ledger, 8 processes", ledger_books(8, cycles // 8 or 1, directory))
     with tempfile.TemporaryDirectory() as directory:
         row("freed share reaches a waiter in another process", wake_latency(rounds, directory))
+    with tempfile.TemporaryDirectory() as directory:
+        row(
+            "a killed holder's share reaches a waiter in another process",
+            ledger_killed_holder_latency(rounds, directory),
+        )
     machine_rows(row, cycles, rounds)
     text = table(["claim plus give-back", "median", "p99"], rows)
     return textwrap.dedent(f"### The books\n\n{text}\n")
@@ -289,6 +355,10 @@ def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: i
         row(
             f"machine service: freed share reaches a waiter ({who})",
             service_wake_latency(rounds, run_dir, users),
+        )
+        row(
+            f"machine service: a killed holder's share reaches a waiter ({who})",
+            service_killed_holder_latency(rounds, run_dir, users),
         )
     finally:
         subprocess.run([*init, "remove", "--prefix", prefix], check=False, capture_output=True)
