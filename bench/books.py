@@ -251,19 +251,27 @@ def service_books(
     return contend(started)
 
 
+#: The whole machine, on the service's books.
+WHOLE = "Resources(cpus=q.books.cpus)"
+
+
+def _service_waiter(user: object, run_dir: str, rounds: int) -> subprocess.Popen:
+    """A process of ``user`` that asks for the whole machine ``rounds`` times, when told."""
+    return _as_user_with_books(
+        user,
+        run_dir,
+        SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", WHOLE),
+        str(rounds),
+    )
+
+
 def service_wake_latency(rounds: int, run_dir: str, users: list[object]) -> list[float]:
     """A claim of one user frees the machine; a waiter of the other hears it."""
     holder, waiter_user = users
-    whole = "Resources(cpus=q.books.cpus)"
-    waiter = _as_user_with_books(
-        waiter_user,
-        run_dir,
-        SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
-        str(rounds),
-    )
+    waiter = _service_waiter(waiter_user, run_dir, rounds)
     holding = f"""
 for _ in range({rounds}):
-    held = q.enqueue({whole})
+    held = q.enqueue({WHOLE})
     q.wait(held)
     print("held", flush=True)
     sys.stdin.readline()
@@ -291,14 +299,8 @@ for _ in range({rounds}):
 def service_killed_holder_latency(rounds: int, run_dir: str, users: list[object]) -> list[float]:
     """A claim of one user is killed with its process; a waiter of the other gets the machine."""
     holder, waiter_user = users
-    whole = "Resources(cpus=q.books.cpus)"
-    waiter = _as_user_with_books(
-        waiter_user,
-        run_dir,
-        SERVICE_SETUP + WAITER.split(SETUP)[1].replace("Resources(cpus=64)", whole),
-        str(rounds),
-    )
-    holding = SERVICE_SETUP + HOLDER.replace("Resources(cpus=64)", whole)
+    waiter = _service_waiter(waiter_user, run_dir, rounds)
+    holding = SERVICE_SETUP + HOLDER.replace("Resources(cpus=64)", WHOLE)
     return killed_holder_latency(
         rounds, lambda: _as_user_with_books(holder, run_dir, holding), waiter
     )
