@@ -24,7 +24,7 @@ What is decided here:
   does not age out of the pool until it has run a claim.
 - **It ends with the kernel**: closed with the pool when the kernel exits,
   and otherwise gone on its own as soon as the kernel is, killed or not
-  (:func:`fluksio_nb.worker.main.leave_with_the_kernel`).
+  (:func:`fluksio_nb.worker.lifetime.leave_with_the_kernel`).
 - **The settings are read when the extension is loaded**, not at the first
   claim: the worker's cores and the books come from them.
   :func:`fluksio_nb.kernel.forget_accountant` still reads them again.

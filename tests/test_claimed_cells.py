@@ -10,6 +10,7 @@ taken, a process running, or a kernel that no longer answers.
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -771,6 +772,43 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     assert "its memory budget of 300.0MB" in message
     assert any("halted" in text for text in ran.texts), "the status should say it was halted"
     assert_books_balanced(kernel)
+
+
+def starts_three_sleepers(orphan: Path) -> str:
+    """Lines of a cell that leave three processes running: its child, one in a
+    session of its own, and one a shell started in the background and left
+    (its pid written to ``orphan``); the cell prints the first two pids."""
+    return (
+        "import os, subprocess\n"
+        "plain = subprocess.Popen(['sleep', '600']).pid\n"
+        "own_session = subprocess.Popen(['sleep', '600'], start_new_session=True).pid\n"
+        f"os.system('sleep 600 & echo $! > {orphan}')\n"
+        "print(plain, own_session, flush=True)\n"
+    )
+
+
+def test_what_a_claimed_cell_leaves_running_ends_with_it(kernel, tmp_path):
+    """Guards against a cell's processes running on, on cores the books call free."""
+    orphan = tmp_path / "orphan"
+    ran = kernel.run("%%claim --label sleepers\n" + starts_three_sleepers(orphan), check=True)
+    left = [*map(int, ran.stdout.split()), int(orphan.read_text())]
+    assert len(left) == 3
+    assert [pid for pid in left if not gone(pid, within=10)] == []
+    assert_books_balanced(kernel)
+    assert kernel.run("%%claim\nprint('next')", check=True).stdout == "next\n"
+
+
+def test_a_killed_kernel_takes_what_its_claimed_cell_started_with_it(tmp_path):
+    """Guards against a cell's processes outliving a kernel killed while the cell ran."""
+    orphan = tmp_path / "orphan"
+    with started_kernel(tmp_path / "kernel", **INVENTORY) as doomed:
+        msg_id = doomed.client.execute(
+            "%%claim\n" + starts_three_sleepers(orphan) + until_it_exists(tmp_path / "never")
+        )
+        running = doomed.messages_of(msg_id, until=printed("\n"), timeout=60)
+        left = [*map(int, running.stdout.split()), int(orphan.read_text())]
+        doomed.manager.signal_kernel(signal.SIGKILL)
+        assert [pid for pid in left if not gone(pid, within=10)] == []
 
 
 # -----------------------------------------------------------------------------

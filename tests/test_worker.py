@@ -668,24 +668,41 @@ def test_a_worker_killed_from_outside_says_sigkill(own_worker):
     assert "died from SIGKILL" in outcome.description
 
 
-@pytest.mark.parametrize("ending", ["kill", "close"])
-def test_ending_a_worker_ends_the_processes_its_cells_started(ending):
+#: A cell that starts three processes and leaves them running, then prints their
+#: pids: its own child, one in a session of its own, and one that a shell put in
+#: the background and left an orphan.
+LEAVES_THREE = """
+import os, subprocess
+pids = [
+    subprocess.Popen(["sleep", "60"]).pid,
+    subprocess.Popen(["sleep", "60"], start_new_session=True).pid,
+    int(os.popen("sleep 60 > /dev/null 2>&1 & echo $!").read()),
+]
+print(*pids, flush=True)
+"""
+
+
+def test_the_processes_a_cell_leaves_running_end_with_it_and_the_worker_goes_on():
     """A forgotten `sleep` is harmless; a forgotten trainer holds the GPU for ever."""
+    with Worker(dict(os.environ)) as started:
+        recorder = Recorder()
+        assert started.run(cell(LEAVES_THREE), sink=recorder).ok
+        left = [int(pid) for pid in recorder.text().split()]
+        assert len(left) == 3
+        assert wait_until(lambda: all(has_ended(pid) for pid in left), timeout=10)
+        assert started.alive
+        assert started.run("1 + 1").ok
+
+
+def test_a_worker_killed_mid_cell_takes_the_processes_its_cell_started():
     started = Worker(dict(os.environ))
-    outcome = started.run(
-        cell(
-            """
-            import subprocess
-            in_group = subprocess.Popen(["sleep", "60"]).pid
-            left_group = subprocess.Popen(["sleep", "60"], start_new_session=True).pid
-            """
-        )
-    )
-    children = [outcome.outputs["in_group"], outcome.outputs["left_group"]]
-    assert not any(has_ended(pid) for pid in children)
-    getattr(started, ending)()
-    assert not started.alive
-    assert wait_until(lambda: all(has_ended(pid) for pid in children), timeout=2)
+    recorder = Recorder()
+    interrupt_once_it_prints(started, recorder, stop=started.kill)
+    outcome = started.run(cell(LEAVES_THREE + "import time\ntime.sleep(60)"), sink=recorder)
+    assert outcome.died
+    left = [int(pid) for pid in recorder.text().split()]
+    assert len(left) == 3
+    assert wait_until(lambda: all(has_ended(pid) for pid in left), timeout=10)
     assert has_ended(started.pid)
 
 

@@ -23,12 +23,9 @@ What it decides:
   (:mod:`fluksio_nb.worker.threads`); otherwise it keeps the count it has.
 - **Every cell ends with one** :class:`~fluksio_nb.worker.messages.Done`,
   however it ended, so the kernel is never left waiting on a cell that is over.
-- **The worker never outlives its kernel.** A pipe whose write end only the
-  kernel holds reaches end-of-file when the kernel is gone, however it went;
-  the worker then takes its whole process group down, cell children included.
-  If it was running a claim with a memory cgroup, it removes that too, since
-  its kernel no longer can: it goes back to the cgroup it was born in (its
-  kernel's), and what is left in the claim's goes with the claim.
+- **The worker never outlives its kernel, nor a cell's processes their cell**
+  (:mod:`fluksio_nb.worker.lifetime`): what a cell left running is ended
+  after it, and everything below the worker when the kernel goes.
 
 Packing of inputs and outputs happens in exactly two functions,
 :func:`unpack_inputs` and :func:`pack_outputs`, so that how values travel can be
@@ -40,10 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import select
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FunctionType, ModuleType
@@ -51,8 +45,15 @@ from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from fluksio_nb import memory_cap, namespaces, random_streams, transfer
+from fluksio_nb import namespaces, random_streams, transfer
 from fluksio_nb.env import GPU_FRACTION_VAR, EnvironMark
+from fluksio_nb.worker.lifetime import (
+    GRACE_S,
+    adopt_orphans,
+    end_leftovers,
+    leave_with_the_kernel,
+    sweep_after,
+)
 from fluksio_nb.worker.messages import (
     Done,
     Error,
@@ -79,11 +80,6 @@ from fluksio_nb.worker.shell import (
     start_fresh,
 )
 from fluksio_nb.worker.threads import take_threads
-
-#: How often the worker asks who its parent is, for the case the lifeline
-#: cannot see (a process forked from the kernel that still holds its write
-#: end), where the kernel's death cannot be waited for as a file descriptor.
-PARENT_CHECK_SECONDS = 1.0
 
 #: How often, at most, the kernel is told how far the results are on their way.
 SENDING_REPORT_S = 0.25
@@ -416,99 +412,6 @@ def follow_the_kernel(
     _environ_as_left.mark()
 
 
-# -----------------------------------------------------------------------------
-# The process
-# -----------------------------------------------------------------------------
-
-
-def sweep_after(kernel_pid: int) -> None:
-    """Remove the shared-memory files a kernel that died was sending.
-
-    They would otherwise stay until some kernel next loads the extension (the
-    memory a kernel keeps for reuse is a memfd, and goes with it). Its
-    workers are the ones who notice the death. A dying process closes its
-    descriptors, which is what wakes the worker, a moment before its children
-    are handed to another parent, so the worker waits that moment out: a
-    kernel that is merely done with the worker keeps its files.
-    """
-    deadline = time.monotonic() + 0.5
-    while os.getppid() == kernel_pid:
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.005)
-    with contextlib.suppress(Exception):
-        transfer.sweep_orphans(gone=kernel_pid)
-
-
-def kernels_death(kernel_pid: int) -> int | None:
-    """A descriptor that becomes readable when the kernel exits, or None where Linux has none.
-
-    A pidfd (Linux 5.3): unlike the lifeline, no process the kernel forked can
-    hold it open. Opened, then the parent checked, so that a kernel already
-    gone, whose number may be someone else's by now, is not the one watched.
-    """
-    pidfd_open = getattr(os, "pidfd_open", None)
-    if pidfd_open is None:
-        return None
-    try:
-        fd = pidfd_open(kernel_pid)
-    except OSError:
-        return None
-    if os.getppid() != kernel_pid:
-        # Gone already: a descriptor that is readable at once says so.
-        os.close(fd)
-        read_end, write_end = os.pipe()
-        os.close(write_end)
-        return read_end
-    return fd
-
-
-def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
-    """Take the worker and everything it started down as soon as the kernel is gone.
-
-    A thread rather than ``PR_SET_PDEATHSIG``: that fires when the *thread*
-    that started the worker exits, and the kernel may well start workers from
-    a thread that ends long before the kernel does.
-    """
-
-    # Read now, while the worker is where its kernel started it: moved into a
-    # claim's cgroup later, that is where it goes back to.
-    born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu")}
-
-    kernel_gone = kernels_death(kernel_pid)
-
-    def watch() -> None:
-        # Any thread may take a signal sent to the process, and a SIGINT taken
-        # here would only be flagged for the main thread, not wake it from a
-        # cell's `time.sleep`.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        if kernel_gone is not None:
-            # Both are waited for with no timeout: an idle worker, the one
-            # started ahead of a notebook's first claim included, is then
-            # never woken while its kernel lives.
-            select.select([lifeline_fd, kernel_gone], [], [])
-        else:
-            while True:
-                readable, _, _ = select.select([lifeline_fd], [], [], PARENT_CHECK_SECONDS)
-                if readable or os.getppid() != kernel_pid:
-                    break
-        sweep_after(kernel_pid)
-        for controller, home in born_in.items():
-            with contextlib.suppress(Exception):
-                memory_cap.leave_claim_cgroup(home, controller)
-        # os._exit runs no atexit: let go of the memory kept for the next
-        # cell's outputs now rather than with the process.
-        with contextlib.suppress(Exception):
-            transfer.clear_shelf()
-        # Only a group this worker leads is its own to end; started by hand
-        # from a terminal, the group is the terminal's.
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="fluksio-lifeline", daemon=True).start()
-
-
 def reshape(environ: dict[str, str]) -> str | None:
     """Take another share's thread variables, if every pool here will hold them; why not if not."""
     try:
@@ -541,6 +444,7 @@ def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
                 run_one_cell(shell, request, interrupts)
                 if shell.exit_now:
                     return True
+                end_leftovers()
             case Reshape(environ=environ):
                 shell.report(Reshaped(reshape(environ)))
             case InputReply():
@@ -573,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     # the kernel from ever seeing this worker die.
     for fd in (arguments.channel_fd, arguments.lifeline_fd):
         os.set_inheritable(fd, False)
+    adopt_orphans()
     leave_with_the_kernel(arguments.lifeline_fd, arguments.kernel_pid)
     channel = Channel.from_fd(arguments.channel_fd)
     started_with = dict(os.environ)
@@ -592,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         told_to_exit = serve(channel, shell, interrupts)
     if not told_to_exit:
         sweep_after(arguments.kernel_pid)
+    # A cell cut short by the kernel's going leaves its processes to nobody else.
+    end_leftovers(grace_s=GRACE_S if told_to_exit else 0)
     # Whatever atexit handlers print is for the pipe: nobody reads frames now.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     return 0

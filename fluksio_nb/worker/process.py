@@ -16,7 +16,7 @@ decides:
   has exited is asked without reaping it, for the same reason.
 - **The worker never outlives the kernel**, however the kernel ends: it holds
   the read end of a pipe only the kernel writes to, and leaves when that pipe
-  reaches end-of-file (:func:`fluksio_nb.worker.main.leave_with_the_kernel`).
+  reaches end-of-file (:func:`fluksio_nb.worker.lifetime.leave_with_the_kernel`).
   A :class:`WorkerProcess` dropped without being ended ends its process when it
   is collected.
 
