@@ -43,7 +43,7 @@ from fluksio_nb.errors import (
     RemoteError,
     WorkerDied,
 )
-from fluksio_nb.relay import CellOutput
+from fluksio_nb.relay import CellOutput, ForegroundOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView
@@ -183,6 +183,7 @@ class ClaimLifecycle(ABC):
             self._end(ending_of(error), message_of(error))
 
     def __enter__(self) -> ClaimLifecycle:
+        self._refuse_once_ended()
         return self.acquire()
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -190,7 +191,18 @@ class ClaimLifecycle(ABC):
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` holding this share; return its result."""
-        return call_through(self.run_code, CellOutput(), fn, args, kwargs)
+        self._refuse_once_ended()
+        # Its error is raised here, to be caught or shown as any call's is:
+        # sent to the cell as well, a caught one would still show in red.
+        return call_through(self.run_code, ForegroundOutput(), fn, args, kwargs)
+
+    def _refuse_once_ended(self) -> None:
+        """Refuse work for a claim that has ended: its share is back in the books."""
+        if self.status.phase == "done":
+            raise RuntimeError(
+                f"{self.status.label} has ended, and its share went back to the books when "
+                "its `with` block did: a claim is held once. Make a new claim(...) for more work"
+            )
 
     # -- showing --------------------------------------------------------------------
 

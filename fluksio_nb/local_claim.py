@@ -390,6 +390,7 @@ class Claim(ClaimLifecycle):
         An ``env=`` given here is laid over the derived one, as a claim's own
         ``env`` is. The process ends, if it has not already, when the claim does.
         """
+        self._refuse_once_ended()
         held = self._confinement
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")

@@ -38,7 +38,7 @@ from fluksio_nb.errors import (
 from fluksio_nb.jobs import Job
 from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
-from fluksio_nb.relay import CellOutput
+from fluksio_nb.relay import ForegroundOutput
 from fluksio_nb.status import StatusView, TextView, can_show_widgets
 from fluksio_nb.variables import (
     choose_if_changed,
@@ -51,17 +51,6 @@ from fluksio_nb.worker.client import Outcome, kernels_cell_number
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
 PLAIN_ERRORS = (ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim, NotBroughtBack)
-
-
-class ForegroundOutput(CellOutput):
-    """Output of a cell the kernel is waiting on. Its error is raised, not sent.
-
-    Raising is what marks the cell as failed, so that "Run All" stops there as
-    it would for a normal cell; sending the traceback as well would show it twice.
-    """
-
-    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
-        pass
 
 
 @magics_class

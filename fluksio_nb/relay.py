@@ -146,6 +146,19 @@ class CellOutput:
         )
 
 
+class ForegroundOutput(CellOutput):
+    """Output of code the kernel is waiting on: a cell, or a ``c.run`` call. Its error is
+    raised, not sent.
+
+    Raising is what marks the cell as failed, so that "Run All" stops there as
+    it would for a normal cell, and what lets a ``try`` catch it; sending the
+    traceback as well would show it twice, or show a caught one.
+    """
+
+    def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        pass
+
+
 def _kernel():
     """The running ipykernel, or ``None`` outside one."""
     try:

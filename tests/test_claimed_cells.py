@@ -774,6 +774,23 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     assert_books_balanced(kernel)
 
 
+def test_an_error_of_c_run_is_shown_once_and_not_at_all_when_caught(kernel):
+    """Guards against a caught error still showing in red, and an uncaught one twice."""
+    caught = kernel.run(
+        "from fluksio_nb import claim\n"
+        "def fails():\n    raise ValueError('inside')\n"
+        "with claim(cpus=1) as c:\n"
+        "    try:\n        c.run(fails)\n"
+        "    except Exception as error:\n        print('caught', type(error).__name__)",
+        check=True,
+    )
+    assert caught.of("error") == []
+    assert caught.stdout == "caught RemoteError\n"
+    uncaught = kernel.run("with claim(cpus=1) as c:\n    c.run(fails)")
+    assert [m["content"]["evalue"] for m in uncaught.of("error")] == ["inside"]
+    assert_books_balanced(kernel)
+
+
 def starts_three_sleepers(orphan: Path) -> str:
     """Lines of a cell that leave three processes running: its child, one in a
     session of its own, and one a shell started in the background and left

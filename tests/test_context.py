@@ -76,6 +76,17 @@ def test_popen_starts_a_real_script_with_the_derived_env(tmp_path):
     assert out.split() == ["2", "x"]
 
 
+def test_an_ended_claim_refuses_more_work_and_a_second_block():
+    """Guards against work on a share the books have given back, maybe to someone else."""
+    c = claim(cpus=1, label="once")
+    with c:
+        assert c.run(pow, 2, 3) == 8
+    for more_work in (lambda: c.run(pow, 2, 3), lambda: c.popen(["true"]), c.__enter__):
+        with pytest.raises(RuntimeError, match="once has ended"):
+            more_work()
+    assert accountant().snapshot()["running"] == []
+
+
 def test_a_subprocess_still_running_when_the_block_ends_is_ended():
     with claim() as c:
         process = c.popen(["sleep", "60"])
