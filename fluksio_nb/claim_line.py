@@ -144,7 +144,8 @@ def parse_claim_line(line: str) -> ClaimLine:
         words = shlex.split(line)
     except ValueError as error:
         raise BadClaim(f"%%claim: {error} in {line!r}; close the quote.") from None
-    options = _PARSER.parse_args(words)
+    # Pairs after an option as well as before it: `--label fit ram=8G` is as clear.
+    options = _PARSER.parse_intermixed_args(words)
 
     fields: dict[str, object] = {}
     env: dict[str, str] = {}
@@ -159,6 +160,8 @@ def parse_claim_line(line: str) -> ClaimLine:
                 raise BadClaim(f"%%claim: {name} is given twice; keep one.")
             fields[name] = value
         elif ENV_NAME.match(name):
+            if name in env:
+                raise BadClaim(f"%%claim: {name} is given twice; keep one.")
             env[name] = value
         else:
             raise BadClaim(

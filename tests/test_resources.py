@@ -95,6 +95,13 @@ def test_the_line_splits_resources_env_and_options():
     assert line.background is True
 
 
+def test_pairs_may_come_after_the_options_too():
+    line = parse_claim_line("cpus=2 --label fit ram=8G --background OMP_NUM_THREADS=1")
+    r = line.resources
+    assert (r.cpus, r.ram_bytes, r.label, r.env) == (2, 8 * 10**9, "fit", {"OMP_NUM_THREADS": "1"})
+    assert line.background is True
+
+
 def test_an_empty_line_is_one_core():
     line = parse_claim_line("")
     assert line.resources == Resources()
@@ -114,6 +121,7 @@ def test_quoted_values_keep_their_spaces():
         ("ram=lots", "ram='lots' is not a size"),
         ("cpus", "is not NAME=VALUE"),
         ("cpus=2 cpus=3", "given twice"),
+        ("OMP_NUM_THREADS=1 OMP_NUM_THREADS=3", "OMP_NUM_THREADS is given twice"),
         ("--colour red", "unrecognized arguments"),
         ("--in 1x", "is not a Python name"),
         ("--label 'unclosed", "close the quote"),
