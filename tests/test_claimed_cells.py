@@ -774,6 +774,17 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     assert_books_balanced(kernel)
 
 
+def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
+    """Guards against the commonest way to read a file failing the cell: a closed file
+    cannot travel, and there is nothing in it to bring back."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    kernel.run(
+        f"%%claim\nwith open({str(notes)!r}) as handle:\n    text = handle.read()", check=True
+    )
+    assert kernel.facts("[text, 'handle' in globals()]") == ["hello", False]
+
+
 def test_an_error_of_c_run_is_shown_once_and_not_at_all_when_caught(kernel):
     """Guards against a caught error still showing in red, and an uncaught one twice."""
     caught = kernel.run(

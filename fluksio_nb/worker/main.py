@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 import time
@@ -146,7 +147,8 @@ def pack_outputs(
     keep: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, dict[str, str], list[str]]:
-    """What goes back for ``names``, why each one that cannot go back can't, and the absent.
+    """What goes back for ``names``, why each one that cannot go back can't, and the absent
+    (a file the cell closed counts as absent).
 
     ``keep`` writes big values into files this worker keeps, warm for the
     next cell's: a receiver copies them elsewhere at once (a Ray task, into
@@ -156,8 +158,13 @@ def pack_outputs(
     by name. Otherwise each goes into a new file of its own for the kernel
     to take over. ``progress(written, total)`` is told how the writing goes.
     """
-    present = {name: namespace[name] for name in names if name in namespace}
-    absent = [name for name in names if name not in namespace]
+    # A file the cell closed has nothing in it to bring back: as good as absent.
+    present = {
+        name: namespace[name]
+        for name in names
+        if name in namespace and not _closed_file(namespace[name])
+    }
+    absent = [name for name in names if name not in present]
     parcel = transfer.pack(
         present,
         refer_back=True,
@@ -229,12 +236,13 @@ def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list
     A name counts when the cell bound it to something it was not bound to
     before the cell ran: an input the cell only read does not go back, one it
     reassigned does. Modules, ``_private`` names and IPython's own furniture
-    (``In``, ``exit``, ``get_ipython``...) never go back.
+    (``In``, ``exit``, ``get_ipython``...) never go back, nor a file the cell
+    has closed: ``with open(path) as f`` leaves nothing in ``f`` to use.
     """
     furniture = shell.user_ns_hidden
     bound = []
     for name, value in shell.user_ns.items():
-        if name.startswith("_") or isinstance(value, ModuleType):
+        if name.startswith("_") or isinstance(value, ModuleType) or _closed_file(value):
             continue
         if name in furniture and furniture[name] is value:
             continue
@@ -242,6 +250,10 @@ def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list
             continue
         bound.append(name)
     return bound
+
+
+def _closed_file(value: Any) -> bool:
+    return isinstance(value, io.IOBase) and value.closed
 
 
 def changed_in_place(
