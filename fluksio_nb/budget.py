@@ -187,6 +187,29 @@ def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> 
     )
 
 
+def over_budget_before_it_ran(held_bytes: int, budget: Budget, enforced_by: str) -> HaltDecision:
+    """The stop of a claim whose worker, as it came in, already held more than its budget.
+
+    The kernel's cap charges a claim only for what its processes allocate once
+    they are in it, so it cannot hold such a claim to its budget: it is
+    stopped before its code runs, as the sampler would stop it at its first
+    reading.
+    """
+    limit = budget.halt_bytes
+    assert budget.applied_bytes is not None and limit is not None, "no budget, nothing to be over"
+    return HaltDecision(
+        should_halt=True,
+        reason=HaltReason.OVER_BUDGET,
+        message=(
+            f"halted before it ran: its worker alone holds {human(held_bytes)} (Python, "
+            "IPython and what earlier cells imported), over the claim's memory budget of "
+            f"{human(budget.applied_bytes)}. Ask for more with ram=."
+        ),
+        detail={"rss_bytes": held_bytes, "limit_bytes": limit},
+        enforced_by=enforced_by,
+    )
+
+
 def over_gpu_budget(card: CardShare, budget: Budget) -> HaltDecision:
     """The stop of a claim holding more of one of its cards than its ``gpu_ram=``."""
     assert budget.gpu_bytes is not None, "no card budget, nothing to be over"

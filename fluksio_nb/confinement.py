@@ -30,7 +30,13 @@ from dataclasses import replace
 import psutil
 
 from fluksio_nb.books import Allocation
-from fluksio_nb.budget import CGROUP_V2, Budget, HaltDecision, over_budget
+from fluksio_nb.budget import (
+    CGROUP_V2,
+    Budget,
+    HaltDecision,
+    over_budget,
+    over_budget_before_it_ran,
+)
 from fluksio_nb.enforcement import (
     THREAD_VARIABLES,
     Enforcement,
@@ -163,6 +169,19 @@ class Confinement:
                 then()
 
         return enter
+
+    def over_before_it_ran(self, budget: Budget | None) -> HaltDecision | None:
+        """The halt of a claim whose worker came into the cap holding more than its budget.
+
+        What a process holds as it comes in stays charged elsewhere, and the cap
+        is set to the budget less that: one already over it cannot be held to it.
+        """
+        cap = self.cap
+        if cap is None or budget is None or budget.halt_bytes is None:
+            return None
+        if cap.baseline_bytes <= budget.halt_bytes:
+            return None
+        return over_budget_before_it_ran(cap.baseline_bytes, budget, cap.version)
 
     def halt_by_the_cap(self, budget: Budget | None, peak_seen: int) -> HaltDecision | None:
         """The halt to report for a process that died, if the cap's OOM killer is what killed it."""

@@ -26,6 +26,10 @@ in the block is then as well-behaved as code sent to a worker. The ``%%claim``
 magic and background jobs do not do this, because their work is not in the
 kernel, and a background job limiting the kernel's pools would slow every
 other cell the user runs meanwhile.
+
+It is long because a claim's steps (queued, started, running, stopped,
+ended) share one lock, one status and one record: a stop can land between
+any two of them, and each step has to see what the others left.
 """
 
 from __future__ import annotations
@@ -325,6 +329,11 @@ class Claim(ClaimLifecycle):
         # pools are still there: every thread of it moves to this claim's.
         family = held.admit(worker.pid)
         self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+        if (too_big := held.over_before_it_ran(self.budget)) is not None:
+            held.let_go(worker.pid)
+            self._pool.checkin(worker, self.env)
+            self._halt(too_big)
+            raise ClaimHalted(too_big)
         self._hold_process(stop=worker.kill)
         watched: Watched | None = None
 

@@ -296,6 +296,23 @@ def test_a_fast_allocation_is_stopped_at_its_budget_by_the_kernel(kernels, place
     assert claim_cgroups_of(place, kernel.pid) == []
 
 
+def test_a_budget_below_what_the_worker_already_holds_is_halted_before_the_cell_runs(
+    kernels, place
+):
+    """Guards against a claim the cap cannot hold running unbounded: what a worker holds
+    as it comes in stays charged elsewhere, so ram=10M capped only what came after."""
+    kernel = kernels()
+    ran = kernel.run("%%claim ram=10M --label tiny\nprint('ran')")
+    assert ran.error["ename"] == "ClaimHalted"
+    message = "".join(ran.error["traceback"])
+    assert "halted before it ran: its worker alone holds" in message
+    assert "over the claim's memory budget of 10.0MB. Ask for more with ram=." in message
+    assert "ran" not in ran.stdout
+    assert kernel.books()["running"] == []
+    assert kernel.run("%%claim ram=1G\nprint('ran')", check=True).stdout == "ran\n"
+    assert claim_cgroups_of(place, kernel.pid) == []
+
+
 def test_with_the_cap_turned_off_the_sampler_halts_and_says_so(kernels, place):
     kernel = kernels({"memory_cap": False})
     ran = kernel.run("%%claim ram=300M\nimport numpy\nblock = numpy.ones(2 * 2**30 // 8)")
