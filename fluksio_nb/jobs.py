@@ -127,7 +127,7 @@ class Job:
                     self._code,
                     self._inputs,
                     self._outputs,
-                    self._output,
+                    claimed.telling_of_clears(self._output),
                     if_changed=self._if_changed,
                     random_state=self._random_state,
                 )

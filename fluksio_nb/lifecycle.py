@@ -84,6 +84,8 @@ class ClaimLifecycle(ABC):
         #: or at its first reading.
         self._show_after = show_after
         self._shown = False
+        #: The cell cleared its output after the view was drawn: the view is gone.
+        self._view_cleared = False
         #: Where the record goes when no view was drawn to hold it: the cell
         #: that asked (see :meth:`_remember_the_cell`).
         self._cell: CellOutput | None = None
@@ -237,15 +239,41 @@ class ClaimLifecycle(ABC):
             # A live view due now is not drawn: the record takes its place.
             self._shown = True
         end = getattr(self._view, "end", None)
-        if end is not None and end(self.status):
+        if end is not None and end(self.status) and not self._view_cleared:
             return
         if end is None:
             self._view.update(self.status)
-        # Over before anything was drawn: the record is the cell's one display.
+        # Over before anything was drawn, or what was drawn the cell cleared:
+        # the record is the cell's one display.
         TextView(self._cell).show(self.status)
+
+    def telling_of_clears(self, sink: Any) -> Any:
+        """``sink``, whose ``clear_output`` also tells this claim that its view is gone."""
+        return _ClearsTold(sink, self._cleared)
+
+    def _cleared(self) -> None:
+        with self._lock:
+            if self._shown:
+                self._view_cleared = True
 
     def _ended(self, ending: Ending) -> None:  # noqa: B027 (a hook; most places need none)
         """What a place to run does as the claim ends, before its record: by default nothing."""
+
+
+class _ClearsTold:
+    """A cell's sink, passed on whole but for ``clear_output``, which its claim hears of too."""
+
+    def __init__(self, sink: Any, told: Callable[[], None]) -> None:
+        self._sink, self._told = sink, told
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)
+
+    def clear_output(self, wait: bool = False) -> None:
+        clear_output = getattr(self._sink, "clear_output", None)
+        if clear_output is not None:
+            clear_output(wait)
+        self._told()
 
 
 def ending_of(error: BaseException) -> Ending:

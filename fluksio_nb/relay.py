@@ -83,17 +83,33 @@ class CellOutput:
             "display_data", {"data": data, "metadata": metadata or {}, "transient": transient}
         )
 
-    def update_display(self, data: dict[str, Any], display_id: str) -> None:
+    def update_display(
+        self, data: dict[str, Any], display_id: str, metadata: dict[str, Any] | None = None
+    ) -> None:
         """Redraw what :meth:`display` showed under ``display_id``, wherever it is."""
         if self._kernel is None:
             from IPython.display import publish_display_data
 
-            publish_display_data(data, {}, transient={"display_id": display_id}, update=True)
+            publish_display_data(
+                data, metadata or {}, transient={"display_id": display_id}, update=True
+            )
             return
         self._send(
             "update_display_data",
-            {"data": data, "metadata": {}, "transient": {"display_id": display_id}},
+            {"data": data, "metadata": metadata or {}, "transient": {"display_id": display_id}},
         )
+
+    def clear_output(self, wait: bool = False) -> None:
+        """Clear the cell's output, now or, with ``wait``, when the next output comes."""
+        if self._kernel is None:
+            from IPython.display import clear_output
+
+            clear_output(wait)
+            return
+        # What the kernel has buffered for this cell goes first, as before a stream.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._send("clear_output", {"wait": wait})
 
     def result(self, data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
         # Shown as display data, not execute_result: the execution count belongs

@@ -384,6 +384,74 @@ def test_the_last_expression_and_displays_are_shown(kernel):
     )
 
 
+def kept_outputs(ran) -> list[str]:
+    """The plain text of each output a notebook keeps once the cell is over, as
+    JupyterLab keeps them: cleared, redrawn by display id, or added."""
+    kept: list[dict] = []
+    clear_at_next = False
+    for message in ran.messages:
+        kind, content = message["msg_type"], message["content"]
+        if kind == "clear_output":
+            if content["wait"]:
+                clear_at_next = True
+            else:
+                kept = []
+            continue
+        if kind == "update_display_data":
+            shown_as = content["transient"]["display_id"]
+            for output in kept:
+                if output.get("display_id") == shown_as:
+                    output["text"] = content["data"]["text/plain"]
+            continue
+        if kind not in ("stream", "display_data"):
+            continue
+        if clear_at_next:
+            kept, clear_at_next = [], False
+        if kind == "stream":
+            kept.append({"text": content["text"]})
+        else:
+            shown_as = content.get("transient", {}).get("display_id")
+            kept.append({"text": content["data"]["text/plain"], "display_id": shown_as})
+    return [output["text"] for output in kept]
+
+
+def test_clear_output_and_redrawn_displays_in_a_claimed_cell_reach_the_notebook(kernel):
+    """Guards against a live-updating loop piling up its output in a claimed cell."""
+    ran = kernel.run(
+        "%%claim --label redrawn\nfrom IPython.display import display, clear_output\n"
+        "shown = display('first', display_id=True)\nshown.update('second')\n"
+        "for i in range(3):\n    clear_output(wait=True)\n    print('tick', i)\n"
+        "del shown",
+        check=True,
+    )
+    [first] = [m for m in ran.of("display_data") if m["content"]["data"]["text/plain"] == "'first'"]
+    [redrawn] = ran.of("update_display_data")
+    assert redrawn["content"]["data"]["text/plain"] == "'second'"
+    assert redrawn["content"]["transient"] == first["content"]["transient"]
+    assert [m["content"]["wait"] for m in ran.of("clear_output")] == [True, True, True]
+    assert kept_outputs(ran)[0] == "tick 2\n"
+
+
+def test_a_cell_that_clears_its_output_after_the_live_view_still_ends_with_its_record(
+    kernel, tmp_path
+):
+    """Guards against the record being drawn into a view the cell's clear_output removed."""
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        "%%claim --label clearing\nfrom IPython.display import clear_output\n"
+        f"{until_it_exists(go)}clear_output()\nprint('after')"
+    )
+    try:
+        kernel.messages_of(
+            msg_id, until=Until("draw its live view", lambda r: r.of("display_data"))
+        )
+    finally:
+        go.touch()
+    kept = kept_outputs(kernel.messages_of(msg_id))
+    assert kept[0] == "after\n"
+    assert len(kept) == 2 and kept[1].startswith("clearing: ok"), kept
+
+
 def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
     ran = kernel.run(
         "%%claim\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])",

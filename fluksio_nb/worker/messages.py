@@ -180,7 +180,7 @@ class Display(_Message):
 
     data: dict[str, Any]
     metadata: dict[str, Any]
-    #: Carried so that display ids can be honoured; no sink here uses them yet.
+    #: Its ``display_id``, for a display that ``update=True`` later redraws.
     transient: dict[str, Any] | None = None
     update: bool = False
 
@@ -297,9 +297,11 @@ class Sink:
 
     A sink need not be a ``Sink``: anything with the five methods ``stdout``,
     ``stderr``, ``display``, ``result`` and ``error`` will do, and is shown
-    through :func:`relay`. The notebook's own, :class:`fluksio_nb.relay.CellOutput`,
-    is one: it sits below the worker in the package's layers, so it cannot
-    subclass this.
+    through :func:`relay`. Two more are taken where a sink has them:
+    ``clear_output(wait)``, and ``update_display(data, display_id, metadata)``,
+    whose sink's ``display`` then takes a ``display_id=`` too. The notebook's
+    own, :class:`fluksio_nb.relay.CellOutput`, is one: it sits below the
+    worker in the package's layers, so it cannot subclass this.
     """
 
     def forward(self, message: Output) -> None:
@@ -342,8 +344,17 @@ def relay(message: Output, sink: Sink) -> None:
             sink.stderr(text)
         case Stream(text=text):
             sink.stdout(text)
-        case Display(data=data, metadata=metadata):
-            sink.display(data, metadata)
+        case Display(data=data, metadata=metadata, transient=transient, update=update):
+            display_id = (transient or {}).get("display_id")
+            # Display ids are honoured by a sink that can redraw, whose
+            # ``display`` then takes one too; any other shows each anew.
+            update_display = getattr(sink, "update_display", None)
+            if display_id is None or update_display is None:
+                sink.display(data, metadata)
+            elif update:
+                update_display(data, display_id, metadata)
+            else:
+                sink.display(data, metadata, display_id=display_id)
         case Result(data=data, metadata=metadata):
             sink.result(data, metadata)
         case Error(ename=ename, evalue=evalue, traceback=traceback):
