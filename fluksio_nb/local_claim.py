@@ -34,9 +34,11 @@ any two of them, and each step has to see what the others left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +74,17 @@ _STATUS_EVERY_S = 0.5
 #: How often a waiting claim guesses again when it may start: each guess reads
 #: the queue and the usage records, and the answer moves in minutes.
 GUESS_EVERY_S = 5.0
+
+#: The claims each thread holds now: one made inside another's ``with`` block,
+#: in the same thread, cannot wait for what the outer one holds.
+_held_in_this_thread = threading.local()
+
+
+def _held_here() -> list[Claim]:
+    held = getattr(_held_in_this_thread, "claims", None)
+    if held is None:
+        held = _held_in_this_thread.claims = []
+    return held
 
 
 class Claim(ClaimLifecycle):
@@ -162,6 +175,8 @@ class Claim(ClaimLifecycle):
         """Wait for the share, showing where the claim stands while it waits."""
         try:
             ticket = self.enqueue()
+            if ticket.allocation is None:
+                self._refuse_to_wait_on_this_thread(ticket)
             allocation = self._wait(ticket)
         except BaseException as error:
             # A `with` whose __enter__ raised never reaches __exit__: the place
@@ -180,7 +195,32 @@ class Claim(ClaimLifecycle):
             # the place all go, as they would at the block's end.
             self.release(error)
             raise
+        _held_here().append(self)
         return self
+
+    def _refuse_to_wait_on_this_thread(self, ticket: Ticket) -> None:
+        """Refuse a wait that could never end: for what claims around it, here, hold."""
+        around = [
+            claim.allocation
+            for claim in _held_here()
+            if claim.allocation is not None and claim.status.phase != "done"
+        ]
+        if not around:
+            return
+        wanted, books = ticket.resources, self._queue.books
+        if books.fits(
+            wanted.cpus + sum(held.cpus for held in around),
+            wanted.gpus + sum(len(held.gpus) for held in around),
+            wanted.ram_bytes + sum(held.ram_bytes for held in around),
+        ):
+            return
+        holding = " and ".join(held_words(held) for held in around)
+        raise BadClaim(
+            f"{ticket.label} would wait for ever: it asks for {wanted.describe()} inside a "
+            f"claim of this same thread that holds {holding} until its `with` block ends, "
+            "and the machine has not that much beside it. Ask for less, or claim it all "
+            "in the outer block and use that."
+        )
 
     def _start(self, ticket: Ticket, allocation: Allocation) -> None:
         """From a share granted to a claim running: its env, budget, cgroups and status."""
@@ -276,6 +316,8 @@ class Claim(ClaimLifecycle):
                 self.status.expected_wait = describe_wait(guess)
 
     def _give_back(self) -> None:
+        with contextlib.suppress(ValueError):
+            _held_here().remove(self)
         if self._thread_limits is not None:
             self._thread_limits.restore_original_limits()
             self._thread_limits = None

@@ -216,6 +216,22 @@ def test_threads_claiming_at_once_never_exceed_the_machine():
     assert accountant().snapshot()["cpus"]["free"] == 2
 
 
+def test_a_claim_that_could_only_start_once_its_own_outer_block_ends_is_refused():
+    """Guards against a claim nested in another, in one thread, waiting for ever on it."""
+    with claim(cpus=2, label="outer"):
+        with pytest.raises(BadClaim) as refused, claim(cpus=1, label="inner"):
+            pass
+        assert accountant().snapshot()["waiting"] == []
+    assert "inner would wait for ever: it asks for cpus=1 inside a claim of this same " in str(
+        refused.value
+    )
+    assert "thread that holds cpus=2 until its `with` block ends" in str(refused.value)
+    # One that fits beside the outer block is simply granted.
+    with claim(cpus=1, label="outer"), claim(cpus=1, label="inner") as inner:
+        assert inner.allocation.cpus == 1
+    assert accountant().snapshot()["cpus"]["free"] == 2
+
+
 def test_bad_arguments_are_refused_before_anything_waits():
     with pytest.raises(BadClaim, match="ram='plenty' is not a size"):
         claim(ram="plenty")
