@@ -870,6 +870,22 @@ def test_an_error_of_c_run_is_shown_once_and_not_at_all_when_caught(kernel):
     assert_books_balanced(kernel)
 
 
+def test_a_thread_a_claimed_cell_leaves_running_ends_with_its_worker_and_says_so(kernel):
+    """Guards against a cell's thread losing its names to the next cell and printing into it."""
+    ran = kernel.run(
+        "%%claim\nimport os, threading, time\n"
+        "def chatter():\n    while True:\n        time.sleep(0.05)\n        print('chatter')\n"
+        "threading.Thread(target=chatter, name='chatter').start()\n"
+        "worker = os.getpid()",
+        check=True,
+    )
+    assert "the cell ended with threads still running its code (chatter)" in ran.stderr
+    assert gone(kernel.facts("worker"), within=10)
+    later = kernel.run("%%claim\nimport time\ntime.sleep(0.3)\nprint('mine')", check=True)
+    assert (later.stdout, later.stderr) == ("mine\n", "")
+    assert_books_balanced(kernel)
+
+
 def starts_three_sleepers(orphan: Path) -> str:
     """Lines of a cell that leave three processes running: its child, one in a
     session of its own, and one a shell started in the background and left

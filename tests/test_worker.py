@@ -459,18 +459,22 @@ def test_a_stop_the_sleeping_main_thread_never_saw_still_stops_the_cell(own_work
         cell(
             """
             import signal, threading, time
-            main_thread_deaf = threading.Event()
+            main_thread_deaf, over = threading.Event(), threading.Event()
             def say_it_sleeps():
                 main_thread_deaf.wait()
                 print("sleeping")
-                time.sleep(60)
-            threading.Thread(target=say_it_sleeps, daemon=True).start()
+                over.wait(60)
+            saying = threading.Thread(target=say_it_sleeps, daemon=True)
+            saying.start()
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 main_thread_deaf.set()
                 time.sleep(60)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                # Left running, the thread would take the worker with it.
+                over.set()
+                saying.join()
             """
         ),
         sink=recorder,

@@ -22,6 +22,12 @@ It decides:
   button gives a cell its chance to end by itself. It looks once the kernel
   has the cell's outcome, on the claim's core, so a cell that leaves nothing
   costs the kernel nothing; the next cell waits for the ending.
+- **A cell's threads go with the cell, and take its worker with them.** A
+  thread still running the cell's code when the cell ends would find the
+  cell's names gone (every cell starts from an empty namespace) and print
+  into whichever cell ran next. Python cannot end a thread from outside, so
+  the worker leaves after such a cell, and says why (:func:`threads_left`);
+  the claim's next cell gets a fresh one.
 - **The worker adopts what its cells orphan.** It is the child subreaper of
   everything below it (Linux's ``PR_SET_CHILD_SUBREAPER``): a process whose
   parent exits is handed to the worker rather than to init, so it is still
@@ -36,8 +42,10 @@ import ctypes
 import os
 import select
 import signal
+import sys
 import threading
 import time
+from typing import Any
 
 from fluksio_nb import memory_cap, transfer
 from fluksio_nb.inventory import descendants
@@ -87,6 +95,19 @@ def end_leftovers(grace_s: float = GRACE_S) -> list[int]:
             if not running or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
+    return left
+
+
+def threads_left(namespace: dict[str, Any]) -> list[str]:
+    """The names of the threads still running code of the cell whose names are ``namespace``."""
+    frames = sys._current_frames()
+    left = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident) if thread is not threading.main_thread() else None
+        while frame is not None and frame.f_globals is not namespace:
+            frame = frame.f_back
+        if frame is not None:
+            left.append(thread.name)
     return left
 
 

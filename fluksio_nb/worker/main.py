@@ -39,6 +39,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FunctionType, ModuleType
@@ -54,6 +55,7 @@ from fluksio_nb.worker.lifetime import (
     end_leftovers,
     leave_with_the_kernel,
     sweep_after,
+    threads_left,
 )
 from fluksio_nb.worker.messages import (
     Done,
@@ -66,6 +68,7 @@ from fluksio_nb.worker.messages import (
     Run,
     Sending,
     SendingBack,
+    Stream,
     Unpacked,
 )
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
@@ -81,6 +84,13 @@ from fluksio_nb.worker.shell import (
     start_fresh,
 )
 from fluksio_nb.worker.threads import take_threads
+
+#: Told to a cell that left threads running its code (see :mod:`~.lifetime`).
+_THREADS_LEFT = (
+    "fluksio_nb: the cell ended with threads still running its code ({names}). They end "
+    "with its worker, which leaves after this cell: join them before the cell ends "
+    "(thread.join()) to keep what they do.\n"
+)
 
 #: How often, at most, the kernel is told how far the results are on their way.
 SENDING_REPORT_S = 0.25
@@ -319,6 +329,9 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
             report_exception_only(shell, escaped)
     # Again after: the cell that first touched a card is the one that started torch's CUDA.
     hold_torch_to_the_card_budget()
+    if left := threads_left(shell.user_ns):
+        shell.exit_now = True
+        shell.report(Stream("stderr", _THREADS_LEFT.format(names=", ".join(left))))
     drawn, held = random_streams.drawn_since(streams_before, given)
     random_streams.forget_pending()
     wanted = request.outputs
@@ -513,4 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     end_leftovers(grace_s=GRACE_S if told_to_exit else 0)
     # Whatever atexit handlers print is for the pipe: nobody reads frames now.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        # A cell's thread that is not a daemon would hold the interpreter's exit.
+        sys.stdout.flush()
+        os._exit(0)
     return 0
