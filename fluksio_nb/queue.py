@@ -385,7 +385,8 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
     )
     warn_at_users_line(
         f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
-        f"running with {shrunk.describe()} instead. Add --strict to refuse instead.",
+        f"running with {shrunk.describe(gpus_if_none=bool(wanted.gpus))} instead. "
+        "Add --strict to refuse instead.",
         ClampedWarning,
     )
     return shrunk

@@ -172,10 +172,13 @@ class Resources(BaseModel):
         """The memory this claim takes from the books: none if it named none."""
         return int(self.ram) if self.ram is not None else 0
 
-    def describe(self) -> str:
-        """The request as a person would type it: ``cpus=2 gpus=1 ram=8.0GB``."""
+    def describe(self, gpus_if_none: bool = False) -> str:
+        """The request as a person would type it: ``cpus=2 gpus=1 ram=8.0GB``.
+
+        ``gpus=0`` is left out unless ``gpus_if_none``: said when cards asked for were dropped.
+        """
         words = [f"cpus={self.cpus}"]
-        if self.gpus:
+        if self.gpus or gpus_if_none:
             words.append(f"gpus={self.gpus}")
         if self.ram is not None:
             words.append(f"ram={self.ram.human_readable(decimal=True)}")

@@ -131,7 +131,7 @@ def test_asking_for_more_than_there_is_gets_what_there_is_with_a_warning():
 
 def test_a_card_memory_budget_clamped_to_no_card_goes_with_the_card():
     q = queue(cpus=2, gpus=0)
-    with pytest.warns(ClampedWarning, match="running with cpus=1 instead"):
+    with pytest.warns(ClampedWarning, match="running with cpus=1 gpus=0 instead"):
         fitted = q.fit_to_machine(Resources(gpus=1, gpu_ram="8G"))
     assert (fitted.gpus, fitted.gpu_ram) == (0, None)
     with pytest.warns(ClampedWarning, match="running with cpus=2 gpus=1 gpu_ram=8.0GB"):
