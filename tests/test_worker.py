@@ -310,16 +310,56 @@ def test_a_cell_asking_for_input_with_nobody_to_answer_gets_an_error_instead_of_
 
 
 @pytest.mark.timeout(15)
-def test_stdout_arrives_while_the_cell_is_still_running(worker):
+def test_stdout_arrives_while_the_cell_is_still_running(worker, tmp_path):
     """Output relayed only at the end makes a long training loop look hung."""
+    go = tmp_path / "go"
     recorder = Recorder()
-    outcome = worker.run("import time\nprint('epoch 1')\ntime.sleep(2)", sink=recorder)
-    ended = time.monotonic()
+
+    def let_it_go_once_heard() -> None:
+        recorder.stdout_seen.wait(20)
+        go.touch()
+
+    threading.Thread(target=let_it_go_once_heard, daemon=True).start()
+    # The cell goes on only once its line has arrived here: held back to its
+    # end, the line would never let it, and the cell would time out.
+    outcome = worker.run(
+        cell(
+            f"""
+            import os, time
+            print('epoch 1')
+            deadline = time.monotonic() + 20
+            while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            print('arrived' if os.path.exists({str(go)!r}) else 'held back')
+            """
+        ),
+        sink=recorder,
+    )
     assert outcome.ok
-    assert recorder.text() == "epoch 1\n"
-    arrived = recorder.events[0][2]
-    # The print came two seconds before the cell's end: it must not wait for it.
-    assert ended - arrived > 1.5
+    assert recorder.text() == "epoch 1\narrived\n"
+
+
+def test_a_flood_of_lines_arrives_whole_in_order_and_in_a_few_messages(worker):
+    """A message per line made a loop of prints 50 times slower than in a normal cell."""
+    recorder = Recorder()
+    outcome = worker.run(
+        cell(
+            """
+            import sys
+            for i in range(5000):
+                print(i)
+            print('then stderr', file=sys.stderr)
+            print('last')
+            """
+        ),
+        sink=recorder,
+    )
+    assert outcome.ok
+    assert recorder.text() == "".join(f"{i}\n" for i in range(5000)) + "last\n"
+    streams = [(kind, text) for kind, text, _ in recorder.events if kind in ("stdout", "stderr")]
+    stderr_at = streams.index(("stderr", "then stderr\n"))
+    assert "".join(text for _, text in streams[:stderr_at]).endswith("4999\n")
+    assert len(streams) < 100, f"{len(streams)} messages for 5002 lines"
 
 
 def test_output_of_child_processes_and_c_code_is_relayed(worker):

@@ -10,11 +10,8 @@ and decides:
   as the cell's result, an exception as IPython formats it, and the prompt of
   an ``input()``, which waits for the kernel's answer (:func:`ask_the_notebook`).
 - **Python's output is messages; everything else's is the pipe.** ``print``
-  goes through :class:`FrameStream` as messages on the same channel as
-  ``display``, so the two arrive in the order the cell made them. The
-  process's real stdout and stderr are pipes the kernel relays, which is how
-  ``!cmd``, ``os.system`` and C code writing to fd 1 are heard at all; those
-  arrive live, but not ordered against the messages.
+  goes through :mod:`fluksio_nb.worker.streams` as messages on the same
+  channel as ``display``, so the two arrive in the order the cell made them.
 - **SIGINT stops the cell, never the worker** (:class:`Interrupts`). It raises
   ``KeyboardInterrupt`` only while a cell's code runs; while the worker is
   idle, it is an interrupt that arrived after its cell ended and is dropped;
@@ -34,7 +31,6 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
-import io
 import os
 import re
 import signal
@@ -59,9 +55,9 @@ from fluksio_nb.worker.messages import (
     InputReply,
     InputRequest,
     Result,
-    Stream,
 )
 from fluksio_nb.worker.protocol import Channel
+from fluksio_nb.worker.streams import FrameStream, Outbox, flush_streams
 
 #: What a cell that awaits at top level must contain.
 _MAY_AWAIT = re.compile(r"\b(await|async)\b")
@@ -219,66 +215,6 @@ class Reporter:
             flush_streams()
         with self.interrupts.frame_in_flight(deliver_held_back):
             self.channel.send(message)
-
-
-def flush_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
-class FrameStream(io.TextIOBase):
-    """``sys.stdout`` or ``sys.stderr`` in the worker: Python's own writes, sent as frames.
-
-    Frames rather than the pipe underneath, because a pipe and the channel are
-    read separately and nothing says which came first: a ``print`` followed by
-    a ``display`` would sometimes arrive after it. Line-buffered like a
-    terminal, so a loop of prints costs a frame per line, not per ``write``.
-
-    :meth:`fileno` is the real descriptor — the pipe the kernel relays — so code
-    that hands ``sys.stdout`` to a subprocess, or writes to it from C, is still
-    heard, just without that ordering guarantee.
-    """
-
-    def __init__(self, name: str, fd: int, reporter: Reporter) -> None:
-        super().__init__()
-        self.name = name
-        self._fd = fd
-        self._reporter = reporter
-        self._pending: list[str] = []
-        self._lock = threading.Lock()
-
-    @property
-    def encoding(self) -> str:
-        return "utf-8"
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def isatty(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        if not isinstance(text, str):
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        with self._lock:
-            self._pending.append(text)
-        # "\r" too: a progress bar redraws its line without ever ending it.
-        if "\n" in text or "\r" in text:
-            self.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        # Taken out before sending, so an interrupt raised once the frame is
-        # out cannot leave the same text behind to be sent a second time.
-        with self._lock:
-            text = "".join(self._pending)
-            self._pending.clear()
-        if text:
-            self._reporter(Stream(self.name, text), flush_first=False)
 
 
 class FramePublisher(DisplayPublisher):
@@ -467,10 +403,9 @@ def make_shell(reporter: Reporter) -> WorkerShell:
     )
     shell.report = reporter
     RememberedTransforms.install(shell)
-    shell.streams = (
-        FrameStream("stdout", 1, reporter),
-        FrameStream("stderr", 2, reporter),
-    )
+    # Stream messages go without flushing the streams first: they are what is flushed.
+    outbox = Outbox(functools.partial(reporter, flush_first=False))
+    shell.streams = (FrameStream("stdout", 1, outbox), FrameStream("stderr", 2, outbox))
     sys.stdout, sys.stderr = shell.streams
     return shell
 
