@@ -35,6 +35,7 @@ from fluksio_nb.errors import (
     RemoteError,
     WorkerDied,
 )
+from fluksio_nb.in_place import into_the_kernels_own
 from fluksio_nb.jobs import Job
 from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
@@ -128,9 +129,9 @@ class ClaimMagics(Magics):
             output=ForegroundOutput(),
             random_state=random_streams.capture(),
         )
-        with self._keeping_what_came_back(deleted):
+        with self._keeping_what_came_back(deleted, if_changed):
             outcome = job.run()
-        missing = self._bring_back(outcome, deleted, by_hand=by_hand)
+        missing = self._bring_back(outcome, deleted, if_changed, by_hand=by_hand)
         if missing:
             # After the rest are bound, and as the cell's error: "Run All"
             # stops here, not at a later cell that reads a name not there.
@@ -144,7 +145,9 @@ class ClaimMagics(Magics):
         return None
 
     @contextlib.contextmanager
-    def _keeping_what_came_back(self, deleted: frozenset[str]) -> Iterator[None]:
+    def _keeping_what_came_back(
+        self, deleted: frozenset[str], if_changed: list[str]
+    ) -> Iterator[None]:
         """On the cell's error or the stop button, bind what it had bound, then raise.
 
         A normal cell that raises halfway through a training loop leaves the
@@ -154,22 +157,26 @@ class ClaimMagics(Magics):
             yield
         except RemoteError as error:
             if error.outcome is not None:
-                self._bring_back(error.outcome, deleted, by_hand=False)
+                self._bring_back(error.outcome, deleted, if_changed, by_hand=False)
                 # Beside the cell's own error, which is what is raised.
                 sys.stderr.write(error.outcome.warning(by_hand=False))
             raise
         except Interrupted as stopped:
             if stopped.outcome is not None:
-                self._bring_back(stopped.outcome, deleted, by_hand=False)
+                self._bring_back(stopped.outcome, deleted, if_changed, by_hand=False)
                 sys.stderr.write(stopped.outcome.warning(by_hand=False))
             raise
 
     def _bring_back(
-        self, outcome: Outcome, deleted: frozenset[str], by_hand: bool
+        self, outcome: Outcome, deleted: frozenset[str], if_changed: list[str], by_hand: bool
     ) -> dict[str, str]:
-        """Bind what the cell made, drop what it deleted; what did not come back, and why."""
+        """Bind what the cell made, drop what it deleted; what did not come back, and why.
+
+        An array a call may have changed goes into the kernel's own, as in a normal cell.
+        """
         namespace = self.shell.user_ns
-        namespace.update(each_at_home(outcome.outputs, namespace))
+        values = into_the_kernels_own(outcome.outputs, if_changed, namespace)
+        namespace.update(each_at_home(values, namespace))
         random_streams.restore(outcome.random_state)
         # A name the cell deleted is gone after it, as after a normal cell.
         for name in deleted.intersection(outcome.absent):

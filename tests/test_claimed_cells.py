@@ -842,6 +842,23 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     assert_books_balanced(kernel)
 
 
+def test_a_big_array_a_cell_reads_or_changes_through_a_call_stays_the_kernels_own(kernel):
+    """Guards against `data.sum()` replacing the kernel's array and cutting it from its views:
+    past 256 KiB an array travels in shared memory, and always came back."""
+    kernel.run(
+        "import numpy as np\ndata = np.zeros(100_000)\nview = data[:3]\nfirst = id(data)",
+        check=True,
+    )
+    kernel.run("%%claim\ntotal = data.sum()", check=True)
+    assert kernel.facts("[id(data) == first, float(total)]") == [True, 0.0]
+    kernel.run("%%claim\nnp.add(data, 1, out=data)", check=True)
+    assert kernel.facts("[id(data) == first, float(view[0]), float(data.sum())]") == [
+        True,
+        1.0,
+        100_000.0,
+    ]
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""
