@@ -49,7 +49,14 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
-from fluksio_nb.errors import BadClaim, ClaimCancelled, ClaimHalted, ClaimTimeout, WorkerDied
+from fluksio_nb.errors import (
+    BadClaim,
+    ClaimCancelled,
+    ClaimHalted,
+    ClaimTimeout,
+    Interrupted,
+    WorkerDied,
+)
 from fluksio_nb.expected_wait import describe_wait, expected_waits
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
@@ -187,6 +194,9 @@ class Claim(ClaimLifecycle):
             self._end(
                 ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
             )
+            if isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted):
+                # Stopped while waiting: one line, not the queue's frames.
+                raise Interrupted() from None
             raise
         try:
             self._start(ticket, allocation)

@@ -1149,11 +1149,19 @@ def test_a_waiting_background_claim_can_be_cancelled(kernel, tmp_path):
     assert_books_balanced(kernel)
 
 
-def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path):
+@pytest.mark.parametrize(
+    "impatient",
+    [
+        "%%claim cpus=2 --label impatient\nprint('ran')",
+        "from fluksio_nb import claim\nwith claim(cpus=2, label='impatient'):\n    print('ran')",
+    ],
+    ids=["cell", "block"],
+)
+def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impatient):
     go = tmp_path / "go"
     kernel.start_job(f"%%claim cpus=2 --background --label holder\n{until_it_exists(go)}", "holder")
     try:
-        msg_id = kernel.client.execute("%%claim cpus=2 --label impatient\nprint('ran')")
+        msg_id = kernel.client.execute(impatient)
         ledger = Path(kernel.env["FLUKSIO_LEDGER"])
         deadline = time.monotonic() + 20
         while not any(w["label"] == "impatient" for w in read_snapshot(ledger)["waiting"]):
