@@ -1180,6 +1180,13 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
     assert_books_balanced(kernel)
 
 
+def test_claims_with_arguments_says_it_takes_none(kernel):
+    """Guards against `%claims gpus` silently showing everything, as if it had filtered."""
+    ran = kernel.run("%claims gpus")
+    assert ran.error["ename"] == "UsageError"
+    assert "%claims takes no arguments, and was given 'gpus'" in ran.error["evalue"]
+
+
 def test_claim_help_is_the_parser_that_reads_the_line(kernel):
     """`%%claim?` must be real help: every option the line accepts."""
     reply = kernel.reply_to(kernel.client.execute("%%claim?"), timeout=20)
