@@ -557,8 +557,9 @@ class Claim(ClaimLifecycle):
         if decision is None:
             self._stop(
                 "timed out",
-                f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and was "
-                "stopped. Raise --timeout, or make the cell do less.",
+                f"{self.status.label} reached its {self.wanted.timeout:g} s timeout and was "
+                "stopped; waiting, starting its worker and running all count. Raise "
+                "--timeout, or make the cell do less.",
                 None,
             )
         else:

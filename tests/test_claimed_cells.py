@@ -825,7 +825,7 @@ def test_a_cell_past_its_timeout_is_stopped(kernel):
     # Waited for a minute at most, against the cell's hour: only the timeout can end it.
     ran = kernel.run("%%claim --timeout 1\nimport time\ntime.sleep(3600)", timeout=60)
     assert ran.error["ename"] == "ClaimTimeout"
-    assert "ran past its 1 s timeout" in "".join(ran.error["traceback"])
+    assert "reached its 1 s timeout and was stopped" in "".join(ran.error["traceback"])
     assert_books_balanced(kernel)
 
 
