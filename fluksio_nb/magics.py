@@ -186,9 +186,11 @@ class ClaimMagics(Magics):
     @line_magic
     def claims(self, line: str = "") -> Any:
         """Show the machine: totals, free, the queue and the running claims."""
-        if line.strip():
+        # IPython hands a line magic its trailing comment too: `%claims  # the machine`.
+        given = line.partition("#")[0].strip()
+        if given:
             raise UsageError(
-                f"%claims takes no arguments, and was given {line.strip()!r}: it shows the "
+                f"%claims takes no arguments, and was given {given!r}: it shows the "
                 "whole machine. `fluksio-nb` in a terminal prints the same."
             )
         if can_show_widgets():

@@ -1182,9 +1182,10 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
 
 def test_claims_with_arguments_says_it_takes_none(kernel):
     """Guards against `%claims gpus` silently showing everything, as if it had filtered."""
-    ran = kernel.run("%claims gpus")
+    ran = kernel.run("%claims gpus  # only the cards")
     assert ran.status == "error"
     assert "UsageError: %claims takes no arguments, and was given 'gpus'" in ran.stderr
+    assert kernel.run("%claims  # the machine", check=True).status == "ok"
 
 
 def test_claim_help_is_the_parser_that_reads_the_line(kernel):
