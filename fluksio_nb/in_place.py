@@ -1,8 +1,8 @@
 """An array a claimed cell may have changed in place, changed in place in the kernel too.
 
-``total = data.sum()`` and ``data *= 2`` bind no name, yet in a normal cell
-the second changes the kernel's ``data``, and every view of it and every
-other name for it sees the change. A claimed cell sends ``data`` to its
+``total = data.sum()`` and ``data.sort()`` bind no name for ``data``, yet in
+a normal cell the second changes the kernel's ``data``, and every view of it
+and every other name for it sees the change. A claimed cell sends ``data`` to its
 worker and the worker sends it back if a call may have changed it
 (:func:`fluksio_nb.variables.choose_if_changed`). A big array travels in
 shared memory the worker writes to in place, so the worker has no copy to

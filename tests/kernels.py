@@ -414,6 +414,19 @@ def started_kernel(
         kernel.shutdown()
 
 
+#: Lines of a cell that start three processes and leave them running, then print
+#: their pids on one line: its own child, one in a session of its own, and one a
+#: shell put in the background and left an orphan.
+LEAVES_THREE_RUNNING = """import os, subprocess
+pids = [
+    subprocess.Popen(["sleep", "600"]).pid,
+    subprocess.Popen(["sleep", "600"], start_new_session=True).pid,
+    int(os.popen("sleep 600 > /dev/null 2>&1 & echo $!").read()),
+]
+print(*pids, flush=True)
+"""
+
+
 def until_it_exists(path: Path) -> str:
     """Lines of a cell that wait for the file ``path``, which the test makes when it may go on."""
     return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.01)\n"

@@ -19,7 +19,13 @@ import pytest
 
 from fluksio_nb.ledger import read_snapshot
 from tests import small_shm
-from tests.kernels import Until, printed, started_kernel, until_it_exists
+from tests.kernels import (
+    LEAVES_THREE_RUNNING,
+    Until,
+    printed,
+    started_kernel,
+    until_it_exists,
+)
 from tests.small_shm import require_small_shm
 from tests.waiting import gone
 
@@ -903,24 +909,10 @@ def test_a_thread_a_claimed_cell_leaves_running_ends_with_its_worker_and_says_so
     assert_books_balanced(kernel)
 
 
-def starts_three_sleepers(orphan: Path) -> str:
-    """Lines of a cell that leave three processes running: its child, one in a
-    session of its own, and one a shell started in the background and left
-    (its pid written to ``orphan``); the cell prints the first two pids."""
-    return (
-        "import os, subprocess\n"
-        "plain = subprocess.Popen(['sleep', '600']).pid\n"
-        "own_session = subprocess.Popen(['sleep', '600'], start_new_session=True).pid\n"
-        f"os.system('sleep 600 & echo $! > {orphan}')\n"
-        "print(plain, own_session, flush=True)\n"
-    )
-
-
-def test_what_a_claimed_cell_leaves_running_ends_with_it(kernel, tmp_path):
+def test_what_a_claimed_cell_leaves_running_ends_with_it(kernel):
     """Guards against a cell's processes running on, on cores the books call free."""
-    orphan = tmp_path / "orphan"
-    ran = kernel.run("%%claim --label sleepers\n" + starts_three_sleepers(orphan), check=True)
-    left = [*map(int, ran.stdout.split()), int(orphan.read_text())]
+    ran = kernel.run("%%claim --label sleepers\n" + LEAVES_THREE_RUNNING, check=True)
+    left = [int(pid) for pid in ran.stdout.split()]
     assert len(left) == 3
     assert [pid for pid in left if not gone(pid, within=10)] == []
     assert_books_balanced(kernel)
@@ -929,13 +921,12 @@ def test_what_a_claimed_cell_leaves_running_ends_with_it(kernel, tmp_path):
 
 def test_a_killed_kernel_takes_what_its_claimed_cell_started_with_it(tmp_path):
     """Guards against a cell's processes outliving a kernel killed while the cell ran."""
-    orphan = tmp_path / "orphan"
     with started_kernel(tmp_path / "kernel", **INVENTORY) as doomed:
         msg_id = doomed.client.execute(
-            "%%claim\n" + starts_three_sleepers(orphan) + until_it_exists(tmp_path / "never")
+            "%%claim\n" + LEAVES_THREE_RUNNING + until_it_exists(tmp_path / "never")
         )
         running = doomed.messages_of(msg_id, until=printed("\n"), timeout=60)
-        left = [*map(int, running.stdout.split()), int(orphan.read_text())]
+        left = [int(pid) for pid in running.stdout.split()]
         doomed.manager.signal_kernel(signal.SIGKILL)
         assert [pid for pid in left if not gone(pid, within=10)] == []
 

@@ -31,6 +31,7 @@ from fluksio_nb import transfer
 from fluksio_nb.errors import UnsendableInput
 from fluksio_nb.worker.client import Sink, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
+from tests.kernels import LEAVES_THREE_RUNNING
 from tests.waiting import has_ended, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -712,25 +713,11 @@ def test_a_worker_killed_from_outside_says_sigkill(own_worker):
     assert "died from SIGKILL" in outcome.description
 
 
-#: A cell that starts three processes and leaves them running, then prints their
-#: pids: its own child, one in a session of its own, and one that a shell put in
-#: the background and left an orphan.
-LEAVES_THREE = """
-import os, subprocess
-pids = [
-    subprocess.Popen(["sleep", "60"]).pid,
-    subprocess.Popen(["sleep", "60"], start_new_session=True).pid,
-    int(os.popen("sleep 60 > /dev/null 2>&1 & echo $!").read()),
-]
-print(*pids, flush=True)
-"""
-
-
 def test_the_processes_a_cell_leaves_running_end_with_it_and_the_worker_goes_on():
     """A forgotten `sleep` is harmless; a forgotten trainer holds the GPU for ever."""
     with Worker(dict(os.environ)) as started:
         recorder = Recorder()
-        assert started.run(cell(LEAVES_THREE), sink=recorder).ok
+        assert started.run(LEAVES_THREE_RUNNING, sink=recorder).ok
         left = [int(pid) for pid in recorder.text().split()]
         assert len(left) == 3
         assert wait_until(lambda: all(has_ended(pid) for pid in left), timeout=10)
@@ -742,7 +729,7 @@ def test_a_worker_killed_mid_cell_takes_the_processes_its_cell_started():
     started = Worker(dict(os.environ))
     recorder = Recorder()
     interrupt_once_it_prints(started, recorder, stop=started.kill)
-    outcome = started.run(cell(LEAVES_THREE + "import time\ntime.sleep(60)"), sink=recorder)
+    outcome = started.run(LEAVES_THREE_RUNNING + "import time\ntime.sleep(60)", sink=recorder)
     assert outcome.died
     left = [int(pid) for pid in recorder.text().split()]
     assert len(left) == 3

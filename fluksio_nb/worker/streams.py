@@ -55,12 +55,13 @@ class Outbox:
         self._send = send
         #: ``[name, [text, ...]]`` runs, oldest first; a run is one message.
         self._runs: list[tuple[str, list[str]]] = []
-        self._locks()
+        self._start_afresh()
         self._batching = True
         threading.Thread(target=self._send_batches, name="fluksio-output", daemon=True).start()
         os.register_at_fork(after_in_child=self._in_a_forked_child)
 
-    def _locks(self) -> None:
+    def _start_afresh(self) -> None:
+        """New locks, and nothing sent or due yet."""
         self._lock = threading.Lock()
         # Held from taking the runs to the last one sent, so that a message
         # sent after a flush never overtakes text the flush took.
@@ -73,7 +74,7 @@ class Outbox:
         # A child forked by a cell (multiprocessing) has no thread to send its
         # batches, and may have been forked while that thread held a lock:
         # it sends each line as it ends, on locks of its own.
-        self._locks()
+        self._start_afresh()
         self._batching = False
 
     def write(self, name: str, text: str) -> None:
