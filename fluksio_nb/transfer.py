@@ -94,8 +94,9 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import psutil
+
+from fluksio_nb import cell_sources
 
 #: Buffers at least this big travel through shared memory rather than inline.
 #: Where the two cost the same, measured as pack, pickle the parcel, unpack and
@@ -408,10 +409,13 @@ def dumps(value: object, buffer_callback: Any = None) -> bytes:
     the same bytes, but runs its Python hooks on the way: in a worker that
     sat idle 100 ms, pickling the number 1 took 1.7 ms that way, 0.9 ms the
     other. A claimed cell pays this for every name it sends back.
+
+    The notebook's functions keep their cells' lines on the way
+    (:mod:`fluksio_nb.cell_sources`), so that a traceback through one shows them.
     """
     if type(value) in _PLAIN_TYPES:
         return pickle.dumps(value, protocol=_PROTOCOL)
-    return cloudpickle.dumps(value, protocol=_PROTOCOL, buffer_callback=buffer_callback)
+    return cell_sources.dumps(value, _PROTOCOL, buffer_callback)
 
 
 def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | memoryview]]:

@@ -486,6 +486,53 @@ def test_an_exception_shows_the_workers_traceback(kernel):
     assert kernel.facts("1 + 1") == 2
 
 
+def _traceback_text(ran) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ran.error["traceback"]))
+
+
+def _cell_number(ran) -> int:
+    (began,) = ran.of("execute_input")
+    return began["content"]["execution_count"]
+
+
+def test_a_traceback_through_a_notebook_function_shows_the_cell_it_was_defined_in(kernel):
+    """Both ways: a kernel function failing in a claimed cell, a claimed cell's in the kernel."""
+    defined = kernel.run(
+        "class Scaler:\n"
+        "    def scale(self, x):\n"
+        "        return [1 / v for v in x]\n"
+        "\n"
+        "def halve(x):\n"
+        "    y = x - x\n"
+        "    return Scaler().scale([y])\n",
+        check=True,
+    )
+    there = kernel.run("%%claim\nhalve(3)")
+    shown = _traceback_text(there)
+    # The function, and the method and comprehension inside it, each at its own line.
+    number = _cell_number(defined)
+    assert f"Cell In[{number}], line 7, in halve" in shown, shown
+    assert f"Cell In[{number}], line 3, in Scaler.scale" in shown, shown
+    assert "----> 7     return Scaler().scale([y])" in shown, shown
+    assert "dynamic-code" not in shown and "Could not get source" not in shown, shown
+
+    claimed = kernel.run(
+        "%%claim\ndef parse(text):\n    fields = text.split(',')\n    return int(fields[3])\n",
+        check=True,
+    )
+    here = kernel.run("parse('1,2')")
+    shown = _traceback_text(here)
+    # Lines counted from under the %%claim line, as for the claimed cell's own traceback.
+    assert f"Cell In[{_cell_number(claimed)}], line 3, in parse" in shown, shown
+    assert "----> 3     return int(fields[3])" in shown, shown
+    # What `parse??` shows.
+    source = kernel.facts("__import__('inspect').getsource(parse)")
+    assert source.startswith("def parse(text):\n"), source
+    again = kernel.run("%%claim\nparse('1')")
+    assert f"Cell In[{_cell_number(claimed)}], line 3, in parse" in _traceback_text(again)
+    assert_books_balanced(kernel)
+
+
 def test_the_stop_button_interrupts_a_running_claim(kernel):
     msg_id = kernel.client.execute(
         "%%claim\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)"

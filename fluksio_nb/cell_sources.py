@@ -1,0 +1,109 @@
+"""A function the notebook defined takes its cell's lines with it to another process.
+
+cloudpickle sends the notebook's own functions and classes by value, and
+renames every code object it sends ``<dynamic-code>``, so that a function's
+pickle is the same wherever it was defined. The price was the traceback: an
+error raised inside such a function in a claimed cell said ``File
+<dynamic-code>:3`` and "Could not get source", where the same error in the
+kernel says ``Cell In[2], line 3`` and shows the line. A function defined in
+a claimed cell and called in the kernel lost its lines the same way.
+
+What this module decides:
+
+- **A code object keeps its file name** on the way, and every code object
+  nested in it (a method, a lambda, a comprehension) keeps its own.
+- **A code object from a cell** carries the cell's lines and its number
+  (``In[n]``). A cell is a file name IPython made up, whose lines live only in
+  ``linecache``. On arrival they go where IPython's traceback looks for them:
+  ``linecache``, and the shell's map from a cell's file name to its number.
+- **A code object from a file on disk** carries only the name: the other
+  side reads the file, if it has it.
+- **A cell's lines go once a pickle**, however many of its functions the
+  value holds: they are one object, which pickle sends once.
+
+A pickle stays the same on both sides, as :func:`fluksio_nb.transfer.unchanged`
+needs: a cell's lines arrive as they left, under the same number.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import sys
+import types
+from collections import ChainMap
+from typing import Any, ClassVar
+
+import cloudpickle
+
+#: cloudpickle's own reduction of a code object, which names the file ``<dynamic-code>``.
+_code_without_its_file = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+#: What a cell's code objects carry: its number (None outside IPython) and its lines.
+Cell = tuple[int | None, tuple[str, ...]]
+
+#: One tuple per cell and number, so that every code object of a cell refers
+#: to the same object and pickle sends its lines once.
+_cells: dict[tuple[str, int | None], Cell] = {}
+
+
+def dumps(value: object, protocol: int, buffer_callback: Any = None) -> bytes:
+    """``value``'s pickle as cloudpickle makes it, each code object keeping its file and cell."""
+    with io.BytesIO() as file:
+        _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
+        return file.getvalue()
+
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
+    rebuild, args = _code_without_its_file(code)
+    return _code_in_its_file, (rebuild, args, code.co_filename, _cell_of(code.co_filename))
+
+
+class _Pickler(cloudpickle.Pickler):
+    # Read once, as the pickler is made: a class attribute, not an instance's.
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def _code_in_its_file(
+    rebuild: Any, args: tuple[Any, ...], filename: str, cell: Cell | None
+) -> types.CodeType:
+    """Rebuild a code object under its own file name, making its cell's lines known here."""
+    if cell is not None:
+        _make_known(filename, cell)
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _cell_of(filename: str) -> Cell | None:
+    entry = linecache.cache.get(filename)
+    # A file on disk has its modification time here, and a file not read yet a
+    # loader of one element: the other side reads either from the file.
+    if entry is None or len(entry) != 4 or entry[1] is not None:
+        return None
+    number = _numbers().get(filename)
+    cell = _cells.get((filename, number))
+    if cell is None or list(cell[1]) != entry[2]:
+        cell = _cells[filename, number] = (number, tuple(entry[2]))
+    return cell
+
+
+def _make_known(filename: str, cell: Cell) -> None:
+    number, lines = cell
+    linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+    _cells[filename, number] = cell
+    numbers = _numbers()
+    if number is not None and numbers is not _NO_SHELL:
+        numbers[filename] = number
+
+
+#: What :func:`_numbers` gives outside IPython: nothing to look up, nowhere to write.
+_NO_SHELL: dict[str, int] = {}
+
+
+def _numbers() -> dict[str, int]:
+    """IPython's map from a cell's file name to its number, printed ``In[n]`` in tracebacks."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    return numbers if isinstance(numbers, dict) else _NO_SHELL
