@@ -10,6 +10,10 @@ tell a change by, and sends it back always: bound as it came, it replaced
 the kernel's array, so ``data`` stopped being the array its views look at,
 and a read-only ``data.sum()`` cost a new array.
 
+``data *= 2`` and ``data[0] = 1`` change ``data`` in place too, in a normal
+cell, though in a claimed one ``data`` comes back as any name the cell binds
+(:func:`fluksio_nb.variables.names_never_rebound`).
+
 So an array that comes back for such a name, the kernel's own array being of
 the same type, shape and dtype and writeable, goes into the kernel's own
 instead of replacing it: left alone if equal, copied into it if not. Any

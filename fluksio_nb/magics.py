@@ -46,6 +46,7 @@ from fluksio_nb.variables import (
     choose_inputs,
     choose_outputs,
     names_deleted,
+    names_never_rebound,
 )
 from fluksio_nb.worker.client import Outcome, kernels_cell_number
 
@@ -129,9 +130,13 @@ class ClaimMagics(Magics):
             output=ForegroundOutput(),
             random_state=random_streams.capture(),
         )
-        with self._keeping_what_came_back(deleted, if_changed):
+        # Arrays that go into the kernel's own rather than replace it: those a
+        # call may have changed, and those the cell changed only through
+        # themselves, as `data *= 2` does.
+        into_own = if_changed + sorted(names_never_rebound(cell).intersection(inputs))
+        with self._keeping_what_came_back(deleted, into_own):
             outcome = job.run()
-        missing = self._bring_back(outcome, deleted, if_changed, by_hand=by_hand)
+        missing = self._bring_back(outcome, deleted, into_own, by_hand=by_hand)
         if missing:
             # After the rest are bound, and as the cell's error: "Run All"
             # stops here, not at a later cell that reads a name not there.
@@ -146,7 +151,7 @@ class ClaimMagics(Magics):
 
     @contextlib.contextmanager
     def _keeping_what_came_back(
-        self, deleted: frozenset[str], if_changed: list[str]
+        self, deleted: frozenset[str], into_own: list[str]
     ) -> Iterator[None]:
         """On the cell's error or the stop button, bind what it had bound, then raise.
 
@@ -157,25 +162,25 @@ class ClaimMagics(Magics):
             yield
         except RemoteError as error:
             if error.outcome is not None:
-                self._bring_back(error.outcome, deleted, if_changed, by_hand=False)
+                self._bring_back(error.outcome, deleted, into_own, by_hand=False)
                 # Beside the cell's own error, which is what is raised.
                 sys.stderr.write(error.outcome.warning(by_hand=False))
             raise
         except Interrupted as stopped:
             if stopped.outcome is not None:
-                self._bring_back(stopped.outcome, deleted, if_changed, by_hand=False)
+                self._bring_back(stopped.outcome, deleted, into_own, by_hand=False)
                 sys.stderr.write(stopped.outcome.warning(by_hand=False))
             raise
 
     def _bring_back(
-        self, outcome: Outcome, deleted: frozenset[str], if_changed: list[str], by_hand: bool
+        self, outcome: Outcome, deleted: frozenset[str], into_own: list[str], by_hand: bool
     ) -> dict[str, str]:
         """Bind what the cell made, drop what it deleted; what did not come back, and why.
 
-        An array a call may have changed goes into the kernel's own, as in a normal cell.
+        An array of ``into_own`` goes into the kernel's own, as in a normal cell.
         """
         namespace = self.shell.user_ns
-        values = into_the_kernels_own(outcome.outputs, if_changed, namespace)
+        values = into_the_kernels_own(outcome.outputs, into_own, namespace)
         namespace.update(each_at_home(values, namespace))
         random_streams.restore(outcome.random_state)
         # A name the cell deleted is gone after it, as after a normal cell.

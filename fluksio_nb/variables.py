@@ -190,6 +190,27 @@ def names_changed_by_calls(source: str) -> frozenset[str]:
     return frozenset(changed)
 
 
+@functools.lru_cache(maxsize=32)
+def names_never_rebound(source: str) -> frozenset[str]:
+    """Names the cell writes to only through their object: ``data *= 2``, ``data[0] = 1``.
+
+    Such a name still holds the object it held before the cell, changed in
+    place when the object allows it, as an array does: in a normal cell its
+    views and every other name for it see the change.
+    """
+    body = _parse(source).body
+    augmented = [
+        node.target
+        for node in _scope_nodes(body)
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+    ]
+    stored = {name for node in _scope_nodes(body) if (name := _stored_into(node)) is not None}
+    rebound = _module_writes(
+        body, leaving_out={id(target) for target in augmented}, through_objects=False
+    )
+    return frozenset({target.id for target in augmented} | stored) - rebound - names_deleted(source)
+
+
 def _is_bookkeeping(name: str) -> bool:
     return (
         name in IPYTHON_NAMES
@@ -576,18 +597,25 @@ def _free_reads(roots: Iterable[ast.AST]) -> set[str]:
     return reads
 
 
-def _module_writes(body: list[ast.stmt]) -> set[str]:
+def _module_writes(
+    body: list[ast.stmt], leaving_out: Iterable[int] = (), through_objects: bool = True
+) -> set[str]:
+    """The names the cell's top level writes, less the nodes whose ids are in ``leaving_out``.
+
+    ``through_objects`` counts ``name[k] = v`` and ``name.attr = v`` as writes of ``name``.
+    """
     writes: set[str] = set()
     nodes = list(_scope_nodes(body))
     # ``x: int`` makes x local in a function, but binds nothing.
-    annotated_only = {
+    skipped = {
         id(node.target) for node in nodes if isinstance(node, ast.AnnAssign) and node.value is None
     }
+    skipped.update(leaving_out)
     for node in nodes:
-        if id(node) in annotated_only:
+        if id(node) in skipped:
             continue
         writes |= _bound_by(node)
-        name = _stored_into(node)
+        name = _stored_into(node) if through_objects else None
         if name is not None:
             writes.add(name)
         if isinstance(node, _SCOPES):

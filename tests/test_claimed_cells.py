@@ -912,6 +912,27 @@ def test_a_big_array_a_cell_reads_or_changes_through_a_call_stays_the_kernels_ow
     ]
 
 
+def test_an_array_a_cell_changes_through_itself_stays_the_kernels_own(kernel):
+    """Guards against `data *= 2` or `data[0] = 1` cutting the kernel's array from its views,
+    small or big, while a name the cell binds to a new array still takes the new one."""
+    kernel.run(
+        "import numpy as np\n"
+        "small, big = np.ones(4), np.ones(100_000)\n"
+        "views, ids = [small[:2], big[:2]], [id(small), id(big)]",
+        check=True,
+    )
+    kernel.run("%%claim\nsmall *= 2\nbig[0] = 5\nbig[1:] += 1", check=True)
+    assert kernel.facts(
+        "[[id(small), id(big)] == ids, views[0].tolist(), views[1].tolist(), float(big.sum())]"
+    ) == [True, [2.0, 2.0], [5.0, 2.0], 5.0 + 2 * 99_999]
+    kernel.run("%%claim\nbig *= 2\nbig = big[:10]", check=True)
+    assert kernel.facts("[id(big) == ids[1], big.shape[0], views[1].tolist()]") == [
+        False,
+        10,
+        [5.0, 2.0],
+    ]
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""

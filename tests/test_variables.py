@@ -11,6 +11,7 @@ from fluksio_nb.variables import (
     choose_if_changed,
     choose_inputs,
     choose_outputs,
+    names_never_rebound,
     names_read,
     names_written,
 )
@@ -325,6 +326,30 @@ def test_an_input_a_call_may_change_is_a_candidate_to_come_back():
         *("X", "deck", "estimator", "heap", "heapq", "logs", "model", "random"),
         *("rng", "rows", "stack", "states", "tables", "y"),
     ]
+
+
+def test_a_name_changed_only_through_its_object_is_told_from_one_bound_anew():
+    """Guards against `data *= 2` replacing the kernel's array, and `data = data * 2` not."""
+    source = cell(
+        """
+        data *= 2
+        table["key"] = 1
+        grid[mask] += 1
+        model.weights = new
+        scaled = scaled * 2
+        counts += 1
+        counts = counts[:3]
+        for row in rows:
+            row += 1
+        dropped[0] = 1
+        del dropped
+        def reset():
+            global weights
+            weights = None
+        weights[0] = 0
+        """
+    )
+    assert names_never_rebound(source) == {"data", "table", "grid", "model"}
 
 
 def test_a_walrus_in_a_comprehension_binds_in_the_cell():
