@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from types import SimpleNamespace
 
 import pytest
 
+import fluksio_nb.ledger.queue
 from fluksio_nb.errors import BadClaim, ClaimCancelled
 from fluksio_nb.gpus import Gpu
 from fluksio_nb.inventory import Inventory
@@ -126,6 +128,27 @@ def test_a_killed_holder_gives_its_share_back(tmp_path):
     mine.wait(ticket, timeout=10)
     assert time.monotonic() - started < 2
     mine.release(ticket)
+
+
+def test_a_waiter_looks_the_moment_its_holder_is_killed(tmp_path, monkeypatch):
+    """Guards against a killed holder's share waiting for the waiter's next look:
+    nobody gives it back, so nobody wakes the waiter but the holder's end."""
+    # It would not look again by itself for an hour.
+    monkeypatch.setattr(fluksio_nb.ledger.queue, "LOOK_EVERY_S", 3600)
+    holder = other_process(
+        tmp_path, "t = q.enqueue(Resources(gpus=1)); q.wait(t); say(ok=1); time.sleep(600)\n"
+    )
+    assert heard(holder) == {"ok": 1}
+    mine = MachineQueue(tmp_path, inventory())
+    ticket = mine.enqueue(Resources(gpus=1))
+    assert ticket.state == "waiting"
+    waiting = threading.Thread(target=mine.wait, args=(ticket,), daemon=True)
+    waiting.start()
+    holder.send_signal(signal.SIGKILL)
+    waiting.join(timeout=60)
+    assert ticket.state == "running", "the waiter slept on after its holder was killed"
+    mine.release(ticket)
+    holder.wait()
 
 
 def test_a_reused_pid_does_not_keep_a_dead_claim_alive(tmp_path):

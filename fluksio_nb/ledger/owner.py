@@ -72,6 +72,11 @@ def owner_alive(owner: dict[str, Any]) -> bool:
     return alive
 
 
+def seen_to_end(owner: dict[str, Any]) -> None:
+    """Forget that the kernel an entry names was alive: it has just been seen to end."""
+    _seen_alive.pop((owner["pid"], owner["started"]), None)
+
+
 def _this_process() -> tuple[int, float]:
     """This process's pid and start time, as its entries record them; read once per pid."""
     global _this

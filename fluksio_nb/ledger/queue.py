@@ -71,6 +71,9 @@ class MachineQueue:
         self._giving_back: set[int] = set()
         self._wakers: dict[int, Waker] = {}
         self._readings: dict[int, dict[str, Any]] = {}
+        #: The other kernels holding shares, as the last transaction found
+        #: them: a waiter here watches them end.
+        self._holding_elsewhere: list[dict[str, Any]] = []
         self._looker: threading.Thread | None = None
 
     # -- asking ---------------------------------------------------------------
@@ -137,6 +140,7 @@ class MachineQueue:
             waker = self._wakers.get(ticket.number)
             pause = LOOK_EVERY_S if left is None else min(left, LOOK_EVERY_S)
             if waker is not None:
+                waker.watch(self._holding_elsewhere)
                 waker.sleep(pause)
             else:
                 time.sleep(pause)
@@ -194,6 +198,11 @@ class MachineQueue:
     def _adopt(self, state: dict[str, Any]) -> None:
         """Bring this kernel's tickets up to date with what the ledger says of them."""
         by_number = {t["number"]: t for t in state["tickets"]}
+        self._holding_elsewhere = [
+            t["owner"]
+            for t in state["tickets"]
+            if t["state"] == "running" and t["owner"]["pid"] != self.owner["pid"]
+        ]
         stop = []
         with self._lock:
             for number, ticket in list(self._mine.items()):
