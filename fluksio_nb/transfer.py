@@ -96,7 +96,7 @@ from typing import Any
 
 import psutil
 
-from fluksio_nb import cell_sources
+from fluksio_nb import pickling
 
 #: Buffers at least this big travel through shared memory rather than inline.
 #: Where the two cost the same, measured as pack, pickle the parcel, unpack and
@@ -411,11 +411,11 @@ def dumps(value: object, buffer_callback: Any = None) -> bytes:
     other. A claimed cell pays this for every name it sends back.
 
     The notebook's functions keep their cells' lines on the way
-    (:mod:`fluksio_nb.cell_sources`), so that a traceback through one shows them.
+    (:mod:`fluksio_nb.pickling`), so that a traceback through one shows them.
     """
     if type(value) in _PLAIN_TYPES:
         return pickle.dumps(value, protocol=_PROTOCOL)
-    return cell_sources.dumps(value, _PROTOCOL, buffer_callback)
+    return pickling.dumps(value, _PROTOCOL, buffer_callback)
 
 
 def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | memoryview]]:

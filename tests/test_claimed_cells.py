@@ -933,6 +933,29 @@ def test_an_array_a_cell_changes_through_itself_stays_the_kernels_own(kernel):
     ]
 
 
+def test_instances_of_a_notebook_class_with_slots_travel_both_ways(kernel):
+    """Guards against cloudpickle rebuilding a class with slots as one without: an instance
+    made in the worker then failed to arrive in the kernel."""
+    kernel.run(
+        "from dataclasses import dataclass\n"
+        "@dataclass(slots=True)\n"
+        "class Point:\n"
+        "    x: int\n"
+        "class Pair:\n"
+        "    __slots__ = ('a', 'b')\n"
+        "    def __init__(self, a, b):\n"
+        "        self.a, self.b = a, b\n"
+        "p, pair = Point(1), Pair(1, 2)",
+        check=True,
+    )
+    kernel.run(
+        "%%claim\nq = Point(p.x + 1)\npair.a += 10\nroomy = hasattr(q, '__dict__')", check=True
+    )
+    assert kernel.facts("[q.x, type(q) is Point, type(pair) is Pair, pair.a, pair.b, roomy]") == [
+        *(2, True, True, 11, 2, False)
+    ]
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""

@@ -1,32 +1,41 @@
-"""A function the notebook defined takes its cell's lines with it to another process.
+"""How a value is pickled for the trip to another process: cloudpickle, with two things mended.
 
-cloudpickle sends the notebook's own functions and classes by value, and
-renames every code object it sends ``<dynamic-code>``, so that a function's
-pickle is the same wherever it was defined. The price was the traceback: an
-error raised inside such a function in a claimed cell said ``File
-<dynamic-code>:3`` and "Could not get source", where the same error in the
-kernel says ``Cell In[2], line 3`` and shows the line. A function defined in
-a claimed cell and called in the kernel lost its lines the same way.
+cloudpickle sends the notebook's own functions and classes by value, which
+is what lets a claimed cell call them. Two things were lost on the way.
 
-What this module decides:
+**A function's lines.** cloudpickle renames every code object it sends
+``<dynamic-code>``, so that a function's pickle is the same wherever it was
+defined. An error raised inside such a function in a claimed cell then said
+``File <dynamic-code>:3`` and "Could not get source", where the same error in
+the kernel says ``Cell In[2], line 3`` and shows the line; a function defined
+in a claimed cell lost its lines in the kernel the same way. So:
 
-- **A code object keeps its file name** on the way, and every code object
-  nested in it (a method, a lambda, a comprehension) keeps its own.
-- **A code object from a cell** carries the cell's lines and its number
+- A code object keeps its file name, and every code object nested in it (a
+  method, a lambda, a comprehension) keeps its own.
+- A code object from a cell carries the cell's lines and its number
   (``In[n]``). A cell is a file name IPython made up, whose lines live only in
   ``linecache``. On arrival they go where IPython's traceback looks for them:
   ``linecache``, and the shell's map from a cell's file name to its number.
-- **A code object from a file on disk** carries only the name: the other
-  side reads the file, if it has it.
-- **A cell's lines go once a pickle**, however many of its functions the
-  value holds: they are one object, which pickle sends once.
+  A code object from a file on disk carries only the name: the other side
+  reads the file, if it has it.
+- A cell's lines go once a pickle, however many of its functions the value
+  holds: they are one object, which pickle sends once.
+
+**A class's slots.** cloudpickle rebuilds a class with ``__slots__``
+(``@dataclass(slots=True)`` among them) as a class without them, whose
+instances have a ``__dict__``. An instance made in the worker then came back
+as a dict of attributes the kernel's real class has no room for, and failed
+to arrive. A class's own ``__slots__`` now go into the class as it is made,
+so it is the same class on both sides.
 
 A pickle stays the same on both sides, as :func:`fluksio_nb.transfer.unchanged`
-needs: a cell's lines arrive as they left, under the same number.
+needs: a cell's lines arrive as they left, under the same number, and a
+class is rebuilt as it was.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import linecache
 import sys
@@ -60,10 +69,35 @@ def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
 
 
 class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: object) -> Any:
+        reduced = super().reducer_override(obj)
+        if (
+            isinstance(obj, type)
+            and "__slots__" in vars(obj)
+            and reduced is not NotImplemented
+            and not issubclass(obj, enum.Enum)
+        ):
+            return _with_its_slots(reduced, vars(obj)["__slots__"])
+        return reduced
+
     # Read once, as the pickler is made: a class attribute, not an instance's.
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
     )
+
+
+def _with_its_slots(reduced: tuple[Any, ...], slots: Any) -> tuple[Any, ...]:
+    """cloudpickle's reduction of a class sent by value, made with its slots.
+
+    Its arguments are ``(metaclass, name, bases, type_kwargs, tracker, extra)``;
+    ``type_kwargs`` is what the class's namespace holds as it is made, where
+    slots must be to be slots at all.
+    """
+    make, args, *rest = reduced
+    kwargs = args[3]
+    if not isinstance(kwargs, dict):
+        return reduced
+    return (make, (*args[:3], {**kwargs, "__slots__": slots}, *args[4:]), *rest)
 
 
 def _code_in_its_file(
