@@ -44,6 +44,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import psutil
+
 from fluksio_nb import transfer
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
@@ -72,7 +74,7 @@ from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
 from fluksio_nb.usage.recent import process_recent_usage
 from fluksio_nb.usage.record import UsageRecord
 from fluksio_nb.watch import Watch, Watched, kernel_watch
-from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.client import Outcome, Worker
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
@@ -347,6 +349,41 @@ class Claim(ClaimLifecycle):
 
     # -- running things under it -----------------------------------------------
 
+    def _started(self, worker: Worker, sink: Any) -> Worker:
+        """``worker``, once it has started: a cold one's start is not the cell running.
+
+        The live view is due one reading into the cell, not into the worker's
+        imports (half a second on a slow machine), or every quick first cell
+        would get one.
+        """
+        asked_at = time.monotonic()
+        try:
+            worker.wait_until_ready(timeout=self._time_left(), sink=sink)
+        except BaseException:
+            worker.kill()
+            self._pool.checkin(worker, self.env)
+            raise
+        ready_at = worker.ready_at or time.monotonic()
+        if ready_at > asked_at:
+            # Waited for a worker to start, a fresh one or the one started
+            # ahead of the first claim: not the cell's running, said apart.
+            self.status.starting_s += ready_at - asked_at
+        return worker
+
+    def _grown_into_the_budget(self, worker: Worker) -> bool:
+        """Whether a warm worker has grown, since it started, by more than a quarter of the budget.
+
+        Asked only of a claim with a ``ram=`` budget: one read of /proc.
+        """
+        limit = self.budget.halt_bytes if self.budget is not None else None
+        if limit is None or not worker.held_when_ready:
+            return False
+        try:
+            held = psutil.Process(worker.pid).memory_info().rss
+        except psutil.Error:
+            return False
+        return held - worker.held_when_ready > limit / 4
+
     def run_code(
         self,
         code: str,
@@ -361,22 +398,14 @@ class Claim(ClaimLifecycle):
         held = self._confinement
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
-        asked_at = time.monotonic()
-        worker = self._pool.checkout(self.env, timeout=self._time_left())
-        # A cold worker's start is not the cell running: the live view is due
-        # one reading into the cell, not into the worker's imports (half a
-        # second on a slow machine), or every quick first cell would get one.
-        try:
-            worker.wait_until_ready(timeout=self._time_left(), sink=sink)
-        except BaseException:
+        worker = self._started(self._pool.checkout(self.env, timeout=self._time_left()), sink)
+        if self._grown_into_the_budget(worker):
+            # What its earlier cells left it holding (a heap they freed but
+            # Python kept, a library they imported) would count against this
+            # claim's ram=, or leave it too little to run in.
             worker.kill()
             self._pool.checkin(worker, self.env)
-            raise
-        ready_at = worker.ready_at or time.monotonic()
-        if ready_at > asked_at:
-            # Waited for a worker to start, a fresh one or the one started
-            # ahead of the first claim: not the cell's running, said apart.
-            self.status.starting_s += ready_at - asked_at
+            worker = self._started(self._pool.fresh(self.env), sink)
         # A warm worker ran an earlier claim on other cores, and its thread
         # pools are still there: every thread of it moves to this claim's.
         family = held.admit(worker.pid)

@@ -313,6 +313,28 @@ def test_a_budget_below_what_the_worker_already_holds_is_halted_before_the_cell_
     assert claim_cgroups_of(place, kernel.pid) == []
 
 
+def test_a_warm_worker_that_grew_into_the_budget_is_passed_over_for_a_fresh_one(kernels, place):
+    """Guards against what earlier cells left in a warm worker counting against a later
+    claim's ram=: halted for 300 MB it never allocated, cell after cell."""
+    kernel = kernels()
+    kernel.run(
+        "%%claim\nimport os, sys\n"
+        # A cache an earlier cell filled: it stays with the worker's modules.
+        "sys.modules['_filled_cache'] = b'x' * (300 << 20)\nfirst = os.getpid()",
+        check=True,
+    )
+    ran = kernel.run(
+        "%%claim ram=400M\nimport os\nsecond = os.getpid()\nroom = len(b'y' * (200 << 20))",
+        check=True,
+    )
+    assert "started a worker" in ran.texts[-1], ran.texts
+    assert kernel.facts("[first != second, room]") == [True, 200 << 20]
+    # A claim with no budget still takes the warm worker, cache and all.
+    kernel.run("%%claim\nimport os\nthird = os.getpid()", check=True)
+    assert kernel.facts("third in (first, second)") is True
+    assert claim_cgroups_of(place, kernel.pid) == []
+
+
 def test_with_the_cap_turned_off_the_sampler_halts_and_says_so(kernels, place):
     kernel = kernels({"memory_cap": False})
     ran = kernel.run("%%claim ram=300M\nimport numpy\nblock = numpy.ones(2 * 2**30 // 8)")

@@ -286,6 +286,8 @@ class Worker:
         self._ready = False
         #: When the worker said it was ready (monotonic), once it has.
         self.ready_at: float | None = None
+        #: What it held in memory then, before any cell: 0 until it is ready.
+        self.held_when_ready = 0
         self._released = False
         #: The environment the worker holds for every cell, as last sent: only
         #: a change is sent again.
@@ -574,9 +576,10 @@ class Worker:
                 cell.show(message)
             case InputRequest():
                 self._answer(message, cell.sink)
-            case Ready():
+            case Ready(resident_bytes=held):
                 self._ready = True
                 self.ready_at = time.monotonic()
+                self.held_when_ready = held
             case Reshaped():
                 cell.reshaped = message
             case SendingBack():

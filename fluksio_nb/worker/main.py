@@ -450,9 +450,17 @@ def reshape(environ: dict[str, str]) -> str | None:
     return refused
 
 
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def serve(channel: Channel, shell: WorkerShell, interrupts: Interrupts) -> bool:
     """Answer requests until the kernel says exit (True) or stops listening (False)."""
-    shell.report(Ready(os.getpid()))
+    shell.report(Ready(os.getpid(), _resident_bytes()))
     while True:
         try:
             request = channel.receive()

@@ -164,6 +164,8 @@ class Ready(_Message):
     """The worker has started and waits for its first :class:`Run`."""
 
     pid: int
+    #: What it holds in memory, having run no cell: what a fresh worker costs.
+    resident_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,6 +165,10 @@ class WorkerPool:
                 self._put_back(entry)
         if taken is not None:
             return taken
+        return self.fresh(derived)
+
+    def fresh(self, derived: Mapping[str, str]) -> Worker:
+        """A worker started now for this environment, passing over any idle one."""
         self.started += 1
         return self._start(dict(derived))
 
