@@ -161,7 +161,10 @@ class Job:
                 self._output.stderr(warning)
         except RemoteError as error:
             self._error = error
-            self._output.error(error.ename, error.evalue, error.traceback)
+            # One the cell raised was shown as it came, with its output; one
+            # with no outcome was raised on the way, and nobody has shown it.
+            if error.outcome is None:
+                self._output.error(error.ename, error.evalue, error.traceback)
         except BaseException as error:
             self._error = error
             self._output.stderr(f"{type(error).__name__}: {error}\n")

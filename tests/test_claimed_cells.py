@@ -1152,6 +1152,23 @@ def test_a_background_claims_output_stays_in_its_own_cell(kernel):
     )
 
 
+def test_a_background_claims_error_is_shown_once_in_its_own_cell(kernel):
+    """Guards against the job's error shown as it came and then again as the job ended."""
+    started = kernel.start_job("%%claim --background\nraise ValueError('in the job')", "job")
+    # Running until the job has ended: all it shows comes before this cell is idle.
+    later = kernel.run(
+        "try:\n    job.result(60)\nexcept Exception as error:\n    print(type(error).__name__)",
+        check=True,
+    )
+    assert later.stdout == "RemoteError\n"
+    errors = [
+        m["content"]
+        for m in kernel.seen
+        if m["msg_type"] == "error" and m["parent_header"].get("msg_id") == started.msg_id
+    ]
+    assert [(e["ename"], e["evalue"]) for e in errors] == [("ValueError", "in the job")]
+
+
 def test_a_background_cell_shows_no_stale_out_and_its_handle_says_how_it_is_now(kernel):
     """Guards against an Out[n] that said "waiting, 0 s so far" for good beside a job that
     had long ended: the cell's own status display is what follows the job."""
