@@ -61,6 +61,21 @@ class ClaimTooBigForCluster(BadClaim):
 class UnsendableInput(ValueError):
     """An input the cell asked for cannot be pickled, so the cell was not run."""
 
+    def __init__(self, message: str, name: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        #: The input that cannot go, and why, for whoever words it for the user.
+        self.name, self.reason = name, reason
+
+
+def unsendable(name: str, reason: str, to: str) -> UnsendableInput:
+    """The refusal of a cell's input ``name`` that cannot go ``to`` the worker or the cluster."""
+    return UnsendableInput(
+        f"input '{name}' cannot be sent to {to} ({reason}) — "
+        f"leave '{name}' out of the cell's inputs and create it inside the cell",
+        name,
+        reason,
+    )
+
 
 class ClampedWarning(UserWarning):
     """A claim asked for more than the machine has and was given what there is."""

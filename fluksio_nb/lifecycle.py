@@ -41,8 +41,10 @@ from fluksio_nb.errors import (
     ClaimTimeout,
     Interrupted,
     RemoteError,
+    UnsendableInput,
     WorkerDied,
 )
+from fluksio_nb.pickling import global_to_blame, why_it_cannot_travel
 from fluksio_nb.relay import CellOutput, ForegroundOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
@@ -98,6 +100,23 @@ class ClaimLifecycle(ABC):
 
     #: How the "cannot send" message names where the inputs were going.
     reached_as = "the worker"
+
+    #: Held by a ``with claim()`` block rather than a ``%%claim`` cell: what
+    #: its messages tell the user to change (``timeout=`` or ``--timeout``),
+    #: and what a worker's death leaves (the block still holds the share).
+    held_by_a_block = False
+
+    def asking_more_time(self) -> str:
+        """The end of a timeout's message: what to raise, and what to make do less."""
+        if self.held_by_a_block:
+            return "Raise timeout=, or make each c.run do less."
+        return "Raise --timeout, or make the cell do less."
+
+    def after_a_death(self) -> str:
+        """The end of a dead worker's message: where that leaves the share."""
+        if self.held_by_a_block:
+            return "The block still holds its share, and its next c.run starts a fresh worker."
+        return "Its share was given back; run the cell again."
 
     @classmethod
     @abstractmethod
@@ -196,7 +215,7 @@ class ClaimLifecycle(ABC):
         self._refuse_once_ended()
         # Its error is raised here, to be caught or shown as any call's is:
         # sent to the cell as well, a caught one would still show in red.
-        return call_through(self.run_code, ForegroundOutput(), fn, args, kwargs)
+        return call_through(self.run_code, ForegroundOutput(), fn, args, kwargs, self.reached_as)
 
     def _refuse_once_ended(self) -> None:
         """Refuse work for a claim that has ended: its share is back in the books."""
@@ -316,14 +335,21 @@ def call_through(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
+    to: str = "the worker",
 ) -> Any:
-    """``fn(*args, **kwargs)`` as a one-line claimed cell run by ``run_code``; its result."""
-    outcome = run_code(
-        "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
-        {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": dict(kwargs)},
-        ["__fluksio_result__"],
-        sink,
-    )
+    """``fn(*args, **kwargs)`` as a one-line claimed cell run by ``run_code``; its result.
+
+    ``to`` names where the call goes, for the refusal of one that cannot.
+    """
+    try:
+        outcome = run_code(
+            "__fluksio_result__ = __fluksio_fn__(*__fluksio_args__, **__fluksio_kwargs__)",
+            {"__fluksio_fn__": fn, "__fluksio_args__": args, "__fluksio_kwargs__": dict(kwargs)},
+            ["__fluksio_result__"],
+            sink,
+        )
+    except UnsendableInput as refused:
+        raise UnsendableInput(_call_refused(refused, to, fn, args, kwargs)) from None
     if "__fluksio_result__" in outcome.failed:
         raise RemoteError(
             "TransferError",
@@ -331,3 +357,31 @@ def call_through(
             [],
         )
     return outcome.outputs["__fluksio_result__"]
+
+
+def _call_refused(
+    refused: UnsendableInput,
+    to: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """What ``c.run`` could not send, named as the caller wrote it: never by our own names."""
+    if refused.name == "__fluksio_fn__":
+        what = f"the function {getattr(fn, '__qualname__', None) or repr(fn)}"
+        if (blamed := global_to_blame(fn)) is not None:
+            name, why = blamed
+            return (
+                f"c.run cannot send {what} to {to}: it reads the global '{name}', which cannot "
+                f"travel ({why}). Make '{name}' inside the function, or pass what it needs."
+            )
+        return f"c.run cannot send {what} to {to} ({refused.reason})."
+    named = [(f"argument {i + 1}", value) for i, value in enumerate(args)]
+    named += [(f"argument {key}=", value) for key, value in kwargs.items()]
+    for which, value in named:
+        if (why := why_it_cannot_travel(value)) is not None:
+            return (
+                f"c.run cannot send its {which}, a {type(value).__name__}, to {to} ({why}). "
+                "Make it inside the function instead."
+            )
+    return f"c.run cannot send its arguments to {to} ({refused.reason})."

@@ -74,7 +74,7 @@ from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
 from fluksio_nb.usage.recent import process_recent_usage
 from fluksio_nb.usage.record import UsageRecord
 from fluksio_nb.watch import Watch, Watched, kernel_watch
-from fluksio_nb.worker.client import Outcome, Worker
+from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
@@ -133,7 +133,9 @@ class Claim(ClaimLifecycle):
 
     @classmethod
     def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Claim:
-        return cls(wanted, view=view, limit_kernel_threads=True)
+        claim = cls(wanted, view=view, limit_kernel_threads=True)
+        claim.held_by_a_block = True
+        return claim
 
     @classmethod
     def for_cell(
@@ -587,8 +589,8 @@ class Claim(ClaimLifecycle):
             self._stop(
                 "timed out",
                 f"{self.status.label} reached its {self.wanted.timeout:g} s timeout and was "
-                "stopped; waiting, starting its worker and running all count. Raise "
-                "--timeout, or make the cell do less.",
+                f"stopped; waiting, starting its worker and running all count. "
+                f"{self.asking_more_time()}",
                 None,
             )
         else:
@@ -617,10 +619,18 @@ class Claim(ClaimLifecycle):
             capped = self._halt_if_the_cap_killed()
             if capped is not None:
                 raise ClaimHalted(capped)
-            raise WorkerDied(f"{outcome.died}. Its share was given back; run the cell again.")
+            raise WorkerDied(f"{self._in_words(outcome.died)}. {self.after_a_death()}")
         if outcome.error is not None:
             error = outcome.error
             raise cell_raised(error.ename, error.evalue, error.traceback, outcome)
+
+    def _in_words(self, died: str) -> str:
+        """How the worker died, said of what the user ran: a cell, or c.run's function."""
+        return (
+            died.replace(RUNNING_THE_CELL, "while running c.run's function")
+            if self.held_by_a_block
+            else died
+        )
 
     def _halt_if_the_cap_killed(self) -> HaltDecision | None:
         """Halt the claim if the cap killed one of its processes and nothing stopped it first."""

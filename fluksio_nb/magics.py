@@ -33,12 +33,14 @@ from fluksio_nb.errors import (
     Interrupted,
     NotBroughtBack,
     RemoteError,
+    UnsendableInput,
     WorkerDied,
 )
 from fluksio_nb.in_place import into_the_kernels_own
 from fluksio_nb.jobs import Job
 from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
+from fluksio_nb.pickling import global_to_blame
 from fluksio_nb.relay import ForegroundOutput
 from fluksio_nb.status import StatusView, TextView, can_show_widgets
 from fluksio_nb.variables import (
@@ -52,7 +54,10 @@ from fluksio_nb.worker.client import Outcome, kernels_cell_number
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
-PLAIN_ERRORS = (ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim, NotBroughtBack)
+PLAIN_ERRORS = (
+    *(ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim, NotBroughtBack),
+    UnsendableInput,
+)
 
 
 @magics_class
@@ -89,7 +94,7 @@ class ClaimMagics(Magics):
         packed = place.pack_inputs({name: namespace[name] for name in inputs})
         if packed.failures:
             packed.discard()
-            raise UsageError(_unsendable_message(packed.failures, place.reached_as))
+            raise UsageError(_unsendable_message(packed.failures, place.reached_as, namespace))
         by_hand = parsed.outputs is not None
         try:
             # A background claim's status is shown at once, from this thread:
@@ -229,10 +234,17 @@ def _names(
     return inputs, outputs, deleted, choose_if_changed(cell, inputs, outputs)
 
 
-def _unsendable_message(failures: dict[str, str], to: str) -> str:
-    names = ", ".join(f"'{name}' ({reason})" for name, reason in sorted(failures.items()))
+def _unsendable_message(failures: dict[str, str], to: str, namespace: dict[str, Any]) -> str:
+    said = []
+    for name, reason in sorted(failures.items()):
+        # A notebook function goes with the globals it reads: the one to fix is
+        # the global, which the function's own error does not name.
+        blamed = global_to_blame(namespace.get(name))
+        if blamed is not None:
+            reason = f"it reads the global '{blamed[0]}', which cannot travel: {blamed[1]}"
+        said.append(f"'{name}' ({reason})")
     return (
-        f"%%claim: cannot send {names} to {to}. Create it inside the cell, "
+        f"%%claim: cannot send {', '.join(said)} to {to}. Create it inside the cell, "
         "or leave it out with --in."
     )
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import io
 import linecache
+import pickle
 import sys
 import types
 from collections import ChainMap
@@ -61,6 +62,45 @@ def dumps(value: object, protocol: int, buffer_callback: Any = None) -> bytes:
     with io.BytesIO() as file:
         _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
         return file.getvalue()
+
+
+def why_it_cannot_travel(value: object) -> str | None:
+    """Why ``value`` does not pickle, or None if it does: for naming what is to blame."""
+    try:
+        dumps(value, pickle.HIGHEST_PROTOCOL)
+    except Exception as error:
+        return str(error) or type(error).__name__
+    return None
+
+
+def global_to_blame(function: object) -> tuple[str, str] | None:
+    """A global that a function which does not pickle reads, and which does not pickle either.
+
+    Such a function goes by value with the globals it reads, and its own
+    pickling error names only the type it met (a lock, a connection): the
+    user needs the name they gave it.
+    """
+    code = getattr(function, "__code__", None)
+    globals_ = getattr(function, "__globals__", None)
+    if not isinstance(code, types.CodeType) or not isinstance(globals_, dict):
+        return None
+    for name in _names_read(code):
+        value = globals_.get(name)
+        if (
+            name in globals_
+            and not isinstance(value, types.ModuleType)
+            and (why := why_it_cannot_travel(value)) is not None
+        ):
+            return name, why
+    return None
+
+
+def _names_read(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += _names_read(constant)
+    return list(dict.fromkeys(names))
 
 
 def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:

@@ -1043,6 +1043,12 @@ def test_a_killed_kernel_takes_what_its_claimed_cell_started_with_it(tmp_path):
             "%%claim\nwith lock:\n    pass",
             "cannot send 'lock' (cannot pickle '_thread.lock' object) to the worker",
         ),
+        (
+            "import threading\nlock = threading.Lock()\ndef guarded():\n    return lock.locked()",
+            "%%claim\nfree = guarded()",
+            "cannot send 'guarded' (it reads the global 'lock', which cannot travel: "
+            "cannot pickle '_thread.lock' object) to the worker",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell, words):

@@ -16,7 +16,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from fluksio_nb import ClaimHalted, RemoteError, accountant, claim
-from fluksio_nb.errors import BadClaim
+from fluksio_nb.errors import BadClaim, ClaimTimeout, UnsendableInput, WorkerDied
 from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
@@ -63,6 +63,50 @@ def test_an_exception_in_run_comes_back_with_the_workers_traceback():
         c.run(fails)
     assert caught.value.ename == "KeyError"
     assert any("fails" in line for line in caught.value.traceback)
+
+
+def test_what_c_run_cannot_send_is_named_as_the_caller_wrote_it():
+    """Guards against "input '__fluksio_args__' cannot be sent ... create it inside the
+    cell": names the caller never wrote, and a cell there is none of."""
+    lock = threading.Lock()
+    # A function the notebook defined: sent by value, with the globals it reads.
+    notebook = {"__name__": "a_notebook", "lock": lock}
+    exec("def uses_the_lock():\n    return lock.locked()", notebook)
+    with claim() as c:
+        with pytest.raises(UnsendableInput) as positional:
+            c.run(print, "fine", lock)
+        with pytest.raises(UnsendableInput) as keyword:
+            c.run(print, "fine", sep=lock)
+        with pytest.raises(UnsendableInput) as through_a_global:
+            c.run(notebook["uses_the_lock"])
+        assert c.run(pow, 2, 3) == 8, "the claim goes on after a refusal"
+    said = [str(e.value) for e in (positional, keyword, through_a_global)]
+    assert said[0].startswith("c.run cannot send its argument 2, a lock, to the worker ("), said
+    assert said[1].startswith("c.run cannot send its argument sep=, a lock, to the worker ("), said
+    assert said[2].startswith(
+        "c.run cannot send the function uses_the_lock to the worker: it reads the global "
+        "'lock', which cannot travel ("
+    ), said
+    assert not any("__fluksio" in text or "cell" in text for text in said), said
+
+
+def test_a_worker_dying_in_c_run_says_the_block_still_holds_its_share():
+    with claim() as c:
+        with pytest.raises(WorkerDied) as died:
+            c.run(os._exit, 3)
+        assert c.run(pow, 2, 3) == 8
+    said = str(died.value)
+    assert "exited with code 3 while running c.run's function" in said, said
+    assert said.endswith(
+        "The block still holds its share, and its next c.run starts a fresh worker."
+    )
+
+
+def test_a_timeout_in_a_block_says_to_raise_timeout_not_the_magics_option():
+    with claim(timeout=1) as c, pytest.raises(ClaimTimeout) as stopped:
+        c.run(time.sleep, 60)
+    said = str(stopped.value)
+    assert said.endswith("Raise timeout=, or make each c.run do less."), said
 
 
 def test_popen_starts_a_real_script_with_the_derived_env(tmp_path):

@@ -46,8 +46,8 @@ from fluksio_nb.errors import (
     ClaimHalted,
     ClaimTimeout,
     RemoteError,
-    UnsendableInput,
     WorkerDied,
+    unsendable,
 )
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised
 from fluksio_nb.ray.connection import (
@@ -145,7 +145,9 @@ class RayClaim(ClaimLifecycle):
 
     @classmethod
     def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> RayClaim:
-        return cls(wanted, on or "ray", view=view, hold=True)
+        claim = cls(wanted, on or "ray", view=view, hold=True)
+        claim.held_by_a_block = True
+        return claim
 
     @classmethod
     def for_cell(
@@ -262,11 +264,7 @@ class RayClaim(ClaimLifecycle):
         ray = self.acquire()._ray
         packed = inputs if isinstance(inputs, Packed) else pack_inputs(inputs)
         if packed.failures:
-            name, reason = next(iter(packed.failures.items()))
-            raise UnsendableInput(
-                f"input '{name}' cannot be sent to the Ray cluster ({reason}) — "
-                f"leave '{name}' out of the cell's inputs and create it inside the cell"
-            )
+            raise unsendable(*next(iter(packed.failures.items())), "the Ray cluster")
         task = self._held_task or ray_connection.shaped(
             ray, run_claimed_cell, task_options(self.wanted, self.status.label)
         )
@@ -353,8 +351,8 @@ class RayClaim(ClaimLifecycle):
             if isinstance(error, ray.exceptions.RayActorError):
                 ray_connection.forget_mailboxes()  # the next claim makes a new one
             raise WorkerDied(
-                f"the Ray worker running the cell ended: {_first_line(error)}. "
-                "Its share was given back; run the cell again."
+                f"the Ray worker running the {'call' if self.held_by_a_block else 'cell'} "
+                f"ended: {_first_line(error)}. {self.after_a_death()}"
             ) from None
         if self._timed_out is not None:
             raise ClaimTimeout(self._timed_out)
@@ -395,8 +393,8 @@ class RayClaim(ClaimLifecycle):
             ready, _ = ray.wait(waiting_on, num_returns=1, timeout=max(wait_s, 0.0))
             if deadline is not None and time.monotonic() >= deadline:
                 self._timed_out = (
-                    f"{self.status.label} ran past its {self.wanted.timeout:g} s timeout and "
-                    "was stopped. Raise --timeout, or make the cell do less."
+                    f"{self.status.label} reached its {self.wanted.timeout:g} s timeout and "
+                    f"was stopped. {self.asking_more_time()}"
                 )
             if self._timed_out is not None or self._cancelled is not None:
                 mailboxes.forget.remote(box)
@@ -472,7 +470,7 @@ class RayClaim(ClaimLifecycle):
         if result["halted"] is not None:
             raise ClaimHalted(result["halted"])
         if result["died"] is not None:
-            raise WorkerDied(f"{result['died']}. Its share was given back; run the cell again.")
+            raise WorkerDied(f"{result['died']}. {self.after_a_death()}")
         values: dict[str, Any] = {}
         failed = dict(result["failed"])
         if parcel is not None:

@@ -65,7 +65,7 @@ from typing import Any, Literal
 
 from fluksio_nb import transfer
 from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
-from fluksio_nb.errors import Interrupted, UnsendableInput
+from fluksio_nb.errors import Interrupted, unsendable
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
 from fluksio_nb.sampler import Chances
@@ -137,6 +137,10 @@ class WorkerMisuse(RuntimeError):
 # -----------------------------------------------------------------------------
 
 
+#: When a worker died that ran the cell: the words a claim held by a block rewords.
+RUNNING_THE_CELL = "while running the cell"
+
+
 def pack_inputs(values: Mapping[str, Any]) -> Any:
     """What the worker is sent for ``values``; refuses before the cell runs if one won't go."""
     if isinstance(values, transfer.Parcel):
@@ -144,11 +148,7 @@ def pack_inputs(values: Mapping[str, Any]) -> Any:
     parcel = transfer.pack(values, reuse=True)
     if parcel.failures:
         parcel.discard()
-        name, reason = next(iter(parcel.failures.items()))
-        raise UnsendableInput(
-            f"input '{name}' cannot be sent to the worker ({reason}) — "
-            f"leave '{name}' out of the cell's inputs and create it inside the cell"
-        )
+        raise unsendable(*next(iter(parcel.failures.items())), "the worker")
     return parcel
 
 
@@ -649,7 +649,7 @@ class Worker:
         elif not cell.sent:
             when = "between cells"
         else:
-            when = "while running the cell"
+            when = RUNNING_THE_CELL
         how = how_it_died(returncode, when, self._ending, cell.escalated_to)
         self._death = Outcome(
             "died", how, died=how, returncode=returncode, interrupted=cell.interrupted
