@@ -153,16 +153,39 @@ def choose_inputs(
     )
 
 
+#: Among a cell's outputs: and every other name the cell bound, as the worker
+#: finds them once it ran (:func:`fluksio_nb.worker.main.names_bound_by_cell`).
+EVERY_NAME_BOUND = "*"
+
+
 def choose_outputs(source: str, explicit: Iterable[str] | str | None = None) -> list[str]:
     """The worker's names to ship back to the kernel when the cell ends.
 
     Names starting with ``_`` stay behind, as they would from a module's
     ``import *``: they are the cell's scratch. ``explicit`` is the user's
-    ``--out`` and replaces the automatic choice entirely.
+    ``--out`` and replaces the automatic choice entirely. A cell that binds
+    names its source does not show (``from m import *``, ``exec``,
+    ``globals()``) asks for :data:`EVERY_NAME_BOUND` as well.
     """
     if explicit is not None:
         return _explicit_names(explicit, "--out")
-    return sorted(name for name in names_written(source) if not name.startswith("_"))
+    chosen = sorted(name for name in names_written(source) if not name.startswith("_"))
+    return [*chosen, EVERY_NAME_BOUND] if binds_unseen_names(source) else chosen
+
+
+@functools.lru_cache(maxsize=32)
+def binds_unseen_names(source: str) -> bool:
+    """Whether the cell may bind names its source does not show, at its top level."""
+    for node in _scope_nodes(_parse(source).body):
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("exec", "globals")
+        ):
+            return True
+    return False
 
 
 def choose_if_changed(source: str, inputs: Iterable[str], outputs: Iterable[str]) -> list[str]:

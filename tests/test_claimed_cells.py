@@ -956,6 +956,16 @@ def test_instances_of_a_notebook_class_with_slots_travel_both_ways(kernel):
     ]
 
 
+def test_names_a_cell_binds_out_of_sight_come_back(kernel):
+    """Guards against `from math import *`, `exec` or `globals()[...]` binding names in
+    the worker that a later cell in the kernel then did not find."""
+    kernel.run(
+        "%%claim\nfrom math import *\nexec('made = 5')\nglobals()['put'] = 7\nr = sqrt(4)",
+        check=True,
+    )
+    assert kernel.facts("[r, round(pi, 2), made, put, sqrt(9)]") == [2.0, 3.14, 5, 7, 3.0]
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""

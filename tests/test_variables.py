@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fluksio_nb.variables import (
+    EVERY_NAME_BOUND,
     CellSyntaxError,
     choose_if_changed,
     choose_inputs,
@@ -350,6 +351,23 @@ def test_a_name_changed_only_through_its_object_is_told_from_one_bound_anew():
         """
     )
     assert names_never_rebound(source) == {"data", "table", "grid", "model"}
+
+
+@pytest.mark.parametrize(
+    ("source", "unseen"),
+    [
+        ("from math import *", True),
+        ("exec('x = 1')", True),
+        ("globals()['x'] = 1", True),
+        ("for k in keys:\n    globals()[k] = 0", True),
+        ("from math import sqrt\nx = eval('1')", False),
+        ("def f():\n    exec('y = 1')", False),
+    ],
+)
+def test_a_cell_binding_names_out_of_sight_asks_for_every_name_it_bound(source, unseen):
+    """Guards against `from m import *` or `exec` in a claimed cell bringing nothing back."""
+    outputs = choose_outputs(cell(source))
+    assert (EVERY_NAME_BOUND in outputs) is unseen, outputs
 
 
 def test_a_walrus_in_a_comprehension_binds_in_the_cell():

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import FunctionType, ModuleType
 from typing import Any
 
@@ -49,6 +49,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from fluksio_nb import namespaces, random_streams, transfer
 from fluksio_nb.env import GPU_FRACTION_VAR, EnvironMark
+from fluksio_nb.variables import EVERY_NAME_BOUND
 from fluksio_nb.worker.lifetime import (
     GRACE_S,
     adopt_orphans,
@@ -240,6 +241,18 @@ def take_back_lent() -> None:
         _lent.pop().discard()
 
 
+def names_wanted(
+    shell: InteractiveShell, wanted: Sequence[str] | None, inputs: dict[str, Any]
+) -> list[str]:
+    """The names to send back: those the kernel asked for, or, where it said so, all bound."""
+    if wanted is None:
+        return names_bound_by_cell(shell, inputs)
+    names = [name for name in wanted if name != EVERY_NAME_BOUND]
+    if EVERY_NAME_BOUND in wanted:
+        names += [name for name in names_bound_by_cell(shell, inputs) if name not in names]
+    return names
+
+
 def names_bound_by_cell(shell: InteractiveShell, inputs: dict[str, Any]) -> list[str]:
     """What the cell made, when the kernel did not say what it wants back.
 
@@ -334,8 +347,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
         shell.report(Stream("stderr", _THREADS_LEFT.format(names=", ".join(left))))
     drawn, held = random_streams.drawn_since(streams_before, given)
     random_streams.forget_pending()
-    wanted = request.outputs
-    names = list(wanted) if wanted is not None else names_bound_by_cell(shell, inputs)
+    names = names_wanted(shell, request.outputs, inputs)
     names += changed_in_place(shell.user_ns, request.if_changed, request.inputs, inputs)
     keep = request.keep_outputs
     # A worker on its way out would take its kept files with it before the
