@@ -450,6 +450,9 @@ class Claim(ClaimLifecycle):
         if outcome.sent_s is not None:
             self.status.sent_s = (self.status.sent_s or 0.0) + outcome.sent_s
             self.status.sent_bytes += outcome.sent_bytes
+        # A peak between two readings, which the readings would have missed.
+        readings = self.status.readings
+        readings.peak_rss_bytes = max(readings.peak_rss_bytes, outcome.peak_bytes)
         self._raise_for(outcome)
         return outcome
 

@@ -966,6 +966,20 @@ def test_names_a_cell_binds_out_of_sight_come_back(kernel):
     assert kernel.facts("[r, round(pi, 2), made, put, sqrt(9)]") == [2.0, 3.14, 5, 7, 3.0]
 
 
+def test_the_record_says_a_peak_that_came_and_went_between_two_readings(kernel):
+    """Guards against "peak RSS 43MB" for a cell that held 200 MB for a tenth of a second,
+    between the sampler's readings, and against one cell's peak in the next one's record."""
+
+    def peak_mb(ran) -> float:
+        return float(re.search(r"peak RSS ([\d.]+)MB", ran.texts[-1]).group(1))
+
+    kernel.run("%%claim\nx = 1", check=True)
+    brief = kernel.run("%%claim\nbrief = len(b'x' * (200 << 20))", check=True)
+    after = kernel.run("%%claim\nx = 2", check=True)
+    assert peak_mb(brief) >= 200, brief.texts
+    assert peak_mb(after) < 150, after.texts
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""

@@ -637,6 +637,7 @@ class Worker:
             parcel=parcel if cell.forward else None,
             sent_s=sent_s,
             sent_bytes=0 if parcel is None else parcel.nbytes,
+            peak_bytes=done.peak_bytes,
         )
 
     def _died(self, cell: _Cell) -> Outcome:

@@ -72,6 +72,7 @@ from fluksio_nb.worker.messages import (
     Stream,
     Unpacked,
 )
+from fluksio_nb.worker.peak import PeakMemory
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from fluksio_nb.worker.shell import (
     Interrupts,
@@ -314,8 +315,12 @@ def changed_in_place(
 # -----------------------------------------------------------------------------
 
 
+_peak = PeakMemory()
+
+
 def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> None:
     """Run one cell and answer with exactly one :class:`Done`, however it ends."""
+    _peak.start()
     ok = False
     inputs: dict[str, Any] = {}
     given = request.random_state
@@ -369,6 +374,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
             streams_held=held,
             # Said here, so the kernel never hands the next cell to a worker on its way out.
             exiting=shell.exit_now,
+            peak_bytes=_peak.bytes(),
         )
     )
     if keep:

@@ -264,6 +264,8 @@ class Done(_Message):
     streams_held: Sequence[str] = ()
     #: The cell called ``exit()``: the worker ends after this message.
     exiting: bool = False
+    #: The most the worker itself held in memory while the cell ran; 0 if unknown.
+    peak_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

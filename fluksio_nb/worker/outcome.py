@@ -70,6 +70,9 @@ class Outcome:
     #: rebuilt here, and their size as they travelled; None with no results.
     sent_s: float | None = None
     sent_bytes: int = 0
+    #: The most the worker itself held in memory while the cell ran, exact
+    #: however short the cell (:mod:`fluksio_nb.worker.peak`); 0 if unknown.
+    peak_bytes: int = 0
 
     @property
     def ok(self) -> bool:
