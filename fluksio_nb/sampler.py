@@ -442,3 +442,20 @@ class Readings:
     @property
     def mean_cpu_percent(self) -> float:
         return round(self._cpu_total / self.count, 1) if self.count else 0.0
+
+    def __repr__(self) -> str:
+        # What `print(c.readings)` is asked for: the figures, as bytes and percent.
+        latest = self.latest
+        now = (
+            "no reading yet"
+            if latest is None
+            else f"now {latest.rss_bytes} bytes, {latest.cpu_percent:g}% CPU, "
+            f"{latest.processes} processes"
+        )
+        gpu = (
+            "" if self.peak_gpu_bytes is None else f", peak card memory {self.peak_gpu_bytes} bytes"
+        )
+        return (
+            f"<Readings: {now}; peak {self.peak_rss_bytes} bytes{gpu}, "
+            f"mean {self.mean_cpu_percent:g}% CPU over {self.count} readings>"
+        )

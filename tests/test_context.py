@@ -7,6 +7,7 @@ using claims at once over-granting the machine.
 """
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -107,6 +108,22 @@ def test_a_timeout_in_a_block_says_to_raise_timeout_not_the_magics_option():
         c.run(time.sleep, 60)
     said = str(stopped.value)
     assert said.endswith("Raise timeout=, or make each c.run do less."), said
+
+
+def test_the_readings_print_as_their_figures():
+    """Guards against `print(c.readings)` saying `<fluksio_nb.sampler.Readings object at 0x...>`."""
+    with claim() as c:
+        before = repr(c.readings)
+        c.run(pow, 2, 3)
+        after = repr(c.readings)
+    assert before.startswith("<Readings: no reading yet; peak 0 bytes, mean 0% CPU"), before
+    shown = re.fullmatch(
+        r"<Readings: now (\d+) bytes, [\d.]+% CPU, \d+ processes; peak (\d+) bytes, "
+        r"mean [\d.]+% CPU over \d+ readings>",
+        after,
+    )
+    assert shown is not None, after
+    assert 0 < int(shown.group(1)) <= int(shown.group(2)), after
 
 
 def test_popen_starts_a_real_script_with_the_derived_env(tmp_path):
