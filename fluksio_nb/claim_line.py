@@ -22,10 +22,17 @@ import argparse
 import functools
 import shlex
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from fluksio_nb.errors import BadClaim
-from fluksio_nb.resources import ENV_NAME, LINE_KEYS, Resources, ask, unknown_keys_message
+from fluksio_nb.resources import (
+    ENV_NAME,
+    LINE_KEYS,
+    Resources,
+    ask,
+    seconds,
+    unknown_keys_message,
+)
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,55 @@ class _Parser(argparse.ArgumentParser):
         raise BadClaim(message or "%%claim: the line could not be read.")
 
 
-def _names(text: str) -> tuple[str, ...]:
+class _Once(argparse.Action):
+    """Take an option once, as a NAME=VALUE pair is taken.
+
+    argparse lets the last of a repeated option win, so `--timeout 1 --timeout 2`
+    ran with two seconds and never said the one was dropped.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = vars(namespace).setdefault("given_options", set())
+        if self.dest in given:
+            raise BadClaim(f"%%claim: {option_string} is given twice; keep one.")
+        given.add(self.dest)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _flag(parser: argparse.ArgumentParser, option: str, help: str) -> None:
+    parser.add_argument(option, action=_Once, nargs=0, const=True, default=False, help=help)
+
+
+def _names(option: str, text: str | None, what: str, otherwise: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
     names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        # An empty list would ship or bring back nothing at all, and say nothing
+        # of it: the names a cell needed would simply not be there.
+        raise BadClaim(
+            f"%%claim: {option} names nothing; list the names to {what}, such as "
+            f"{option} a,b, or drop {option} to {otherwise}."
+        )
     for name in names:
         if not name.isidentifier():
-            raise argparse.ArgumentTypeError(f"{name!r} is not a Python name")
+            raise BadClaim(
+                f"%%claim: {option} names {name!r}, which is not a Python name; give "
+                f"names separated by commas, such as {option} a,b."
+            )
     return names
+
+
+def _not_empty(option: str, text: str | None, instead: str) -> str | None:
+    if text is not None and not text.strip():
+        raise BadClaim(f"%%claim: {option} is empty; {instead}.")
+    return text
 
 
 def claim_parser() -> argparse.ArgumentParser:
@@ -88,34 +138,37 @@ def claim_parser() -> argparse.ArgumentParser:
             "the worker's environment"
         ),
     )
+    # Values are read after parsing, not by argparse's `type=`, whose refusals
+    # come out as "argument --timeout: invalid float value" with no way to fix it.
     parser.add_argument(
         "--in",
+        action=_Once,
         dest="inputs",
-        type=_names,
         metavar="a,b",
         help="ship exactly these names in",
     )
     parser.add_argument(
         "--out",
+        action=_Once,
         dest="outputs",
-        type=_names,
         metavar="c,d",
         help="bring exactly these names back",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        action=_Once,
         metavar="S",
         help="end the cell after S seconds, waiting included",
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--background",
-        action="store_true",
         help="return at once with a job handle; the cell's output stays in this cell",
     )
-    parser.add_argument("--label", metavar="TEXT", help="the name shown in the queue")
+    parser.add_argument("--label", action=_Once, metavar="TEXT", help="the name shown in the queue")
     parser.add_argument(
         "--on",
+        action=_Once,
         metavar="TARGET",
         help=(
             "run the cell as a task on a Ray cluster instead: 'ray' (the cluster this "
@@ -123,9 +176,9 @@ def claim_parser() -> argparse.ArgumentParser:
             "ray://host:10001"
         ),
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--strict",
-        action="store_true",
         help="refuse a claim larger than the machine instead of shrinking it",
     )
     return parser
@@ -169,17 +222,35 @@ def parse_claim_line(line: str) -> ClaimLine:
                 "or an UPPER_CASE=value environment variable."
             )
 
-    resources = ask(
-        **fields,
-        env=env,
-        timeout=options.timeout,
-        label=options.label,
-        strict=options.strict,
+    timeout = options.timeout
+    if timeout is not None:
+        try:
+            timeout = seconds(timeout, "--timeout")
+        except ValueError as error:
+            raise BadClaim(f"%%claim: {error}.") from None
+    label = _not_empty(
+        "--label",
+        options.label,
+        "give the name to show in the queue, such as --label fit, or drop --label to be "
+        "named as the notebook numbers the cell, In[n]",
     )
+    on = _not_empty(
+        "--on",
+        options.on,
+        "write --on ray, or a Ray address such as ray://host:10001, or drop --on to run "
+        "the cell on this machine",
+    )
+    inputs = _names("--in", options.inputs, "ship in", "ship in every name the cell reads")
+    outputs = _names("--out", options.outputs, "bring back", "bring back every name the cell binds")
+    try:
+        resources = ask(**fields, env=env, timeout=timeout, label=label, strict=options.strict)
+    except BadClaim as error:
+        # Said as the line's other refusals are, and as the magic shows them.
+        raise BadClaim(f"%%claim: {error}") from None
     return ClaimLine(
         resources=resources,
-        inputs=options.inputs,
-        outputs=options.outputs,
+        inputs=inputs,
+        outputs=outputs,
         background=options.background,
-        on=options.on,
+        on=on,
     )

@@ -18,7 +18,9 @@ never reaches this module and runs in the kernel as it always did.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -73,7 +75,7 @@ class Resources(BaseModel):
     gpu_ram: ByteSize | None = None
     env: dict[str, str] = Field(default_factory=dict)
     flavor: str | None = None
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = None
     label: str | None = None
     strict: bool = False
 
@@ -149,6 +151,11 @@ class Resources(BaseModel):
                 raise ValueError(f"{what} must be more than zero bytes, not {value!r}")
         return value
 
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout_is_seconds(cls, value: Any) -> Any:
+        return None if value is None else seconds(value)
+
     @field_validator("env")
     @classmethod
     def _env_names_are_variables(cls, env: dict[str, str]) -> dict[str, str]:
@@ -190,6 +197,28 @@ class Resources(BaseModel):
     def gpu_ram_bytes(self) -> int | None:
         """Card memory each card may hold, or ``None`` for no card budget."""
         return int(self.gpu_ram) if self.gpu_ram is not None else None
+
+
+def seconds(value: Any, what: str = "timeout") -> float:
+    """A timeout as a number of seconds above 0, or a ValueError that says how to write one.
+
+    Infinity is refused with the rest: it means no timeout, which is said by
+    giving none, and a deadline of ``inf`` overflows the waits it is handed to.
+    """
+    number: float | None = None
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):
+            number = float(value)
+    if number is None or not 0 < number < math.inf:
+        shown = value if isinstance(value, str) and value.strip() else repr(value)
+        raise ValueError(
+            f"{what} must be a number of seconds above 0, such as 30 (got {shown}); "
+            "leave it out to wait and run for as long as it takes"
+        )
+    return number
 
 
 def unknown_keys_message(

@@ -1073,6 +1073,16 @@ def test_a_killed_kernel_takes_what_its_claimed_cell_started_with_it(tmp_path):
             "cannot send 'guarded' (it reads the global 'lock', which cannot travel: "
             "cannot pickle '_thread.lock' object) to the worker",
         ),
+        (
+            "",
+            "%%claim --timeout -1\n1",
+            "%%claim: --timeout must be a number of seconds above 0, such as 30 (got -1); "
+            "leave it out to wait and run for as long as it takes.",
+        ),
+        ("", "%%claim --label x --label y\n1", "%%claim: --label is given twice; keep one."),
+        ("", "%%claim --strict --strict\n1", "%%claim: --strict is given twice; keep one."),
+        ("", "%%claim --label ''\n1", "%%claim: --label is empty;"),
+        ("", "%%claim --out ''\n1", "%%claim: --out names nothing;"),
     ],
 )
 def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell, words):

@@ -55,7 +55,7 @@ def test_a_misspelled_resource_is_refused_with_the_right_spelling():
         ({"cpus": 0}, "at least 1"),
         ({"ram": "lots"}, "ram='lots' is not a size"),
         ({"ram": 0}, "more than zero"),
-        ({"timeout": -3}, "timeout"),
+        ({"timeout": -3}, "timeout must be a number of seconds above 0, such as 30 (got -3)"),
     ],
 )
 def test_bad_counts_and_sizes_are_refused_in_plain_words(fields, words):
@@ -125,7 +125,7 @@ def test_quoted_values_keep_their_spaces():
         ("--colour red", "unrecognized arguments"),
         ("--in 1x", "is not a Python name"),
         ("--label 'unclosed", "close the quote"),
-        ("--timeout soon", "invalid float value"),
+        ("--timeout soon", "--timeout must be a number of seconds above 0, such as 30 (got soon)"),
         ("Omp_Threads=1", "UPPER_CASE"),
     ],
 )
@@ -133,6 +133,102 @@ def test_a_bad_line_says_what_to_change(line, words):
     with pytest.raises(BadClaim) as caught:
         parse_claim_line(line)
     assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon", "''"])
+def test_a_timeout_that_is_not_seconds_above_zero_is_refused_naming_the_option(value):
+    """Guards against pydantic's `timeout: Input should be greater than 0.`, which names a
+    field the line does not have and says nothing of what to write."""
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(f"--timeout {value}")
+    assert str(caught.value) == (
+        f"%%claim: --timeout must be a number of seconds above 0, such as 30 (got {value}); "
+        "leave it out to wait and run for as long as it takes."
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "option"),
+    [
+        ("--timeout 1 --timeout 2", "--timeout"),
+        ("--timeout=1 --timeout 1", "--timeout"),
+        ("--label x --label y", "--label"),
+        ("--in a --in b", "--in"),
+        ("--out a --out a", "--out"),
+        ("--on ray --on ray", "--on"),
+        ("--strict --strict", "--strict"),
+        ("--background cpus=1 --background", "--background"),
+    ],
+)
+def test_an_option_given_twice_is_refused_as_a_pair_given_twice_is(line, option):
+    """Guards against argparse's last-one-wins: `--timeout 1 --timeout 2` ran with 2,
+    while `cpus=1 cpus=1` was refused."""
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(line)
+    assert str(caught.value) == f"%%claim: {option} is given twice; keep one."
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        (
+            "--label ''",
+            "%%claim: --label is empty; give the name to show in the queue, such as --label "
+            "fit, or drop --label to be named as the notebook numbers the cell, In[n].",
+        ),
+        ("--label ' '", "%%claim: --label is empty;"),
+        (
+            "--in ''",
+            "%%claim: --in names nothing; list the names to ship in, such as --in a,b, or "
+            "drop --in to ship in every name the cell reads.",
+        ),
+        ("--in ,", "%%claim: --in names nothing;"),
+        (
+            "--out ''",
+            "%%claim: --out names nothing; list the names to bring back, such as --out a,b, "
+            "or drop --out to bring back every name the cell binds.",
+        ),
+        (
+            "--on ''",
+            "%%claim: --on is empty; write --on ray, or a Ray address such as "
+            "ray://host:10001, or drop --on to run the cell on this machine.",
+        ),
+    ],
+)
+def test_an_empty_label_in_out_or_on_is_refused_saying_what_to_write(line, words):
+    """Guards against `--label ''` naming the cell `claim 3` rather than In[n], `--out ''`
+    bringing nothing back without a word, and `--on ''` quietly meaning Ray."""
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(line)
+    assert str(caught.value).startswith(words)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "cpus=0",
+        "cpus=x",
+        "gpus=-1",
+        "ram=lots",
+        "ram=0",
+        "gpus=1 gpu_ram=x",
+        "gpu_ram=8G",
+        "flavor=X",
+        "gpus=1 CUDA_VISIBLE_DEVICES=1",
+        "--timeout 0",
+        "--in 1x",
+        "--out a,b-c",
+    ],
+)
+def test_every_bad_value_on_the_line_is_one_paragraph_said_as_a_claim_error(line):
+    """Each says `%%claim:` as the line's other refusals do, and none leaks pydantic's
+    wording, which names fields rather than what was typed."""
+    with pytest.raises(BadClaim) as caught:
+        parse_claim_line(line)
+    message = str(caught.value)
+    assert message.startswith("%%claim: "), message
+    assert "\n" not in message
+    assert "Input should" not in message and "argument " not in message, message
 
 
 def test_the_help_text_is_the_parser_that_reads_the_line():
