@@ -365,6 +365,11 @@ class Claim(ClaimLifecycle):
             worker.kill()
             self._pool.checkin(worker, self.env)
             raise
+        try:
+            self._refuse_if_out_of_time()
+        except ClaimTimeout:
+            self._pool.checkin(worker, self.env)
+            raise
         ready_at = worker.ready_at or time.monotonic()
         if ready_at > asked_at:
             # Waited for a worker to start, a fresh one or the one started
@@ -400,6 +405,7 @@ class Claim(ClaimLifecycle):
         held = self._confinement
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
+        self._refuse_if_out_of_time()
         worker = self._started(self._pool.checkout(self.env, timeout=self._time_left()), sink)
         if self._grown_into_the_budget(worker):
             # What its earlier cells left it holding (a heap they freed but
@@ -466,6 +472,22 @@ class Claim(ClaimLifecycle):
             if last is not None:
                 self.status.readings.add(last)
         watched.sampler.close()
+
+    def _refuse_if_out_of_time(self) -> None:
+        """End the claim as timed out if its time ran out before the cell could start.
+
+        A claim granted on the spot never looks at its deadline while it waits,
+        and the running cell is held to it only from its first reading on: a
+        quick cell past a tiny timeout ran to its end and was recorded "ok".
+        """
+        if self._deadline is None or time.monotonic() < self._deadline:
+            return
+        raise ClaimTimeout(
+            f"{self.status.label} reached its {self.wanted.timeout:g} s timeout before its cell "
+            f"started, so {'c.run' if self.held_by_a_block else 'the cell'} did not run; "
+            "waiting, starting its worker and running all count. "
+            f"{'Raise timeout=.' if self.held_by_a_block else 'Raise --timeout.'}"
+        )
 
     def _time_left(self) -> float:
         """How long a worker may take to start or answer: the claim's time left, or 30 s."""

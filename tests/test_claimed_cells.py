@@ -882,6 +882,19 @@ def test_a_cell_past_its_timeout_is_stopped(kernel):
     assert_books_balanced(kernel)
 
 
+def test_a_timeout_over_before_the_cell_starts_ends_it_as_timed_out_without_running_it(kernel):
+    """Guards against `--timeout 1e-9` running the cell and recording "ok": a claim granted on
+    the spot never looked at its deadline, and the running cell only from its first reading."""
+    ran = kernel.run("%%claim --timeout 1e-9\ntoo_late = 1")
+    assert ran.error["ename"] == "ClaimTimeout", ran.so_far()
+    assert "reached its 1e-09 s timeout before its cell started, so the cell did not run" in (
+        "".join(ran.error["traceback"])
+    )
+    assert any(": timed out · " in text for text in ran.texts), ran.texts
+    assert kernel.facts("'too_late' in dir()") is False
+    assert_books_balanced(kernel)
+
+
 def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     ran = kernel.run(
         "%%claim ram=300M\nimport time\nblock = bytearray(600 * 2**20)\n"
