@@ -15,19 +15,38 @@ or starts, shown as one line with what to change. :class:`ClaimHalted`,
 paragraph. :class:`RemoteError`
 is the cell's own exception, shown with the worker's traceback.
 :class:`ClampedWarning` is told at the user's own line, by
-:func:`warn_at_users_line`, whichever floor found the claim too big.
+:func:`warn_at_users_line`, whichever floor found the claim too big, and
+quotes the line as typed (:func:`typed_as`), ``%%claim`` and all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 #: The packages between a user's line and the floor that warns: a ``%%claim``
 #: cell reaches fluksio_nb through IPython's ``run_cell_magic``, a ``with``
 #: block may go through ``contextlib``.
 _MACHINERY = frozenset({"fluksio_nb", "IPython", "contextlib"})
+
+
+#: The line the user typed, where the source line of their frame is not it: a
+#: ``%%claim`` cell's line 1 is IPython's ``get_ipython().run_cell_magic(...)``.
+_TYPED: ContextVar[str | None] = ContextVar("fluksio_nb_typed_line", default=None)
+
+
+@contextlib.contextmanager
+def typed_as(line: str) -> Iterator[None]:
+    """Quote ``line`` under a warning told at the user's line while the block runs."""
+    token = _TYPED.set(line)
+    try:
+        yield
+    finally:
+        _TYPED.reset(token)
 
 
 class BadClaim(ValueError):
@@ -102,6 +121,10 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
     at = frame or outermost
     where = (message, category, at.f_code.co_filename, at.f_lineno)
     module = str(at.f_globals.get("__name__", ""))
+    typed = _TYPED.get()
+    if typed is not None:
+        _warn_quoting(typed, where, module)
+        return
     try:
         # The module's globals let the warning quote the user's line.
         warnings.warn_explicit(*where, module=module, registry=None, module_globals=at.f_globals)
@@ -109,6 +132,29 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
         # `python -c`: __main__'s loader is the built-in importer, which has
         # no source to give and raises for it; the warning goes without the line.
         warnings.warn_explicit(*where, module=module, registry=None)
+
+
+def _warn_quoting(typed: str, where: tuple[Any, ...], module: str) -> None:
+    """Warn at ``where`` under the ``typed`` line, the user's filters deciding as ever.
+
+    ``warn_explicit`` takes no source line: the one it shows comes from
+    linecache, which holds the cell as IPython transformed it. So the filters
+    decide into a list, and what they let through is shown with the typed line.
+    """
+    with warnings.catch_warnings(record=True) as told:
+        warnings.warn_explicit(*where, module=module, registry=None)
+    for said in told:
+        # catch_warnings is process-wide: another thread's warning caught in
+        # the meantime is shown too, as it would have been, with its own line.
+        ours = said.category is where[1] and str(said.message) == where[0]
+        warnings.showwarning(
+            said.message,
+            said.category,
+            said.filename,
+            said.lineno,
+            said.file,
+            typed if ours else said.line,
+        )
 
 
 class ClaimTimeout(TimeoutError):

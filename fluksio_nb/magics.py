@@ -35,6 +35,7 @@ from fluksio_nb.errors import (
     RemoteError,
     UnsendableInput,
     WorkerDied,
+    typed_as,
 )
 from fluksio_nb.in_place import into_the_kernels_own
 from fluksio_nb.jobs import Job
@@ -67,7 +68,9 @@ class ClaimMagics(Magics):
     @cell_magic
     def claim(self, line: str, cell: str) -> Any:
         try:
-            return self._claim(line, cell)
+            # IPython hands the line with the magic's name and trailing spaces cut off.
+            with typed_as(f"%%claim {line}".rstrip()):
+                return self._claim(line, cell)
         except Interrupted:
             raise
         except KeyboardInterrupt:

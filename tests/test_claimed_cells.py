@@ -1113,8 +1113,9 @@ def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell
 
 def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(kernel):
     """Guards against the warning pointing into fluksio_nb (`context.py:133`), where the user
-    can change nothing, and against the next claim shrunk the same way going unsaid, as
-    Python's once-per-line default had it."""
+    can change nothing, against the next claim shrunk the same way going unsaid, as
+    Python's once-per-line default had it, and against quoting a `%%claim` cell's line as
+    IPython rewrote it, `get_ipython().run_cell_magic('claim', ...)`, not as it was typed."""
 
     def where_told(ran):
         told = re.findall(r"^(.+):(\d+): ClampedWarning: cpus=64 is more than", ran.stderr, re.M)
@@ -1125,9 +1126,13 @@ def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(
     # Where a normal cell's own warning points: the kernel's files for its cells.
     mine = kernel.run("import warnings\nwarnings.warn('mine')", check=True).stderr
     cells = Path(re.match(r"(.+):2: UserWarning: mine", mine)[1]).parent
-    magic = kernel.run("%%claim cpus=64\nn = __import__('os').environ['OMP_NUM_THREADS']")
+    magic = kernel.run(
+        "%%claim  cpus=64 --label big\nn = __import__('os').environ['OMP_NUM_THREADS']"
+    )
     assert magic.status == "ok" and kernel.facts("n") == "2"
     assert where_told(magic) == (cells, 1)
+    assert "instead.\n  %%claim  cpus=64 --label big\n" in magic.stderr, "the line as typed"
+    assert "run_cell_magic" not in magic.stderr, magic.stderr
     block = kernel.run(
         "from fluksio_nb import claim\n\nwith claim(cpus=64) as c:\n    n = c.allocation.cpus",
         check=True,
