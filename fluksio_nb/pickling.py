@@ -58,7 +58,7 @@ _cells: dict[tuple[str, int | None], Cell] = {}
 
 
 def dumps(value: object, protocol: int, buffer_callback: Any = None) -> bytes:
-    """``value``'s pickle as cloudpickle makes it, each code object keeping its file and cell."""
+    """``value``'s pickle as cloudpickle makes it, code keeping its cell and classes their slots."""
     with io.BytesIO() as file:
         _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
         return file.getvalue()
