@@ -15,6 +15,7 @@ line, no traceback, no share taken, no worker started.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -275,12 +276,29 @@ def _show_claim_error(shell, kind, error, traceback, tb_offset=None):
     elif isinstance(error, RemoteError):
         # The cell's own exception name, not ours: the front end shows the
         # error's name, and "ValueError" is what the user raised.
-        stb = error.traceback or [str(error)]
+        stb = (error.traceback or [str(error)]) + _unsent_name_hint(error, shell.user_ns)
         shell._showtraceback(type(error.ename, (Exception,), {}), error.evalue, stb)
     else:
         stb = [f"\x1b[0;31m{kind.__name__}\x1b[0m: {error}"]
         shell._showtraceback(kind, error, stb)
     return stb
+
+
+def _unsent_name_hint(error: RemoteError, namespace: dict[str, Any]) -> list[str]:
+    """Why a name the kernel has was not defined in the cell, and what to do: or nothing.
+
+    The cell's inputs are the names its source reads, and a name read only
+    through ``eval("x")`` or ``globals()["x"]`` is not among them.
+    """
+    missing = re.fullmatch(r"name '(\w+)' is not defined", error.evalue or "")
+    if error.ename != "NameError" or missing is None or missing.group(1) not in namespace:
+        return []
+    name = missing.group(1)
+    return [
+        f"fluksio_nb: '{name}' is in the kernel, but was not sent: the cell's source does not "
+        f"read it by name (an eval, a globals() lookup?). Name it with --in, with every other "
+        f"name the cell reads, as --in replaces the names worked out from the source."
+    ]
 
 
 def load_ipython_extension(shell) -> None:

@@ -993,6 +993,20 @@ def test_the_record_says_a_peak_that_came_and_went_between_two_readings(kernel):
     assert peak_mb(after) < 150, after.texts
 
 
+def test_a_name_read_out_of_sight_fails_saying_it_was_not_sent_and_how_to_send_it(kernel):
+    """Guards against a bare NameError for a name the kernel has, read by `eval`."""
+    kernel.run("hidden = 41", check=True)
+    ran = kernel.run("%%claim\nfound = eval('hidden') + 1")
+    assert ran.error["ename"] == "NameError"
+    shown = "\n".join(ran.error["traceback"])
+    assert "fluksio_nb: 'hidden' is in the kernel, but was not sent" in shown, shown
+    sent = kernel.run("%%claim --in hidden\nfound = eval('hidden') + 1", check=True)
+    assert sent.of("error") == [] and kernel.facts("found") == 42
+    # A name the kernel does not have either is the cell's own mistake: no hint.
+    plain = kernel.run("%%claim\nnowhere_at_all + 1")
+    assert "was not sent" not in "\n".join(plain.error["traceback"])
+
+
 def test_a_file_read_in_a_with_block_does_not_fail_the_cell(kernel, tmp_path):
     """Guards against the commonest way to read a file failing the cell: a closed file
     cannot travel, and there is nothing in it to bring back."""
