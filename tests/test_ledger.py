@@ -113,15 +113,21 @@ def test_a_waiter_in_another_process_is_woken_when_the_share_frees(tmp_path):
     waiter.wait(timeout=10)
 
 
-def test_a_killed_holder_gives_its_share_back(tmp_path):
-    """SIGKILL, the OOM killer, a reboot: the holder never says goodbye."""
+def waiting_behind_a_holder(directory):
+    """Another process holding the card, and a claim of this one waiting for it."""
     holder = other_process(
-        tmp_path, "t = q.enqueue(Resources(gpus=1)); q.wait(t); say(ok=1); time.sleep(60)\n"
+        directory, "t = q.enqueue(Resources(gpus=1)); q.wait(t); say(ok=1); time.sleep(600)\n"
     )
     assert heard(holder) == {"ok": 1}
-    mine = MachineQueue(tmp_path, inventory())
+    mine = MachineQueue(directory, inventory())
     ticket = mine.enqueue(Resources(gpus=1))
     assert ticket.state == "waiting"
+    return holder, mine, ticket
+
+
+def test_a_killed_holder_gives_its_share_back(tmp_path):
+    """SIGKILL, the OOM killer, a reboot: the holder never says goodbye."""
+    holder, mine, ticket = waiting_behind_a_holder(tmp_path)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     started = time.monotonic()
@@ -135,13 +141,7 @@ def test_a_waiter_looks_the_moment_its_holder_is_killed(tmp_path, monkeypatch):
     nobody gives it back, so nobody wakes the waiter but the holder's end."""
     # It would not look again by itself for an hour.
     monkeypatch.setattr(fluksio_nb.ledger.queue, "LOOK_EVERY_S", 3600)
-    holder = other_process(
-        tmp_path, "t = q.enqueue(Resources(gpus=1)); q.wait(t); say(ok=1); time.sleep(600)\n"
-    )
-    assert heard(holder) == {"ok": 1}
-    mine = MachineQueue(tmp_path, inventory())
-    ticket = mine.enqueue(Resources(gpus=1))
-    assert ticket.state == "waiting"
+    holder, mine, ticket = waiting_behind_a_holder(tmp_path)
     waiting = threading.Thread(target=mine.wait, args=(ticket,), daemon=True)
     waiting.start()
     holder.send_signal(signal.SIGKILL)
