@@ -171,11 +171,15 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 def _read_config_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
     except OSError as error:
         raise BadSettings(f"{path} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise BadSettings(
+            f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); fix or remove it"
+        ) from None
     try:
         data = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as error:

@@ -303,10 +303,14 @@ def test_environment_variables_win_over_the_config_file(isolated_settings, monke
         ("{not json", "is not valid JSON (line 1"),
         ('{"cpu": 4}', "unknown setting 'cpu' (did you mean 'cpus'?)"),
         ("[1, 2]", "must hold a JSON object"),
+        (b'\xff\xfe{"cpus": 2}', "is not UTF-8 text (byte 0: invalid start byte)"),
     ],
 )
 def test_a_broken_config_file_names_itself(isolated_settings, content, words):
-    isolated_settings.write_text(content)
+    if isinstance(content, bytes):
+        isolated_settings.write_bytes(content)
+    else:
+        isolated_settings.write_text(content)
     with pytest.raises(BadSettings) as caught:
         load_settings()
     assert str(isolated_settings) in str(caught.value)
