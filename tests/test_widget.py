@@ -14,7 +14,9 @@ end would receive, and delivering the messages a front end would send.
 
 from __future__ import annotations
 
+import gc
 import re
+import sys
 import threading
 import time
 from typing import Any
@@ -425,6 +427,24 @@ def test_the_monitor_thread_starts_when_shown_and_stops_when_closed(wire, ticker
     fixed.facts["n"] = 1
     time.sleep(0.1)
     assert len(wire.sent) == sent
+
+
+def test_a_monitor_whose_books_cannot_be_read_fails_once_and_leaves_nothing_behind(
+    wire, monkeypatch
+):
+    """Guards against `%claims` over unusable books raising a second time, later, from the
+    half-made widget's __del__ in whichever cell ran then."""
+
+    def unreadable() -> dict:
+        raise PermissionError("the books cannot be read")
+
+    watch = MonitorWatch(interval_s=0.02, idle_interval_s=0.02, reader=unreadable)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(PermissionError):
+        MonitorWidget(watch=watch)
+    gc.collect()
+    assert [hook.exc_value for hook in unraisable] == []
 
 
 def test_a_monitor_nobody_answers_for_is_let_go(wire, fixed):

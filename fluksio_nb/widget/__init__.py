@@ -369,7 +369,11 @@ class MonitorWidget(_Widget):
         return data, metadata
 
     def close(self) -> None:
-        self._watch.unwatch(self)
+        # Also called by the widget's __del__ after an __init__ that failed
+        # before it had a watch: the books could not be read.
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.unwatch(self)
         super().close()
 
 
