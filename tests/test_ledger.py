@@ -26,7 +26,7 @@ from fluksio_nb.errors import BadClaim, ClaimCancelled
 from fluksio_nb.gpus import Gpu
 from fluksio_nb.inventory import Inventory
 from fluksio_nb.kernel import books_in_force
-from fluksio_nb.ledger import LedgerBroken, MachineQueue
+from fluksio_nb.ledger import LEDGER_FILE, LedgerBroken, MachineQueue, read_snapshot
 from fluksio_nb.resources import Resources
 from fluksio_nb.settings import Settings
 
@@ -302,6 +302,19 @@ for i in range(200):
     q.release(t)
 say(grants=grants)
 """
+
+
+@pytest.mark.parametrize("left", ["", "garbage", "{}", "[]"])
+def test_a_ledger_nobody_can_read_is_shown_as_the_machine_found_and_said_to_be(tmp_path, left):
+    """Guards against the terminal and the server showing a machine of 0 cores and 0 B
+    for a ledger a crash or a full disk left empty or half written."""
+    MachineQueue(tmp_path, inventory(cpus=4)).release(
+        MachineQueue(tmp_path, inventory(cpus=4)).enqueue(Resources())
+    )
+    (tmp_path / LEDGER_FILE).write_text(left)
+    with pytest.warns(LedgerBroken, match="could not be read"):
+        shown = read_snapshot(tmp_path)
+    assert shown["cpus"]["total"] >= 1 and shown["ram_bytes"]["total"] > 0, shown
 
 
 def test_four_processes_of_two_hundred_claims_keep_the_books(tmp_path):

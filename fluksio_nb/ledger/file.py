@@ -117,6 +117,8 @@ class LedgerFile:
         #: Set by each read when the books are kept over another description
         #: of the machine than this process's, which it cannot take over: why.
         self.disagreement: str | None = None
+        #: Why the last :meth:`read` found no ledger it could use, if it did not.
+        self.unreadable: str | None = None
 
     def close(self) -> None:
         """Let go of the directory and the files. The ledger cannot be used after."""
@@ -161,10 +163,11 @@ class LedgerFile:
         with self._thread_lock, self._locked(fcntl.LOCK_SH):
             # Outside the try: a file that is not ours is refused, not read as empty.
             fd = self._document()
-            self.disagreement = None
+            self.disagreement = self.unreadable = None
             try:
                 return self._parse(self._read_text(fd), self.inventory)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as error:
+                self.unreadable = str(error) or type(error).__name__
                 return empty_state(self.inventory)
 
     @contextlib.contextmanager

@@ -17,11 +17,12 @@ What it decides:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 from fluksio_nb.inventory import take_inventory
-from fluksio_nb.ledger.document import empty_state, trusted, warn_left_out
+from fluksio_nb.ledger.document import LedgerBroken, empty_state, trusted, warn_left_out
 from fluksio_nb.ledger.file import LedgerFile
 from fluksio_nb.ledger.rules import free_core_ids
 from fluksio_nb.settings import Settings, load_settings
@@ -41,7 +42,17 @@ def read_snapshot(
     try:
         if ledger.has_document():
             state = ledger.read()
-            return machine_snapshot(state, state["inventory"], checked=True)
+            if ledger.unreadable is None:
+                return machine_snapshot(state, state["inventory"], checked=True)
+            # What a crash or a full disk leaves: read as empty, it described
+            # a machine of nothing. The next claim rebuilds it.
+            warnings.warn(
+                f"fluksio_nb: the ledger {ledger.path} could not be read "
+                f"({ledger.unreadable}); the machine is shown as found, and the next "
+                "claim starts the ledger afresh.",
+                LedgerBroken,
+                stacklevel=2,
+            )
     finally:
         ledger.close()
     return machine_as_found(settings)
