@@ -349,6 +349,23 @@ def test_since_takes_dates_times_and_spans_back_from_now():
     assert parse_since("7d", now) == now - 7 * 86400
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--dir", "/nonexistent/records"], "no directory /nonexistent/records"),
+        (["--user", "nobody-by-this-name"], "there is no user 'nobody-by-this-name'"),
+        (["--user", ""], "there is no user ''"),
+    ],
+)
+def test_a_mistyped_directory_or_user_is_refused_not_reported_as_no_claims(
+    capsys, tmp_path, argv, words
+):
+    """Guards against "No claims recorded." for a typo, which reads as an idle machine."""
+    assert usage_main([*argv, "--dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and words in error, error
+
+
 def test_a_bad_since_is_one_line_that_says_what_is_accepted(capsys, tmp_path):
     """Guards against a traceback, or an error that does not say what would do."""
     assert usage_main(["--since", "last tuesday", "--dir", str(tmp_path)]) == 2

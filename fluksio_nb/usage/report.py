@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pwd
 import re
 import sys
 import time
@@ -277,6 +278,19 @@ def usage_main(argv: list[str]) -> int:
     except BadSince as error:
         print(f"fluksio-nb usage: {error}", file=sys.stderr)
         return 2
+    # A directory named on the line that is not there is a typo, not a machine
+    # where nothing was claimed; the default ones appear with the first claim.
+    missing = [str(directory) for directory in options.dir or () if not directory.is_dir()]
+    if missing:
+        print(f"fluksio-nb usage: no directory {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if options.user is not None and not _is_a_user(options.user):
+        print(
+            f"fluksio-nb usage: there is no user {options.user!r} on this machine; "
+            "give a login name, as `ls -l` shows it, or a uid",
+            file=sys.stderr,
+        )
+        return 2
     rows = UsageRows()
     for directory in options.dir or usage_dirs():
         try:
@@ -309,3 +323,14 @@ def usage_main(argv: list[str]) -> int:
             )
         )
     return 0
+
+
+def _is_a_user(name: str) -> bool:
+    """A login name, or a uid: the records of a user with no entry are told by the uid."""
+    if name.isdigit():
+        return True
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
