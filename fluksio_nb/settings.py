@@ -31,6 +31,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -66,6 +67,10 @@ DEFAULT_RESERVE_CPUS = 1
 #: with room left to act, and only then the stop.
 DEFAULT_MEMORY_WARN_AT = 0.8
 DEFAULT_MEMORY_HALT_AT = 1.0
+
+
+#: The least RAM a machine may be declared to have: below it, a declaration is a slip.
+LEAST_RAM = 256 * 2**20
 
 
 class Flavor(BaseModel):
@@ -124,6 +129,18 @@ class Settings(BaseModel):
             if unknown:
                 raise ValueError(unknown_keys_message(unknown, cls.model_fields, "setting"))
         return data
+
+    @field_validator("ram")
+    @classmethod
+    def _ram_is_a_machines_worth(cls, value: ByteSize | None) -> ByteSize | None:
+        # A bare 12, meant as 12 GB, is 12 bytes; 0 declares a machine every
+        # ram= is clamped to nothing on, and the budget silently dropped.
+        if value is not None and value < LEAST_RAM:
+            raise ValueError(
+                f"{int(value)} bytes is less than any machine has; write the size with its "
+                "unit, such as 16G (16 * 10^9 bytes) or 16GiB, or leave it out to detect it"
+            )
+        return value
 
     @model_validator(mode="after")
     def _warn_before_halting(self) -> Settings:

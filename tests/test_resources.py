@@ -317,6 +317,20 @@ def test_a_broken_config_file_names_itself(isolated_settings, content, words):
     assert words in str(caught.value)
 
 
+@pytest.mark.parametrize(("declared", "shown"), [("0", "0 bytes"), ("12", "12 bytes")])
+def test_a_declared_ram_no_machine_has_is_refused_saying_to_write_its_unit(
+    monkeypatch, declared, shown
+):
+    """Guards against FLUKSIO_RAM=0 or a bare 12 (meant as 12 GB) clamping every ram= to
+    nothing and dropping its budget without a word."""
+    monkeypatch.setenv("FLUKSIO_RAM", declared)
+    with pytest.raises(BadSettings) as caught:
+        load_settings()
+    said = str(caught.value)
+    assert f"FLUKSIO_RAM={declared!r}" in said and shown in said, said
+    assert "such as 16G" in said, said
+
+
 def test_a_bad_environment_variable_names_itself(monkeypatch):
     monkeypatch.setenv("FLUKSIO_GPUS", "two")
     with pytest.raises(BadSettings) as caught:
