@@ -31,6 +31,7 @@ from fluksio_nb.expected_wait import describe_wait
 from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
+from fluksio_nb.queue import share_words
 from fluksio_nb.settings import load_settings
 from fluksio_nb.status import describe_gpu, ordinal, stopped_text
 
@@ -266,12 +267,11 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         lines.append(f"held by  {said}")
     for claim in snapshot.get("running", []):
         held = claim["allocation"]
-        cards = ",".join(str(g) for g in held["gpus"]) or "-"
-        cores = f" cores={format_cpu_list(held['cores'])}" if held.get("cores") else ""
+        cores = format_cpu_list(held["cores"]) if held.get("cores") else ""
         stopped = stopped_text((claim.get("readings") or {}).get("stopped_since"))
+        share = share_words(held["cpus"], held["gpus"], held["ram_bytes"], cores)
         lines.append(
-            f"running  {_whose(claim)}{_in_notebook(claim)}: cpus={held['cpus']}{cores} "
-            f"gpus={cards} ram={human(held['ram_bytes'])} ({_where(claim)})"
+            f"running  {_whose(claim)}{_in_notebook(claim)}: {share} ({_where(claim)})"
             + (f"; {claim['gpu']['text']}" if claim.get("gpu") else "")
             + (f"; {stopped}" if stopped else "")
         )
@@ -280,8 +280,9 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         wait = claim.get("expected_wait")
         lines.append(
             f"waiting  {ordinal(claim['position'])} in the queue: {_whose(claim)}"
-            f"{_in_notebook(claim)}: asks cpus={asked['cpus']} gpus={asked['gpus']} "
-            f"ram={human(asked['ram_bytes'])}" + (f"; {describe_wait(wait)}" if wait else "")
+            f"{_in_notebook(claim)}: asks cpus={asked['cpus']} gpus={asked['gpus']}"
+            + (f" ram={human(asked['ram_bytes'])}" if asked["ram_bytes"] else "")
+            + (f"; {describe_wait(wait)}" if wait else "")
         )
     for squatter in snapshot.get("squatters") or ():
         lines.append(f"squatter {squatter['text']}")

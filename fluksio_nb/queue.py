@@ -35,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -416,14 +416,25 @@ def _describe(ticket: Ticket) -> dict[str, object]:
 
 
 def held_words(allocation: Allocation | None) -> str:
-    """What a claim holds, as the claim line says it: ``cpus=2 gpus=0 ram=4.0GB``."""
+    """What a claim holds, as the claim line says it: ``cpus=2 gpus=1 (card 0) ram=4.0GB``."""
     if allocation is None:
         return "nothing"
-    words = [f"cpus={allocation.cpus}"]
-    if allocation.gpus:
-        words.append("gpus=" + ",".join(str(g) for g in allocation.gpus))
-    if allocation.ram_bytes:
-        words.append(f"ram={_size(allocation.ram_bytes)}")
+    return share_words(allocation.cpus, allocation.gpus, allocation.ram_bytes)
+
+
+def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = "") -> str:
+    """A share as the claim line counts it, with which cores and cards it holds.
+
+    ``gpus=`` is a count on the line, so the cards' ids go in words beside it:
+    ``gpus=0`` said of card 0 reads as no card. A share with no ``ram=``
+    budget says none.
+    """
+    words = [f"cpus={cpus}" + (f" (cores {cores})" if cores else "")]
+    if cards:
+        ids = ",".join(str(card) for card in cards)
+        words.append(f"gpus={len(cards)} ({'card' if len(cards) == 1 else 'cards'} {ids})")
+    if ram_bytes:
+        words.append(f"ram={_size(ram_bytes)}")
     return " ".join(words)
 
 

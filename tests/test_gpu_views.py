@@ -170,7 +170,9 @@ def test_where_nothing_reads_the_cards_no_view_says_anything_about_card_memory()
     assert snapshot["squatters"] is None, "squatters said where nobody could tell"
     assert snapshot["running"][0]["gpu"] is None
     text = describe_snapshot(snapshot)
-    assert "GPU" not in text and "squatter" not in text and "card" not in text
+    # Which card the claim holds is a share, not a reading: "gpus=1 (card 0)".
+    read = text.replace("gpus=1 (card 0)", "gpus=1")
+    assert "GPU" not in read and "squatter" not in read and "card" not in read, text
 
     facts = machine_facts(snapshot, {}, (16_000_000_000, 8_000_000_000))
     assert facts["squatters"] is None and facts["cards_source"] is None

@@ -383,7 +383,8 @@ def test_the_command_line_prints_every_kernels_claims(tmp_path):
     ).stdout
     assert "gpus  1/1 used" in shown
     [line] = [line for line in shown.splitlines() if "training run" in line]
-    assert f"cpus=1 gpus=0 ram=0B (pid {holder.pid})" in line
+    # gpus= counts, as on the line; which card it is goes beside it.
+    assert f"cpus=1 gpus=1 (card 0) (pid {holder.pid})" in line
     holder.stdin.write("\n")
     holder.stdin.flush()
     holder.wait(timeout=10)
