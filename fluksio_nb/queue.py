@@ -431,11 +431,16 @@ def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = ""
     """
     words = [f"cpus={cpus}" + (f" (cores {cores})" if cores else "")]
     if cards:
-        ids = ",".join(str(card) for card in cards)
-        words.append(f"gpus={len(cards)} ({'card' if len(cards) == 1 else 'cards'} {ids})")
+        words.append(cards_words(cards))
     if ram_bytes:
         words.append(f"ram={_size(ram_bytes)}")
     return " ".join(words)
+
+
+def cards_words(cards: Sequence[int]) -> str:
+    """``gpus=2 (cards 0,3)``: how many, as the line counts, and which."""
+    ids = ",".join(str(card) for card in cards)
+    return f"gpus={len(cards)} ({'card' if len(cards) == 1 else 'cards'} {ids})"
 
 
 def _size(n: int) -> str:

@@ -38,6 +38,7 @@ from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
 from fluksio_nb.enforcement import Enforcement
 from fluksio_nb.inventory import format_cpu_list
+from fluksio_nb.queue import cards_words
 from fluksio_nb.relay import new_display_id
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
@@ -250,7 +251,7 @@ def _share(status: ClaimStatus) -> str:
         words[0] += f" (cores {format_cpu_list(allocation.cores)})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
-    words.append("gpus=" + (",".join(map(str, allocation.gpus)) if allocation.gpus else "none"))
+    words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""

@@ -156,7 +156,7 @@ def test_a_record_says_the_time_waited_starting_running_and_sending_back_apart()
     said = describe(status)
     assert said.startswith(
         "fit: ok · waited 17.0 s, started a worker in 0.5 s, ran 13.9 s, "
-        "sent 1.6GB back in 3.6 s · cpus=2 gpus=1 ram=1.0GB · peak RSS 300.0MB"
+        "sent 1.6GB back in 3.6 s · cpus=2 gpus=1 (card 1) ram=1.0GB · peak RSS 300.0MB"
     ), said
     assert said.count("·") == 3, said
     # Small results come back in no time worth a word, and warm workers start in none.
