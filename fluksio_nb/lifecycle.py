@@ -88,6 +88,8 @@ class ClaimLifecycle(ABC):
         self._shown = False
         #: The cell cleared its output after the view was drawn: the view is gone.
         self._view_cleared = False
+        #: The cell showed output after the view was drawn: it is above that output.
+        self._output_after_view = False
         #: Where the record goes when no view was drawn to hold it: the cell
         #: that asked (see :meth:`_remember_the_cell`).
         self._cell: CellOutput | None = None
@@ -258,35 +260,56 @@ class ClaimLifecycle(ABC):
             # A live view due now is not drawn: the record takes its place.
             self._shown = True
         end = getattr(self._view, "end", None)
-        if end is not None and end(self.status) and not self._view_cleared:
+        # Below the cell's output if any came after the view: the record ends
+        # the cell, wherever the view was drawn while it ran.
+        in_place = not self._output_after_view
+        if end is not None and not self._view_cleared and end(self.status, in_place=in_place):
             return
         if end is None:
             self._view.update(self.status)
-        # Over before anything was drawn, or what was drawn the cell cleared:
-        # the record is the cell's one display.
+        # Over before anything was drawn, drawn above output that came after,
+        # or cleared by the cell: the record is the cell's one display.
         TextView(self._cell).show(self.status)
 
     def telling_of_clears(self, sink: Any) -> Any:
-        """``sink``, whose ``clear_output`` also tells this claim that its view is gone."""
-        return _ClearsTold(sink, self._cleared)
+        """``sink``, which also tells this claim of output after its view and of clears."""
+        return _ClearsTold(sink, self._cleared, self._output_came)
 
     def _cleared(self) -> None:
         with self._lock:
             if self._shown:
                 self._view_cleared = True
 
+    def _output_came(self) -> None:
+        if self._shown and not self._output_after_view:
+            with self._lock:
+                self._output_after_view = True
+
     def _ended(self, ending: Ending) -> None:  # noqa: B027 (a hook; most places need none)
         """What a place to run does as the claim ends, before its record: by default nothing."""
 
 
 class _ClearsTold:
-    """A cell's sink, passed on whole but for ``clear_output``, which its claim hears of too."""
+    """A cell's sink, passed on whole; its claim hears of new output and of clears."""
 
-    def __init__(self, sink: Any, told: Callable[[], None]) -> None:
-        self._sink, self._told = sink, told
+    #: The sink's calls that add an output to the cell, rather than redraw one.
+    ADDING = frozenset({"stdout", "stderr", "display", "result", "error"})
+
+    def __init__(
+        self, sink: Any, told: Callable[[], None], output_came: Callable[[], None]
+    ) -> None:
+        self._sink, self._told, self._output_came = sink, told, output_came
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sink, name)
+        passed = getattr(self._sink, name)
+        if name not in self.ADDING:
+            return passed
+
+        def adding(*args: Any, **kwargs: Any) -> Any:
+            self._output_came()
+            return passed(*args, **kwargs)
+
+        return adding
 
     def clear_output(self, wait: bool = False) -> None:
         clear_output = getattr(self._sink, "clear_output", None)

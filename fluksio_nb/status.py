@@ -270,10 +270,12 @@ def _of_budget(budget: Budget | None) -> str:
 class StatusView(Protocol):
     """Something that draws a claim's status and is told when it changes.
 
-    A view may also have ``end(status) -> bool``: put the record of how the
-    claim ended (:func:`status_bundle`) in place of what it drew, and say
-    whether it had drawn anything to put it in place of. A view without
-    ``end`` is updated one last time, and the record is shown after it.
+    A view may also have ``end(status, in_place=True) -> bool``: put the
+    record of how the claim ended (:func:`status_bundle`) in place of what it
+    drew, and say whether it had drawn anything to put it in place of; with
+    ``in_place`` false, blank what it drew and say False, for the record to be
+    shown after the cell's output. A view without ``end`` is updated one last
+    time, and the record is shown after it.
     """
 
     def show(self, status: ClaimStatus) -> None: ...
@@ -291,6 +293,11 @@ _MARKS = {
     "ok": "var(--jp-success-color1, #2e7d32)",
     "failed": "var(--jp-error-color1, #c62828)",
 }
+
+
+#: What a live view leaves where it was drawn when the record goes below the
+#: cell's output instead: a display can be redrawn, not taken back.
+NOTHING_SHOWN = {"text/plain": ""}
 
 
 def status_bundle(status: ClaimStatus) -> dict[str, str]:
@@ -364,13 +371,14 @@ class TextView:
             self._last = now
             self._output.update_display(status_bundle(status), self._display_id)
 
-    def end(self, status: ClaimStatus) -> bool:
-        """Redraw as the record of how the claim ended; False if nothing was drawn."""
+    def end(self, status: ClaimStatus, in_place: bool = True) -> bool:
+        """Redraw as the record of how the claim ended; False if nothing was drawn there."""
         with self._lock:
             self._ended = True
             if self._shown:
-                self._output.update_display(status_bundle(status), self._display_id)
-            return self._shown
+                shown = status_bundle(status) if in_place else NOTHING_SHOWN
+                self._output.update_display(shown, self._display_id)
+            return self._shown and in_place
 
 
 @functools.cache

@@ -458,6 +458,26 @@ def test_a_cell_that_clears_its_output_after_the_live_view_still_ends_with_its_r
     assert len(kept) == 2 and kept[1].startswith("clearing: ok"), kept
 
 
+def test_the_record_ends_the_cell_below_output_that_came_after_its_live_view(kernel, tmp_path):
+    """Guards against the record landing between a cell's prints, where its live view
+    happened to be drawn, or above them all, as the cell's timing fell."""
+    go = tmp_path / "go"
+    msg_id = kernel.client.execute(
+        f"%%claim --label steps\nprint('step 0')\n{until_it_exists(go)}"
+        "print('step 1')\nprint('step 2')"
+    )
+    try:
+        kernel.messages_of(
+            msg_id, until=Until("draw its live view", lambda r: r.of("display_data"))
+        )
+    finally:
+        go.touch()
+    # The view's place is left blank; the prints may come in one message or three.
+    kept = [text for text in kept_outputs(kernel.messages_of(msg_id)) if text]
+    assert "".join(kept[:-1]) == "step 0\nstep 1\nstep 2\n", kept
+    assert kept[-1].startswith("steps: ok"), kept
+
+
 def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
     ran = kernel.run(
         "%%claim\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])",

@@ -46,7 +46,7 @@ import traitlets as t
 
 from fluksio_nb.relay import new_display_id
 from fluksio_nb.sampler import Sample, is_news
-from fluksio_nb.status import ClaimStatus, marked_html, status_bundle
+from fluksio_nb.status import NOTHING_SHOWN, ClaimStatus, marked_html, status_bundle
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, doing_fact, monitor_html
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
 
@@ -237,16 +237,17 @@ class WidgetView:
                 return
             self._phase = status.phase
 
-    def end(self, status: ClaimStatus) -> bool:
-        """Replace the widget with the claim's record and close it; False if none was drawn."""
+    def end(self, status: ClaimStatus, in_place: bool = True) -> bool:
+        """Replace the widget with the claim's record and close it; False if it is not there."""
         with self._lock:
             self._ended = True
             widget = self.widget
             if widget is None:
                 return False
-            self._output.update_display(status_bundle(status), self._display_id)
+            shown = status_bundle(status) if in_place else NOTHING_SHOWN
+            self._output.update_display(shown, self._display_id)
             widget.close()
-            return True
+            return in_place
 
 
 class MonitorWidget(_Widget):
