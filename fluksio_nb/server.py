@@ -106,7 +106,8 @@ class SnapshotHandler(_LedgerHandler):
             snapshot = await _off_the_loop(read_books)
         except BadClaim as error:
             raise web.HTTPError(
-                500, f"fluksio_nb's settings cannot be used: {error}. Fix them and reload."
+                500,
+                f"fluksio_nb's settings cannot be used: {_sentence(error)} Fix them and reload.",
             ) from None
         sessions = await self.session_manager.list_sessions()
         paths = {s["kernel"]["id"]: s["path"] for s in sessions if s.get("kernel")}
@@ -196,7 +197,7 @@ class CancelHandler(_LedgerHandler):
             ) from None
         except BadClaim as error:
             raise web.HTTPError(
-                500, f"fluksio_nb's settings cannot be used: {error}. Fix them and retry."
+                500, f"fluksio_nb's settings cannot be used: {_sentence(error)} Fix them and retry."
             ) from None
         if not found:
             raise web.HTTPError(
@@ -244,3 +245,8 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         )
     else:
         serverapp.log.info("fluksio_nb: kernels start without a fair share: %s", why_not)
+
+
+def _sentence(error: BaseException) -> str:
+    """An error's message ending with one full stop, whether it brought its own or not."""
+    return str(error).rstrip().rstrip(".") + "."

@@ -117,7 +117,8 @@ def _unusable_directory(directory: Path, error: OSError) -> BadSettings:
         return UnsafeLedgerDir(
             f"fluksio_nb's ledger directory {directory} is a symbolic link, which is "
             "not followed: whoever can change the link decides where the books go. "
-            f"Point FLUKSIO_LEDGER at the directory itself, or {_WAY_OUT}."
+            "Point FLUKSIO_LEDGER at the directory itself, or at another of your own; "
+            "books shared by several users are set up with `fluksio-nb machine init`."
         )
     return BadSettings(
         f"fluksio_nb's ledger directory {directory} cannot be used: "
