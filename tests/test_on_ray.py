@@ -16,6 +16,7 @@ files left behind in the home directory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -347,6 +348,14 @@ def test_the_last_expression_and_displays_are_shown(kernel):
     assert any(
         "<b>hi</b>" in m["content"]["data"].get("text/html", "") for m in ran.of("display_data")
     )
+
+
+def test_the_record_says_a_peak_the_tasks_readings_missed(kernel):
+    """Guards against a task's record giving the memory it held before and after a brief
+    200 MB, which came and went between two readings."""
+    ran = kernel.run("%%claim --on ray\nbrief = len(b'x' * (200 << 20))", check=True)
+    peak = float(re.search(r"peak RSS ([\d.]+)MB", ran.texts[-1]).group(1))
+    assert peak >= 200, ran.texts
 
 
 def test_an_exception_shows_the_tasks_traceback(kernel):

@@ -465,6 +465,8 @@ class RayClaim(ClaimLifecycle):
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:
         parcel = result.get("parcel")
+        readings = self.status.readings
+        readings.peak_rss_bytes = max(readings.peak_rss_bytes, result.get("peak_bytes", 0))
         if result["halted"] is not None or result["died"] is not None:
             _discard_outputs(result)
         if result["halted"] is not None:

@@ -275,4 +275,6 @@ def _task_result(
         "failed": failed,
         "absent": list(outcome.absent),
         "random_state": outcome.random_state,
+        # Exact however short the cell, where the readings sent as it ran are not.
+        "peak_bytes": outcome.peak_bytes,
     }
