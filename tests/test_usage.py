@@ -344,6 +344,7 @@ def test_since_takes_dates_times_and_spans_back_from_now():
     now = 1_800_000_000.0
     assert parse_since("2026-11-30", now) == datetime(2026, 11, 30).timestamp()
     assert parse_since("2026-11-30T12:00", now) == datetime(2026, 11, 30, 12).timestamp()
+    assert parse_since("45s", now) == now - 45
     assert parse_since("90m", now) == now - 90 * 60
     assert parse_since("24h", now) == now - 86400
     assert parse_since("7d", now) == now - 7 * 86400

@@ -210,8 +210,8 @@ class BadSince(ValueError):
     """``--since`` is neither a date nor a span back from now."""
 
 
-_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*$")
-_SPAN_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_SPAN_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_since(text: str, now: float | None = None) -> float:
