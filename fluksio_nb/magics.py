@@ -296,8 +296,8 @@ def _unsent_name_hint(error: RemoteError, namespace: dict[str, Any]) -> list[str
     name = missing.group(1)
     return [
         f"fluksio_nb: '{name}' is in the kernel, but was not sent: the cell's source does not "
-        f"read it by name (an eval, a globals() lookup?). Name it with --in, with every other "
-        f"name the cell reads, as --in replaces the names worked out from the source."
+        "read it by name (an eval, a globals() lookup?). Name it with --in, with every other "
+        "name the cell reads, as --in replaces the names worked out from the source."
     ]
 
 
