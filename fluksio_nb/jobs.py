@@ -20,7 +20,9 @@ what the user has since done with them; they wait on the handle, in
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +38,14 @@ from fluksio_nb.worker.client import Outcome, Sink
 #: so that the cell says it runs. Its cgroups and its worker's checkout take
 #: milliseconds; this only bounds a machine that is badly stuck.
 STARTS_WITHIN_S = 5.0
+
+#: How long a kernel that is shutting down waits for its background jobs to
+#: end and write their usage records. Jupyter kills a kernel that has not
+#: exited 5 s after it was asked to; a worker ends within about 1 s.
+ENDS_WITHIN_S = 3.0
+
+_unfinished: set[Job] = set()
+_unfinished_lock = threading.Lock()
 
 
 class Job:
@@ -141,6 +151,12 @@ class Job:
 
     def start(self) -> Job:
         """Run the cell on a thread of its own; the handle, at once."""
+        with _unfinished_lock:
+            _unfinished.add(self)
+        # Registered again each time so that it runs before anything registered
+        # since, such as the worker pool's close: atexit runs the last first.
+        atexit.unregister(_end_unfinished_jobs)
+        atexit.register(_end_unfinished_jobs)
         thread = threading.Thread(
             target=self._in_the_background, name=f"fluksio-job-{self.label}", daemon=True
         )
@@ -169,6 +185,8 @@ class Job:
             self._error = error
             self._output.stderr(f"{type(error).__name__}: {error}\n")
         finally:
+            with _unfinished_lock:
+                _unfinished.discard(self)
             self._finished.set()
 
     def __repr__(self) -> str:
@@ -186,3 +204,19 @@ class Job:
         from IPython.display import display
 
         display({"text/plain": repr(self)}, raw=True)
+
+
+def _end_unfinished_jobs() -> None:
+    """As the kernel exits, end its background jobs and let them record how they ended.
+
+    Without this, a job's thread (a daemon) is stopped wherever it is as the
+    interpreter finalizes: a running job's worker was killed under it, and
+    its usage record written or not by a race; a waiting job left none.
+    """
+    with _unfinished_lock:
+        jobs = list(_unfinished)
+    for job in jobs:
+        job._claim.cancel("its kernel was shut down")
+    deadline = time.monotonic() + ENDS_WITHIN_S
+    for job in jobs:
+        job._finished.wait(max(0.0, deadline - time.monotonic()))

@@ -41,7 +41,8 @@ from fluksio_nb.usage import (
     usage_main,
     user_totals,
 )
-from tests.kernels import Kernel
+from tests.kernels import Kernel, until_it_exists
+from tests.waiting import gone, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -509,3 +510,41 @@ def test_every_ending_of_a_claimed_cell_is_counted_by_fluksio_nb_usage(tmp_path)
         + (impatient_done - impatient_asked)
         + (raising_done - raising_asked)
     )
+
+
+@pytest.mark.timeout(180)
+def test_background_claims_are_ended_and_counted_when_their_kernel_is_restarted(tmp_path):
+    """Guards against the restart button losing the books of a kernel's background
+    work: a waiting job's record never written, a running one's left to a race
+    with the interpreter's exit, and its worker left behind."""
+    kernel = Kernel(
+        FLUKSIO_CPUS="2",
+        FLUKSIO_RESERVE_CPUS="0",
+        FLUKSIO_LEDGER="kernel",
+        FLUKSIO_CONFIG=str(tmp_path / "fluksio_nb.json"),
+    )
+    pid_file = tmp_path / "worker.pid"
+    try:
+        kernel.start_job(
+            "%%claim cpus=2 --background --label holder\n"
+            f"import os\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            + until_it_exists(tmp_path / "never"),
+            "holder",
+        )
+        kernel.start_job("%%claim cpus=2 --background --label waiter\nx = 1", "waiter")
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 60)
+        worker = int(pid_file.read_text())
+        assert kernel.facts("[holder.status, waiter.status]") == ["running", "waiting"]
+        asked_to_restart = time.time()
+
+        kernel.manager.restart_kernel(now=False)
+        kernel.client.wait_for_ready(timeout=60)
+    finally:
+        kernel.shutdown()
+
+    by_label = {r.label: r for _, r in read_usage(default_usage_dir())}
+    holder, waiter = by_label["holder"], by_label["waiter"]
+    assert (holder.ending, holder.cpus) == ("cancelled", 2)
+    assert holder.ended_at >= asked_to_restart
+    assert (waiter.ending, waiter.granted_at) == ("cancelled", None)
+    assert gone(worker)
