@@ -31,7 +31,7 @@ from fluksio_nb.expected_wait import describe_wait
 from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
-from fluksio_nb.queue import share_words
+from fluksio_nb.queue import asked_words, share_words
 from fluksio_nb.settings import load_settings
 from fluksio_nb.status import describe_gpu, ordinal, stopped_text
 
@@ -276,12 +276,10 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
             + (f"; {stopped}" if stopped else "")
         )
     for claim in snapshot.get("waiting", []):
-        asked = claim["asked"]
         wait = claim.get("expected_wait")
         lines.append(
             f"waiting  {ordinal(claim['position'])} in the queue: {_whose(claim)}"
-            f"{_in_notebook(claim)}: asks cpus={asked['cpus']} gpus={asked['gpus']}"
-            + (f" ram={human(asked['ram_bytes'])}" if asked["ram_bytes"] else "")
+            f"{_in_notebook(claim)}: asks {asked_words(claim['asked'])}"
             + (f"; {describe_wait(wait)}" if wait else "")
         )
     for squatter in snapshot.get("squatters") or ():

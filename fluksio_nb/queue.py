@@ -35,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -434,6 +434,16 @@ def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = ""
         words.append(cards_words(cards))
     if ram_bytes:
         words.append(f"ram={_size(ram_bytes)}")
+    return " ".join(words)
+
+
+def asked_words(asked: Mapping[str, int]) -> str:
+    """What a waiting claim asks for, as its line says it: ``cpus=2 gpus=1 ram=4.0GB``."""
+    words = [f"cpus={asked.get('cpus', 1)}"]
+    if asked.get("gpus"):
+        words.append(f"gpus={asked['gpus']}")
+    if asked.get("ram_bytes"):
+        words.append(f"ram={_size(asked['ram_bytes'])}")
     return " ".join(words)
 
 

@@ -622,8 +622,9 @@ def test_the_monitor_names_notebooks_places_expected_waits_and_a_stopped_worker(
     clock = time.strftime("%H:%M:%S", time.localtime(stopped_at))
     assert f"stopped by a signal since {clock}" in text
     assert "running  fit in work/train.ipynb: cpus=2" in text
-    assert "waiting  1st in the queue: fit in work/next.ipynb: asks cpus=2" in text
-    assert "waiting  2nd in the queue: new work: asks cpus=1" in text
+    # What each asks, as its claim line said it: no card asked for is no `gpus=0`.
+    assert "waiting  1st in the queue: fit in work/next.ipynb: asks cpus=2; expected" in text
+    assert "waiting  2nd in the queue: new work: asks cpus=1; expected" in text
     assert "expected to start in about 10 min (from 1 past run of 'fit'" in text
     assert "#" not in text, "a ticket number where a person reads"
 

@@ -39,8 +39,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from fluksio_nb.budget import human
 from fluksio_nb.inventory import system_headroom_bytes
+from fluksio_nb.queue import asked_words
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, claim_gpu_text, doing
 
@@ -204,7 +204,7 @@ def machine_facts(
             "ticket": claim["ticket"],
             "label": _label(claim),
             "position": claim["position"],
-            "asked": _asked(claim["asked"]),
+            "asked": asked_words(claim["asked"]),
             "since": round(claim["since"], 1),
             "mine": claim.get("pid") == pid,
             "user": claim.get("user"),
@@ -255,7 +255,7 @@ def ray_facts(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     ]
     for claim in claims:
         asked = claim["asked"]
-        claim["asked"] = _asked(asked)
+        claim["asked"] = asked_words(asked)
     return {
         "address": snapshot["address"],
         "nodes": snapshot["nodes"],
@@ -311,15 +311,6 @@ def _add_own_readings(
     if readings.latest is not None:
         entry["reading"] = _reading(readings.latest)
     entry["peak_rss_bytes"] = readings.peak_rss_bytes
-
-
-def _asked(asked: Mapping[str, int]) -> str:
-    words = [f"cpus={asked.get('cpus', 1)}"]
-    if asked.get("gpus"):
-        words.append(f"gpus={asked['gpus']}")
-    if asked.get("ram_bytes"):
-        words.append(f"ram={human(asked['ram_bytes'])}")
-    return " ".join(words)
 
 
 def monitor_html(text: str) -> str:
