@@ -85,7 +85,7 @@ class ClaimMagics(Magics):
             parsed = parse_claim_line(line)
             inputs, outputs, deleted, if_changed = _names(cell, parsed, namespace)
         except (BadClaim, SyntaxError, ValueError) as error:
-            raise UsageError(str(error)) from None
+            raise _refused(error) from None
         resources = parsed.resources
         if resources.label is None and (number := kernels_cell_number()) is not None:
             # Named as the notebook numbers the cell, which a person can find;
@@ -117,7 +117,7 @@ class ClaimMagics(Magics):
                 claimed.take_place()
         except BadClaim as error:
             packed.discard()
-            raise UsageError(str(error)) from None
+            raise _refused(error) from None
         if parsed.background:
             job = Job(
                 claimed,
@@ -218,6 +218,12 @@ class ClaimMagics(Magics):
 
 
 ClaimMagics.claim.__doc__ = claim_parser().format_help()
+
+
+def _refused(error: Exception) -> UsageError:
+    """A refusal of the line, said as every other: starting ``%%claim:``."""
+    said = str(error)
+    return UsageError(said if said.startswith("%%claim") else f"%%claim: {said}")
 
 
 def _names(

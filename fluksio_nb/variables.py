@@ -252,8 +252,8 @@ def _explicit_names(explicit: Iterable[str] | str, option: str) -> list[str]:
             continue
         if not name.isidentifier():
             raise ValueError(
-                f"{option} names {name!r}, which is not a Python name — "
-                f"give names separated by commas, as in {option} a,b"
+                f"{option} names {name!r}, which is not a Python name; "
+                f"give names separated by commas, as in {option} a,b."
             )
         if name not in chosen:
             chosen.append(name)
@@ -264,12 +264,12 @@ def _not_defined_message(missing: list[str]) -> str:
     quoted = " and ".join(repr(name) for name in missing)
     if len(missing) == 1:
         return (
-            f"--in names {quoted}, which is not defined in this kernel — "
-            "define it first or drop it from --in"
+            f"--in names {quoted}, which is not defined in this kernel; "
+            "define it first or drop it from --in."
         )
     return (
-        f"--in names {quoted}, which are not defined in this kernel — "
-        "define them first or drop them from --in"
+        f"--in names {quoted}, which are not defined in this kernel; "
+        "define them first or drop them from --in."
     )
 
 

@@ -1130,6 +1130,13 @@ def test_a_killed_kernel_takes_what_its_claimed_cell_started_with_it(tmp_path):
         ("", "%%claim --strict --strict\n1", "%%claim: --strict is given twice; keep one."),
         ("", "%%claim --label ''\n1", "%%claim: --label is empty;"),
         ("", "%%claim --out ''\n1", "%%claim: --out names nothing;"),
+        ("", "%%claim --on nowhere\n1", "%%claim: --on 'nowhere' is not a Ray cluster"),
+        (
+            "",
+            "%%claim --in nothere\n1",
+            "%%claim: --in names 'nothere', which is not defined in this kernel; define it "
+            "first or drop it from --in.",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell, words):
@@ -1140,6 +1147,8 @@ def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell
     shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
     assert words in shown
     assert shown.strip().count("\n") == 0, shown
+    if shown.startswith("UsageError"):
+        assert shown.startswith("UsageError: %%claim: "), "a refusal of the line says whose"
     after = {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
     assert after <= before, "a worker was started for a claim that was refused"
     assert_books_balanced(kernel)
