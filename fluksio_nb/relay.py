@@ -54,11 +54,7 @@ class CellOutput:
 
     def __init__(self) -> None:
         self._kernel = _kernel()
-        self._parent = None
-        if self._kernel is not None:
-            # ipykernel 6 keeps one parent per channel; older keeps just one.
-            get_parent = getattr(self._kernel, "get_parent", None)
-            self._parent = get_parent("shell") if get_parent else self._kernel._parent_header
+        self._parent = None if self._kernel is None else _executing(self._kernel)
 
     def stdout(self, text: str) -> None:
         self._stream("stdout", text)
@@ -98,6 +94,26 @@ class CellOutput:
             "update_display_data",
             {"data": data, "metadata": metadata or {}, "transient": {"display_id": display_id}},
         )
+
+    def leave_display(self, data: dict[str, Any], display_id: str) -> None:
+        """Redraw a display for the last time: what the saved notebook keeps.
+
+        Sent under the cell executing now as well, when that is another cell:
+        nbclient (``nbconvert --execute``, papermill) reads only the messages of
+        the cell it is running, though it applies a display update to any
+        cell. JupyterLab routes an update by its display id alone, so there
+        the second one redraws the same thing again.
+        """
+        self.update_display(data, display_id)
+        if self._kernel is None:
+            return
+        now = _executing(self._kernel)
+        if _msg_id(now) not in (None, _msg_id(self._parent)):
+            self._send(
+                "update_display_data",
+                {"data": data, "metadata": {}, "transient": {"display_id": display_id}},
+                parent=now,
+            )
 
     def clear_output(self, wait: bool = False) -> None:
         """Clear the cell's output, now or, with ``wait``, when the next output comes."""
@@ -151,13 +167,15 @@ class CellOutput:
         getattr(sys, name).flush()
         self._send("stream", {"name": name, "text": text})
 
-    def _send(self, msg_type: str, content: dict[str, Any]) -> None:
+    def _send(
+        self, msg_type: str, content: dict[str, Any], parent: dict[str, Any] | None = None
+    ) -> None:
         kernel = self._kernel
         kernel.session.send(
             kernel.iopub_socket,
             msg_type,
             content,
-            parent=self._parent,
+            parent=parent or self._parent,
             ident=f"kernel.{kernel.ident}.{msg_type}".encode(),
         )
 
@@ -173,6 +191,17 @@ class ForegroundOutput(CellOutput):
 
     def error(self, ename: str, evalue: str, traceback: list[str]) -> None:
         pass
+
+
+def _executing(kernel: Any) -> dict[str, Any]:
+    """The request of the cell the kernel is executing now, or executed last."""
+    # ipykernel 6 keeps one parent per channel; older keeps just one.
+    get_parent = getattr(kernel, "get_parent", None)
+    return get_parent("shell") if get_parent else kernel._parent_header
+
+
+def _msg_id(parent: dict[str, Any] | None) -> str | None:
+    return ((parent or {}).get("header") or {}).get("msg_id")
 
 
 def _kernel():

@@ -377,7 +377,7 @@ class TextView:
             self._ended = True
             if self._shown:
                 shown = status_bundle(status) if in_place else NOTHING_SHOWN
-                self._output.update_display(shown, self._display_id)
+                self._output.leave_display(shown, self._display_id)
             return self._shown and in_place
 
 

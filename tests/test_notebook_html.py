@@ -3,7 +3,8 @@
 nbconvert's HTML is what nbviewer serves and what a notebook mailed around as
 a web page shows; it has no kernel and no widget manager to ask. Each claimed
 cell must be there as its record, the line that says how it went, and none as
-a live widget with nothing behind it.
+a live widget with nothing behind it: a background cell's too, in its own
+place, though it ended while a later cell ran.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ CELLS = [
     ("%%claim cpus=1 --label long\nimport time\ntime.sleep(2)\nlong_done = True", []),
     ("%%claim cpus=1 --label quick\nx = 1", []),
     ("%%claim cpus=1 --label boom\n1/0", ["raises-exception"]),
+    # Ends while the next cell runs: nbclient reads only that cell's messages.
+    ("%%claim cpus=1 --background --label later\nimport time\ntime.sleep(1)", []),
+    ("later = _\nlater.result(60)\nprint('the job is over')", []),
 ]
 
 
@@ -53,9 +57,15 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
         cwd=tmp_path,
     )
     page = html.unescape((tmp_path / "claims.html").read_text())
-    for said in ("long: ok · waited ", "quick: ok · waited ", "boom: error · waited "):
+    for said in (
+        "long: ok · waited ",
+        "quick: ok · waited ",
+        "boom: error · waited ",
+        "later: ok · waited ",
+    ):
         assert page.count(said) == 1, f"{said!r} is on the page {page.count(said)} times"
     assert "live status" not in page, "a live widget's fallback was kept in place of its record"
+    assert page.index("later: ok · waited ") < page.index("the job is over"), "not in its cell"
     # How nbconvert places a widget view, for a widget manager that is not there.
     assert '<script type="application/vnd.jupyter.widget-view+json">' not in page
     assert page.count("division by zero") == 1

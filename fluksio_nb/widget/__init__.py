@@ -245,7 +245,7 @@ class WidgetView:
             if widget is None:
                 return False
             shown = status_bundle(status) if in_place else NOTHING_SHOWN
-            self._output.update_display(shown, self._display_id)
+            self._output.leave_display(shown, self._display_id)
             widget.close()
             return in_place
 
