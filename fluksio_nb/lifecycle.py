@@ -261,8 +261,11 @@ class ClaimLifecycle(ABC):
             self._shown = True
         end = getattr(self._view, "end", None)
         # Below the cell's output if any came after the view: the record ends
-        # the cell, wherever the view was drawn while it ran.
-        in_place = not self._output_after_view
+        # the cell, wherever the view was drawn while it ran. A view drawn at
+        # once (a --background cell's) is above all the cell's output, always:
+        # its record stays there, the one place that a notebook saved by
+        # nbclient, which reads no output sent after the cell ended, can show.
+        in_place = self._show_after is None or not self._output_after_view
         if end is not None and not self._view_cleared and end(self.status, in_place=in_place):
             return
         if end is None:

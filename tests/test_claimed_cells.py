@@ -478,6 +478,26 @@ def test_the_record_ends_the_cell_below_output_that_came_after_its_live_view(ker
     assert kept[-1].startswith("steps: ok"), kept
 
 
+def test_a_background_cells_record_stays_above_its_output_where_its_status_was(kernel):
+    """Guards against a background cell's record moving below its prints, where a
+    notebook saved by nbconvert or papermill never has it (they read no output sent
+    after the cell ended). Its status is drawn before the job runs, above all it prints,
+    so there is no timing for the record's place to depend on."""
+
+    def record_drawn(ran):
+        return any(text.startswith("steps: ok") for text in kept_outputs(ran))
+
+    msg_id = kernel.client.execute(
+        "%%claim --background --label steps\nprint('step 0', flush=True)\nprint('step 1')"
+    )
+    ran = kernel.messages_of(
+        msg_id, until=Until("end with its record", record_drawn), past_idle=True
+    )
+    kept = kept_outputs(ran)
+    assert kept[0].startswith("steps: ok"), kept
+    assert "".join(kept[1:]) == "step 0\nstep 1\n", kept
+
+
 def test_a_matplotlib_figure_comes_back_as_an_image(kernel):
     ran = kernel.run(
         "%%claim\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])",

@@ -20,8 +20,8 @@ CELLS = [
     ("%%claim cpus=1 --label long\nimport time\ntime.sleep(2)\nlong_done = True", []),
     ("%%claim cpus=1 --label quick\nx = 1", []),
     ("%%claim cpus=1 --label boom\n1/0", ["raises-exception"]),
-    # Ends while the next cell runs: nbclient reads only that cell's messages.
-    ("%%claim cpus=1 --background --label later\nimport time\ntime.sleep(1)", []),
+    # Prints and ends while the next cell runs, whose messages are all nbclient reads.
+    ("%%claim cpus=1 --background --label later\nimport time\ntime.sleep(1)\nprint(1)", []),
     ("later = _\nlater.result(60)\nprint('the job is over')", []),
 ]
 
