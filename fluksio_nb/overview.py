@@ -282,6 +282,8 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
             f"{_in_notebook(claim)}: asks {asked_words(claim['asked'])}"
             + (f"; {describe_wait(wait)}" if wait else "")
         )
+    if unlisted := snapshot.get("waiting_unlisted"):
+        lines.append(f"waiting  and {unlisted} more of other users' claims, not listed")
     for squatter in snapshot.get("squatters") or ():
         lines.append(f"squatter {squatter['text']}")
     if finished:

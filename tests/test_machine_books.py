@@ -115,3 +115,46 @@ def test_another_users_label_and_notebook_are_hidden_unless_shared():
     assert seen_by_alice[secret.number]["label"] == "thesis-final"
     assert seen_by_alice[secret.number]["notebook"] == "private/thesis.ipynb"
     assert seen_by_alice[secret.number]["mine"] is True
+
+
+def test_a_snapshot_lists_the_readers_own_waiting_claims_and_the_head_of_everyone_elses():
+    """Guards against one user's thousands of waiting claims making every reader's
+    snapshot longer than the protocol's longest line, which broke the reader's
+    connection, and with it the claims it held."""
+    from fluksio_nb.machine.books import OTHERS_WAITING_LISTED
+
+    machine = books(cpus=1, gpus=1)
+    ask(machine, ALICE, gpus=1)
+    for _ in range(OTHERS_WAITING_LISTED + 50):
+        ask(machine, BOB, gpus=1)
+    alices = [ask(machine, ALICE, gpus=1) for _ in range(OTHERS_WAITING_LISTED)]
+    place = {e.number: n for n, e in enumerate(machine.fair_order(), start=1)}
+
+    seen = machine.snapshot(ALICE)
+    listed = {c["ticket"]: c["position"] for c in seen["waiting"]}
+    head = {ticket for ticket, n in place.items() if n <= OTHERS_WAITING_LISTED}
+    assert set(listed) == head | {e.number for e in alices}
+    assert max(place[e.number] for e in alices) > OTHERS_WAITING_LISTED, "none past the head"
+    # Places are the queue's, not the list's.
+    assert all(listed[ticket] == place[ticket] for ticket in listed)
+    assert seen["waiting_unlisted"] == len(place) - len(listed) > 0
+
+
+def test_another_users_shared_words_are_cut_short_and_my_own_are_whole():
+    """Guards against another user's 512-character labels and 4096-character notebook
+    paths, shared with everyone, being what makes a snapshot too long to read."""
+    from fluksio_nb.machine.books import OTHERS_LABEL_CHARS, OTHERS_NOTEBOOK_CHARS
+
+    machine = books()
+    theirs = ask(machine, BOB, label="b" * 512)
+    theirs.share_labels = True
+    theirs.notebook, theirs.kernel_id = "n" * 4096, "k" * 256
+    mine = ask(machine, ALICE, label="a" * 512)
+    mine.notebook = "m" * 4096
+
+    seen = {c["ticket"]: c for c in machine.snapshot(ALICE)["running"]}
+    bobs = seen[theirs.number]
+    assert len(bobs["label"]) == len(bobs["kernel_id"]) == OTHERS_LABEL_CHARS
+    assert len(bobs["notebook"]) == OTHERS_NOTEBOOK_CHARS
+    assert bobs["label"].startswith("b" * 100) and bobs["label"].endswith("…")
+    assert (seen[mine.number]["label"], seen[mine.number]["notebook"]) == ("a" * 512, "m" * 4096)

@@ -7,10 +7,14 @@ word, a client that sends garbage or stops reading, a service that restarts
 under running claims.
 """
 
+import asyncio
+import json
 import os
 import signal
 import socket
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -139,6 +143,19 @@ def test_a_bad_line_ends_only_the_connection_that_sent_it():
                     "label": "x",
                 }
             ),
+            # A claim of nothing fits however full the machine is: as many as one likes.
+            protocol.line(
+                {
+                    "op": "claim",
+                    "id": 1,
+                    "need": {"cpus": 0, "gpus": 0, "ram_bytes": 0},
+                    "label": "x",
+                }
+            ),
+            # Readings go into every reader's snapshot: a few short figures, no more.
+            protocol.line(
+                {"op": "report", "ticket": 1, "readings": {f"r{n}": n for n in range(1000)}}
+            ),
             protocol.line({"op": "release", "id": 1, "ticket": 1, "extra": "field"}),
             protocol.line({"op": "become", "id": 1, "uid": 0}),
             b"{" + b" " * (protocol.MAX_LINE_BYTES + 10) + b"\n",
@@ -229,3 +246,108 @@ def test_a_kernel_on_a_machine_whose_service_is_down_says_so():
         error = orphan.stderr.read()
         assert "ServiceUnavailable" in error
         assert "does not answer" in error and "fluksio-nb machine status" in error
+
+
+# -----------------------------------------------------------------------------
+# A restore: only while the service restarts, and never past the queue or a cap
+# -----------------------------------------------------------------------------
+
+
+@contextmanager
+def service_here(tmp_path, *, cpus=4, gpus=2, caps=None, restarting=False):
+    """The service's own code on a socket of this test's, in a thread of its own:
+    what ``restarting`` keeps it in (a restart's grace) lasts until the test ends."""
+    from fluksio_nb.machine.books import MachineBooks
+    from fluksio_nb.machine.service import BooksService, Connection
+
+    path = tmp_path / "books.sock"
+    service = BooksService(MachineBooks(cpus, range(gpus), 0), caps=caps)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    stopping = asyncio.Event()
+
+    async def serve() -> None:
+        server = await loop.create_unix_server(lambda: Connection(service), path=str(path))
+        if restarting:
+            service.hold_grants(3600)
+        ready.set()
+        async with server:
+            await stopping.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    try:
+        yield path
+    finally:
+        loop.call_soon_threadsafe(stopping.set)
+        thread.join(30)
+        loop.close()
+
+
+class Client:
+    """A process's connection to the service, line by line, as a hostile one would use it."""
+
+    def __init__(self, path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rb")
+        self.ids = iter(range(1, 1 << 30))
+        self.sock.sendall(protocol.line({"op": "hello"}))
+        assert json.loads(self.file.readline())["op"] == "welcome"
+
+    def ask(self, **request) -> dict:
+        number = next(self.ids)
+        self.sock.sendall(protocol.line({**request, "id": number}))
+        while (answer := json.loads(self.file.readline())).get("id") != number:
+            pass
+        return answer
+
+    def restore(self, cpus=1, gpus=(), cores=()) -> dict:
+        return self.ask(
+            op="restore", label="r", cpus=cpus, gpus=list(gpus), ram_bytes=0, cores=list(cores)
+        )
+
+    def books(self) -> dict:
+        return self.ask(op="snapshot")["snapshot"]
+
+
+def test_a_restore_outside_a_restart_is_refused_and_jumps_no_queue(tmp_path):
+    """Guards against a client sending "restore" at any time to take what the head of
+    the queue is waiting for, past everyone who waits."""
+    with service_here(tmp_path, cpus=2, gpus=0) as path:
+        holder, waiter, jumper = Client(path), Client(path), Client(path)
+        assert "granted_at" in holder.ask(
+            op="claim", need={"cpus": 1, "gpus": 0, "ram_bytes": 0}, label="h"
+        )
+        assert "granted_at" not in waiter.ask(
+            op="claim", need={"cpus": 2, "gpus": 0, "ram_bytes": 0}, label="w"
+        )
+
+        refused = jumper.restore(cpus=1)
+        assert refused == {
+            "op": "error",
+            "id": refused["id"],
+            "message": "a claim is put back only while the service restarts",
+        }
+        books = jumper.books()
+        assert [c["label"] for c in books["running"]] == ["h"] and books["cpus"]["free"] == 1
+        assert len(books["waiting"]) == 1
+
+
+def test_a_restore_while_restarting_keeps_its_user_to_the_cap_and_to_distinct_free_cards(
+    tmp_path,
+):
+    """Guards against a restore holding more than its user's cap beside what they
+    already hold, and against one card named twice counting as two."""
+    from fluksio_nb.machine.caps import Cap
+
+    with service_here(tmp_path, caps={"*": Cap(cpus=1)}, restarting=True) as path:
+        kernel = Client(path)
+        assert kernel.restore(cpus=1, gpus=[1, 1])["op"] == "error"
+        assert kernel.restore(cpus=1, cores=[0, 0])["op"] == "error"
+        assert kernel.restore(cpus=1, gpus=[0])["op"] == "ticket"
+        assert kernel.restore(cpus=1, gpus=[1])["op"] == "error", "past the cap of cpus=1"
+        (held,) = kernel.books()["running"]
+        assert held["allocation"]["gpus"] == [0]

@@ -222,6 +222,59 @@ os.kill(os.getpid(), 19)
 """
 
 
+FLOOD_THE_QUEUE = r"""
+import json, socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+send = lambda message: sock.sendall(json.dumps(message).encode() + b"\n")
+send({"op": "hello", "share_labels": True, "notebook": "n" * 4096, "kernel_id": "k" * 256})
+need = {"cpus": 1, "gpus": 1, "ram_bytes": 0}
+for n in range(1, 301):
+    send({"op": "claim", "id": n, "need": need, "label": "x" * 512})
+answers = sock.makefile("rb")
+told = [json.loads(answers.readline()) for _ in range(301)]
+print(json.dumps([m["op"] for m in told[1:]]), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_another_users_long_queue_of_long_labels_cannot_break_my_kernels_hold(users, kernels):
+    """Guards against another user queueing 300 claims with the longest labels and
+    notebook path the protocol takes, shared with all, so that the snapshot my kernel
+    reads grew past the longest line: my kernel dropped its connection, the service
+    freed my card, and the attacker's first claim was granted it."""
+    alice, bob = users
+    with machine(gpus=1) as layout:
+        a = kernels(alice, layout)
+        a.run("from fluksio_nb import claim\nheld = claim(gpus=1).acquire()", check=True)
+        attacker = subprocess.Popen(
+            [*as_user(bob), sys.executable, "-c", FLOOD_THE_QUEUE, str(layout.socket)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=user_environ(bob),
+        )
+        try:
+            assert json.loads(attacker.stdout.readline()) == ["ticket"] * 300
+            seen = a.books()
+            assert len(seen["waiting"]) + seen["waiting_unlisted"] == 300
+            assert all(len(c["label"]) < 512 for c in seen["waiting"])
+            for _ in range(3):
+                assert [(c["user"], c["mine"]) for c in a.books()["running"]] == [(USER_A, True)]
+            assert a.facts("[held.allocation.gpus, held.status.phase]") == [[0], "running"]
+            terminal = run_as(
+                alice,
+                "import sys; from fluksio_nb.__main__ import main; sys.exit(main([]))",
+                env=machine_env(layout),
+            )
+            unlisted = seen["waiting_unlisted"]
+            assert f"and {unlisted} more of other users' claims, not listed" in terminal.stdout
+        finally:
+            attacker.kill()
+            attacker.wait()
+        a.run("held.release()", check=True)
+
+
 def test_one_users_twenty_queued_claims_do_not_starve_anothers_one(users, kernels):
     """Guards against FIFO between claims making one person wait for all of another
     person's backlog: B's one-core claim starts within two of A's twenty."""

@@ -17,6 +17,10 @@ waiting claims are ordered between people first, then by arrival:
   on one NUMA node where one has room.
 - **An admin's cap is a user's own ceiling.** A claim its user's cap holds
   back sets nothing aside: one capped user never holds up anyone else.
+- **What a reader is shown is bounded.** A snapshot lists the reader's own
+  claims, the first :data:`OTHERS_WAITING_LISTED` of the queue and how many
+  more wait, and other users' words cut short: no user can make it longer
+  than a reader will take.
 
 Everything here is plain data and runs in the service's one thread, so
 there is no lock: the order the service reads its sockets in is the order
@@ -62,6 +66,15 @@ class Entry:
     @property
     def held(self) -> Need:
         return (self.need[0], len(self.gpus), self.need[2])
+
+
+#: How many of the queue's first waiting claims a snapshot lists besides the
+#: reader's own, and how much of another user's label, kernel id and notebook
+#: path it shows: together they keep a snapshot far below the protocol's
+#: longest line, whatever other users ask for or call their claims.
+OTHERS_WAITING_LISTED = 100
+OTHERS_LABEL_CHARS = 120
+OTHERS_NOTEBOOK_CHARS = 240
 
 
 def _fits(need: Iterable[float], room: Iterable[float]) -> bool:
@@ -134,6 +147,11 @@ class MachineBooks:
             and ram_bytes <= max(free_ram, 0)
         )
 
+    def within_cap(self, uid: int, need: Need) -> bool:
+        """Whether user ``uid`` may hold ``need`` beside what they hold now."""
+        cap = self.caps.get(uid)
+        return cap is None or _fits(need, cap.room(self.held_by(uid)))
+
     def held_by(self, uid: int) -> Need:
         mine = [e.held for e in self.running if e.uid == uid]
         return tuple(sum(column) for column in zip(*mine, strict=True)) if mine else (0, 0, 0)  # type: ignore[return-value]
@@ -184,13 +202,21 @@ class MachineBooks:
         def who(entry: Entry) -> dict[str, Any]:
             mine = entry.uid == uid
             shown = mine or entry.share_labels
+
+            def said(text: str | None, most: int) -> str | None:
+                # Another user's words are theirs to choose, and every reader
+                # gets them: cut short, so nobody can make the snapshot huge.
+                if not shown or text is None:
+                    return None
+                return text if mine or len(text) <= most else text[: most - 1] + "…"
+
             return {
                 "ticket": entry.number,
-                "label": entry.label if shown else None,
+                "label": said(entry.label, OTHERS_LABEL_CHARS),
                 "since": entry.since,
                 "pid": entry.pid,
-                "kernel_id": entry.kernel_id if shown else None,
-                "notebook": entry.notebook if shown else None,
+                "kernel_id": said(entry.kernel_id, OTHERS_LABEL_CHARS),
+                "notebook": said(entry.notebook, OTHERS_NOTEBOOK_CHARS),
                 "user": entry.user,
                 "uid": entry.uid,
                 "mine": mine,
@@ -198,6 +224,13 @@ class MachineBooks:
             }
 
         order = self.fair_order()
+        # Every claim of the reader's own, and the first of everyone else's:
+        # one user's thousands of waiting claims are not every reader's to carry.
+        listed = [
+            (position, e)
+            for position, e in enumerate(order, start=1)
+            if e.uid == uid or position <= OTHERS_WAITING_LISTED
+        ]
         return {
             "cpus": {"total": self.cpus, "free": max(free_cpus, 0), "free_ids": self.free_cores()},
             "gpus": {"total": len(self.gpu_ids), "free": len(free_gpus), "free_ids": free_gpus},
@@ -208,8 +241,9 @@ class MachineBooks:
                     "position": position,
                     "asked": {"cpus": e.need[0], "gpus": e.need[1], "ram_bytes": e.need[2]},
                 }
-                for position, e in enumerate(order, start=1)
+                for position, e in listed
             ],
+            "waiting_unlisted": len(order) - len(listed),
             "running": [
                 {
                     **who(e),

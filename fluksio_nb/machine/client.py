@@ -23,6 +23,10 @@ What it decides:
 - **A service that restarts loses nothing.** The reader reconnects, writes
   this kernel's running claims back (taken only if still free: one that is
   not is stopped, with the reason), and queues its waiting claims again.
+- **The lifeline carries only this kernel's claims.** A snapshot of the
+  machine, whose size other users' claims decide, is asked for on a
+  connection of its own: whatever comes back, it cannot break the one
+  that holds the claims.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from fluksio_nb.errors import (
 )
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.caps import Cap, fit_to_cap
-from fluksio_nb.machine.connection import ANSWER_WITHIN_S, Lines, connect, hello
+from fluksio_nb.machine.connection import ANSWER_WITHIN_S, Lines, ask_once, connect, hello
 from fluksio_nb.queue import (
     Ticket,
     books_changing,
@@ -443,7 +447,11 @@ class ServiceQueue:
                 return
             self._own(asked)
             if answer["op"] != "ticket":
-                reason = "the machine's books service restarted, and what this claim held is taken"
+                reason = (
+                    "this kernel's connection to the machine's books service broke (the "
+                    "service restarted, or the kernel stopped answering it), and what this "
+                    "claim held is taken"
+                )
                 with self._cond:
                     ticket.cancelled = reason
                     self._cond.notify_all()
@@ -557,7 +565,14 @@ class ServiceQueue:
     # -- what is going on -------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        answer = self._ask({"op": "snapshot"})
+        try:
+            answer = ask_once(self.path, {"op": "snapshot"})
+        except (OSError, ValueError) as error:
+            raise ServiceUnavailable(
+                f"the books service at {self.path} did not give the machine: {error}"
+            ) from None
+        if answer["op"] != "snapshot":
+            raise ServiceUnavailable(answer.get("message") or f"the books service said {answer}")
         return {
             **answer["snapshot"],
             "user": self.user,

@@ -18,7 +18,7 @@ import socket
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
 
 #: The longest line either side reads. A snapshot of a busy machine is a few
 #: kilobytes; anything near this is an attack or a bug, and ends the connection.
@@ -38,7 +38,9 @@ class _Message(BaseModel):
 
 
 class Need(_Message):
-    cpus: int = Field(ge=0, le=1 << 20)
+    # At least one core: a claim of nothing would fit however full the machine
+    # is, and one user could fill the books with as many as they like.
+    cpus: int = Field(ge=1, le=1 << 20)
     gpus: int = Field(ge=0, le=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
 
@@ -83,7 +85,10 @@ class Report(_Message):
 
     op: Literal["report"]
     ticket: int
-    readings: dict[str, float | int | None]
+    # Shown to every user in each snapshot: a handful of short figures.
+    readings: dict[Annotated[str, StringConstraints(max_length=32)], float | int | None] = Field(
+        max_length=32
+    )
 
 
 class Snapshot(_Message):
@@ -97,7 +102,7 @@ class Restore(_Message):
     op: Literal["restore"]
     id: int
     label: str = Field(max_length=512)
-    cpus: int = Field(ge=0, le=1 << 20)
+    cpus: int = Field(ge=1, le=1 << 20)
     gpus: list[int] = Field(max_length=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
     cores: list[int] = Field(default_factory=list, max_length=1 << 20)

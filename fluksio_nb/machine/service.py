@@ -319,23 +319,44 @@ class BooksService:
         snapshot = self.books.snapshot(
             connection.uid, admin=in_group(connection.uid, self.admin_group)
         )
-        connection.send({"op": "snapshot", "id": request.id, "snapshot": snapshot})
+        answer = {"op": "snapshot", "id": request.id, "snapshot": snapshot}
+        if len(protocol.line(answer)) > protocol.MAX_LINE_BYTES:
+            # Only the reader's own claims can make it this long now; a line
+            # the reader would refuse to read is never sent.
+            answer = {
+                "op": "error",
+                "id": request.id,
+                "message": f"the machine is too busy to show: {connection.user}'s own "
+                "waiting claims alone are more than a snapshot holds",
+            }
+        connection.send(answer)
 
     def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
         """A kernel's running claim from before the service restarted, back in the books.
 
-        Taken only if what it names is free: a kernel cannot use a restore to
-        jump the queue for what somebody else holds now.
+        Taken only in the grace after a restart, while nothing is granted, and
+        only if what it names is free, and within its user's cap beside what
+        they hold: at any other time a restore would be a way past the queue
+        and the cap.
         """
         need = (request.cpus, len(request.gpus), request.ram_bytes)
-        if (
-            self._too_big(connection, need)
+        why = None
+        if not self._holding():
+            why = "a claim is put back only while the service restarts"
+        elif (
+            len(set(request.gpus)) != len(request.gpus)
+            or len(set(request.cores)) != len(request.cores)
+            or (request.cores and len(request.cores) != request.cpus)
+            or not set(request.gpus) <= set(self.books.gpu_ids)
+            or self._too_big(connection, need)
+            or not self.books.within_cap(connection.uid, need)
             or not self.books.fits_free(
                 request.cpus, request.gpus, request.ram_bytes, request.cores
             )
-            or not set(request.gpus) <= set(self.books.gpu_ids)
         ):
-            connection.send({"op": "error", "id": request.id, "message": "no longer free"})
+            why = "no longer free"
+        if why is not None:
+            connection.send({"op": "error", "id": request.id, "message": why})
             return
         entry = self._new_entry(connection, need, request.label)
         entry.state, entry.gpus, entry.granted_at = "running", tuple(request.gpus), entry.since
