@@ -75,6 +75,24 @@ def test_the_service_answers_ahead_of_the_kernels_that_ask_it():
         assert service.nice() == SERVICE_NICENESS < psutil.Process().nice()
 
 
+def test_the_service_may_hold_every_users_connections_at_once():
+    """Guards against a service left at the usual soft limit of 1024 descriptors, which
+    two users' 512 connections each would fill, so that nobody else could connect."""
+    import resource
+
+    import psutil
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Started as a login shell's admin would start it: with the usual soft limit.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        with machine() as layout:
+            service = psutil.Process(int(layout.pidfile.read_text()))
+            assert service.rlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_init_refuses_to_run_as_anyone_but_root():
     """Guards against a user's init seeming to set up books nobody else will trust."""
     from tests.unix_users import USER_A, require_unix_users, run_as, unix_user

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -332,6 +333,11 @@ def serve(layout: Layout) -> None:
     # on two cores. Its work per request is small and bounded, so the
     # priority buys latency, not CPU.
     os.setpriority(os.PRIO_PROCESS, 0, SERVICE_NICENESS)
+    # Every kernel holds a connection, and each user may hold up to
+    # MAX_CONNECTIONS_PER_USER: at the usual soft limit of 1024 descriptors,
+    # two users could leave none for anyone else.
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     try:
         asyncio.run(serve_on(layout.socket, service, ready))
     finally:
