@@ -27,6 +27,12 @@ What it decides:
   machine, whose size other users' claims decide, is asked for on a
   connection of its own: whatever comes back, it cannot break the one
   that holds the claims.
+
+It is long because one connection is read by whichever thread needs it now
+(an asker, or the reader thread that watches for grants and stops), and
+handing it between them, reconnecting and putting claims back after a
+restart are one piece of state that cannot be split without a lock between
+the halves.
 """
 
 from __future__ import annotations
