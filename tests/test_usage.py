@@ -18,8 +18,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+import tracemalloc
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -41,7 +45,9 @@ from fluksio_nb.usage import (
     usage_main,
     user_totals,
 )
+from fluksio_nb.usage import report as usage_report
 from tests.kernels import Kernel, until_it_exists
+from tests.unix_users import USER_A, ready_user, run_as, shared_tmp_dir
 from tests.waiting import gone, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -334,6 +340,77 @@ def test_unreadable_files_of_other_users_are_said_to_be_private():
         "No claims recorded.",
         "3 files of other users are not readable: records are private to their owner and root.",
     ]
+
+
+# -----------------------------------------------------------------------------
+# Root's report of everyone, whatever one user wrote
+# -----------------------------------------------------------------------------
+
+
+@contextmanager
+def plant_as_a_user(records: str) -> Iterator[Path]:
+    """A shared records directory where a real second user left ``records``'s lines.
+
+    ``records`` is a Python expression, evaluated as that user, giving an
+    iterable of records as dicts. The caller removes the directory.
+    """
+    attacker = ready_user(USER_A)
+    with shared_tmp_dir() as shared:
+        shared.chmod(0o1777)
+        planted = run_as(
+            attacker,
+            textwrap.dedent(
+                f"""
+                import json, os
+                path = os.path.join({str(shared)!r}, "planted.jsonl")
+                with open(path, "w") as planted:
+                    for one in {records}:
+                        planted.write(json.dumps(one) + "\\n")
+                os.chmod(path, 0o644)
+                """
+            ),
+        )
+        assert planted.returncode == 0, planted.stderr
+        yield shared
+
+
+def test_a_users_notebooks_and_endings_are_told_apart_up_to_a_bound_and_all_counted(
+    capsys, monkeypatch
+):
+    """Guards against root's report growing a row, or an ending, for every line a
+    user writes: notebook names and endings are the user's to choose."""
+    monkeypatch.setattr(usage_report, "NOTEBOOKS_AT_MOST", 50, raising=False)
+    monkeypatch.setattr(usage_report, "ENDINGS_AT_MOST", 5, raising=False)
+    with plant_as_a_user(
+        '({"label": "x", "notebook": f"n{i}.ipynb", "asked_at": 0, "granted_at": 0,'
+        ' "ended_at": 3600, "ending": f"e{i}", "cpus": 1} for i in range(3000))'
+    ) as shared:
+        assert usage_main(["--dir", str(shared), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    notebooks = [row["notebook"] for row in report["rows"] if row["user"] == USER_A]
+    assert notebooks[:2] == ["(other notebooks)", "n0.ipynb"] and len(notebooks) == 51
+    [total] = report["users"]
+    assert (total["user"], total["claims"]) == (USER_A, 3000), "a claim went uncounted"
+    assert total["core_hours"] == pytest.approx(3000.0)
+    assert total["endings"] == {**{f"e{i}": 1 for i in range(5)}, "(other)": 2995}
+
+
+def test_the_report_holds_no_records_while_it_reads_a_planted_file():
+    """Guards against root's report keeping every line of a file a user filled
+    with minimal records (as audited: 1.3 million rows, 1.5 GB from 64 MiB)."""
+    with plant_as_a_user(
+        '[{"label": "", "asked_at": 0, "ended_at": 0, "ending": ""}] * 60_000'
+    ) as shared:
+        size = (shared / "planted.jsonl").stat().st_size
+        assert size > 3 * 2**20
+        tracemalloc.start()
+        try:
+            assert usage_main(["--dir", str(shared), "--json"]) == 0
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    # A piece of the file at a time, and one row: less than the file, let alone its records.
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MiB held reading {size / 2**20:.0f} MiB"
 
 
 # -----------------------------------------------------------------------------

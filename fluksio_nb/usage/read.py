@@ -15,13 +15,24 @@ What it decides:
   counted, and what is read from one file is capped, so a hostile file can
   neither hang the report nor exhaust its memory. Another user's records
   are private to them (and root): they are counted as unreadable, not shown.
+- **Records are handed on as they are read, never all held at once**
+  (:func:`each_usage`): a file is read a piece at a time, and a line longer
+  than any record is a bad line, so what is held while reading does not
+  grow with the number or size of the files; whoever adds the records up
+  keeps only the sums. :func:`read_usage` keeps them all, for the few that
+  want a list.
+- **A reader may ask for only its own files, and at most so many bytes**
+  (``owner``, ``at_most``): the readers that run unasked, in every kernel
+  and server, read no file another user could have planted, and the newest
+  files first, the end of a file first, so what a budget leaves out is the
+  oldest. What was left out is counted (``files_cut``).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -34,6 +45,13 @@ from fluksio_nb.usage.record import SUFFIX, UsageRecord
 #: real one makes, and little enough memory that a hostile file costs nothing.
 READ_AT_MOST = 64 * 2**20
 
+#: The longest line read as a record. A real one is some 300 bytes, a few
+#: KiB with the longest notebook path; a longer line is a bad one, never held.
+LINE_AT_MOST = 64 * 2**10
+
+#: How much of a file is read at a time.
+_CHUNK = 2**18
+
 
 class UsageRows(list):
     """``(user, record)`` pairs read from records files, and what could not be read."""
@@ -42,10 +60,14 @@ class UsageRows(list):
         super().__init__(rows)
         #: Files we may not open: another user's, private to them and root.
         self.unreadable_files = 0
+        #: Other users' files, not opened by a reader of its own (``owner``).
+        self.others_files = 0
         #: Entries named like records that are links, pipes or directories.
         self.not_plain_files = 0
         #: Lines that are not records: cut short by a crash, or written by hand.
         self.bad_lines = 0
+        #: Files left unread, or read only in part, for a reader's byte budget.
+        self.files_cut = 0
 
     @property
     def skipped_files(self) -> int:
@@ -53,40 +75,98 @@ class UsageRows(list):
 
     def absorb(self, other: UsageRows) -> None:
         self.extend(other)
+        self.absorb_counts(other)
+
+    def absorb_counts(self, other: UsageRows) -> None:
+        """Add ``other``'s counts of what was not read, not its rows."""
         self.unreadable_files += other.unreadable_files
         self.not_plain_files += other.not_plain_files
         self.bad_lines += other.bad_lines
+        self.others_files += other.others_files
+        self.files_cut += other.files_cut
 
 
 def read_usage(directory: Path, since: float | None = None, user: str | None = None) -> UsageRows:
     """Every record in ``directory`` that ended at or after ``since``, of ``user`` if given.
 
     A directory that does not exist has no records. One that may not be
-    listed raises :class:`PermissionError`.
+    listed raises :class:`PermissionError`. All are kept: what adds them up
+    as they are read uses :func:`each_usage`.
     """
     rows = UsageRows()
+    rows.extend(each_usage(directory, rows, since=since, user=user))
+    return rows
+
+
+def each_usage(
+    directory: Path,
+    counts: UsageRows,
+    *,
+    since: float | None = None,
+    user: str | None = None,
+    owner: int | None = None,
+    at_most: int | None = None,
+) -> Iterator[tuple[str, UsageRecord]]:
+    """The records of :func:`read_usage`, one at a time; what was not read goes in ``counts``.
+
+    ``owner``: read only the files of this uid; others' are counted
+    (``others_files``), unopened where the directory already says whose
+    they are.
+    ``at_most``: read no more than this many bytes in all, newest files
+    first and each file's end first; the files are sorted, so it goes with
+    ``owner``, which keeps that list to one user's.
+
+    A directory that does not exist has no records. One that may not be
+    listed raises :class:`PermissionError`, before the first record.
+    """
     try:
         where = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return rows
+        return
     names: dict[int, str] = {}
     try:
-        for name in sorted(os.listdir(where)):
-            if not name.endswith(SUFFIX):
+        found: Iterable[tuple[int, str]] = _records_files(where, counts, user, owner, names)
+        if at_most is not None:
+            # The newest first: what a budget leaves out is the oldest.
+            found = sorted(found, reverse=True)
+        left = at_most
+        for _, name in found:
+            if left is not None and left <= 0:
+                counts.files_cut += 1
                 continue
-            try:
-                found = os.stat(name, dir_fd=where, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(found.st_mode):
-                rows.not_plain_files += 1
-                continue
-            if user is not None and _named(found.st_uid, names) != user:
-                continue
-            _read_file(where, name, since, user, names, rows)
+            file = _File(where, name, since, user, owner, names, counts, left)
+            yield from file.records()
+            if left is not None:
+                left -= file.read
     finally:
         os.close(where)
-    return rows
+
+
+def _records_files(
+    where: int, counts: UsageRows, user: str | None, owner: int | None, names: dict[int, str]
+) -> Iterator[tuple[int, str]]:
+    """``(mtime, name)`` of each plain file named like records, as the directory is listed.
+
+    Listed as it goes, never all at once: a directory of a million empty
+    files costs a ``stat`` of each, not a list of their names.
+    """
+    with os.scandir(where) as entries:
+        for entry in entries:
+            if not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                seen = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(seen.st_mode):
+                counts.not_plain_files += 1
+                continue
+            if owner is not None and seen.st_uid != owner:
+                counts.others_files += 1
+                continue
+            if user is not None and _named(seen.st_uid, names) != user:
+                continue
+            yield seen.st_mtime_ns, entry.name
 
 
 def _named(uid: int, names: dict[int, str]) -> str:
@@ -95,50 +175,102 @@ def _named(uid: int, names: dict[int, str]) -> str:
     return names[uid]
 
 
-def _read_file(
-    where: int,
-    name: str,
-    since: float | None,
-    user: str | None,
-    names: dict[int, str],
-    rows: UsageRows,
-) -> None:
-    try:
-        # O_NONBLOCK: a pipe swapped in since the stat must not hang the report.
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=where)
-    except PermissionError:
-        rows.unreadable_files += 1
-        return
-    except FileNotFoundError:
-        return
-    except OSError:
-        # ELOOP: swapped for a link since the stat; ENXIO: a socket.
-        rows.not_plain_files += 1
-        return
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            rows.not_plain_files += 1
+class _File:
+    """One records file, opened and read a piece at a time; ``read`` is the bytes it read."""
+
+    def __init__(
+        self,
+        where: int,
+        name: str,
+        since: float | None,
+        user: str | None,
+        owner: int | None,
+        names: dict[int, str],
+        counts: UsageRows,
+        left: int | None,
+    ) -> None:
+        self.where, self.name, self.since, self.user, self.owner = where, name, since, user, owner
+        self.names, self.counts, self.left = names, counts, left
+        self.read = 0
+
+    def records(self) -> Iterator[tuple[str, UsageRecord]]:
+        counts = self.counts
+        try:
+            # O_NONBLOCK: a pipe swapped in since the stat must not hang the report.
+            fd = os.open(
+                self.name,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=self.where,
+            )
+        except PermissionError:
+            counts.unreadable_files += 1
             return
-        # The file as opened, not as first seen, says whose records these are.
-        owner = _named(info.st_uid, names)
-        if user is not None and owner != user:
+        except FileNotFoundError:
             return
-        data = bytearray()
-        while len(data) < READ_AT_MOST:
-            chunk = os.read(fd, min(2**20, READ_AT_MOST - len(data)))
+        except OSError:
+            # ELOOP: swapped for a link since the stat; ENXIO: a socket.
+            counts.not_plain_files += 1
+            return
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                counts.not_plain_files += 1
+                return
+            # The file as opened, not as first seen, says whose records these are.
+            if self.owner is not None and info.st_uid != self.owner:
+                counts.others_files += 1
+                return
+            owner = _named(info.st_uid, self.names)
+            if self.user is not None and owner != self.user:
+                return
+            for line in self._lines(fd, info.st_size):
+                record = _parsed(line, counts)
+                if record is not None and (self.since is None or record.ended_at >= self.since):
+                    yield owner, record
+        finally:
+            os.close(fd)
+
+    def _lines(self, fd: int, size: int) -> Iterator[bytes]:
+        """The file's lines, never one longer than :data:`LINE_AT_MOST` held."""
+        budget = READ_AT_MOST if self.left is None else min(READ_AT_MOST, self.left)
+        offset = 0
+        if self.left is not None and size > budget:
+            # More than the budget leaves: its end, where the newest records are.
+            offset = size - budget
+            self.counts.files_cut += 1
+        elif size > budget:
+            self.counts.files_cut += 1
+        partial = b""
+        # Begun mid-line, the first line is the end of one not read: not a record.
+        skipping = offset > 0 and os.pread(fd, 1, offset - 1) != b"\n"
+        while self.read < budget:
+            chunk = os.pread(fd, min(_CHUNK, budget - self.read), offset + self.read)
             if not chunk:
                 break
-            data += chunk
-    finally:
-        os.close(fd)
-    for line in bytes(data).splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = UsageRecord.model_validate_json(line)
-        except ValidationError:
-            rows.bad_lines += 1
-            continue
-        if since is None or record.ended_at >= since:
-            rows.append((owner, record))
+            self.read += len(chunk)
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            for line in lines:
+                if skipping:
+                    skipping = False
+                    continue
+                if len(line) > LINE_AT_MOST:
+                    self.counts.bad_lines += 1
+                elif line.strip():
+                    yield line
+            if len(partial) > LINE_AT_MOST:
+                # Too long to be a record: dropped, and the rest of it with it.
+                if not skipping:
+                    self.counts.bad_lines += 1
+                skipping = True
+                partial = b""
+        if partial.strip() and not skipping:
+            yield partial
+
+
+def _parsed(line: bytes, counts: UsageRows) -> UsageRecord | None:
+    try:
+        return UsageRecord.model_validate_json(line)
+    except ValidationError:
+        counts.bad_lines += 1
+        return None

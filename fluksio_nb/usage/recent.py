@@ -9,36 +9,67 @@ What it decides:
 
 - **Read again only what changed.** The panel asks every few seconds and a
   monitor's ticker every second; a directory is read again only when one of
-  its records files changed size or time, so an idle machine costs a
-  ``stat`` of each file.
+  the user's records files in it changed size or time, so an idle machine
+  costs a ``stat`` of each file.
 - **The directories are those ``fluksio-nb usage`` reads**
   (:func:`~.report.usage_dirs`): the user's own, and the machine's shared one
-  on books every user shares. Another user's records file there is private
-  to them and cannot be read: their claims are not shown, and the count of
-  such files is said (``unreadable_files``).
+  on books every user shares.
+- **Only the user's own files are read, root's included.** This runs
+  unasked, in every kernel while a claim waits and in the server, and
+  anyone may leave files in the shared directory: a file another user
+  made readable can only have been planted, as real records are private
+  to their owner. A file is read only when its owner, as the kernel says
+  of the file as opened (``fstat``), is the calling user; the others are
+  counted (``unreadable_files``) and never opened where the directory
+  already says whose they are. Root's panel shows root's claims;
+  ``fluksio-nb usage`` is where root reads everyone's.
+- **What is kept and read is bounded, whatever is in the directory.** Only
+  what is shown is kept: the :data:`FINISHED` claims that ended last, and
+  each label's :data:`RUNS_PER_LABEL` latest runs, for at most
+  :data:`LABELS` labels, those run last. A directory is read, each time,
+  up to :data:`READ_AT_MOST` bytes, its newest files and their ends first,
+  so what is left out is the oldest; when something is, one warning per
+  process and directory says so (:class:`RecentUsageCut`).
 - **A record's user is its file's owner**, as everywhere records are read.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
+import stat
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fluksio_nb.usage.read import UsageRows, read_usage
+from fluksio_nb.budget import human
+from fluksio_nb.usage.read import UsageRows, each_usage
 from fluksio_nb.usage.record import SUFFIX, UsageRecord
 
-#: How many finished claims are shown.
+#: How many finished claims are shown, and kept: ``finished(limit)`` gives no more.
 FINISHED = 20
 
 #: How many of a label's latest runs its typical duration is taken from.
 RUNS_PER_LABEL = 20
 
+#: How many labels' runs are kept: those run last. A waiting claim's label is
+#: nearly always one of them, or one never run before.
+LABELS = 1000
+
+#: How much of a directory's records is read, each time it is read again.
+#: Some 28,000 claims at about 300 bytes each: years of one user's work, and
+#: well within what a kernel can parse while its claim waits.
+READ_AT_MOST = 8 * 2**20
+
 #: How long the list of directories is kept: finding the machine's asks its service.
 DIRS_FOR_S = 60.0
+
+
+class RecentUsageCut(UserWarning):
+    """Older usage records were left unread: past the bytes read each time."""
 
 
 def finished_entry(user: str, record: UsageRecord) -> dict[str, Any]:
@@ -68,69 +99,146 @@ class RecentUsage:
         self._directories = directories or _usage_dirs
         self._dirs: list[Path] = []
         self._dirs_at = -float("inf")
-        self._read: dict[Path, tuple[Any, UsageRows]] = {}
+        self._read: dict[Path, tuple[Any, _Kept]] = {}
         self._lock = threading.Lock()
 
-    def rows(self) -> UsageRows:
-        """Every readable record, ``(user, record)``, in no particular order. Blocking."""
+    def _kept(self) -> tuple[list[_Kept], int]:
+        """What each directory's records leave, read again where a file changed. Blocking.
+
+        And how many files of other users the directories hold, not read.
+        """
         with self._lock:
             now = time.monotonic()
             if now - self._dirs_at >= DIRS_FOR_S:
                 self._dirs, self._dirs_at = self._directories(), now
-            rows = UsageRows()
+            kept: list[_Kept] = []
+            others = 0
             for directory in self._dirs:
-                seen = _signature(directory)
-                kept = self._read.get(directory)
-                if kept is None or kept[0] != seen:
-                    try:
-                        kept = (seen, read_usage(directory))
-                    except OSError:
-                        kept = (seen, UsageRows())  # not ours to list: nothing to show
-                    self._read[directory] = kept
-                rows.absorb(_copy(kept[1]))
-            return rows
+                seen, theirs = _signature(directory)
+                others += theirs
+                found = self._read.get(directory)
+                if found is None or found[0] != seen:
+                    found = self._read[directory] = (seen, _read_directory(directory))
+                kept.append(found[1])
+            return kept, others
 
     def finished(self, limit: int = FINISHED) -> dict[str, Any]:
-        """The ``limit`` claims that ended last, newest first, as the API answers."""
-        rows = self.rows()
-        newest = sorted(rows, key=lambda row: row[1].ended_at, reverse=True)[:limit]
+        """The ``limit`` (at most :data:`FINISHED`) claims that ended last, newest first."""
+        kept, others = self._kept()
+        newest = heapq.nlargest(
+            min(limit, FINISHED),
+            (entry for one in kept for entry in one.finished),
+            key=lambda entry: entry[0],
+        )
         return {
-            "claims": [finished_entry(user, record) for user, record in newest],
-            "unreadable_files": rows.unreadable_files,
+            "claims": [finished_entry(user, record) for _, _, user, record in newest],
+            # Others' files as listed now, and any of the user's own that could not be opened.
+            "unreadable_files": others + sum(one.counts.unreadable_files for one in kept),
         }
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
         runs: dict[str, list[tuple[float, float]]] = {}
-        for _, record in self.rows():
-            if record.granted_at is not None:
-                runs.setdefault(record.label, []).append((record.ended_at, record.ran_s))
+        for one in self._kept()[0]:
+            for label, found in one.runs.items():
+                runs.setdefault(label, []).extend(found)
         return {
             label: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
             for label, found in runs.items()
         }
 
 
-def _copy(rows: UsageRows) -> UsageRows:
-    copied = UsageRows(rows)
-    copied.unreadable_files = rows.unreadable_files
-    copied.not_plain_files = rows.not_plain_files
-    copied.bad_lines = rows.bad_lines
-    return copied
+class _Kept:
+    """What one directory's records leave that is shown: the last finished, each label's runs."""
+
+    def __init__(self) -> None:
+        #: The :data:`FINISHED` that ended last: ``(ended_at, n, user, record)``, a heap.
+        self.finished: list[tuple[float, int, str, UsageRecord]] = []
+        #: Each label's :data:`RUNS_PER_LABEL` latest runs: ``(ended_at, ran_s)``, a heap.
+        self.runs: dict[str, list[tuple[float, float]]] = {}
+        #: What was not read, and why.
+        self.counts = UsageRows()
+        self._n = 0
+
+    def __len__(self) -> int:
+        """How many records are kept."""
+        return len(self.finished) + sum(len(found) for found in self.runs.values())
+
+    def add(self, user: str, record: UsageRecord) -> None:
+        self._n += 1
+        _keep(self.finished, (record.ended_at, self._n, user, record), FINISHED)
+        if record.granted_at is not None:
+            _keep(
+                self.runs.setdefault(record.label, []),
+                (record.ended_at, record.ran_s),
+                RUNS_PER_LABEL,
+            )
+            if len(self.runs) > 2 * LABELS:
+                self.trim()
+
+    def trim(self) -> None:
+        """Keep the :data:`LABELS` labels run last."""
+        if len(self.runs) > LABELS:
+            last = heapq.nlargest(LABELS, self.runs, key=lambda label: max(self.runs[label]))
+            self.runs = {label: self.runs[label] for label in last}
 
 
-def _signature(directory: Path) -> Any:
-    """What changes when a records file in ``directory`` is written, added or removed."""
+def _keep(heap: list, entry: Any, most: int) -> None:
+    """Add ``entry`` to the min-heap ``heap``, which keeps its ``most`` largest."""
+    if len(heap) < most:
+        heapq.heappush(heap, entry)
+    else:
+        heapq.heappushpop(heap, entry)
+
+
+#: The directories a warning was given for, in this process.
+_warned: set[Path] = set()
+
+
+def _read_directory(directory: Path) -> _Kept:
+    kept = _Kept()
+    try:
+        for user, record in each_usage(
+            directory, kept.counts, owner=os.geteuid(), at_most=READ_AT_MOST
+        ):
+            kept.add(user, record)
+    except OSError:
+        return _Kept()  # not ours to list: nothing to show
+    kept.trim()
+    if kept.counts.files_cut and directory not in _warned:
+        _warned.add(directory)
+        warnings.warn(
+            f"fluksio_nb read only the newest {human(READ_AT_MOST)} of your usage "
+            f"records in {directory}; older claims are left out of the finished claims and "
+            "the expected waits. `fluksio-nb usage` still counts them all.",
+            RecentUsageCut,
+            stacklevel=2,
+        )
+    return kept
+
+
+def _signature(directory: Path) -> tuple[Any, int]:
+    """What changes when one of the user's records files is written, added or removed.
+
+    And how many files of other users there are, not read: whatever happens
+    to those changes nothing that is shown but their number.
+    """
+    me = os.geteuid()
+    mine: list[tuple[str, int, int]] = []
+    others = 0
     try:
         with os.scandir(directory) as entries:
-            return sorted(
-                (entry.name, info.st_size, info.st_mtime_ns)
-                for entry in entries
-                if entry.name.endswith(SUFFIX)
-                for info in [entry.stat(follow_symlinks=False)]
-            )
+            for entry in entries:
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                if info.st_uid == me:
+                    mine.append((entry.name, info.st_size, info.st_mtime_ns))
+                elif stat.S_ISREG(info.st_mode):
+                    others += 1
     except OSError:
-        return None
+        return None, 0
+    return sorted(mine), others
 
 
 def _usage_dirs() -> list[Path]:

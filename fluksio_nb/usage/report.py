@@ -15,6 +15,14 @@ What it decides:
 - **By default, the user's own records and the machine's**: their own
   directory, and on a machine whose books every user shares, the records
   directory its service names.
+- **Added up as they are read, in memory no user can grow at will.** No
+  record is kept once counted. Notebook names and endings are written by
+  the records' owner, so a user's rows are told apart by at most
+  :data:`NOTEBOOKS_AT_MOST` notebooks (and their names by at most
+  :data:`NOTEBOOK_NAMES_AT_MOST` bytes) and :data:`ENDINGS_AT_MOST` endings;
+  the claims of any more are added up under ``(other notebooks)`` and
+  ``(other)``, so root's report of everyone stays small whatever one user
+  wrote, and still counts every claim.
 """
 
 from __future__ import annotations
@@ -33,8 +41,18 @@ from typing import Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.usage.log import default_usage_dir
-from fluksio_nb.usage.read import UsageRows, read_usage
+from fluksio_nb.usage.read import UsageRows, each_usage
 from fluksio_nb.usage.record import UsageRecord
+
+#: The most notebooks one user's rows are told apart by. A real user has
+#: tens; the claims of any more are added up in one row, :data:`OTHER_NOTEBOOKS`.
+NOTEBOOKS_AT_MOST = 1000
+#: The most bytes of one user's notebook names kept, for the same reason.
+NOTEBOOK_NAMES_AT_MOST = 2**20
+OTHER_NOTEBOOKS = "(other notebooks)"
+#: The most ways one user's claims are said to have ended: there are seven.
+ENDINGS_AT_MOST = 20
+OTHER_ENDING = "(other)"
 
 # -- adding up -----------------------------------------------------------------
 
@@ -82,14 +100,57 @@ def summarise(rows: Iterable[tuple[str, UsageRecord]]) -> list[dict[str, Any]]:
 
     Peak memory (and peak card memory) is the largest any one claim reached;
     times and hours add up. A row whose cards nobody read has no card peak.
+    ``rows`` is read once, and none of it kept.
     """
-    groups: dict[tuple[str, str | None], dict[str, Any]] = {}
-    for user, record in rows:
-        row = groups.get((user, record.notebook))
-        if row is None:
-            row = groups[(user, record.notebook)] = _totals(user=user, notebook=record.notebook)
-        _add(row, _one(record))
-    return [groups[key] for key in sorted(groups, key=_by_user_then_notebook)]
+    summary = _Summary()
+    summary.add(rows)
+    return summary.rows()
+
+
+class _Summary:
+    """The rows of :func:`summarise`, added to as records are read."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str | None], dict[str, Any]] = {}
+        #: Per user: how many notebooks, and how many bytes of their names, are kept.
+        self._notebooks: dict[str, list[int]] = {}
+        #: Per user: the endings told apart, each kept once, as the key all its rows use.
+        self._endings: dict[str, dict[str, str]] = {}
+
+    def add(self, rows: Iterable[tuple[str, UsageRecord]]) -> None:
+        for user, record in rows:
+            part = _one(record)
+            part["endings"] = {self._ending(user, record.ending): 1}
+            _add(self._row(user, record.notebook), part)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [self._groups[key] for key in sorted(self._groups, key=_by_user_then_notebook)]
+
+    def _row(self, user: str, notebook: str | None) -> dict[str, Any]:
+        row = self._groups.get((user, notebook))
+        if row is not None:
+            return row
+        kept = self._notebooks.setdefault(user, [0, 0])
+        size = len(notebook or "")
+        if kept[0] >= NOTEBOOKS_AT_MOST or kept[1] + size > NOTEBOOK_NAMES_AT_MOST:
+            notebook = OTHER_NOTEBOOKS
+            row = self._groups.get((user, notebook))
+            if row is not None:
+                return row
+        else:
+            kept[0] += 1
+            kept[1] += size
+        row = self._groups[(user, notebook)] = _totals(user=user, notebook=notebook)
+        return row
+
+    def _ending(self, user: str, ending: str) -> str:
+        kept = self._endings.setdefault(user, {})
+        if ending in kept:
+            return kept[ending]
+        if len(kept) >= ENDINGS_AT_MOST:
+            return OTHER_ENDING
+        kept[ending] = ending
+        return ending
 
 
 def _by_user_then_notebook(key: tuple[str, str | None]) -> tuple[str, bool, str]:
@@ -291,10 +352,12 @@ def usage_main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    # Counted as they are read: no record is kept, whatever is in the directories.
     rows = UsageRows()
+    adding = _Summary()
     for directory in options.dir or usage_dirs():
         try:
-            rows.absorb(read_usage(directory, since=since, user=options.user))
+            adding.add(each_usage(directory, rows, since=since, user=options.user))
         except OSError as error:
             print(
                 f"fluksio-nb usage: cannot read the records in {directory}: "
@@ -302,7 +365,7 @@ def usage_main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
-    summary = summarise(rows)
+    summary = adding.rows()
     if options.json:
         report = {
             "rows": summary,
