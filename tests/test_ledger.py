@@ -113,6 +113,36 @@ def test_a_waiter_in_another_process_is_woken_when_the_share_frees(tmp_path):
     waiter.wait(timeout=10)
 
 
+def test_a_share_freed_by_another_kernel_of_the_user_wakes_the_waiter_once(tmp_path, monkeypatch):
+    """Guards the wake-up between kernels of one user: taken, and one look for it.
+
+    Only the waker's own count says it was the wake-up, not a look of its
+    own, that freed the waiter: it would not look for a minute.
+    """
+    monkeypatch.setattr(fluksio_nb.ledger.queue, "LOOK_EVERY_S", 60)
+    holder = other_process(
+        tmp_path,
+        "t = q.enqueue(Resources()); q.wait(t); say(ok=1)\n"
+        "sys.stdin.readline(); q.release(t); say(released=1); time.sleep(600)\n",
+        cpus=1,
+        gpus=0,
+    )
+    assert heard(holder) == {"ok": 1}
+    mine = MachineQueue(tmp_path, inventory(cpus=1, gpus=0))
+    ticket = mine.enqueue(Resources(), "waiting")
+    waker = mine._wakers[ticket.number]
+    looks = []
+    look = mine.look
+    monkeypatch.setattr(mine, "look", lambda: (looks.append(1), look()))
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    mine.wait(ticket, timeout=30)
+    assert (waker.accepted, waker.refused, looks) == (1, 0, [1])
+    mine.release(ticket)
+    holder.kill()
+    holder.wait()
+
+
 def waiting_behind_a_holder(directory):
     """Another process holding the card, and a claim of this one waiting for it."""
     holder = other_process(

@@ -4,23 +4,28 @@ A ledger is one user's books, and it is only as good as the guarantee that
 nobody else can write them. These tests use real directories, files, links
 and processes: a directory somebody else can write is refused and left as it
 was, a link planted where the ledger keeps a file is never followed, an
-entry that does not hold up is left out without stopping anyone, and who a
-kernel is comes from the OS rather than from its environment.
+entry that does not hold up is left out without stopping anyone, who a
+kernel is comes from the OS rather than from its environment, and only the
+user's own kernels can wake a waiting claim.
 """
 
 import json
 import os
 import pwd
+import select
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import fluksio_nb.ledger.queue
 from fluksio_nb.errors import BadClaim, BadSettings
 from fluksio_nb.ledger import (
     LEDGER_FILE,
@@ -35,8 +40,10 @@ from fluksio_nb.ledger import (
     process_started,
     read_snapshot,
 )
+from fluksio_nb.ledger.wake import wake
 from fluksio_nb.resources import Resources
-from tests.test_ledger import inventory
+from tests.test_ledger import heard, inventory, other_process
+from tests.unix_users import USER_B, ready_user, run_as, shared_tmp_dir
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -500,3 +507,199 @@ def test_an_entry_planted_after_this_kernel_wrote_the_ledger_is_still_validated(
     assert seen["waiting"] == []
     # The planted entry is still there, and still left out as the claim goes.
     caught_broken(lambda: queue.release(mine))
+
+
+# -- waking -------------------------------------------------------------------
+
+#: Run as another user: find a waiter's socket as anyone can, in
+#: /proc/net/unix, and send it datagrams every way there is to name it.
+FLOOD = textwrap.dedent(
+    """
+    import json, os, socket
+    token, ledger = os.environ["TOKEN"], os.environ["LEDGER_DIR"]
+    listed, targets = [], set()
+    with open("/proc/net/unix") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and token in fields[7]:
+                listed.append(fields[7])
+    for path in listed:
+        if path.startswith("@"):
+            targets.add("\\0" + path[1:])
+        else:
+            targets.update([path, os.path.join(ledger, os.path.basename(path))])
+    delivered, refused = 0, set()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.settimeout(2)
+        for target in sorted(targets):
+            for _ in range(int(os.environ["SENDS"])):
+                try:
+                    sender.sendto(b"!", target)
+                    delivered += 1
+                except OSError as error:
+                    refused.add(error.strerror)
+    print(json.dumps({"listed": listed, "delivered": delivered, "refused": sorted(refused)}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def other_user():
+    return ready_user(USER_B)
+
+
+def flood_as(user, address: str, ledger_dir: Path, sends: int = 200) -> dict:
+    """What ``user`` found of the waiter at ``address`` and how many datagrams got there."""
+    ran = run_as(
+        user,
+        FLOOD,
+        env={"TOKEN": address.lstrip("\0"), "LEDGER_DIR": str(ledger_dir), "SENDS": str(sends)},
+    )
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout)
+
+
+def counting_looks(queue: MachineQueue, monkeypatch) -> list[int]:
+    """Every look at the ledger ``queue`` takes from now on, one element each."""
+    looks: list[int] = []
+    look = queue.look
+
+    def counted() -> None:
+        looks.append(1)
+        look()
+
+    monkeypatch.setattr(queue, "look", counted)
+    return looks
+
+
+def waiting_in_a_thread(directory: Path, monkeypatch):
+    """A claim held here and another waiting for it in a thread, which only a wake-up frees."""
+    # It would not look again by itself for a minute.
+    monkeypatch.setattr(fluksio_nb.ledger.queue, "LOOK_EVERY_S", 60)
+    holder = MachineQueue(directory, inventory(cpus=1, gpus=0))
+    held = holder.enqueue(Resources(), "holding")
+    waiter = MachineQueue(directory, inventory(cpus=1, gpus=0))
+    ticket = waiter.enqueue(Resources(), "waiting")
+    assert ticket.state == "waiting"
+    [entry] = [t for t in waiter.ledger.read()["tickets"] if t["number"] == ticket.number]
+    looks = counting_looks(waiter, monkeypatch)
+    thread = threading.Thread(target=waiter.wait, args=(ticket, 30), daemon=True)
+    thread.start()
+
+    def free() -> None:
+        holder.release(held)
+        thread.join(timeout=40)
+        assert ticket.state == "running", "the waiter was not woken when its share freed"
+
+    return SimpleNamespace(
+        queue=waiter, ticket=ticket, address=entry["wake"], looks=looks, free=free
+    )
+
+
+def test_another_user_can_neither_reach_a_waiters_socket_nor_make_it_look(other_user, monkeypatch):
+    """Guards against another user flooding a waiting kernel's wake socket.
+
+    It was an abstract socket, listed in /proc/net/unix for anyone to send to,
+    and each datagram cost the waiter a look at the ledger under its lock. The
+    ledger's directory is the default's, 0700, below one others can search.
+    """
+    with shared_tmp_dir() as shared:
+        waiting = waiting_in_a_thread(shared / "ledger", monkeypatch)
+        flood = flood_as(other_user, waiting.address, shared / "ledger")
+        waiting.free()
+        waiting.queue.release(waiting.ticket)
+
+    assert flood["listed"], "the other user did not even find the socket to try"
+    assert flood["delivered"] == 0, flood
+    # Only the share freeing made it look.
+    assert waiting.looks == [1]
+
+
+def test_a_datagram_of_another_user_that_reaches_the_socket_is_dropped_without_a_look(
+    other_user, monkeypatch
+):
+    """Guards the second lock: a socket another user can get to still wakes nobody for them.
+
+    A directory chosen with FLUKSIO_LEDGER may be searchable by others, and
+    the socket is not 0600 in the instant after it is bound: the sender's uid,
+    as the OS gives it, decides.
+    """
+    with shared_tmp_dir() as shared:  # root's, 0755: others may search it
+        waiting = waiting_in_a_thread(shared, monkeypatch)
+        waker = waiting.queue._wakers[waiting.ticket.number]
+        socket_file = shared / (waiting.address[1:] + ".wake")
+        assert mode_of(socket_file) == 0o600
+        os.chmod(socket_file, 0o666)
+        flood = flood_as(other_user, waiting.address, shared, sends=50)
+        looks_before_freed = list(waiting.looks)
+        waiting.free()
+        waiting.queue.release(waiting.ticket)
+
+    assert flood["delivered"] > 0, flood
+    assert looks_before_freed == []
+    assert (waker.refused, waker.accepted) == (flood["delivered"], 1)
+    assert waiting.looks == [1]
+
+
+def test_a_waiters_socket_is_a_private_file_of_the_ledger_removed_once_given_back(
+    tmp_path, monkeypatch
+):
+    """Guards against sockets piling up in the ledger's directory, or others reaching one."""
+    waiting = waiting_in_a_thread(tmp_path, monkeypatch)
+    socket_file = tmp_path / (waiting.address[1:] + ".wake")
+    found = os.lstat(socket_file)
+    assert stat.S_ISSOCK(found.st_mode) and mode_of(socket_file) == 0o600
+    assert found.st_uid == os.geteuid()
+    waiting.free()
+    waiting.queue.release(waiting.ticket)
+    assert not socket_file.exists()
+
+
+def test_the_socket_of_a_waiter_killed_while_waiting_is_removed_by_the_next_waiter(tmp_path):
+    """Guards against SIGKILL leaving a socket file in the ledger's directory for good."""
+    holder = MachineQueue(tmp_path, inventory(cpus=1, gpus=0))
+    held = holder.enqueue(Resources(), "holding")
+    killed = other_process(
+        tmp_path,
+        "t = q.enqueue(Resources(), 'killed'); say(state=t.state); time.sleep(600)\n",
+        cpus=1,
+        gpus=0,
+    )
+    assert heard(killed) == {"state": "waiting"}
+    [left] = [t["wake"] for t in holder.ledger.read()["tickets"] if t["state"] == "waiting"]
+    left_file = tmp_path / (left[1:] + ".wake")
+    assert stat.S_ISSOCK(os.lstat(left_file).st_mode)
+    killed.kill()
+    killed.wait()
+
+    ticket = holder.enqueue(Resources(), "next")
+    assert ticket.state == "waiting"
+    assert not left_file.exists()
+    holder.release(ticket)
+    holder.release(held)
+
+
+def test_a_burst_of_wakes_is_taken_at_once_and_costs_one_look(tmp_path, monkeypatch):
+    """Guards against a flood of wakes, even of this user's, costing a look each."""
+    monkeypatch.setattr(fluksio_nb.ledger.queue, "LOOK_EVERY_S", 60)
+    holder = MachineQueue(tmp_path, inventory(cpus=1, gpus=0))
+    held = holder.enqueue(Resources(), "holding")
+    ticket = holder.enqueue(Resources(), "waiting")
+    waker = holder._wakers[ticket.number]
+    wake(holder.ledger, [waker.address] * 5)
+
+    waker.sleep(60)  # would sleep the full minute if the wakes were lost
+    assert waker.accepted == 5
+    assert select.select([waker.socket], [], [], 0)[0] == [], "wakes left for a second look"
+    holder.release(ticket)
+    holder.release(held)
+
+
+def test_a_ledger_too_deep_for_a_socket_address_still_wakes_its_waiters(tmp_path, monkeypatch):
+    """Guards against a long ledger path (sun_path holds 108 bytes) losing the wake-up."""
+    deep = tmp_path / ("d" * 120) / ("e" * 120)
+    waiting = waiting_in_a_thread(deep, monkeypatch)
+    waker = waiting.queue._wakers[waiting.ticket.number]
+    waiting.free()
+    assert (waker.accepted, waiting.looks) == (1, [1])
+    waiting.queue.release(waiting.ticket)

@@ -86,8 +86,8 @@ class LedgerEntry(_Checked):
     owner: Owner
     since: float
     granted_at: float | None = None
-    # Only ever one of the ledger's own sockets (wake.py), in the abstract namespace:
-    # an address read from the file is never a path to write to.
+    # Only ever the name of one of the ledger's own sockets (wake.py), which is
+    # reached in the ledger's checked directory: never a path to write to.
     wake: str | None = Field(default=None, pattern=r"^\x00fluksio-")
     cancel: str | None = None
     readings: dict[str, Any] | None = None

@@ -106,14 +106,14 @@ class MachineQueue:
                     # Only a claim that has to wait needs waking: one granted on
                     # the spot, as most are, opens no socket.
                     if entry["state"] == "waiting":
-                        waker = Waker()
+                        waker = Waker(self.ledger)
                         entry["wake"] = waker.address
                 with self._lock:
                     self._mine[number] = ticket
                     if waker is not None:
                         self._wakers[number] = waker
                 self._adopt(state)
-                wake(woken)
+                wake(self.ledger, woken)
         except BaseException:
             # The stop button may land after the ledger has the claim and
             # before the caller does: nobody would ever give it back.
@@ -164,7 +164,7 @@ class MachineQueue:
             ticket.state = "done"
             self._forget(ticket.number)
             self._adopt(state)
-            wake(woken)
+            wake(self.ledger, woken)
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop, in any kernel of this user."""
@@ -184,7 +184,7 @@ class MachineQueue:
                     entry["readings"] = reading
             woken = dispatch(state, checked=True)
         self._adopt(state)
-        wake(woken)
+        wake(self.ledger, woken)
 
     def report(self, ticket: Ticket, readings: dict[str, Any]) -> None:
         """The latest readings of a running claim, written on the next look.

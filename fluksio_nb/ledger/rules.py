@@ -99,5 +99,5 @@ def cancel_claim(ledger: LedgerFile, number: int, reason: str, user: str | None 
             # learns why; it no longer takes a place in the queue.
             entry["state"] = "cancelled"
             woken += dispatch(state, checked=True)
-    wake(woken)
+    wake(ledger, woken)
     return True

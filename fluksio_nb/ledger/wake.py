@@ -7,9 +7,26 @@ a transaction every few milliseconds. So whoever frees a share says so.
 What it decides:
 
 - **Waiters sleep.** Each waiting claim listens on a Unix datagram socket
-  whose address is in its entry. Whoever grants it (a release, a cancel, a
+  whose name is in its entry. Whoever grants it (a release, a cancel, a
   kernel noticing a dead one) sends a byte there, so capacity freed in one
   kernel reaches a waiter in another within a millisecond or two.
+- **Only the user's own kernels can wake a waiter.** The socket is a file in
+  the ledger's own checked directory (:mod:`fluksio_nb.ledger.directory`),
+  bound and reached through that directory's descriptor, never by a path
+  that could lead elsewhere. Another user cannot get to it: the directory
+  fluksio_nb makes is 0700, and the socket itself is 0600. It used to be an
+  abstract socket, which anyone can find in ``/proc/net/unix`` and send to,
+  and every datagram cost the waiter a look at the ledger. Behind that, the
+  socket asks the OS who sent each datagram (``SO_PASSCRED``), and one from
+  another uid is dropped without waking anyone: a directory chosen with
+  ``FLUKSIO_LEDGER`` may let others through, and the socket is not 0600 from
+  the instant it is bound.
+- **A burst costs one look.** A waiter woken takes whatever else has arrived
+  (up to :data:`_MOST_PER_WAKE`, so a flood cannot keep it reading) and then
+  looks at the ledger once.
+- **The dead leave no sockets behind for long.** A waiter removes its socket
+  once its claim is given back; one killed before it could is removed by the next
+  waiter made in that directory, which finds its process gone.
 - **A holder that dies wakes them too.** A kernel killed with SIGKILL gives
   nothing back and wakes nobody, so a waiter also watches the processes that
   hold shares (a pidfd each, which the OS makes readable as the process
@@ -18,7 +35,12 @@ What it decides:
   (:data:`~fluksio_nb.ledger.queue.LOOK_EVERY_S`), for a holder it could not
   watch.
 - **Waking is best effort.** A waiter that is gone, or a socket that is
-  full, costs nothing: the waiter looks again on its own anyway.
+  full, costs nothing: the waiter looks again on its own anyway. So does a
+  waiter without a socket: the directory is reached through
+  ``/proc/self/fd`` (its own path may be longer than a socket address can
+  hold), so without ``/proc`` there is none. A kernel of an older version,
+  whose waiters listen on abstract sockets, and this one cannot wake each
+  other's waiters; those still look on their own.
 """
 
 from __future__ import annotations
@@ -26,27 +48,96 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import select
 import socket
+import stat
+import struct
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluksio_nb.ledger.owner import seen_to_end
 
+if TYPE_CHECKING:
+    from fluksio_nb.ledger.file import LedgerFile
+
+#: A waiter's address as the ledger records it. The leading NUL is how older
+#: versions wrote an abstract address, and what the ledger's document still
+#: requires; the socket's file in the ledger's directory is :func:`_file_name`.
+_ADDRESS = re.compile(r"\x00fluksio-([0-9]+)-[0-9a-f]{12}")
+_SUFFIX = ".wake"
+
+#: The most datagrams a waiter reads per wake; more than a socket queues by
+#: default (``net.unix.max_dgram_qlen``), so a burst is taken at once.
+_MOST_PER_WAKE = 64
+
+#: ``struct ucred``: pid, uid, gid.
+_UCRED = struct.Struct("iII")
+
+
+def _file_name(address: str) -> str | None:
+    """The socket's name in the ledger's directory, if ``address`` is one of ours."""
+    if not isinstance(address, str) or _ADDRESS.fullmatch(address) is None:
+        return None
+    return address[1:] + _SUFFIX
+
+
+def _in_directory(directory_fd: int, name: str) -> str:
+    """``name`` in the directory open as ``directory_fd``, as a socket address.
+
+    Through the descriptor, the path is short whatever the directory's own
+    path is, and leads to the checked directory, not to whatever its path
+    leads to now.
+    """
+    return f"/proc/self/fd/{directory_fd}/{name}"
+
 
 class Waker:
-    """A datagram socket a waiting claim sleeps on; its address goes in the ledger."""
+    """A datagram socket a waiting claim sleeps on; its address goes in the ledger.
 
-    def __init__(self) -> None:
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        # The abstract namespace: no file to clean up, gone with the process.
-        self.address = f"\0fluksio-{os.getpid()}-{secrets.token_hex(6)}"
-        self.socket.bind(self.address)
-        self.socket.setblocking(False)
+    ``address`` is ``None`` if no socket could be made: the claim then only
+    looks on its own. ``accepted`` counts the wakes taken, ``refused`` the
+    datagrams of other users dropped.
+    """
+
+    def __init__(self, ledger: LedgerFile) -> None:
+        #: A descriptor of the ledger's checked directory, of its own: the
+        #: socket is removed through it even after the ledger is closed.
+        self._dir_fd: int | None = None
+        self.socket: socket.socket | None = None
+        self.address: str | None = None
+        self.accepted = 0
+        self.refused = 0
         #: A pidfd for each holder watched, by its pid and start time.
         self._holders: dict[tuple[int, float], tuple[int, dict[str, Any]]] = {}
         self._ended_unwatched = False
+        # The ledger's own descriptor, checked as the ledger opened it.
+        checked = ledger._dir_fd
+        if checked is None:
+            return
+        self._dir_fd = os.dup(checked)
+        _remove_left_behind(self._dir_fd)
+        address = f"\0fluksio-{os.getpid()}-{secrets.token_hex(6)}"
+        name = _file_name(address)
+        assert name is not None
+        made = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            # Before the bind: no datagram arrives without its sender's uid.
+            made.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            made.bind(_in_directory(self._dir_fd, name))
+        except OSError:
+            made.close()
+            return
+        try:
+            os.chmod(name, 0o600, dir_fd=self._dir_fd)
+        except OSError:
+            made.close()
+            self._unlink(name)
+            return
+        made.setblocking(False)
+        self.socket, self.address = made, address
 
     def watch(self, holders: Iterable[dict[str, Any]]) -> None:
         """Wake also as one of these kernels (ledger owners) ends, and stop watching the rest."""
@@ -64,34 +155,122 @@ class Waker:
                 # Otherwise no pidfds here (Linux before 5.3): the looks find it.
 
     def sleep(self, seconds: float) -> None:
+        """Until woken by this user, a watched holder ends, or ``seconds`` pass."""
         if self._ended_unwatched:
             self._ended_unwatched = False
             return
-        pidfds = {fd: key for key, (fd, _) in self._holders.items()}
-        with contextlib.suppress(InterruptedError):
-            ready, _, _ = select.select([self.socket, *pidfds], [], [], max(seconds, 0.001))
+        deadline = time.monotonic() + max(seconds, 0.001)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            pidfds = {fd: key for key, (fd, _) in self._holders.items()}
+            listening = [self.socket] if self.socket is not None else []
+            try:
+                ready, _, _ = select.select([*listening, *pidfds], [], [], left)
+            except InterruptedError:
+                return
+            if not ready:
+                return
+            ended = False
             for fd in ready:
                 if fd in pidfds:
                     # Ended: forgotten here, and as alive, so the look that
                     # follows asks the OS rather than believing it still is.
                     os.close(fd)
                     seen_to_end(self._holders.pop(pidfds[fd])[1])
-        # Drain whatever else arrived, then go and look.
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
-                self.socket.recv(64)
+                    ended = True
+            # Whatever else arrived is taken now, so that a burst costs one look.
+            woken = self._take_wakes()
+            if woken or ended:
+                return
+
+    def _take_wakes(self) -> bool:
+        """Read what has arrived, up to :data:`_MOST_PER_WAKE`; whether this user sent any."""
+        if self.socket is None:
+            return False
+        mine = False
+        for _ in range(_MOST_PER_WAKE):
+            try:
+                _, ancillary, _, _ = self.socket.recvmsg(1, socket.CMSG_SPACE(_UCRED.size))
+            except (BlockingIOError, InterruptedError):
+                break
+            if _sent_by_this_user(ancillary):
+                self.accepted += 1
+                mine = True
+            else:
+                self.refused += 1
+        return mine
 
     def close(self) -> None:
         self.watch(())
-        self.socket.close()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+            if self.address is not None:
+                self._unlink(_file_name(self.address))
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def _unlink(self, name: str | None) -> None:
+        if name is not None and self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self._dir_fd)
 
 
-def wake(addresses: list[str]) -> None:
-    """Tell waiting claims to look at the ledger again. Best effort: they also poll."""
-    if not addresses:
+def _sent_by_this_user(ancillary: list[tuple[int, int, bytes]]) -> bool:
+    """Whether the OS says a datagram's sender is this process's user."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            if len(data) < _UCRED.size:
+                return False
+            _, uid, _ = _UCRED.unpack_from(data)
+            return uid == os.geteuid()
+    return False
+
+
+def _remove_left_behind(directory_fd: int) -> None:
+    """Remove the sockets of waiters whose process is gone (SIGKILL, a crash)."""
+    try:
+        names = os.listdir(directory_fd)
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(_SUFFIX):
+            continue
+        found = _ADDRESS.fullmatch("\0" + name.removesuffix(_SUFFIX))
+        if found is None or _process_exists(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            seen = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
+            if stat.S_ISSOCK(seen.st_mode) and seen.st_uid == os.geteuid():
+                os.unlink(name, dir_fd=directory_fd)
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether any process has this pid; a pid in use by anybody may be a waiter's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wake(ledger: LedgerFile, addresses: list[str]) -> None:
+    """Tell waiting claims to look at the ledger again. Best effort: they also poll.
+
+    Each is reached in the ledger's checked directory, by the name its
+    address gives; an address that is not one of ours is skipped.
+    """
+    directory_fd = ledger._dir_fd
+    names = [name for name in map(_file_name, addresses) if name is not None]
+    if not names or directory_fd is None:
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
         sender.setblocking(False)
-        for address in addresses:
+        for name in names:
             with contextlib.suppress(OSError):
-                sender.sendto(b"!", address)
+                sender.sendto(b"!", _in_directory(directory_fd, name))
