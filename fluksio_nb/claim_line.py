@@ -172,8 +172,8 @@ def claim_parser() -> argparse.ArgumentParser:
         metavar="TARGET",
         help=(
             "run the cell as a task on a Ray cluster instead: 'ray' (the cluster this "
-            "kernel is connected to, or ray.init()'s choice) or an address such as "
-            "ray://host:10001"
+            "kernel is connected to, RAY_ADDRESS, your own `ray start`, or a new Ray of "
+            "the kernel's own) or an address such as ray://host:10001"
         ),
     )
     _flag(

@@ -12,9 +12,17 @@ What this module decides:
 - **Ray is an optional extra.** Without it, ``--on ray`` says how to install
   it (:data:`INSTALL_HINT`).
 - **Which cluster.** ``--on ray`` is the cluster this kernel is connected to,
-  or Ray's own choice when it is not; ``--on ray://head:10001`` names one. A
+  or ``RAY_ADDRESS``, or the cluster ``ray start`` on this machine named, or
+  a new Ray of the kernel's own; ``--on ray://head:10001`` names one. A
   process talks to one cluster at a time, so a second address is refused
   while the first is connected.
+- **Never another user's cluster by default.** ``ray start`` names its
+  cluster in a file in ``/tmp/ray``, a directory any user can write to: a
+  cluster named there is joined only if the process listening on its
+  address is this user's (the OS says whose each listening socket is). Any
+  other is left alone with a warning, and a Ray of the kernel's own is
+  started: joining it would run the cell, and unpickle what comes back, as
+  whoever runs it (:func:`address_to_join`).
 - **Whether the cluster is the kernel's own machine.** When every live node
   is the machine the kernel runs on — a local Ray, the usual first step past
   one notebook — the object store is a detour, and values travel through the
@@ -30,9 +38,11 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,6 +77,80 @@ def import_ray() -> Any:
     except ImportError:
         raise RayMissing(INSTALL_HINT) from None
     return ray
+
+
+class OthersRayCluster(UserWarning):
+    """The Ray cluster this machine's ``ray start`` named is another user's: not joined."""
+
+
+def address_to_join() -> str | None:
+    """What plain ``--on ray`` passes to ``ray.init`` when the kernel is not connected.
+
+    ``None`` where ``RAY_ADDRESS`` says (the user's own environment); the
+    address ``ray start`` left on this machine, if this user's process
+    listens there; otherwise ``"local"``, a new Ray of the kernel's own.
+    """
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    named = _named_by_ray_start()
+    if named is None:
+        return "local"
+    path, address = named
+    port = address.rpartition(":")[2]
+    listeners = _listening_uids(int(port)) if port.isdigit() else set()
+    if listeners == {os.geteuid()}:
+        return address
+    whose = ", ".join(f"uid {uid}" for uid in sorted(listeners)) or "nobody"
+    warnings.warn(
+        f"--on ray: {path} names a Ray cluster at {address}, run by {whose}, not by you; "
+        "a cell run there would run as them. Started a Ray of your own instead. To use "
+        "a cluster you trust, name it: --on ray://host:port, or ray.init(address=...) first.",
+        OthersRayCluster,
+        stacklevel=2,
+    )
+    return "local"
+
+
+def _named_by_ray_start() -> tuple[str, str] | None:
+    """The file ``ray start`` names its cluster in, and the address it holds, if any."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        path = get_ray_address_file(None)
+    except (ImportError, AttributeError):
+        import tempfile
+
+        path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        # Anyone may have put anything there: a link, a pipe that never ends.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 512).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return (path, text) if _RAY_ADDRESS.match(text) and "://" not in text else None
+
+
+def _listening_uids(port: int) -> set[int]:
+    """The users whose processes listen on TCP ``port`` here, as the OS tells them."""
+    uids = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines, None)
+                for line in lines:
+                    fields = line.split()
+                    # local address "HEXIP:HEXPORT", state 0A is LISTEN, then the uid.
+                    listening = len(fields) > 7 and fields[3] == "0A"
+                    if listening and int(fields[1].rpartition(":")[2], 16) == port:
+                        uids.add(int(fields[7]))
+        except OSError:
+            continue
+    return uids
 
 
 def parse_target(target: str) -> str | None:
@@ -188,9 +272,7 @@ class RayConnection:
                     f"{current}, and a process talks to one cluster at a time. Use --on ray "
                     "for that one, or run ray.shutdown() first."
                 )
-            # Ray's own choice when no address is given: RAY_ADDRESS, a cluster
-            # started on this machine with `ray start`, or a new local one.
-            ray.init(address=address)
+            ray.init(address=address or address_to_join())
             self.connected_to = address
         return ray
 
