@@ -369,3 +369,77 @@ def test_a_restore_while_restarting_keeps_its_user_to_the_cap_and_to_distinct_fr
         assert kernel.restore(cpus=1, gpus=[1])["op"] == "error", "past the cap of cpus=1"
         (held,) = kernel.books()["running"]
         assert held["allocation"]["gpus"] == [0]
+
+
+# -----------------------------------------------------------------------------
+# Root's own steps: nothing another user made or named leads root astray
+# -----------------------------------------------------------------------------
+
+
+def test_init_refuses_a_prefix_another_user_made_first():
+    """Guards against root adopting directories another user made under the prefix:
+    she could then swap what root writes and chmods there (the socket, the pidfile)
+    for a link to any file, or name any pid in the pidfile for remove to kill."""
+    from tests.unix_users import USER_B, require_unix_users, run_as, shared_tmp_dir, unix_user
+
+    require_unix_users()
+    bob = unix_user(USER_B)
+    with shared_tmp_dir("fluksio-machine-") as prefix:
+        os.chmod(prefix, 0o1777)
+        made = run_as(bob, f"import os; os.makedirs({str(prefix / 'run')!r})")
+        assert made.returncode == 0, made.stderr
+        os.chmod(prefix, 0o755)
+        refused = fluksio_nb("machine", "init", "--prefix", str(prefix), check=False)
+        assert refused.returncode != 0
+        assert f"{prefix / 'run'} belongs to uid {bob.uid}, not root" in refused.stderr
+        assert not (prefix / "run" / "fluksio_nb").exists(), "root wrote in bob's directory"
+
+
+def test_remove_ends_only_this_prefixs_service_not_whatever_its_pidfile_names():
+    """Guards against a pidfile left by a service killed outright naming, by now, a
+    stranger's process, which remove then killed with SIGTERM and SIGKILL."""
+    import subprocess
+    import sys
+
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        with machine() as layout:
+            service = int(layout.pidfile.read_text())
+            layout.pidfile.write_text(str(stranger.pid))
+            try:
+                fluksio_nb("machine", "remove", "--prefix", str(layout.prefix))
+                assert stranger.poll() is None, "remove killed a process that is not its service"
+            finally:
+                os.kill(service, signal.SIGTERM)
+                wait_until(lambda: process_started(service) is None, what="the service's end")
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_the_service_runs_no_fluksio_nb_of_the_directory_init_was_run_from(tmp_path):
+    """Guards against `python -m fluksio_nb` in the service's command importing a
+    fluksio_nb/ package another user left in the admin's current directory, as root."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    planted = tmp_path / "fluksio_nb"
+    planted.mkdir()
+    ran = tmp_path / "planted code ran"
+    (planted / "__init__.py").write_text("")
+    (planted / "__main__.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    console = Path(sys.executable).with_name("fluksio-nb")
+    with machine() as layout:
+        again = subprocess.run(
+            [str(console), "machine", "init", "--prefix", str(layout.prefix), "--gpus", "1"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert again.returncode == 0, again.stderr
+        assert not ran.exists(), "the service ran the fluksio_nb/ of the directory it started in"
+        assert snapshot(layout)["gpus"]["total"] == 1

@@ -17,6 +17,15 @@ a temporary one):
   and the inventory where detection is not wanted.
 - ``var/lib/fluksio_nb/usage``: sticky and writable by the users of the
   books, so each writes records that only they own (:mod:`fluksio_nb.usage`).
+
+Root writes, renames and changes modes here, so every directory on the way
+must be one nobody else can change: from ``/`` to the prefix, each is root's
+and writable by nobody else unless sticky, and from the prefix down each is
+root's alone, made one level at a time (:func:`_root_dir`). A prefix another
+user made first is refused, not adopted: whoever owns a directory on the way
+can swap what root writes for a link to ``/etc/shadow``. The service is
+started from ``/``, isolated from the environment (``python -I``), and
+stopped only if the pid its file names is this prefix's service.
 """
 
 from __future__ import annotations
@@ -117,20 +126,57 @@ def _must_be_root(what: str) -> None:
         )
 
 
-def _root_dir(path: Path, mode: int, group: int = 0) -> None:
-    """A directory root owns with exactly ``mode``; one that exists must already be root's."""
-    path.mkdir(parents=True, exist_ok=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+def _nobody_else_can_change(path: Path, info: os.stat_result, sticky_ok: bool) -> None:
+    """Refuse a directory on root's way that another user owns or may write in."""
+    if not stat.S_ISDIR(info.st_mode):
         raise MachineSetupError(
-            f"{path} exists and is not a directory root owns; move it away and run init again"
+            f"{path} is not a directory (a link, or a file); move it away and run init again"
         )
-    os.chown(path, 0, group)
+    if info.st_uid != 0:
+        raise MachineSetupError(
+            f"{path} belongs to uid {info.st_uid}, not root: whoever owns a directory on the "
+            "way can swap what root writes there for a link to any file. Move it away (or "
+            "choose another --prefix) and run init again"
+        )
+    writable = stat.S_IMODE(info.st_mode) & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not (sticky_ok and info.st_mode & stat.S_ISVTX):
+        raise MachineSetupError(
+            f"{path} may be written by others (mode {stat.S_IMODE(info.st_mode):o}), who could "
+            "swap what root writes there; chmod go-w it, or choose another --prefix"
+        )
+
+
+def _trusted_prefix(prefix: Path) -> None:
+    """The prefix's own directories, from ``/`` down, are root's, written by nobody else.
+
+    One writable by others must be sticky (``/tmp``), so that nobody may rename
+    what root made in it.
+    """
+    for ancestor in reversed(prefix.resolve().parents):
+        _nobody_else_can_change(ancestor, os.stat(ancestor), sticky_ok=True)
+
+
+def _root_dir(path: Path, mode: int, group: int = 0, *, prefix: Path) -> None:
+    """A directory root owns with exactly ``mode``, every one from ``prefix`` down root's alone.
+
+    Made one level at a time and each checked, never ``mkdir -p``: a level
+    another user made first is refused, not adopted.
+    """
+    _trusted_prefix(prefix)
+    level = prefix
+    for part in (Path(), *path.relative_to(prefix).parts):
+        level = level / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(level, 0o755)
+        # The records directory is itself sticky and everyone's: root writes
+        # nothing in it, only sets its owner and mode, through its parent.
+        _nobody_else_can_change(level, os.lstat(level), sticky_ok=level == path)
+    os.chown(path, 0, group, follow_symlinks=False)
     os.chmod(path, mode)
 
 
 def _mark(layout: Layout) -> None:
-    _root_dir(layout.run_dir, 0o755)
+    _root_dir(layout.run_dir, 0o755, prefix=layout.prefix)
     staged = layout.run_dir / f".{MARKER_NAME}.new"
     staged.write_text(f"{layout.prefix}\n")
     os.chmod(staged, 0o644)
@@ -162,14 +208,14 @@ def init(
         update={"group": group, "admin_group": admin_group, **(inventory or {})}
     )
     config = MachineConfig.model_validate(config.model_dump())
-    _root_dir(layout.config.parent, 0o755)
+    _root_dir(layout.config.parent, 0o755, prefix=layout.prefix)
     staged = layout.config.with_suffix(".json.new")
     staged.write_text(config.model_dump_json(indent=2, exclude_defaults=True) + "\n")
     os.chmod(staged, 0o644)
     os.replace(staged, layout.config)
     # Sticky: every user creates their own records, and nobody may remove or
     # rename anyone else's.
-    _root_dir(layout.records, 0o1770 if group else 0o1777, gid)
+    _root_dir(layout.records, 0o1770 if group else 0o1777, gid, prefix=layout.prefix)
     _mark(layout)
     said = [f"config: {layout.config}", f"usage records: {layout.records}"]
     if start:
@@ -182,7 +228,7 @@ def start_service(layout: Layout) -> str:
     if unit is not None:
         unit.write_text(
             "[Unit]\nDescription=fluksio_nb: the machine's books for every user's notebooks\n\n"
-            f"[Service]\nExecStart={sys.executable} -m fluksio_nb machine serve\n"
+            f"[Service]\nExecStart={sys.executable} -I -m fluksio_nb machine serve\n"
             "Restart=always\nRuntimeDirectory=fluksio_nb\nRuntimeDirectoryPreserve=yes\n\n"
             "[Install]\nWantedBy=multi-user.target\n"
         )
@@ -200,16 +246,11 @@ def start_service(layout: Layout) -> str:
             layout.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
         )
         with open(descriptor, "ab") as log:
+            # From /, isolated: `-m` puts the directory it starts in first on
+            # the path, and a fluksio_nb/ another user left there would run as root.
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "fluksio_nb",
-                    "machine",
-                    "serve",
-                    "--prefix",
-                    str(layout.prefix),
-                ],
+                [sys.executable, "-I", "-m", "fluksio_nb", *_serve_args(layout)],
+                cwd="/",
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -253,6 +294,9 @@ def stop_service(layout: Layout) -> None:
         pid = int(layout.pidfile.read_text())
     except (OSError, ValueError):
         return
+    if not _is_the_service(pid, layout):
+        # Gone, and its pid since given to another process: not ours to end.
+        return
     from fluksio_nb.ledger.owner import process_started
 
     with contextlib.suppress(ProcessLookupError):
@@ -265,6 +309,22 @@ def stop_service(layout: Layout) -> None:
         time.sleep(0.02)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def _serve_args(layout: Layout) -> list[str]:
+    return ["machine", "serve", "--prefix", str(layout.prefix)]
+
+
+def _is_the_service(pid: int, layout: Layout) -> bool:
+    """Whether ``pid`` is root's books service for this prefix, as its command line says."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        said = process.cmdline()
+        return process.uids().real == 0 and said[-len(_serve_args(layout)) :] == _serve_args(layout)
+    except (psutil.Error, OSError):
+        return False
 
 
 def remove(layout: Layout) -> str:
