@@ -120,6 +120,11 @@ class LedgerFile:
         #: Why the last :meth:`read` found no ledger it could use, if it did not.
         self.unreadable: str | None = None
 
+    @property
+    def directory_fd(self) -> int | None:
+        """The checked directory, open: for files of the ledger's own, such as a waiter's socket."""
+        return self._dir_fd
+
     def close(self) -> None:
         """Let go of the directory and the files. The ledger cannot be used after."""
         for name in ("_data_fd", "_lock_fd", "_dir_fd"):

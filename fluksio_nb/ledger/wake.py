@@ -58,6 +58,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from fluksio_nb.ledger.owner import seen_to_end
 
 if TYPE_CHECKING:
@@ -114,7 +116,7 @@ class Waker:
         self._holders: dict[tuple[int, float], tuple[int, dict[str, Any]]] = {}
         self._ended_unwatched = False
         # The ledger's own descriptor, checked as the ledger opened it.
-        checked = ledger._dir_fd
+        checked = ledger.directory_fd
         if checked is None:
             return
         self._dir_fd = os.dup(checked)
@@ -165,9 +167,12 @@ class Waker:
             if left <= 0:
                 return
             pidfds = {fd: key for key, (fd, _) in self._holders.items()}
-            listening = [self.socket] if self.socket is not None else []
+            # poll, not select: a kernel may hold more descriptors than select takes.
+            poller = select.poll()
+            for fd in [*pidfds, *([self.socket.fileno()] if self.socket is not None else [])]:
+                poller.register(fd, select.POLLIN)
             try:
-                ready, _, _ = select.select([*listening, *pidfds], [], [], left)
+                ready = [fd for fd, _ in poller.poll(left * 1000)]
             except InterruptedError:
                 return
             if not ready:
@@ -240,23 +245,13 @@ def _remove_left_behind(directory_fd: int) -> None:
         if not name.endswith(_SUFFIX):
             continue
         found = _ADDRESS.fullmatch("\0" + name.removesuffix(_SUFFIX))
-        if found is None or _process_exists(int(found.group(1))):
+        # A pid in use by anybody may still be a waiter's.
+        if found is None or psutil.pid_exists(int(found.group(1))):
             continue
         with contextlib.suppress(OSError):
             seen = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
             if stat.S_ISSOCK(seen.st_mode) and seen.st_uid == os.geteuid():
                 os.unlink(name, dir_fd=directory_fd)
-
-
-def _process_exists(pid: int) -> bool:
-    """Whether any process has this pid; a pid in use by anybody may be a waiter's."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def wake(ledger: LedgerFile, addresses: list[str]) -> None:
@@ -265,7 +260,7 @@ def wake(ledger: LedgerFile, addresses: list[str]) -> None:
     Each is reached in the ledger's checked directory, by the name its
     address gives; an address that is not one of ours is skipped.
     """
-    directory_fd = ledger._dir_fd
+    directory_fd = ledger.directory_fd
     names = [name for name in map(_file_name, addresses) if name is not None]
     if not names or directory_fd is None:
         return
