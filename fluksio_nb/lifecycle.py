@@ -108,11 +108,15 @@ class ClaimLifecycle(ABC):
     #: and what a worker's death leaves (the block still holds the share).
     held_by_a_block = False
 
+    @property
+    def timeout_option(self) -> str:
+        """How the user gave this claim its timeout: ``timeout=`` or ``--timeout``."""
+        return "timeout=" if self.held_by_a_block else "--timeout"
+
     def asking_more_time(self) -> str:
         """The end of a timeout's message: what to raise, and what to make do less."""
-        if self.held_by_a_block:
-            return "Raise timeout=, or make each c.run do less."
-        return "Raise --timeout, or make the cell do less."
+        doing = "each c.run" if self.held_by_a_block else "the cell"
+        return f"Raise {self.timeout_option}, or make {doing} do less."
 
     def after_a_death(self) -> str:
         """The end of a dead worker's message: where that leaves the share."""

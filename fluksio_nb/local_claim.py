@@ -486,7 +486,7 @@ class Claim(ClaimLifecycle):
             f"{self.status.label} reached its {self.wanted.timeout:g} s timeout before its cell "
             f"started, so {'c.run' if self.held_by_a_block else 'the cell'} did not run; "
             "waiting, starting its worker and running all count. "
-            f"{'Raise timeout=.' if self.held_by_a_block else 'Raise --timeout.'}"
+            f"Raise {self.timeout_option}."
         )
 
     def _time_left(self) -> float:

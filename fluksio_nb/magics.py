@@ -57,7 +57,12 @@ from fluksio_nb.worker.client import Outcome, kernels_cell_number
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
 PLAIN_ERRORS = (
-    *(ClaimHalted, WorkerDied, ClaimTimeout, ClaimCancelled, BadClaim, NotBroughtBack),
+    ClaimHalted,
+    WorkerDied,
+    ClaimTimeout,
+    ClaimCancelled,
+    BadClaim,
+    NotBroughtBack,
     UnsendableInput,
 )
 

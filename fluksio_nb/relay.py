@@ -90,10 +90,7 @@ class CellOutput:
                 data, metadata or {}, transient={"display_id": display_id}, update=True
             )
             return
-        self._send(
-            "update_display_data",
-            {"data": data, "metadata": metadata or {}, "transient": {"display_id": display_id}},
-        )
+        self._send("update_display_data", _redrawn(data, display_id, metadata))
 
     def leave_display(self, data: dict[str, Any], display_id: str) -> None:
         """Redraw a display for the last time: what the saved notebook keeps.
@@ -109,11 +106,7 @@ class CellOutput:
             return
         now = _executing(self._kernel)
         if _msg_id(now) not in (None, _msg_id(self._parent)):
-            self._send(
-                "update_display_data",
-                {"data": data, "metadata": {}, "transient": {"display_id": display_id}},
-                parent=now,
-            )
+            self._send("update_display_data", _redrawn(data, display_id), parent=now)
 
     def clear_output(self, wait: bool = False) -> None:
         """Clear the cell's output, now or, with ``wait``, when the next output comes."""
@@ -198,6 +191,13 @@ def _executing(kernel: Any) -> dict[str, Any]:
     # ipykernel 6 keeps one parent per channel; older keeps just one.
     get_parent = getattr(kernel, "get_parent", None)
     return get_parent("shell") if get_parent else kernel._parent_header
+
+
+def _redrawn(
+    data: dict[str, Any], display_id: str, metadata: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """An ``update_display_data`` message's content."""
+    return {"data": data, "metadata": metadata or {}, "transient": {"display_id": display_id}}
 
 
 def _msg_id(parent: dict[str, Any] | None) -> str | None:

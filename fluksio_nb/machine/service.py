@@ -107,13 +107,17 @@ class Connection(asyncio.Protocol):
         self.service.left(self)
 
     def send(self, message: dict[str, Any]) -> None:
+        self.send_line(protocol.line(message))
+
+    def send_line(self, line: bytes) -> None:
+        """A message already made into its line."""
         if self.closed or self.transport is None:
             return
         if self.transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
             log.warning("dropping pid %s (%s): it stopped reading", self.pid, self.user)
             self.close()
             return
-        self.transport.write(protocol.line(message))
+        self.transport.write(line)
 
     def refuse(self, why: str) -> None:
         """Say why, and end this connection, and only this one."""
@@ -319,17 +323,19 @@ class BooksService:
         snapshot = self.books.snapshot(
             connection.uid, admin=in_group(connection.uid, self.admin_group)
         )
-        answer = {"op": "snapshot", "id": request.id, "snapshot": snapshot}
-        if len(protocol.line(answer)) > protocol.MAX_LINE_BYTES:
+        line = protocol.line({"op": "snapshot", "id": request.id, "snapshot": snapshot})
+        if len(line) > protocol.MAX_LINE_BYTES:
             # Only the reader's own claims can make it this long now; a line
             # the reader would refuse to read is never sent.
-            answer = {
-                "op": "error",
-                "id": request.id,
-                "message": f"the machine is too busy to show: {connection.user}'s own "
-                "waiting claims alone are more than a snapshot holds",
-            }
-        connection.send(answer)
+            line = protocol.line(
+                {
+                    "op": "error",
+                    "id": request.id,
+                    "message": f"the machine is too busy to show: {connection.user}'s own "
+                    "waiting claims alone are more than a snapshot holds",
+                }
+            )
+        connection.send_line(line)
 
     def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
         """A kernel's running claim from before the service restarted, back in the books.

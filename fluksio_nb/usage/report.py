@@ -114,8 +114,8 @@ class _Summary:
         self._groups: dict[tuple[str, str | None], dict[str, Any]] = {}
         #: Per user: how many notebooks, and how many bytes of their names, are kept.
         self._notebooks: dict[str, list[int]] = {}
-        #: Per user: the endings told apart, each kept once, as the key all its rows use.
-        self._endings: dict[str, dict[str, str]] = {}
+        #: Per user: the endings told apart.
+        self._endings: dict[str, set[str]] = {}
 
     def add(self, rows: Iterable[tuple[str, UsageRecord]]) -> None:
         for user, record in rows:
@@ -144,12 +144,11 @@ class _Summary:
         return row
 
     def _ending(self, user: str, ending: str) -> str:
-        kept = self._endings.setdefault(user, {})
-        if ending in kept:
-            return kept[ending]
-        if len(kept) >= ENDINGS_AT_MOST:
-            return OTHER_ENDING
-        kept[ending] = ending
+        kept = self._endings.setdefault(user, set())
+        if ending not in kept:
+            if len(kept) >= ENDINGS_AT_MOST:
+                return OTHER_ENDING
+            kept.add(ending)
         return ending
 
 

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import FunctionType, ModuleType
 from typing import Any
 
+import psutil
 from IPython.core.interactiveshell import InteractiveShell
 
 from fluksio_nb import namespaces, random_streams, transfer
@@ -470,9 +471,8 @@ def reshape(environ: dict[str, str]) -> str | None:
 
 def _resident_bytes() -> int:
     try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        return psutil.Process().memory_info().rss
+    except psutil.Error:
         return 0
 
 
