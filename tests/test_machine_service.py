@@ -8,6 +8,7 @@ under running claims.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -395,9 +396,11 @@ def test_init_refuses_a_prefix_another_user_made_first():
         assert not (prefix / "run" / "fluksio_nb").exists(), "root wrote in bob's directory"
 
 
-def test_remove_ends_only_this_prefixs_service_not_whatever_its_pidfile_names():
+def test_remove_ends_the_answering_service_not_whatever_a_stale_pidfile_names():
     """Guards against a pidfile left by a service killed outright naming, by now, a
-    stranger's process, which remove then killed with SIGTERM and SIGKILL."""
+    stranger's process, which remove then killed with SIGTERM and SIGKILL; and
+    against remove then leaving the service that does answer running, its run
+    directory deleted under it."""
     import subprocess
     import sys
 
@@ -411,8 +414,10 @@ def test_remove_ends_only_this_prefixs_service_not_whatever_its_pidfile_names():
             try:
                 fluksio_nb("machine", "remove", "--prefix", str(layout.prefix))
                 assert stranger.poll() is None, "remove killed a process that is not its service"
+                assert process_started(service) is None, "remove left the service running"
             finally:
-                os.kill(service, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(service, signal.SIGTERM)
                 wait_until(lambda: process_started(service) is None, what="the service's end")
     finally:
         stranger.kill()

@@ -290,12 +290,8 @@ def stop_service(layout: Layout) -> None:
         unit.unlink()
         subprocess.run(["systemctl", "daemon-reload"], check=False)
         return
-    try:
-        pid = int(layout.pidfile.read_text())
-    except (OSError, ValueError):
-        return
-    if not _is_the_service(pid, layout):
-        # Gone, and its pid since given to another process: not ours to end.
+    pid = _service_pid(layout)
+    if pid is None:
         return
     from fluksio_nb.ledger.owner import process_started
 
@@ -309,6 +305,28 @@ def stop_service(layout: Layout) -> None:
         time.sleep(0.02)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def _service_pid(layout: Layout) -> int | None:
+    """This prefix's service: the process answering at its socket, else the pidfile's.
+
+    The socket comes first, and its pid from the kernel (``SO_PEERCRED``): a
+    pidfile can be stale, left by a service killed outright, while the service
+    started after it answers. Either is ended only if it is this prefix's
+    service by its command line; a pidfile's pid may by now be anyone's.
+    """
+    from fluksio_nb.errors import ServiceUnavailable
+    from fluksio_nb.machine.connection import connect
+    from fluksio_nb.machine.protocol import peer_credentials
+    from fluksio_nb.machine.run_dir import socket_in
+
+    candidates = []
+    if (path := socket_in(layout.run_dir)) is not None:
+        with contextlib.suppress(ServiceUnavailable, OSError), connect(path, within=0) as sock:
+            candidates.append(peer_credentials(sock)[0])
+    with contextlib.suppress(OSError, ValueError):
+        candidates.append(int(layout.pidfile.read_text()))
+    return next((pid for pid in candidates if _is_the_service(pid, layout)), None)
 
 
 def _serve_args(layout: Layout) -> list[str]:
