@@ -629,6 +629,28 @@ def test_the_monitor_names_notebooks_places_expected_waits_and_a_stopped_worker(
     assert "#" not in text, "a ticket number where a person reads"
 
 
+def test_the_monitor_counts_the_waiting_claims_the_machines_books_did_not_list():
+    """Guards against a monitor that shows another user's queue of thousands as the 100
+    the machine's books list: the books' count of the rest must reach the facts."""
+    from fluksio_nb.machine.books import OTHERS_WAITING_LISTED, Entry, MachineBooks
+
+    me, them = 1001, 1002
+    books = MachineBooks(2, [0], 8_000_000_000)
+    for _ in range(OTHERS_WAITING_LISTED + 50):
+        number = books.next_number()
+        books.add(Entry(number=number, uid=them, user="bob", pid=them, need=(1, 1, 0), label=""))
+        books.dispatch()
+    snapshot = books.snapshot(me)
+
+    facts = machine_facts(snapshot, {}, (16_000_000_000, 9_000_000_000), pid=-1)
+
+    # The first holds the one card; of the rest, the books list the head of the queue.
+    assert len(facts["waiting"]) == OTHERS_WAITING_LISTED
+    assert facts["waiting_unlisted"] == 49
+    # The monitor's text fallback says so as well, as the terminal does.
+    assert "waiting  and 49 more of other users' claims, not listed" in describe_snapshot(snapshot)
+
+
 def test_a_claim_of_this_kernel_stopped_by_a_signal_says_so_in_the_monitor():
     """Guards against a SIGSTOPped worker's claim looking merely idle in %claims."""
     stopped_at = time.time() - 5

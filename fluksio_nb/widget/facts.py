@@ -27,6 +27,11 @@ Decisions made here:
 - **Expected waits travel as start times too** (``expected``: ``at``, rounded
   to :data:`EXPECTED_STEP_S`), for the same reason; ``at`` is ``None`` where
   nobody can tell, and ``why`` always says what the guess is from, or why not.
+- **The queue's length is the whole queue's.** On books every user shares, a
+  snapshot lists only the first of other users' waiting claims
+  (:data:`~fluksio_nb.machine.books.OTHERS_WAITING_LISTED`) and counts the
+  rest; ``waiting_unlisted`` carries that count, so the monitor does not
+  show a queue of 5,000 as one of 100.
 - **Text is text.** Labels and messages come from users; the HTML fallbacks
   escape every one of them, and the front end sets them with ``textContent``.
 """
@@ -236,6 +241,8 @@ def machine_facts(
         },
         "running": running,
         "waiting": waiting,
+        #: Other users' waiting claims the books counted but did not list.
+        "waiting_unlisted": snapshot.get("waiting_unlisted", 0),
         "enforcement": dict(snapshot.get("enforcement") or {}),
     }
     if ray is not None:

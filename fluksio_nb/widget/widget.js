@@ -942,7 +942,10 @@ function renderMonitor(model, el) {
       runningList.append(item);
     }
 
-    const waitingList = listOf("waiting", "Waiting", waiting.length, "Nobody waiting.");
+    // The machine's books list only the first of other users' waiting claims:
+    // the count is the whole queue's, and a line says the rest are not listed.
+    const unlisted = m.waiting_unlisted || 0;
+    const waitingList = listOf("waiting", "Waiting", waiting.length + unlisted, "Nobody waiting.");
     for (const c of waiting) {
       const item = h("div", "fluksio-item");
       item.dataset.ticket = String(c.ticket);
@@ -965,6 +968,12 @@ function renderMonitor(model, el) {
         item.append(line);
       }
       waitingList.append(item);
+    }
+    if (unlisted) {
+      const said = `and ${unlisted} more of other users' claims, not listed`;
+      const more = h("div", "fluksio-item fluksio-muted", said);
+      more.dataset.field = "unlisted";
+      waitingList.append(more);
     }
 
     // Card memory no claim on that card sits above: only where that can be known.

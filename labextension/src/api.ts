@@ -116,7 +116,14 @@ export interface Snapshot {
   gpus: Amount & { free_ids: number[] };
   ram_bytes: Amount;
   running: RunningClaim[];
+  /** On books every user shares, only the first of other users' claims, and all of yours. */
   waiting: WaitingClaim[];
+  /**
+   * How many more of other users' claims wait than `waiting` lists: the
+   * machine's books keep a snapshot short whatever one user queues. Absent
+   * where the books list every claim.
+   */
+  waiting_unlisted?: number;
   /** Where the machine's ledger is; null when every kernel keeps its own books. */
   ledger: string | null;
   user: string;
@@ -128,6 +135,11 @@ export interface Snapshot {
   cards?: Card[];
   /** Null where it cannot be known: no card reading, or books that see one kernel only. */
   squatters?: Squatter[] | null;
+}
+
+/** Every claim waiting on the machine, listed in `waiting` or not. */
+export function waitingCount(snapshot: Snapshot): number {
+  return snapshot.waiting.length + (snapshot.waiting_unlisted ?? 0);
 }
 
 export interface Enforcement {

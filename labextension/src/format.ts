@@ -29,6 +29,11 @@ export function cpuList(cores: number[]): string {
   return runs.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(',');
 }
 
+/** Waiting claims the machine's books did not list, said as `fluksio-nb` says them. */
+export function unlistedWords(unlisted: number): string {
+  return `and ${unlisted} more of other users' claims, not listed`;
+}
+
 export function plural(n: number, one: string, many: string = one + 's'): string {
   return `${n} ${n === 1 ? one : many}`;
 }

@@ -6,6 +6,9 @@
  * Every figure reads as used/total (`CPU 1/4 used`), as in the status bar
  * and `%claims`. A waiting claim shows its place in the queue (`2nd in the
  * queue`) and when it may start; ticket numbers are ids and never shown.
+ * On books every user shares, only the first of other users' waiting
+ * claims are listed: the Waiting count is the whole queue's, and a line
+ * below the list says how many more are not listed, as `fluksio-nb` does.
  *
  * Rows are kept by ticket and updated in place, not rebuilt on every poll.
  * A row rebuilt between a mouse-down and a mouse-up would swallow the click
@@ -18,7 +21,7 @@ import { Widget } from '@lumino/widgets';
 
 import { Card, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { FinishedView } from './finished';
-import { clock, cpuList, human, ordinal, plural, roughly } from './format';
+import { clock, cpuList, human, ordinal, plural, roughly, unlistedWords } from './format';
 import { HistoryView } from './history';
 import { MachineModel } from './model';
 
@@ -172,10 +175,15 @@ class ClaimList {
     this._heading = element('h3', 'fluksio-lab-heading', parent);
     this._title = title;
     this._list = element('ul', `fluksio-lab-list fluksio-lab-list-${_state}`, parent);
+    this._unlisted = element('div', 'fluksio-lab-note fluksio-lab-unlisted', parent);
+    this._unlisted.hidden = true;
   }
 
-  show(claims: AnyClaim[]): void {
-    this._heading.textContent = `${this._title} (${claims.length})`;
+  /** `unlisted`: how many more claims there are than the books listed in `claims`. */
+  show(claims: AnyClaim[], unlisted = 0): void {
+    this._heading.textContent = `${this._title} (${claims.length + unlisted})`;
+    this._unlisted.textContent = unlisted ? unlistedWords(unlisted) : '';
+    this._unlisted.hidden = !unlisted;
     const seen = new Set<number>();
     claims.forEach((claim, index) => {
       seen.add(claim.ticket);
@@ -204,6 +212,7 @@ class ClaimList {
   private _heading: HTMLElement;
   private _title: string;
   private _list: HTMLElement;
+  private _unlisted: HTMLElement;
   private _rows = new Map<number, ClaimRow>();
 }
 
@@ -305,7 +314,7 @@ export class MachinePanel extends Widget {
         'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel), so no claims can be shown here.';
     }
     this._running.show(snapshot.running);
-    this._waiting.show(snapshot.waiting);
+    this._waiting.show(snapshot.waiting, snapshot.waiting_unlisted ?? 0);
     this._showCards(snapshot.cards ?? [], snapshot.squatters ?? []);
     this._history.show(this._model.history, this._model.historyError);
     this._finished.show(this._model.finished, this._model.finishedError);

@@ -3,15 +3,17 @@
  *
  * `CPU 6/14 used · GPU 1/2 used · 2 waiting`: used/total, as the panel and
  * `%claims` say it. Cards are left out on a machine without any, and the
- * queue when nobody waits. Card memory held with no claim on its card adds
- * `1 squatter`; its hover says whose. The hover also names the user's own
- * claims, each with its notebook, and a waiting one's place in the queue.
+ * queue when nobody waits. The queue is counted whole: other users' claims
+ * the machine's books count but do not list are in it. Card memory held
+ * with no claim on its card adds `1 squatter`; its hover says whose. The
+ * hover also names the user's own claims, each with its notebook, and a
+ * waiting one's place in the queue.
  */
 import { Widget } from '@lumino/widgets';
 
 import { MachineModel } from './model';
 import { plural } from './format';
-import { Snapshot } from './api';
+import { Snapshot, waitingCount } from './api';
 import { describeWait } from './panel';
 
 export function describeUse(snapshot: Snapshot): string {
@@ -20,8 +22,9 @@ export function describeUse(snapshot: Snapshot): string {
   if (gpus.total > 0) {
     parts.push(`GPU ${gpus.total - gpus.free}/${gpus.total} used`);
   }
-  if (snapshot.waiting.length > 0) {
-    parts.push(`${snapshot.waiting.length} waiting`);
+  const waiting = waitingCount(snapshot);
+  if (waiting > 0) {
+    parts.push(`${waiting} waiting`);
   }
   const squatters = snapshot.squatters ?? [];
   if (squatters.length > 0) {
@@ -89,7 +92,7 @@ export class MachineStatus extends Widget {
         snapshot.ledger === null
           ? 'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel): claims are not visible here'
           : `${plural(snapshot.running.length, 'claim')} running, ` +
-            `${snapshot.waiting.length} waiting. Click to see them.`;
+            `${waitingCount(snapshot)} waiting. Click to see them.`;
       for (const more of [describeMine(snapshot), describeCards(snapshot)]) {
         if (more) {
           this.node.title += `\n${more}`;
