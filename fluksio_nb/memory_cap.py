@@ -25,6 +25,14 @@ What it decides:
   between two siblings needs write access to their common ancestor's
   ``cgroup.procs``, which is that parent's. A controller is never enabled
   here on a cgroup this package did not make.
+- **Only where no other user may change the way there.** A user who may
+  write a directory on the way (a cgroup made group- or world-writable to
+  hand it to several users) may remove a claim's cgroup before its worker
+  comes in and make one of their own with that name, whose limit they set:
+  the claim would run uncapped while it says it is capped. So every
+  directory from the hierarchy's root down to where the claim cgroups go
+  must be root's or this user's, writable by nobody else; otherwise the
+  sampler holds claims, and says why.
 - **The name says whose it is**: ``fluksio_nb-<kernel pid>-<start time>-<n>``.
   A kernel that was killed cannot remove its claims' cgroups; its workers do,
   as they leave, and any that remain are swept by the next claim made under
@@ -66,6 +74,7 @@ import itertools
 import os
 import re
 import signal
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -183,6 +192,8 @@ def _v2_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
                 "cgroups there, or move processes between them)"
             ),
         )
+    if (shared := _changed_by_others(mount, base)) is not None:
+        return CapPlace(None, why_not=shared)
     return CapPlace(CGROUP_V2, parent=base / PARENT_NAME, home=own)
 
 
@@ -201,11 +212,32 @@ def _v1_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
                 f"this user may not make cgroups under its cgroup v1 {controller} cgroup {own}"
             ),
         )
+    if (shared := _changed_by_others(mount, own)) is not None:
+        return CapPlace(None, why_not=shared)
     return CapPlace(CGROUP_V1, parent=own / PARENT_NAME, home=own)
 
 
 def _may_write(path: Path) -> bool:
     return os.access(path, os.W_OK)
+
+
+def _changed_by_others(mount: Path, directory: Path) -> str | None:
+    """Why another user could swap a claim cgroup made below ``directory``; None if nobody can."""
+    me = os.geteuid()
+    for each in [directory, *directory.parents]:
+        try:
+            found = os.stat(each)
+        except OSError as error:
+            return f"{each} cannot be checked: {error.strerror}"
+        if found.st_uid not in (0, me) or found.st_mode & 0o022:
+            return (
+                f"{each} may be changed by other users (owner uid {found.st_uid}, mode "
+                f"{stat.S_IMODE(found.st_mode):o}), who could put a cgroup of their own, "
+                "with no limit, where a claim's would be"
+            )
+        if each == mount:
+            return None
+    return None
 
 
 def _words(path: Path) -> set[str]:

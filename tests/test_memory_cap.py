@@ -37,7 +37,15 @@ from fluksio_nb.memory_cap import (
 from fluksio_nb.settings import Settings, load_settings
 from tests.kernels import Kernel
 from tests.machines import wait_until
-from tests.unix_users import REPO_ROOT, USER_A, as_user, ready_user, shared_tmp_dir, user_environ
+from tests.unix_users import (
+    REPO_ROOT,
+    USER_A,
+    USER_B,
+    as_user,
+    ready_user,
+    shared_tmp_dir,
+    user_environ,
+)
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -461,3 +469,99 @@ def test_a_dead_kernels_leftover_is_swept_and_a_live_ones_is_not(place):
             survivor.kill()
         for path in (stale, live):
             remove_cgroup(path)
+
+
+#: A kernel's cap made as its user: where it would go, then, once told, its own process
+#: moved in, and the cgroup it is then in, with that cgroup's owner and limit.
+CAP_AS_A_USER = """
+import json, os, sys
+from pathlib import Path
+from fluksio_nb.memory_cap import ClaimCgroup, find_cap_place, own_memory_cgroup
+place = find_cap_place()
+if not place.available:
+    print(json.dumps({"refused": place.why_not}), flush=True)
+    raise SystemExit
+cap = ClaimCgroup.make(place, int(sys.argv[1]))
+print(json.dumps({"made": str(cap.path)}), flush=True)
+sys.stdin.readline()
+cap.admit(os.getpid())
+here = own_memory_cgroup(controller="memory")
+limit = int((here / "memory.limit_in_bytes").read_text())
+print(json.dumps({"in": str(here), "owner": here.stat().st_uid, "limit": limit}), flush=True)
+"""
+
+#: Run by the other user: their own cgroup, limited to nothing, where the claim's was.
+SWAP = """
+import os, sys
+path = sys.argv[1]
+os.rmdir(path)
+os.mkdir(path)
+for name in ("cgroup.procs", "tasks", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+    if os.path.exists(os.path.join(path, name)):
+        os.chmod(os.path.join(path, name), 0o666)
+"""
+
+
+def test_a_cgroup_other_users_may_write_is_no_place_for_a_cap(place):
+    """Guards against a claim that runs uncapped while it says it is capped: in a memory
+    cgroup handed to several users (mode 0777), another user made the ``fluksio_nb``
+    directory first, removed the claim's cgroup before its worker came in, and made one
+    of their own in its place, with no limit, which the worker then entered."""
+    if place.version != CGROUP_V1:
+        pytest.skip("a cgroup shared by users is made here in cgroup v1's memory hierarchy")
+    owner, other = ready_user(USER_A), ready_user(USER_B)
+    budget = 100 * 10**6
+    shared = place.home / f"fluksio-shared-{os.getpid()}"
+    shared.mkdir()
+    kernel = None
+    try:
+        shared.chmod(0o777)
+        for name in ("cgroup.procs", "tasks"):
+            (shared / name).chmod(0o666)
+        made_first = subprocess.run(
+            [*as_user(other), "mkdir", "-m", "0777", str(shared / "fluksio_nb")],
+            capture_output=True,
+            text=True,
+        )
+        assert made_first.returncode == 0, made_first.stderr
+
+        def enter_shared() -> None:
+            # As an admin's rule puts every user's kernel there, before it runs.
+            with open(shared / "cgroup.procs", "w") as procs:
+                procs.write("0")
+
+        kernel = subprocess.Popen(
+            [*as_user(owner), sys.executable, "-c", CAP_AS_A_USER, str(budget)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=user_environ(owner, {"PYTHONPATH": str(REPO_ROOT)}),
+            cwd=owner.home,
+            preexec_fn=enter_shared,
+        )
+        found = json.loads(kernel.stdout.readline() or f'{{"error": {kernel.stderr.read()!r}}}')
+        ran_in = None
+        if "made" in found:
+            swapped = subprocess.run(
+                [*as_user(other), sys.executable, "-c", SWAP, found["made"]],
+                capture_output=True,
+                text=True,
+            )
+            assert swapped.returncode == 0, swapped.stderr
+            kernel.stdin.write("go\n")
+            kernel.stdin.flush()
+            ran_in = json.loads(kernel.stdout.readline())
+        assert "refused" in found, (
+            f"{owner.name} took {found} for its cap, and ran in {ran_in}: a cgroup "
+            f"{other.name} (uid {other.uid}) made, against a budget of {budget} bytes"
+        )
+        assert "may be changed by other users" in found["refused"]
+        assert str(shared) in found["refused"]
+    finally:
+        if kernel is not None:
+            kernel.kill()
+            kernel.wait()
+        for below in sorted(shared.rglob("fluksio_nb*"), reverse=True):
+            remove_cgroup(below)
+        remove_cgroup(shared)
