@@ -39,6 +39,12 @@ What it decides:
   claim holds have changed. It runs off the event loop, because reading the
   books blocks. A kernel that moved its own threads keeps them where it put
   them until the claims change.
+- **A kernel is the process it launched, not its number.** A kernel that
+  died is reaped by the server's restarter seconds before its cleanup lets
+  the keeper forget it, or never, once restarts have run out; its pid may
+  meanwhile be any user's process, a claim's worker among them. A server
+  run as root may move anyone's threads, so the keeper checks that the pid
+  still names the process it launched (its start time) before each move.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+import psutil
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerFactory, LocalProvisioner
 
@@ -80,6 +87,8 @@ class _Kept:
     machine: frozenset[int]
     #: The cores its threads were last confined to.
     cores: frozenset[int]
+    #: The kernel as launched, its pid with its start time (:meth:`_Keeper.keep` sets it).
+    process: psutil.Process | None = None
 
 
 class _Keeper:
@@ -96,6 +105,11 @@ class _Keeper:
             return len(self._kernels)
 
     def keep(self, pid: int, kept: _Kept) -> None:
+        """Keep kernel ``pid``, just launched: not reaped yet, so the pid is still its own."""
+        try:
+            kept.process = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            return
         with self._lock:
             self._kernels[pid] = kept
             if self._thread is None:
@@ -129,6 +143,10 @@ class _Keeper:
                     continue
                 share = unclaimed(snapshot, kernel.machine)
                 if share.cores == kernel.cores:
+                    continue
+                if kernel.process is None or not kernel.process.is_running():
+                    # Gone, and its pid perhaps somebody else's by now.
+                    self.release(pid)
                     continue
                 kernel.cores = share.cores
                 try:
