@@ -118,9 +118,15 @@ class _Keeper:
                 )
                 self._thread.start()
 
-    def release(self, pid: int) -> None:
+    def release(self, pid: int, kept: _Kept | None = None) -> None:
+        """Forget kernel ``pid``; only if it is still ``kept``, when that is given.
+
+        A kernel's cleanup can come after its pid went to a kernel launched
+        since, which must stay kept.
+        """
         with self._lock:
-            self._kernels.pop(pid, None)
+            if kept is None or self._kernels.get(pid) is kept:
+                self._kernels.pop(pid, None)
 
     def _run(self) -> None:
         while True:
@@ -195,6 +201,8 @@ class FairShareProvisioner(LocalProvisioner):
     """:class:`LocalProvisioner`, launching kernels with the fair share of the unclaimed cores."""
 
     _fair: tuple[Books, frozenset[int], FairShare] | None = None
+    #: What the keeper keeps for the kernel this launched, to forget only that.
+    _kept: _Kept | None = None
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
@@ -227,12 +235,14 @@ class FairShareProvisioner(LocalProvisioner):
                 self.log.warning(
                     "fluksio_nb: kernel %s runs on every core: %s", self.kernel_id, error
                 )
-            _keeper.keep(self.pid, _Kept(books, machine, share.cores))
+            self._kept = _Kept(books, machine, share.cores)
+            _keeper.keep(self.pid, self._kept)
         return connection_info
 
     async def cleanup(self, restart: bool = False) -> None:
-        if self.pid is not None:
-            _keeper.release(self.pid)
+        if self.pid is not None and self._kept is not None:
+            _keeper.release(self.pid, self._kept)
+            self._kept = None
         await super().cleanup(restart=restart)
 
 

@@ -130,3 +130,27 @@ def test_a_dead_kernels_pid_taken_by_another_users_process_is_not_moved():
     finally:
         for process in processes:
             stop(process)
+
+
+def test_a_dead_kernels_cleanup_leaves_kept_the_kernel_launched_since_on_its_pid():
+    """Guards against a kernel's late cleanup making the keeper forget the kernel the
+    server launched since on the same pid, whose threads then stay wherever they were
+    while the claims change."""
+    keeper = _Keeper()
+    books = books_in_force()
+    dead = idle()
+    dead.stdout.readline()
+    first = _Kept(books, MACHINE, MACHINE)
+    keeper.keep(dead.pid, first)
+    dead.kill()
+    dead.wait()
+    relaunched = idle_with_pid(dead.pid, [], None)
+    try:
+        keeper.keep(relaunched.pid, _Kept(books, MACHINE, MACHINE))
+
+        keeper.release(dead.pid, first)
+
+        assert keeper.kernels() == 1, "the kernel launched on the dead one's pid is not kept"
+    finally:
+        stop(relaunched)
+        keeper.release(relaunched.pid)
