@@ -198,6 +198,9 @@ class ClaimLifecycle(ABC):
 
     def release(self, error: BaseException | None = None) -> None:
         """Give the share back and end everything this claim started; say how it went."""
+        # Given back before its record is written: a kernel killed in between
+        # leaves its claim out of the books, so nobody records it for the dead
+        # kernel too. Once, or (in that instant) not at all; never twice.
         self._give_back()
         if self.status.phase == "done":
             return

@@ -65,6 +65,7 @@ from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
 from fluksio_nb.queue import ClaimQueue, Ticket, held_words
+from fluksio_nb.records import UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
@@ -72,7 +73,6 @@ from fluksio_nb.status import Ending, StatusView, note_ended, note_running
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
 from fluksio_nb.usage.recent import process_recent_usage
-from fluksio_nb.usage.record import UsageRecord
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool

@@ -254,6 +254,43 @@ def test_claims_survive_the_service_restarting(monkeypatch):
         assert heard(waiter)["gpus"] == [0]
 
 
+def test_a_claim_put_back_after_a_restart_is_recorded_once_when_its_holder_is_killed():
+    """Guards against the service's restart, which closes every connection, read as
+    every kernel dying (a record for each claim that goes on running), and against
+    a claim put back after it going unrecorded when its holder is then killed."""
+    with machine(gpus=1) as layout:
+        holder = process(layout, HOLD_A_CARD)
+        assert heard(holder) == {"gpus": [0]}
+        waiter = process(layout, WAIT_FOR_A_CARD)
+        assert heard(waiter) == {"state": "waiting"}
+        fluksio_nb("machine", "init", "--prefix", str(layout.prefix), "--gpus", "1")
+        wait_until(
+            lambda: (b := snapshot(layout))["running"] and b["waiting"],
+            timeout=60,
+            what="both claims put back",
+        )
+        holder.kill()
+        holder.wait(10)
+        assert heard(waiter)["gpus"] == [0]
+        waiter.wait(10)
+
+        def records() -> list:
+            return [
+                json.loads(line)
+                for path in layout.records.iterdir()
+                for line in path.read_text().splitlines()
+            ]
+
+        wait_until(
+            lambda: any(r["label"] == "holder" for r in records()),
+            what="the killed holder's claim recorded",
+        )
+        found = records()
+        assert [(r["label"], r["ending"], r["gpus"]) for r in found] == [
+            ("holder", "kernel died", [0])
+        ], "the restart, or the waiter's release, left a record"
+
+
 def test_a_kernel_on_a_machine_whose_service_is_down_says_so():
     """Guards against a kernel silently keeping books of its own, which nobody else
     sees, while the machine's service is down."""

@@ -377,6 +377,51 @@ def test_usage_counts_a_users_claims_and_nobody_else_reads_them(users, kernels):
         assert row["claims"] == 3
 
 
+def test_a_killed_kernels_claims_are_recorded_by_the_service_against_its_user_once(users, kernels):
+    """Guards against a kernel killed with SIGKILL (the OOM killer, `kill -9`) taking its
+    claims' core-hours out of the machine's accounting, since a kernel writes its
+    records itself; against those records being charged to root, who wrote them; and
+    against a claim the kernel ended itself being counted twice."""
+    alice, bob = users
+    with machine(gpus=1) as layout:
+        a, b = kernels(alice, layout), kernels(bob, layout)
+        a.run("%%claim cpus=1 --label fine\nx = 1", check=True)
+        b.run("%%claim cpus=1 --label bobs\nx = 1", check=True)
+        a.start_job(hold("held", until=NEVER), "held")
+        a.start_job("%%claim gpus=1 --background --label queued\nx = 2", "queued")
+        assert a.facts("[held.status, queued.status]") == ["running", "waiting"]
+        os.kill(a.pid, signal.SIGKILL)
+
+        def died() -> list:
+            report = json.loads(fluksio_nb("usage", "--dir", str(layout.records), "--json").stdout)
+            return [r for r in report["rows"] if r["endings"].get("kernel died")]
+
+        (row,) = wait_until(died, what="the killed kernel's claims recorded")
+        assert (row["user"], row["claims"]) == (USER_A, 3)
+        assert row["endings"] == {"ok": 1, "kernel died": 2}, "a claim counted twice"
+        report = json.loads(fluksio_nb("usage", "--dir", str(layout.records), "--json").stdout)
+        assert {r["user"]: r["claims"] for r in report["users"]} == {USER_A: 3, USER_B: 1}
+        assert all(r["user"] != "root" for r in report["rows"]), "charged to the service"
+        only_hers = json.loads(
+            fluksio_nb("usage", "--dir", str(layout.records), "--user", USER_A, "--json").stdout
+        )
+        assert [r["claims"] for r in only_hers["users"]] == [3]
+        roots = json.loads(
+            fluksio_nb("usage", "--dir", str(layout.records), "--user", "root", "--json").stdout
+        )
+        assert roots["rows"] == []
+
+        # In a file of the service's, root's, private like every records file.
+        (mine,) = [p for p in layout.records.iterdir() if p.stat().st_uid == 0]
+        assert mine.stat().st_mode & 0o077 == 0
+        died_records = [json.loads(line) for line in mine.read_text().splitlines()]
+        assert sorted(r["label"] for r in died_records) == ["held", "queued"]
+        held = next(r for r in died_records if r["label"] == "held")
+        assert (held["uid"], held["gpus"], held["ending"]) == (alice.uid, [0], "kernel died")
+        assert held["granted_at"] < held["ended_at"]
+        assert "peak_rss_bytes" not in held, "a peak memory nobody alive knew was made up"
+
+
 STRESS = r"""
 import json, random, signal, sys, time
 from fluksio_nb.kernel import accountant

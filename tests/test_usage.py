@@ -15,6 +15,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from fluksio_nb.usage import (
     user_totals,
 )
 from fluksio_nb.usage import report as usage_report
+from fluksio_nb.usage.read import UsageRows, each_usage
 from tests.kernels import Kernel, until_it_exists
 from tests.unix_users import USER_A, ready_user, run_as, shared_tmp_dir
 from tests.waiting import gone, wait_until
@@ -625,3 +627,147 @@ def test_background_claims_are_ended_and_counted_when_their_kernel_is_restarted(
     assert holder.ended_at >= asked_to_restart
     assert (waiter.ending, waiter.granted_at) == ("cancelled", None)
     assert gone(worker)
+
+
+# -----------------------------------------------------------------------------
+# A kernel killed outright
+# -----------------------------------------------------------------------------
+
+
+def records_by_file(directory: Path) -> dict[str, list[UsageRecord]]:
+    """Each records file's records, by its name, which starts with its writer's uid and pid."""
+    return {
+        path.name: [UsageRecord.model_validate_json(line) for line in path.read_text().splitlines()]
+        for path in directory.glob("*.jsonl")
+    }
+
+
+@pytest.mark.timeout(180)
+def test_a_kernel_killed_holding_and_waiting_is_recorded_once_by_another_kernel_of_its_user(
+    tmp_path,
+):
+    """Guards against a kernel killed with SIGKILL (the OOM killer, `kill -9`) taking
+    its claims' core-hours with it, since it writes its records itself; against a
+    peak memory made up for it; and against a claim it ended itself counted twice."""
+    books = {
+        "FLUKSIO_CPUS": "2",
+        "FLUKSIO_GPUS": "1",
+        "FLUKSIO_RESERVE_CPUS": "0",
+        "FLUKSIO_LEDGER": str(tmp_path / "ledger"),
+        "FLUKSIO_CONFIG": str(tmp_path / "fluksio_nb.json"),
+        "JPY_SESSION_NAME": "doomed.ipynb",
+    }
+    doomed, other = Kernel(**books), Kernel(**{**books, "JPY_SESSION_NAME": "other.ipynb"})
+    try:
+        doomed.run("%%claim cpus=1 --label fine\nx = 1", check=True)
+        doomed.start_job(
+            f"%%claim gpus=1 --background --label held\n{until_it_exists(tmp_path / 'never')}",
+            "held",
+        )
+        doomed.start_job("%%claim gpus=1 --background --label queued\nx = 2", "queued")
+        assert doomed.facts("[held.status, queued.status]") == ["running", "waiting"]
+        other.start_job("%%claim gpus=1 --background --label next\nx = 3", "next")
+        assert other.facts("next.status") == "waiting"
+
+        os.kill(doomed.pid, signal.SIGKILL)
+        assert gone(doomed.pid, 30)
+        assert other.facts("[next.result(60) is not None, next.status]") == [True, "ok"]
+        directory = default_usage_dir()
+        assert wait_until(lambda: len([r for _, r in read_usage(directory)]) == 4, 30), (
+            "the killed kernel's claims were not recorded"
+        )
+        found_at = time.time()
+    finally:
+        doomed.shutdown()
+        other.shutdown()
+
+    files = records_by_file(directory)
+    by_label = {r.label: r for records in files.values() for r in records}
+    assert sorted(r.label for records in files.values() for r in records) == [
+        "fine",
+        "held",
+        "next",
+        "queued",
+    ], "a claim recorded twice, or not at all"
+    # Written by the kernel that reaped them, as the same user: counted against them.
+    [(reaper, records)] = [(n, rs) for n, rs in files.items() if any(r.label == "held" for r in rs)]
+    assert reaper.startswith(f"{os.geteuid()}-{other.pid}-")
+    assert sorted(r.label for r in records) == ["held", "next", "queued"]
+
+    held, queued = by_label["held"], by_label["queued"]
+    assert (held.ending, held.cpus, held.gpus, held.notebook) == (
+        "kernel died",
+        1,
+        [0],
+        "doomed.ipynb",
+    )
+    assert held.granted_at is not None and held.granted_at < held.ended_at <= found_at
+    assert held.peak_rss_bytes is None, "a peak memory nobody alive knew was made up"
+    assert (queued.ending, queued.cpus, queued.gpus, queued.granted_at) == (
+        "kernel died",
+        0,
+        [],
+        None,
+    )
+    assert by_label["fine"].ending == "ok"
+
+    out = subprocess.run(
+        [sys.executable, "-m", "fluksio_nb", "usage", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    rows = {row["notebook"]: row for row in json.loads(out.stdout)["rows"]}
+    assert rows["doomed.ipynb"]["endings"] == {"ok": 1, "kernel died": 2}
+    assert rows["doomed.ipynb"]["core_hours"] * HOUR == pytest.approx(
+        by_label["fine"].ran_s + held.ran_s
+    )
+    table = subprocess.run(
+        [sys.executable, "-m", "fluksio_nb", "usage"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "1 ok, 2 kernel died" in table.replace("2 kernel died, 1 ok", "1 ok, 2 kernel died")
+
+
+def test_only_a_file_of_roots_may_say_whose_records_it_holds(shared_dir):
+    """Guards against a user charging claims to someone else by writing records that
+    say they are the books service's, for that someone; and against the service's
+    records of a killed kernel charged to root, who wrote them."""
+    forger = nobody()
+    victim = ready_user(USER_A)
+
+    def died(cpus: int) -> UsageRecord:
+        return record(cpus=cpus, ending="kernel died").model_copy(update={"uid": victim.uid})
+
+    service = UsageLog(shared_dir, create=False)
+    service.write(died(cpus=2))
+    service.close()
+
+    def forge() -> bool:
+        UsageLog(shared_dir, create=False).write(died(cpus=8))
+        return True
+
+    in_child_as(forger, forge)
+    rows = read_usage(shared_dir)
+    assert sorted((r.cpus, name) for name, r in rows) == [(2, USER_A), (8, forger.pw_name)]
+    assert [r.cpus for _, r in read_usage(shared_dir, user=USER_A)] == [2]
+    assert [r.cpus for _, r in read_usage(shared_dir, user=forger.pw_name)] == [8]
+    assert read_usage(shared_dir, user="root") == []
+    # What reads root's own records unasked (its panel) is not shown others' in root's file.
+    counts = UsageRows()
+    assert list(each_usage(shared_dir, counts, owner=0)) == []
+
+
+def test_a_records_file_is_counted_once_whatever_its_names(tmp_path):
+    """Guards against a hard link to a records file (another user's, in a shared
+    directory) counting its claims twice."""
+    log = UsageLog(tmp_path / "usage")
+    log.write(record(cpus=3))
+    log.close()
+    assert log.path is not None
+    os.link(log.path, log.path.with_name("again.jsonl"))
+    assert [r.cpus for _, r in read_usage(tmp_path / "usage")] == [3]

@@ -117,7 +117,10 @@ class Document(_Checked):
 
 
 def trusted(
-    entries: Any, inventory: dict[str, Any], checked: bool = False
+    entries: Any,
+    inventory: dict[str, Any],
+    checked: bool = False,
+    dead: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The entries that can be believed, of live owners, and what was wrong with the rest.
 
@@ -125,7 +128,8 @@ def trusted(
     the books do not balance it is the later claim that is left out.
     ``checked`` says each entry was validated already, or made by the ledger:
     validating every entry was the dearest part of a transaction, and once
-    per transaction is enough.
+    per transaction is enough. ``dead``, if given, gets the entries left out
+    because their kernel is gone.
     """
     kept: list[dict[str, Any]] = []
     problems: list[str] = []
@@ -152,6 +156,8 @@ def trusted(
             continue
         numbers.add(number)
         if not owner_alive(entry["owner"]):
+            if dead is not None:
+                dead.append(entry)
             continue  # reaped, not broken
         if entry["state"] == "running":
             held = entry["allocation"]

@@ -18,6 +18,12 @@ What it decides:
 - **Only files of this user's alone.** Every file is opened through the
   checked directory (:mod:`fluksio_nb.ledger.directory`), and a file that is
   not this user's alone is refused, not repaired.
+- **The transaction that drops a dead kernel's claim records it**, once the
+  document without it is written: into this process's own usage records,
+  which count against this same user, ending
+  :data:`~fluksio_nb.records.KERNEL_DIED`. Only one transaction can drop
+  an entry, and a kernel gives its claim back before it records it, so a
+  claim is never recorded twice; killed between the two, it goes unrecorded.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import threading
 import time
@@ -45,7 +52,15 @@ from fluksio_nb.ledger.document import (
     trusted,
     warn_left_out,
 )
+from fluksio_nb.ledger.owner import last_seen, owner_alive
 from fluksio_nb.queue import books_changing
+from fluksio_nb.records import (
+    KERNEL_DIED,
+    UsageNotRecorded,
+    UsageRecord,
+    default_usage_dir,
+    process_log,
+)
 from fluksio_nb.resources import explain
 
 LEDGER_FILE = "ledger.json"
@@ -157,11 +172,17 @@ class LedgerFile:
             # Looked up once: while the lock is held, no kernel of this user
             # replaces the file, and no other user can.
             fd = self._document()
-            state, before = self._load_for_update(fd)
+            dead: list[dict[str, Any]] = []
+            state, before = self._load_for_update(fd, dead)
+            found = list(state["tickets"])
             yield state
             after = _dump(state)
             if after != before:
                 self._write(fd, after)
+            kept = {entry["number"] for entry in state["tickets"]}
+            dead += [e for e in found if e["number"] not in kept and not owner_alive(e["owner"])]
+            if dead:
+                _record_the_dead(dead)
 
     def read(self) -> dict[str, Any]:
         """The document as it stands; a missing or broken one reads as empty."""
@@ -229,8 +250,11 @@ class LedgerFile:
         size = os.fstat(fd).st_size
         return os.pread(fd, size, 0).decode() if size else ""
 
-    def _load_for_update(self, fd: int) -> tuple[dict[str, Any], str]:
-        """The document to change, and its text as read, to tell whether it changed."""
+    def _load_for_update(self, fd: int, dead: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        """The document to change, and its text as read, to tell whether it changed.
+
+        ``dead`` gets the entries of kernels that are gone, left out of it.
+        """
         self.disagreement = None
         try:
             text = self._read_text(fd)
@@ -241,7 +265,7 @@ class LedgerFile:
         try:
             # This kernel's description of the machine is taken, unless it
             # would drop claims that others hold (_in_force).
-            return self._parse(text, self.inventory), text
+            return self._parse(text, self.inventory, dead), text
         except ValueError as error:
             aside = f"{LEDGER_FILE}.broken-{int(time.time())}"
             kept = self._keep_aside(aside, text)
@@ -279,8 +303,16 @@ class LedgerFile:
             os.close(fd)
         return f"a copy was kept as {name}"
 
-    def _parse(self, text: str, inventory: dict[str, Any] | None) -> dict[str, Any]:
-        """The document, with what cannot be trusted left out. ValueError if it is no ledger."""
+    def _parse(
+        self,
+        text: str,
+        inventory: dict[str, Any] | None,
+        dead: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The document, with what cannot be trusted left out. ValueError if it is no ledger.
+
+        ``dead``, if given, gets the entries of kernels that are gone.
+        """
         state = json.loads(text)
         sound = text == self._sound_text
         if not sound:
@@ -293,7 +325,9 @@ class LedgerFile:
         if inventory is not None and inventory != state["inventory"]:
             state["inventory"], self.disagreement = self._in_force(state, inventory, sound)
         # Owners are looked at every time: a kernel that died since is reaped.
-        state["tickets"], problems = trusted(state["tickets"], state["inventory"], checked=sound)
+        state["tickets"], problems = trusted(
+            state["tickets"], state["inventory"], checked=sound, dead=dead
+        )
         warn_left_out(self.path, problems)
         if not problems:
             self._sound_text = text
@@ -341,3 +375,45 @@ class LedgerFile:
         os.ftruncate(fd, len(data))
         # Made of entries that were validated as they were read, or made here.
         self._sound_text = text
+
+
+def _record_the_dead(entries: list[dict[str, Any]]) -> None:
+    """The usage records killed kernels of this user could not write, in this process's file."""
+    try:
+        log = process_log(default_usage_dir(), create=True)
+        for entry in entries:
+            log.write(_record_of_the_dead(entry))
+    except Exception as error:
+        # Accounting never fails a claim: this transaction is someone's claim.
+        warnings.warn(
+            f"fluksio_nb could not record the claims of a killed kernel: {error}",
+            UsageNotRecorded,
+            stacklevel=4,
+        )
+
+
+def _record_of_the_dead(entry: dict[str, Any]) -> UsageRecord:
+    """A dead kernel's claim as its record: what the ledger knew, and no peak, which it did not."""
+    held = entry["allocation"] if entry["state"] == "running" else None
+    granted_at = entry["granted_at"] if held else None
+    # Never past the last moment the claim is known to have held its share:
+    # when this process saw its kernel end, or last found it alive, or the
+    # kernel's own last reading, whichever came last.
+    signs = [entry["since"], granted_at, last_seen(entry["owner"])]
+    readings = entry.get("readings") or {}
+    at = readings.get("at") if isinstance(readings, dict) else None
+    if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+        signs.append(at)
+    ended_at = min(max(sign for sign in signs if sign is not None), time.time())
+    return UsageRecord(
+        label=entry["label"],
+        notebook=entry["owner"].get("notebook"),
+        ticket=entry["number"],
+        cpus=held["cpus"] if held else 0,
+        gpus=list(held["gpus"]) if held else [],
+        ram_bytes=held["ram_bytes"] if held else 0,
+        asked_at=entry["since"],
+        granted_at=granted_at,
+        ended_at=ended_at,
+        ending=KERNEL_DIED,
+    )

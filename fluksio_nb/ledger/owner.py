@@ -15,6 +15,11 @@ What it decides:
   reused by a younger process (:func:`owner_alive`), drops the entry. A
   kernel killed with SIGKILL, by the OOM killer or by a reboot cannot say
   goodbye, and need not.
+- **When a dead kernel ended is what was seen, never guessed.** The process
+  that drops a dead kernel's entry records its claim for it, and says it
+  ended when this process saw the kernel end (a waiter watches its holders
+  end), else when it last found it alive (:func:`last_seen`): a claim is
+  never counted past the last moment anyone knew it held its share.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ def process_started(pid: int) -> float | None:
 _ALIVE_FOR_S = 0.25
 _seen_alive: dict[tuple[int, float], float] = {}
 
+#: By the wall clock, when this process last found each kernel alive, and
+#: when it saw one end; the oldest forgotten past :data:`_SIGHTINGS_KEPT`.
+_alive_at: dict[tuple[int, float], float] = {}
+_ended_at: dict[tuple[int, float], float] = {}
+_SIGHTINGS_KEPT = 1024
+
 
 def owner_alive(owner: dict[str, Any]) -> bool:
     """Whether the kernel an entry names is still running: same pid, same start time."""
@@ -67,6 +78,7 @@ def owner_alive(owner: dict[str, Any]) -> bool:
     alive = started is not None and abs(started - owner["started"]) < 1.0
     if alive:
         _seen_alive[key] = now
+        _sighted(_alive_at, key)
     else:
         _seen_alive.pop(key, None)
     return alive
@@ -74,7 +86,30 @@ def owner_alive(owner: dict[str, Any]) -> bool:
 
 def seen_to_end(owner: dict[str, Any]) -> None:
     """Forget that the kernel an entry names was alive: it has just been seen to end."""
-    _seen_alive.pop((owner["pid"], owner["started"]), None)
+    key = (owner["pid"], owner["started"])
+    _seen_alive.pop(key, None)
+    if key not in _ended_at:
+        _sighted(_ended_at, key)
+
+
+def last_seen(owner: dict[str, Any]) -> float | None:
+    """When this process saw the kernel an entry names end, else last found it alive.
+
+    ``time.time()``, or ``None`` if it never looked. Asked once, as its entry
+    is dropped: forgotten after.
+    """
+    key = (owner["pid"], owner["started"])
+    ended, alive = _ended_at.pop(key, None), _alive_at.pop(key, None)
+    return ended if ended is not None else alive
+
+
+def _sighted(sightings: dict[tuple[int, float], float], key: tuple[int, float]) -> None:
+    # Kernels that ended where another process dropped their entries are never
+    # asked about here: the oldest sightings go, so a long-lived server keeps few.
+    sightings.pop(key, None)
+    sightings[key] = time.time()
+    if len(sightings) > _SIGHTINGS_KEPT:
+        sightings.pop(next(iter(sightings)), None)
 
 
 def _this_process() -> tuple[int, float]:

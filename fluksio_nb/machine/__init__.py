@@ -28,6 +28,8 @@ The trust model:
    the root-owned config names, may cancel it; only its owner's connection
    releases it. Nobody writes a file another user reads as books, so there
    is no file to plant a symlink at; the run directory and config are root's.
+   A kernel killed with its claims held has them recorded by the service,
+   in a file of root's: the only file whose records may say whose they are.
 3. **Availability**: there is no lock. The service never waits for a
    client, drops one that stops reading, and bounds each user's
    connections and waiting claims. A kernel waits on its own socket, so

@@ -19,6 +19,15 @@ What it decides:
   config names; the owner's kernel is told who stopped it.
 - **Limits per user**: connections and waiting claims, so one user cannot
   grow the service's memory for everyone.
+- **A kernel that died still leaves its claims' records.** A connection the
+  kernel closed with claims still held or waiting (it gave none of them
+  back: it was killed) has a usage record written for each, ending
+  :data:`~fluksio_nb.records.KERNEL_DIED`, into the machine's records
+  directory, in a file of root's that says whose each one is. What only
+  the kernel knew (peak memory) stays unknown. A connection the service
+  closed (a client that stopped reading, a bad line, the service stopping
+  for a restart) leaves none: its kernel lives, and ends and records its
+  claims itself.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import logging
 import os
 import pwd
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +49,7 @@ from fluksio_nb.identity import user_name
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.machine.caps import Cap
+from fluksio_nb.records import KERNEL_DIED, UsageRecord, process_log
 
 log = logging.getLogger("fluksio_nb.machine")
 
@@ -85,6 +96,8 @@ class Connection(asyncio.Protocol):
         self.hello: protocol.Hello | None = None
         self.entries: dict[int, Entry] = {}
         self.closed = False
+        #: Closed by the service, not by its kernel: the kernel lives on.
+        self.dropped = False
         self._buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -124,13 +137,13 @@ class Connection(asyncio.Protocol):
         log.warning("pid %s (%s) refused: %s", self.pid, self.user, why)
         self.send({"op": "refused", "message": why[:2000]})
         if not self.closed and self.transport is not None:
-            self.closed = True
+            self.closed = self.dropped = True
             # close(), not abort(): the refusal is flushed before the end.
             self.transport.close()
 
     def close(self) -> None:
         if not self.closed and self.transport is not None:
-            self.closed = True
+            self.closed = self.dropped = True
             self.transport.abort()
 
 
@@ -180,10 +193,41 @@ class BooksService:
     def left(self, connection: Connection) -> None:
         """A connection closed: whatever it held or waited for is free for everyone."""
         self.connections.discard(connection)
+        ended_at = time.time()
         for number in list(connection.entries):
-            self.books.remove(number)
+            entry = self.books.remove(number)
+            # Its kernel released every claim it ended, before recording it:
+            # the lines before its end are read before the end is. What is
+            # left, it never will.
+            if entry is not None and not connection.dropped:
+                self.record_death(entry, ended_at)
         connection.entries.clear()
         self.dispatch()
+
+    def record_death(self, entry: Entry, ended_at: float) -> None:
+        """The usage record a killed kernel could not write, of whoever the OS said it was."""
+        if not self.records:
+            return
+        running = entry.state == "running"
+        try:
+            record = UsageRecord(
+                label=entry.label,
+                notebook=entry.notebook,
+                ticket=entry.number,
+                cpus=entry.need[0] if running else 0,
+                gpus=list(entry.gpus) if running else [],
+                ram_bytes=entry.need[2] if running else 0,
+                asked_at=entry.since,
+                granted_at=entry.granted_at if running else None,
+                ended_at=ended_at,
+                ending=KERNEL_DIED,
+                uid=entry.uid,
+            )
+        except ValueError as error:
+            log.warning("claim %s of %s not recorded: %s", entry.number, entry.user, error)
+            return
+        # Never raises: a record that cannot be written is a warning, here in the log.
+        process_log(Path(self.records), create=False).write(record)
 
     def welcome(self, connection: Connection) -> dict[str, Any]:
         cap = self.books.caps.get(connection.uid)

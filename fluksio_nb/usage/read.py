@@ -10,6 +10,12 @@ What it decides:
   counted against is the owner of its file, as the kernel says (``fstat``),
   never a name written in it. Nobody can charge their claims to someone
   else, and a file of someone else's can only ever be counted against them.
+  The one exception is a file root owns: the books service writes there
+  the records of every user's killed kernels, each with its owner's uid
+  (``uid``), which only root could have written. A ``uid`` in anyone
+  else's file is the file owner's word, and ignored.
+- **A file is read once, whatever its names.** A hard link to another
+  user's file would count their claims twice.
 - **Reading trusts nothing in the directory.** Links are not followed,
   pipes and devices not opened, lines that are not records skipped and
   counted, and what is read from one file is capped, so a hostile file can
@@ -38,7 +44,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from fluksio_nb.identity import user_name
-from fluksio_nb.usage.record import SUFFIX, UsageRecord
+from fluksio_nb.records import SUFFIX, UsageRecord
 
 #: What is read of one records file at most. A kernel writes about 300 bytes
 #: per claim, so this is some 200,000 claims from one process: more than any
@@ -124,6 +130,7 @@ def each_usage(
     except FileNotFoundError:
         return
     names: dict[int, str] = {}
+    read: set[tuple[int, int]] = set()
     try:
         found: Iterable[tuple[int, str]] = _records_files(where, counts, user, owner, names)
         if at_most is not None:
@@ -134,7 +141,7 @@ def each_usage(
             if left is not None and left <= 0:
                 counts.files_cut += 1
                 continue
-            file = _File(where, name, since, user, owner, names, counts, left)
+            file = _File(where, name, since, user, owner, names, counts, left, read)
             yield from file.records()
             if left is not None:
                 left -= file.read
@@ -164,7 +171,8 @@ def _records_files(
             if owner is not None and seen.st_uid != owner:
                 counts.others_files += 1
                 continue
-            if user is not None and _named(seen.st_uid, names) != user:
+            # Root's file may hold anyone's records: whose, each record says.
+            if user is not None and seen.st_uid != 0 and _named(seen.st_uid, names) != user:
                 continue
             yield seen.st_mtime_ns, entry.name
 
@@ -188,9 +196,11 @@ class _File:
         names: dict[int, str],
         counts: UsageRows,
         left: int | None,
+        files_read: set[tuple[int, int]],
     ) -> None:
         self.where, self.name, self.since, self.user, self.owner = where, name, since, user, owner
         self.names, self.counts, self.left = names, counts, left
+        self.files_read = files_read
         self.read = 0
 
     def records(self) -> Iterator[tuple[str, UsageRecord]]:
@@ -216,16 +226,25 @@ class _File:
             if not stat.S_ISREG(info.st_mode):
                 counts.not_plain_files += 1
                 return
+            if (info.st_dev, info.st_ino) in self.files_read:
+                return
+            self.files_read.add((info.st_dev, info.st_ino))
             # The file as opened, not as first seen, says whose records these are.
             if self.owner is not None and info.st_uid != self.owner:
                 counts.others_files += 1
                 return
-            owner = _named(info.st_uid, self.names)
-            if self.user is not None and owner != self.user:
+            theirs = info.st_uid != 0 and self.user is not None
+            if theirs and _named(info.st_uid, self.names) != self.user:
                 return
             for line in self._lines(fd, info.st_size):
                 record = _parsed(line, counts)
-                if record is not None and (self.since is None or record.ended_at >= self.since):
+                if record is None or (self.since is not None and record.ended_at < self.since):
+                    continue
+                whose = _whose(record, info.st_uid)
+                if info.st_uid == 0 and self.owner is not None and whose != self.owner:
+                    continue
+                owner = _named(whose, self.names)
+                if self.user is None or owner == self.user:
                     yield owner, record
         finally:
             os.close(fd)
@@ -266,6 +285,13 @@ class _File:
                 partial = b""
         if partial.strip() and not skipping:
             yield partial
+
+
+def _whose(record: UsageRecord, file_owner: int) -> int:
+    """The uid a record counts against: its file's owner, unless root wrote it for someone."""
+    if file_owner == 0 and record.uid is not None:
+        return record.uid
+    return file_owner
 
 
 def _parsed(line: bytes, counts: UsageRows) -> UsageRecord | None:

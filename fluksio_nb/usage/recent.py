@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.budget import human
+from fluksio_nb.records import SUFFIX, UsageRecord
 from fluksio_nb.usage.read import UsageRows, each_usage
-from fluksio_nb.usage.record import SUFFIX, UsageRecord
 
 #: How many finished claims are shown, and kept: ``finished(limit)`` gives no more.
 FINISHED = 20

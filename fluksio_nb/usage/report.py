@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.budget import human
-from fluksio_nb.usage.log import default_usage_dir
+from fluksio_nb.records import UsageRecord, default_usage_dir
 from fluksio_nb.usage.read import UsageRows, each_usage
-from fluksio_nb.usage.record import UsageRecord
 
 #: The most notebooks one user's rows are told apart by. A real user has
 #: tens; the claims of any more are added up in one row, :data:`OTHER_NOTEBOOKS`.
@@ -50,7 +49,7 @@ NOTEBOOKS_AT_MOST = 1000
 #: The most bytes of one user's notebook names kept, for the same reason.
 NOTEBOOK_NAMES_AT_MOST = 2**20
 OTHER_NOTEBOOKS = "(other notebooks)"
-#: The most ways one user's claims are said to have ended: there are seven.
+#: The most ways one user's claims are said to have ended: there are eight.
 ENDINGS_AT_MOST = 20
 OTHER_ENDING = "(other)"
 
@@ -63,7 +62,7 @@ def _totals(**keys: Any) -> dict[str, Any]:
         "claims": 0,
         "core_hours": 0.0,
         "card_hours": 0.0,
-        "peak_rss_bytes": 0,
+        "peak_rss_bytes": None,
         "peak_gpu_bytes": None,
         "waited_s": 0.0,
         "ran_s": 0.0,
@@ -75,9 +74,10 @@ def _add(into: dict[str, Any], part: dict[str, Any]) -> None:
     into["claims"] += part["claims"]
     for name in ("core_hours", "card_hours", "waited_s", "ran_s"):
         into[name] += part[name]
-    into["peak_rss_bytes"] = max(into["peak_rss_bytes"], part["peak_rss_bytes"])
-    if part["peak_gpu_bytes"] is not None:
-        into["peak_gpu_bytes"] = max(into["peak_gpu_bytes"] or 0, part["peak_gpu_bytes"])
+    # A peak nobody knew (a killed kernel's) is no peak, not a peak of 0.
+    for name in ("peak_rss_bytes", "peak_gpu_bytes"):
+        if part[name] is not None:
+            into[name] = max(into[name] or 0, part[name])
     for ending, count in part["endings"].items():
         into["endings"][ending] = into["endings"].get(ending, 0) + count
 
@@ -99,7 +99,8 @@ def summarise(rows: Iterable[tuple[str, UsageRecord]]) -> list[dict[str, Any]]:
     """One row per user and notebook: claims, core- and card-hours, peak memory, time waited.
 
     Peak memory (and peak card memory) is the largest any one claim reached;
-    times and hours add up. A row whose cards nobody read has no card peak.
+    times and hours add up. A row whose cards nobody read has no card peak,
+    and one whose every claim's kernel was killed no peak memory.
     ``rows`` is read once, and none of it kept.
     """
     summary = _Summary()
