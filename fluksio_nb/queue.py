@@ -89,7 +89,12 @@ class ClaimQueue:
         #: What holds claims made here to their share, per resource, as
         #: :func:`fluksio_nb.kernel.enforcement_in_force` says: in every snapshot.
         self.enforcement: dict[str, Any] = {}
-        self._cond = threading.Condition()
+        #: Taken with ``with self._lock``, never ``with self._cond``: a stop
+        #: landing as ``Condition.__enter__``, which is Python, returns leaves
+        #: the lock held by no ``with``, and every other thread waits on it for
+        #: ever. The lock's own ``__enter__`` is C, and lets no stop in between.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._waiting: list[Ticket] = []
         self._running: dict[int, Ticket] = {}
         self._numbers = itertools.count(1)
@@ -105,7 +110,7 @@ class ClaimQueue:
         fitted = self.fit_to_machine(wanted)
         ticket: Ticket | None = None
         try:
-            with books_changing(), self._cond:
+            with books_changing(), self._lock:
                 number = next(self._numbers)
                 ticket = Ticket(
                     number=number,
@@ -129,11 +134,11 @@ class ClaimQueue:
         the books' care: the caller must :meth:`release` it, as :meth:`claim`
         does in its ``finally``.
         """
-        return wait_for_grant(self._cond, ticket, timeout, self.timeout_message)
+        return wait_for_grant(self._lock, self._cond, ticket, timeout, self.timeout_message)
 
     def release(self, ticket: Ticket) -> None:
         """Leave the queue, or give the share back: safe to call on any ticket, twice."""
-        with books_changing(), self._cond:
+        with books_changing(), self._lock:
             if ticket.state == "waiting" and ticket in self._waiting:
                 self._waiting.remove(ticket)
             elif ticket.state == "running":
@@ -164,7 +169,7 @@ class ClaimQueue:
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop. False if unknown."""
         stop = None
-        with books_changing(), self._cond:
+        with books_changing(), self._lock:
             ticket = self._running.get(number) or next(
                 (t for t in self._waiting if t.number == number), None
             )
@@ -206,7 +211,7 @@ class ClaimQueue:
 
     def snapshot(self) -> dict[str, object]:
         """Totals and free, the waiting list in order, and the running claims."""
-        with self._cond:
+        with self._lock:
             books = self.books.snapshot()
             waiting = [
                 {**_describe(ticket), "position": position, "asked": ticket.asked}
@@ -225,7 +230,7 @@ class ClaimQueue:
 
     def position(self, ticket: Ticket) -> int | None:
         """Where a waiting ticket stands, 1 being next; ``None`` once it is not waiting."""
-        with self._cond:
+        with self._lock:
             try:
                 return self._waiting.index(ticket) + 1
             except ValueError:
@@ -233,7 +238,7 @@ class ClaimQueue:
 
     def holders(self) -> list[Ticket]:
         """The running claims, oldest first: who holds what a waiter waits for."""
-        with self._cond:
+        with self._lock:
             return sorted(self._running.values(), key=lambda t: t.number)
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
@@ -241,6 +246,7 @@ class ClaimQueue:
 
 
 def wait_for_grant(
+    lock: Any,
     granted: threading.Condition,
     ticket: Ticket,
     timeout: float | None,
@@ -249,10 +255,13 @@ def wait_for_grant(
     """Sleep on ``granted`` until the ticket has its share, is cancelled, or runs out of time.
 
     Whoever grants or cancels notifies ``granted``; the wake every
-    :data:`_WAKE_S` only bounds how late a timeout is noticed.
+    :data:`_WAKE_S` only bounds how late a timeout is noticed. ``lock`` is
+    the condition's, taken as itself (:class:`ClaimQueue` says why).
     """
+    if ticket.allocation is not None:
+        return ticket.allocation  # granted as it was asked for: set once, never unset
     deadline = None if timeout is None else time.monotonic() + timeout
-    with granted:
+    with lock:
         while ticket.allocation is None:
             if ticket.cancelled is not None:
                 raise ClaimCancelled(

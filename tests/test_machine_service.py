@@ -485,3 +485,83 @@ def test_the_service_runs_no_fluksio_nb_of_the_directory_init_was_run_from(tmp_p
         assert again.returncode == 0, again.stderr
         assert not ran.exists(), "the service ran the fluksio_nb/ of the directory it started in"
         assert snapshot(layout)["gpus"]["total"] == 1
+
+
+#: The stop pressed at every moment Python could run its handler while a claim
+#: asks the service, waits and gives back, one moment a round: Python runs a
+#: signal's handler as a function starts and as a call into C returns (never as
+#: a Python function returns), the moments a profile function is told of. After
+#: each, another kernel takes every core and frees them: a claim left held
+#: would keep it waiting, and a kernel that no longer heard its grants would
+#: never see the core it waits for come free.
+STOP_AT_EVERY_MOMENT = """
+import signal
+import fluksio_nb.machine.client as client
+from fluksio_nb.errors import ClaimTimeout
+from fluksio_nb.machine.client import ServiceQueue
+
+other = ServiceQueue(q.path)
+where = None
+
+def stop_at(moment):
+    seen = 0
+    def profile(frame, event, arg):
+        nonlocal seen
+        global where
+        if event not in ("call", "c_return") or frame.f_code.co_filename != client.__file__:
+            return
+        seen += 1
+        if seen == moment:
+            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
+            signal.raise_signal(signal.SIGINT)
+    return profile
+
+moment, missed = 0, 0
+while missed < 5:
+    moment += 1
+    ticket, where = None, None
+    sys.setprofile(stop_at(moment))
+    try:
+        ticket = q.enqueue(Resources(cpus=1), "stopped")
+        q.wait(ticket, 5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+        if ticket is not None:
+            q.release(ticket)
+    missed = 0 if where else missed + 1
+    everything = other.enqueue(Resources(cpus=q.books.cpus), "everything")
+    try:
+        other.wait(everything, 5)
+    except ClaimTimeout:
+        say(left_held_by_a_stop=where)
+        raise SystemExit
+    waiter = q.enqueue(Resources(cpus=1), "waiter")
+    other.release(everything)
+    try:
+        q.wait(waiter, 5)
+    except ClaimTimeout:
+        say(deaf_after_a_stop=where)
+        raise SystemExit
+    q.release(waiter)
+say(stopped_at=moment - missed - 1)
+"""
+
+
+def test_a_stop_at_any_moment_of_a_claim_leaves_nothing_held_and_the_kernel_hearing_its_grants():
+    """Guards against the stop button landing at an unlucky moment of a claim asking the
+    service: the kernel then left the lock its reader thread needs held for ever, or its
+    reader stood aside for an asker that was gone and no longer heard its grants, or a
+    ticket whose request it abandoned stayed held, with another user's claim waiting for
+    it, until the kernel next asked for something."""
+    with machine(cpus=2, gpus=0) as layout:
+        proc = process(layout, STOP_AT_EVERY_MOMENT)
+        try:
+            said = heard(proc)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "stopped_at" in said, said
+    # A claim's way through the client is dozens of such moments: every one was tried.
+    assert said["stopped_at"] > 20, said

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import pickle
 import re
@@ -962,3 +963,73 @@ def test_a_stop_raised_as_a_with_of_ours_ends_shows_the_users_line():
         tb = error.__traceback__
     assert "__exit__" in _frames(tb), "the stop was not raised as the with ended"
     assert _frames(without_our_last_frames(tb))[-1] == "users_cell"
+
+
+#: A cell that prints, the stop pressed at every moment Python could run its
+#: handler in the worker's output code and the threading module's under it, one
+#: moment a round (as a function starts, and as a call into C returns); after
+#: each, a line from another thread must still go out.
+STOP_AT_EVERY_MOMENT_OF_A_PRINT = """
+import json, signal, sys, threading, time
+import fluksio_nb.worker.streams as streams
+from fluksio_nb.worker.streams import Outbox
+
+sent = []
+box = Outbox(sent.append)
+watched = (streams.__file__, threading.__file__)
+where = None
+
+def stop_at(moment):
+    seen = 0
+    def profile(frame, event, arg):
+        nonlocal seen
+        global where
+        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
+            return
+        seen += 1
+        if seen == moment:
+            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
+            signal.raise_signal(signal.SIGINT)
+    return profile
+
+def one_more_line():
+    box.write("stdout", "after the stop\\n")
+    box.flush()
+
+moment, missed = 0, 0
+while missed < 5:
+    moment += 1
+    where = None
+    sys.setprofile(stop_at(moment))
+    try:
+        for line in ("one\\n", "two\\n", "three\\n"):
+            box.write("stdout", line)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    missed = 0 if where else missed + 1
+    other = threading.Thread(target=one_more_line, daemon=True)
+    other.start()
+    other.join(10)
+    if other.is_alive():
+        print(json.dumps({"output_stuck_after_a_stop": where}))
+        raise SystemExit
+    time.sleep(streams.BATCH_S)  # the next round starts after a quiet spell, as a cell's does
+print(json.dumps({"stopped_at": moment - missed - 1}))
+"""
+
+
+def test_a_stop_at_any_moment_of_a_print_leaves_the_cells_output_going():
+    """Guards against a stop landing as ``Condition.__enter__`` returned in a print, which
+    left the output's lock held by no ``with``: the worker's every later print, in that
+    cell and the next, waited for it for ever."""
+    ran = subprocess.run(
+        [sys.executable, "-c", STOP_AT_EVERY_MOMENT_OF_A_PRINT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = json.loads(ran.stdout.splitlines()[-1]) if ran.stdout else {"stderr": ran.stderr}
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 10, said

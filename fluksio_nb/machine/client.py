@@ -43,7 +43,6 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +54,22 @@ from fluksio_nb.errors import (
 )
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.caps import Cap, fit_to_cap
-from fluksio_nb.machine.connection import ANSWER_WITHIN_S, Lines, ask_once, connect, hello
+from fluksio_nb.machine.connection import (
+    ANSWER_WITHIN_S,
+    REACH_WITHIN_S,
+    Lines,
+    ask_once,
+    connect,
+    hello,
+    not_answering,
+)
 from fluksio_nb.queue import (
     Ticket,
     books_changing,
     fit_to_capacity,
     timeout_message,
     wait_for_grant,
+    wait_on,
 )
 from fluksio_nb.resources import Resources
 
@@ -81,6 +89,9 @@ READ_SLICE_S = 0.25
 #: at once on two cores: a median of 1.2-2.0 ms sleeping at once, 0.4 ms
 #: reading this long first).
 SPIN_S = 150e-6
+#: How long an abandoned request's number is kept past the wait for its
+#: answer, for an answer later than that still to be given back.
+_FORGET_ABANDONED_S = 60.0
 
 
 class ServiceQueue:
@@ -89,7 +100,12 @@ class ServiceQueue:
     def __init__(self, path: Path, share_labels: bool = False) -> None:
         self.path = path
         self._share_labels = share_labels
-        lock = threading.RLock()
+        #: Taken with ``with self._lock``, never ``with self._cond``: a stop
+        #: landing as ``Condition.__enter__``, which is Python, returns leaves
+        #: the lock held by nobody's ``with``, and the reader thread waits on
+        #: it for ever. The lock's own ``__enter__`` is C, with no moment
+        #: between taking the lock and the block that would let it go.
+        self._lock = lock = threading.RLock()
         self._cond = threading.Condition(lock)
         #: What the reader thread sleeps on, under the same lock: woken only
         #: when it has something to do, not by every line it would hear.
@@ -98,11 +114,17 @@ class ServiceQueue:
         self._ids = iter(range(1, 1 << 62))
         self._answers: dict[int, dict[str, Any] | None] = {}
         self._mine: dict[int, Ticket] = {}
+        #: This kernel's claims on a connection that broke, for the new one
+        #: to put back: kept apart from ``_mine``, where claims made on the
+        #: new connection go, so that none is put back twice.
+        self._held_over: list[Ticket] = []
         #: News of a ticket that came before the answer that named it was read.
         self._early: dict[int, dict[str, Any]] = {}
         #: Requests whose asker gave up (the stop button, mostly): a ticket
         #: that arrives for one is given straight back, never left held.
-        self._abandoned: set[int] = set()
+        #: It is read for, by the reader thread if nobody asks, until its
+        #: answer has had time to come: until when, for each.
+        self._abandoned: dict[int, float] = {}
         #: The ticket the service numbered for each claim request, written as
         #: the answer is read, and taken by the asker only once the ticket is
         #: its caller's. A KeyboardInterrupt may land between any two calls of
@@ -115,8 +137,12 @@ class ServiceQueue:
         #: Held by whichever thread reads the connection now: an asker, or
         #: the reader thread while it watches.
         self._reading = threading.Lock()
-        #: Threads that read, or wait to read, for their own answers.
-        self._askers = 0
+        #: Threads that read, or wait to read, for their own answers: when
+        #: each will have given up. A stop may land between taking a place
+        #: and the ``try`` that gives it up, or in that ``finally`` before it
+        #: does; a place left so is past its time within seconds, and the
+        #: reader thread, which steps aside for askers, watches again.
+        self._askers: dict[object, float] = {}
         #: The reader thread's states, which say who has to wake it.
         self._watching = self._asleep = self._stepped_aside = False
         #: Claims asked for so far: a reader thread that saw none made since
@@ -156,39 +182,89 @@ class ServiceQueue:
             ram_bytes=inventory["ram_bytes"],
             cores=core_ids if len(core_ids) == cpus else (),
         )
-        with self._cond:
+        with self._lock:
             self._lines, self._sock = lines, sock
+            # A claim waiting out a restart is sent the moment this is here.
+            self._cond.notify_all()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> socket.socket:
+        """Send ``message``; the connection it went on."""
         with self._send_lock:
             sock = self._sock
             if sock is None:
-                raise ServiceUnavailable(f"the books service at {self.path} went away")
-            sock.sendall(protocol.line(message))
+                raise ServiceUnavailable(not_answering(self.path, "its connection closed"))
+            try:
+                sock.sendall(protocol.line(message))
+                return sock
+            except OSError as error:
+                why = error.strerror or str(error)
+        # The service went away while nothing was held (a restart, say), so
+        # nobody was watching the connection: dropped here, or every request
+        # after this one would fail on it too, for as long as the kernel lives.
+        self._drop(sock)
+        raise ServiceUnavailable(not_answering(self.path, why))
 
-    def _ask(self, message: dict[str, Any], number: int | None = None) -> dict[str, Any]:
+    def _send_once_connected(self, message: dict[str, Any]) -> socket.socket:
+        """Send ``message``, waiting out a service that restarts as a new connection would."""
+        deadline = time.monotonic() + REACH_WITHIN_S
+        while True:
+            try:
+                return self._send(message)
+            except ServiceUnavailable:
+                with self._lock:
+                    while self._sock is None and not self._closed:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        wait_on(self._cond, left)
+                    if self._sock is None or time.monotonic() >= deadline:
+                        raise
+
+    def _ask(
+        self, message: dict[str, Any], number: int | None = None, *, anew: bool = False
+    ) -> dict[str, Any]:
         """The service's answer to ``message``, sent as request ``number``.
 
         A claim's asker passes its own ``number``, and gives back the ticket
         :attr:`_ticket_of_request` holds for it if it fails after the answer.
+        With ``anew``, a request the service went away without answering is
+        sent again once the reader thread has reconnected: safe for a new
+        claim, whose grant, if any, went with the connection that held it.
         """
         number = next(self._ids) if number is None else number
-        with self._cond:
+        place = object()
+        with self._lock:
             self._answers[number] = None
         try:
-            self._send({**message, "id": number})
+            send = self._send_once_connected if anew else self._send
+            sent_on = send({**message, "id": number})
             deadline = time.monotonic() + ANSWER_WITHIN_S
-            with self._reading_for_myself():
+            # Taken and given up in line, not in functions of their own: Python
+            # runs a signal's handler as a function starts and as a call
+            # returns, so a stop could land in such a function before it took
+            # or gave up the place, and the reader thread would stand aside for
+            # an asker that is gone. Here the place is in the books by the time
+            # any call returns, and out of them before one starts.
+            with self._lock:
+                # Given up by then, at the latest: the answer's wait and a read slice.
+                self._askers[place] = deadline + 2 * READ_SLICE_S
+                if self._watching:
+                    self._nudge()
+            # Never with the condition held: the reader thread hears what it
+            # read under the condition before it lets go of the connection.
+            with self._reading:
                 while True:
-                    with self._cond:
+                    with self._lock:
                         answer = self._answers.get(number)
                         if answer is not None:
                             del self._answers[number]
                             return answer
-                        if self._sock is None:
-                            raise ServiceUnavailable(
-                                f"the books service at {self.path} went away before it answered"
-                            )
+                        # Replaced already, too, by a reader thread quick to reconnect.
+                        went_away = self._sock is not sent_on
+                    if went_away and anew:
+                        sent_on = send({**message, "id": number})
+                    elif went_away:
+                        raise ServiceUnavailable(not_answering(self.path, "its connection closed"))
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ServiceUnavailable(
@@ -200,32 +276,28 @@ class ServiceQueue:
                     with books_changing():
                         self._hear_what_is_there(min(left, READ_SLICE_S))
         except BaseException:
-            with self._cond:
+            with self._lock:
                 if (
                     self._answers.pop(number, None) is None
                     and number not in self._ticket_of_request
                 ):
                     # Not answered yet: whatever the answer brings is given back.
-                    self._abandoned.add(number)
+                    self._abandoned[number] = time.monotonic() + ANSWER_WITHIN_S
+                    self._reader_wakes.notify()
             raise
-
-    @contextlib.contextmanager
-    def _reading_for_myself(self) -> Iterator[None]:
-        """The connection to read, taken from the reader thread if it is watching."""
-        with self._cond:
-            self._askers += 1
-            if self._watching:
-                self._nudge()
-        try:
-            # Never with the condition held: the reader thread hears what it
-            # read under the condition before it lets go of the connection.
-            with self._reading:
-                yield
         finally:
-            with self._cond:
-                self._askers -= 1
+            with self._lock:
+                self._askers.pop(place, None)
                 if not self._askers and self._stepped_aside:
                     self._reader_wakes.notify()
+
+    def _asked(self) -> float | None:
+        """Until when an asker may want the connection; None if none does. Lock held."""
+        now = time.monotonic()
+        for place, until in list(self._askers.items()):
+            if until <= now:
+                del self._askers[place]  # left behind by a stop, not given up
+        return max(self._askers.values(), default=None)
 
     def _hear_what_is_there(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for the connection, and hear every line on it.
@@ -269,19 +341,19 @@ class ServiceQueue:
 
     def _let_go_of(self, request: int) -> None:
         """Give back the ticket request ``request`` was answered with, if any: nobody holds it."""
-        with self._cond:
+        with self._lock:
             ticket = self._ticket_of_request.pop(request, None)
         if ticket is not None:
             self._let_go_of_ticket(ticket)
 
     def _let_go_of_ticket(self, number: int) -> None:
-        with self._cond:
+        with self._lock:
             self._mine.pop(number, None)
             self._give_back_unasked(number)
 
     def _own(self, request: int) -> None:
         """The ticket of request ``request`` is its caller's now: nothing to give back."""
-        with self._cond:
+        with self._lock:
             self._ticket_of_request.pop(request, None)
 
     # -- the reader thread ----------------------------------------------------------
@@ -297,15 +369,15 @@ class ServiceQueue:
         looked_at: set[int] = set()
         made = -1
         while True:
-            with self._cond:
+            with self._lock:
                 if self._closed:
                     os.close(self._nudge_in)
                     os.close(self._nudge_out)
                     return
                 if self._sock is not None:
-                    if self._askers:
+                    if (until := self._asked()) is not None:
                         self._stepped_aside = True
-                        self._reader_wakes.wait()
+                        self._reader_wakes.wait(until - time.monotonic())
                         self._stepped_aside = False
                         continue
                     held = set(self._mine)
@@ -325,19 +397,35 @@ class ServiceQueue:
             try:
                 self._watch()
             finally:
-                with self._cond:
+                with self._lock:
                     self._watching = False
 
     def _worth_watching(self, held_a_while: set[int]) -> bool:
         """Whether the connection may bring news a thread waits for. Condition held."""
-        return bool(held_a_while) or any(
-            ticket.state == "waiting" for ticket in self._mine.values()
+        return (
+            bool(held_a_while)
+            or any(ticket.state == "waiting" for ticket in self._mine.values())
+            or self._awaited() is not None
         )
+
+    def _awaited(self) -> float | None:
+        """Until when an abandoned request's answer may still come; None if none may. Lock held.
+
+        Its answer may be a ticket, held until it is read and given back,
+        with others waiting for it: read for it, though nobody asks. A
+        request abandoned before it went (the stop landed first) has no
+        answer to come; it is forgotten a while after.
+        """
+        now = time.monotonic()
+        for number, until in list(self._abandoned.items()):
+            if until + _FORGET_ABANDONED_S < now:
+                del self._abandoned[number]
+        return max((until for until in self._abandoned.values() if until > now), default=None)
 
     def _watch(self) -> None:
         """Hear what comes until an asker wants the connection or nothing is held."""
         with self._reading:
-            with self._cond:
+            with self._lock:
                 sock, nudged = self._sock, self._nudge_out
             if sock is None:
                 return
@@ -345,10 +433,17 @@ class ServiceQueue:
             poller.register(sock, select.POLLIN)
             poller.register(nudged, select.POLLIN)
             while True:
-                with self._cond:
-                    if self._askers or self._closed or self._sock is not sock or not self._mine:
+                with self._lock:
+                    awaited = None if self._mine else self._awaited()
+                    if (
+                        self._asked() is not None
+                        or self._closed
+                        or self._sock is not sock
+                        or not (self._mine or awaited)
+                    ):
                         return
-                ready = dict(poller.poll())
+                left = None if awaited is None else max(0, awaited - time.monotonic())
+                ready = dict(poller.poll(None if left is None else left * 1000))
                 if nudged in ready:
                     with contextlib.suppress(BlockingIOError):
                         os.read(nudged, 4096)
@@ -357,10 +452,14 @@ class ServiceQueue:
 
     def _drop(self, sock: socket.socket) -> None:
         """The connection ended or went wrong: the reader thread makes a new one."""
-        with self._cond:
+        with self._lock:
             if self._sock is not sock:
                 return
             self._sock = None
+            # Numbered by the service that went away: none of them is kept.
+            self._held_over.extend(self._mine.values())
+            self._mine.clear()
+            self._early.clear()
             self._cond.notify_all()
             self._reader_wakes.notify()
         with contextlib.suppress(OSError):
@@ -382,10 +481,10 @@ class ServiceQueue:
 
     def _heard(self, message: dict[str, Any]) -> None:
         stop = None
-        with self._cond:
+        with self._lock:
             op = message.get("op")
             if message.get("id") in self._abandoned:
-                self._abandoned.discard(message["id"])
+                del self._abandoned[message["id"]]
                 if op == "ticket":
                     self._give_back_unasked(message["ticket"])
             elif "id" in message and message["id"] in self._answers:
@@ -423,13 +522,9 @@ class ServiceQueue:
 
     def _put_back(self) -> None:
         """After a restart: running claims written back if still free, waiting ones queued again."""
-        with self._cond:
-            # Numbered afresh by the new service: the old numbers may be given
-            # to other claims of this kernel, so none of them is kept.
-            mine = list(self._mine.values())
-            self._mine.clear()
-            self._early.clear()
-        for ticket in mine:
+        with self._lock:
+            mine, self._held_over = self._held_over, []
+        for put, ticket in enumerate(mine):
             if ticket.state == "running" and ticket.allocation is not None:
                 held = ticket.allocation
                 request: dict[str, Any] = {
@@ -450,6 +545,9 @@ class ServiceQueue:
             try:
                 answer = self._ask(request, asked)
             except ServiceUnavailable:
+                # Gone again: the next connection puts these back.
+                with self._lock:
+                    self._held_over.extend(mine[put:])
                 return
             self._own(asked)
             if answer["op"] != "ticket":
@@ -458,13 +556,13 @@ class ServiceQueue:
                     "service restarted, or the kernel stopped answering it), and what this "
                     "claim held is taken"
                 )
-                with self._cond:
+                with self._lock:
                     ticket.cancelled = reason
                     self._cond.notify_all()
                 if ticket.state == "running" and ticket.on_cancel is not None:
                     ticket.on_cancel(reason)
                 continue
-            with self._cond:
+            with self._lock:
                 if ticket.state == "done":
                     # Released while the service was away: nothing to hold.
                     self._give_back_unasked(answer["ticket"])
@@ -477,7 +575,7 @@ class ServiceQueue:
                 self._reader_wakes.notify()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
             self._reader_wakes.notify()
@@ -502,10 +600,12 @@ class ServiceQueue:
         asked = next(self._ids)
         ticket: Ticket | None = None
         try:
-            answer = self._ask({"op": "claim", "need": need, "label": given or "claim"}, asked)
+            answer = self._ask(
+                {"op": "claim", "need": need, "label": given or "claim"}, asked, anew=True
+            )
             if answer["op"] == "error":
                 raise ClaimTooLarge(f"{fitted.describe()}: {answer['message']}")
-            with self._cond:
+            with self._lock:
                 number = answer["ticket"]
                 ticket = Ticket(
                     number=number,
@@ -542,12 +642,14 @@ class ServiceQueue:
             self._heard(early)
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
-        return wait_for_grant(self._cond, ticket, timeout, self.timeout_message)
+        return wait_for_grant(self._lock, self._cond, ticket, timeout, self.timeout_message)
 
     def release(self, ticket: Ticket) -> None:
-        with self._cond:
+        with self._lock:
             known = self._mine.pop(ticket.number, None)
-        ticket.state = "done"
+            # Under the lock: a restart's put-back checks it there, and a
+            # claim released while it looked would be held for ever.
+            ticket.state = "done"
         if known is None:
             return
         # Sent, not asked: the service reads this connection in order, so
@@ -573,6 +675,8 @@ class ServiceQueue:
     def snapshot(self) -> dict[str, Any]:
         try:
             answer = ask_once(self.path, {"op": "snapshot"})
+        except ServiceUnavailable:
+            raise  # says what is wrong already
         except (OSError, ValueError) as error:
             raise ServiceUnavailable(
                 f"the books service at {self.path} did not give the machine: {error}"

@@ -48,14 +48,34 @@ def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
             sock.close()
             if time.monotonic() >= deadline:
                 raise ServiceUnavailable(
-                    f"this machine's books are set up at {path.parent}, but their service "
-                    f"does not answer ({error.strerror or error}). `fluksio-nb machine status` "
-                    "says more; the machine's admin restarts it with `fluksio-nb machine init`."
+                    not_answering(path, error.strerror or str(error))
                 ) from None
             time.sleep(0.1)
         except BaseException:
             sock.close()
             raise
+
+
+def not_answering(path: Path, why: str) -> str:
+    """What to tell someone whose claim found no service at ``path``, and what they can do.
+
+    A run directory no longer marked was taken down with ``machine remove``:
+    an admin's restart would not help, and a kernel picks its books only as
+    it starts.
+    """
+    from fluksio_nb.machine.run_dir import socket_in
+
+    if socket_in(path.parent) is None:
+        return (
+            f"this machine's books at {path.parent} were taken down by its admin (`fluksio-nb "
+            "machine remove`); a kernel chooses its books as it starts, so restart this "
+            "kernel to keep books of your own"
+        )
+    return (
+        f"this machine's books are set up at {path.parent}, but their service does not "
+        f"answer ({why}). `fluksio-nb machine status` says more; the machine's admin "
+        "restarts it with `fluksio-nb machine init`."
+    )
 
 
 def hello(share_labels: bool) -> dict[str, Any]:

@@ -115,13 +115,13 @@ class _Outbox:
         sender.open(self)
 
     def put(self, item: Any) -> None:
-        with self._sender.changed:
+        with self._sender.lock:
             self._pending.append(item)
             self._sender.changed.notify_all()
 
     def close(self) -> list[Any]:
         """Stop sending; what was never sent, for the task's result."""
-        with self._sender.changed:
+        with self._sender.lock:
             self._closed = True
             self._sender.shut(self)
             # A batch already taken is sent before the count is read.
@@ -153,7 +153,7 @@ class _Outbox:
         try:
             self._last = self._mailboxes.put.remote(self._box, items)
         finally:
-            with self._sender.changed:
+            with self._sender.lock:
                 self._sent_at = time.monotonic()
                 self._sending = False
                 self._sender.changed.notify_all()
@@ -170,12 +170,16 @@ class _Sender:
     """
 
     def __init__(self) -> None:
-        self.changed = threading.Condition()
+        #: Taken as ``with lock``, not ``with changed``: a stop (``ray.cancel``)
+        #: landing as ``Condition.__enter__`` (Python) returns would leave the
+        #: lock held by no ``with``, and every later send waiting on it.
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
         self._open: set[_Outbox] = set()
         self._thread: threading.Thread | None = None
 
     def open(self, outbox: _Outbox) -> None:
-        with self.changed:
+        with self.lock:
             self._open.add(outbox)
             self._thread = ensure_running(self._thread, self._loop, "fluksio-outbox")
 
@@ -186,7 +190,7 @@ class _Sender:
 
     def _loop(self) -> None:
         while True:
-            with self.changed:
+            with self.lock:
                 batch = None
                 while batch is None:
                     now = time.monotonic()

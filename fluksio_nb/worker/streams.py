@@ -67,6 +67,9 @@ class Outbox:
         # sent after a flush never overtakes text the flush took.
         self._sending = threading.Lock()
         self._sent_at = float("-inf")
+        # Taken as ``with self._lock``, not ``with self._due``: a stop landing
+        # as ``Condition.__enter__`` (Python) returns would leave the lock held
+        # by no ``with``, and the cell's next print would wait for it for ever.
         self._due = threading.Condition(self._lock)
         self._batch_due = False
 
@@ -89,7 +92,7 @@ class Outbox:
         if not self._batching or time.monotonic() - self._sent_at >= BATCH_S:
             self.flush()
             return
-        with self._due:
+        with self._lock:
             if not self._batch_due:
                 self._batch_due = True
                 self._due.notify()
@@ -107,7 +110,7 @@ class Outbox:
 
     def _send_batches(self) -> None:
         while True:
-            with self._due:
+            with self._lock:
                 while not self._batch_due:
                     self._due.wait()
                 self._batch_due = False
