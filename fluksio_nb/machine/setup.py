@@ -193,21 +193,28 @@ def init(
 ) -> str:
     """Set the machine up; returns what was done, for the admin to read."""
     _must_be_root("init")
-    gid = 0
-    for name in (group, admin_group):
+    # A flag left out keeps what machine.json says: init is run again to
+    # restart the service, and that must not open the books to every user.
+    given = {"group": group, "admin_group": admin_group, **(inventory or {})}
+    try:
+        config = MachineConfig.model_validate(
+            {
+                **read_config(layout).model_dump(),
+                **{key: value for key, value in given.items() if value is not None},
+            }
+        )
+    except ValidationError as error:
+        raise MachineSetupError(_refused(error)) from None
+    for name in (config.group, config.admin_group):
         if name is not None:
             try:
-                found = grp.getgrnam(name).gr_gid
+                grp.getgrnam(name)
             except KeyError:
                 raise MachineSetupError(
                     f"there is no group {name!r} on this machine; create it (groupadd {name}) "
                     "or name another"
                 ) from None
-            gid = found if name == group else gid
-    config = read_config(layout).model_copy(
-        update={"group": group, "admin_group": admin_group, **(inventory or {})}
-    )
-    config = MachineConfig.model_validate(config.model_dump())
+    gid = grp.getgrnam(config.group).gr_gid if config.group else 0
     _root_dir(layout.config.parent, 0o755, prefix=layout.prefix)
     staged = layout.config.with_suffix(".json.new")
     staged.write_text(config.model_dump_json(indent=2, exclude_defaults=True) + "\n")
@@ -215,12 +222,28 @@ def init(
     os.replace(staged, layout.config)
     # Sticky: every user creates their own records, and nobody may remove or
     # rename anyone else's.
-    _root_dir(layout.records, 0o1770 if group else 0o1777, gid, prefix=layout.prefix)
+    _root_dir(layout.records, 0o1770 if config.group else 0o1777, gid, prefix=layout.prefix)
     _mark(layout)
     said = [f"config: {layout.config}", f"usage records: {layout.records}"]
     if start:
         said.append(start_service(layout))
     return "\n".join(said)
+
+
+def _refused(error: ValidationError) -> str:
+    """What was wrong with init's flags, each as the admin typed it, and that nothing changed."""
+    said = []
+    for item in error.errors(include_url=False):
+        where, message = item.get("loc", ()), str(item.get("msg", "")).rstrip(".")
+        if len(where) == 1 and where[0] in ("cpus", "gpus", "ram"):
+            hint = " (a size such as 64G or 512GiB)" if where[0] == "ram" else ""
+            said.append(
+                f"--{where[0]} {item.get('input')}: {message[:1].lower()}{message[1:]}{hint}"
+            )
+        else:
+            said.append(explain(error).rstrip("."))
+            break
+    return "; ".join(said) + ". Nothing was changed."
 
 
 def start_service(layout: Layout) -> str:
@@ -356,7 +379,8 @@ def remove(layout: Layout) -> str:
         layout.config.parent.rmdir()
     return (
         f"removed: the books service, {layout.run_dir} and {layout.config}. Every user's "
-        f"kernels keep books of their own from their next claim. Usage records stay in "
+        f"kernels started from now on keep books of their own; a kernel running now says so "
+        f"at its next claim, and keeps its own once restarted. Usage records stay in "
         f"{layout.records}."
     )
 
