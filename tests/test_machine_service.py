@@ -524,8 +524,9 @@ while missed < 5:
     try:
         ticket = q.enqueue(Resources(cpus=1), "stopped")
         q.wait(ticket, 5)
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as stop:
+        # Kept, traceback and all, as a kernel keeps the last error.
+        last_error = stop
     finally:
         sys.setprofile(None)
         if ticket is not None:
