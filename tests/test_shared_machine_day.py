@@ -96,6 +96,25 @@ def test_a_claim_while_the_service_is_down_says_what_to_do_and_the_next_runs_onc
         assert back.status == "ok", back.so_far()
 
 
+def test_usage_while_the_service_is_down_reads_the_machines_records_and_says_why(alice, kernels):
+    """Guards against `fluksio-nb usage` printing "No claims recorded." on a machine
+    whose service died, the records there on disk all the while, under a Python
+    warning's file-and-line prefix: the records directory was only asked of the service."""
+    with machine(cpus=2, gpus=0) as layout:
+        a = kernels(alice, layout)
+        assert claim_once(a).status == "ok"
+        a.shutdown()
+        kill_the_service(layout)
+        usage = "import sys; from fluksio_nb.__main__ import main; sys.exit(main(['usage']))"
+        ran = run_as(alice, usage, env=machine_env(layout))
+        assert ran.returncode == 0, ran.stderr
+        assert "No claims recorded" not in ran.stdout, ran.stdout
+        assert "1 ok" in ran.stdout, ran.stdout
+        assert ran.stderr.startswith("fluksio-nb usage: the machine's books service does not")
+        assert f"were read from {layout.records}" in ran.stderr, ran.stderr
+        assert "Warning" not in ran.stderr, ran.stderr
+
+
 def test_a_kernel_running_through_remove_is_told_to_restart_for_books_of_its_own(alice, kernels):
     """Guards against a kernel whose machine books were removed being told to ask the
     admin to restart a service that no longer exists, when what it needs is a restart

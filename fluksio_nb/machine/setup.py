@@ -107,6 +107,16 @@ class Layout:
         return Path("/etc/systemd/system") / UNIT_NAME
 
 
+def records_beside(socket: Path) -> Path | None:
+    """The records directory ``init`` made for the books served at ``socket``, if it made it."""
+    run_dir = socket.parent
+    depth = len(DEFAULT_RUN_DIR.relative_to("/").parts)
+    if run_dir.parts[-depth:] != DEFAULT_RUN_DIR.relative_to("/").parts:
+        return None
+    records = Layout(Path(*run_dir.parts[:-depth])).records
+    return records if records.is_dir() else None
+
+
 def read_config(layout: Layout) -> MachineConfig:
     try:
         text = layout.config.read_text()

@@ -300,6 +300,7 @@ def usage_dirs() -> list[Path]:
     from fluksio_nb.errors import ServiceUnavailable
     from fluksio_nb.kernel import books_in_force
     from fluksio_nb.machine.connection import ask_once
+    from fluksio_nb.machine.setup import records_beside
 
     dirs = [default_usage_dir()]
     books = books_in_force()
@@ -308,11 +309,22 @@ def usage_dirs() -> list[Path]:
         try:
             records = ask_once(found, {"op": "snapshot"})["welcome"].get("records")
         except (ServiceUnavailable, OSError) as error:
-            warnings.warn(f"the machine's usage records were not read: {error}", stacklevel=2)
-            records = None
+            # The records are files, there whether the service answers or not:
+            # where `machine init` put them beside the run directory.
+            records = records_beside(found)
+            warnings.warn(
+                f"the machine's books service does not answer ({error}); its usage records "
+                + (f"were read from {records}" if records else "were not read"),
+                UsageServiceDown,
+                stacklevel=2,
+            )
         if records:
             dirs.insert(0, Path(records))
     return dirs
+
+
+class UsageServiceDown(UserWarning):
+    """The machine's books service did not answer while its usage records were looked for."""
 
 
 def usage_main(argv: list[str]) -> int:
@@ -355,7 +367,12 @@ def usage_main(argv: list[str]) -> int:
     # Counted as they are read: no record is kept, whatever is in the directories.
     rows = UsageRows()
     adding = _Summary()
-    for directory in options.dir or usage_dirs():
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always", UsageServiceDown)
+        directories = options.dir or usage_dirs()
+    for warning in heard:
+        print(f"fluksio-nb usage: {warning.message}", file=sys.stderr)
+    for directory in directories:
         try:
             adding.add(each_usage(directory, rows, since=since, user=options.user))
         except OSError as error:
