@@ -409,7 +409,8 @@ def timeout_message(ticket: Ticket, timeout: float | None, holders: list[Ticket]
     return (
         f"{ticket.label} waited {timeout:g} s for {ticket.resources.describe()} "
         f"and it did not come free (held by {held or 'nobody; claims ahead of it'}). "
-        "Raise the timeout (--timeout, or timeout= in claim()), or free the share from `%claims`."
+        "Raise the timeout (--timeout, or timeout= in claim()), or, if a claim holding it "
+        "is yours, stop it from `%claims`."
     )
 
 
