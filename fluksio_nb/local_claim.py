@@ -158,6 +158,9 @@ class Claim(ClaimLifecycle):
             return self._ticket
         if self.wanted.timeout is not None:
             self._deadline = time.monotonic() + self.wanted.timeout
+        if self.wanted.gpu_ram is not None and self.wanted.gpus:
+            # Refused now, not after a wait in the queue for a card it could not use.
+            self._cards_read_for_gpu_ram(self.wanted)
         ticket = self._queue.enqueue(self.wanted)
         self._ticket = ticket
         self._remember_the_cell()
@@ -269,18 +272,23 @@ class Claim(ClaimLifecycle):
         """Each granted card's size, for a claim with ``gpu_ram=``, which cannot go unread."""
         if ticket.resources.gpu_ram is None or not allocation.gpus:
             return None
+        reading = self._cards_read_for_gpu_ram(ticket.resources)
+        return {
+            card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
+        }
+
+    def _cards_read_for_gpu_ram(self, wanted: Resources) -> Any:
+        """The cards' reading, for a claim with ``gpu_ram=``; refused if nothing reads them."""
         reading = kernel_cards().read()
         if reading is None:
-            asked = ticket.resources.gpu_ram.human_readable(decimal=True)
+            asked = wanted.gpu_ram.human_readable(decimal=True) if wanted.gpu_ram else "?"
             raise BadClaim(
                 f"{self.status.label} asks for gpu_ram={asked}, "
                 "and nothing here reads the cards' memory to hold it to that: NVML's "
                 "library (libnvidia-ml, with the driver) could not be loaded and nvidia-smi "
                 "is not on PATH. Drop gpu_ram=, or run where the driver is installed"
             )
-        return {
-            card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
-        }
+        return reading
 
     def _wait(self, ticket: Ticket) -> Allocation:
         # The first look comes sooner: a claim still waiting then is shown

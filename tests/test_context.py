@@ -311,3 +311,17 @@ def test_a_card_memory_budget_nothing_can_read_is_refused_and_the_share_given_ba
     with refused, claim(gpus=1, gpu_ram="1G"):
         pass
     assert accountant().snapshot()["running"] == []
+
+
+def test_a_card_memory_budget_nothing_can_read_is_refused_before_it_waits_for_a_card():
+    """Guards against such a claim waiting in the queue for a card, to its timeout or
+    for as long as the card is held, only to be refused once it had one."""
+    from fluksio_nb.gpu_usage import kernel_cards
+
+    if kernel_cards().source is not None:
+        pytest.skip(f"this machine reads its cards ({kernel_cards().source}); the test needs none")
+    with claim(gpus=1, label="holder"):
+        refused = pytest.raises(BadClaim, match=r"gpu_ram=1.0GB.*nothing here reads the cards")
+        with refused, claim(gpus=1, gpu_ram="1G", timeout=5):
+            pass
+        assert accountant().snapshot()["waiting"] == []
