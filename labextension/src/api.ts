@@ -186,7 +186,9 @@ export type Ending =
   | 'halted'
   | 'timed out'
   | 'died'
-  | 'cancelled';
+  | 'cancelled'
+  /** Written for a kernel killed outright, by whoever saw it go: no peak is known. */
+  | 'kernel died';
 
 /** A claim that has ended, anyone's on this machine. */
 export interface FinishedClaim {

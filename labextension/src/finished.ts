@@ -16,6 +16,7 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
   ok: 'good',
   error: 'bad',
   died: 'bad',
+  'kernel died': 'bad',
   'timed out': 'bad',
   halted: 'bad',
   interrupted: 'stopped',

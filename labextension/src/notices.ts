@@ -60,7 +60,7 @@ interface Seen {
 /** How many times the finished claims are read for one that just ended. */
 const RECORD_READS = 5;
 
-const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'timed out', 'halted']);
+const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'kernel died', 'timed out', 'halted']);
 
 export class Notices {
   constructor(
