@@ -138,10 +138,10 @@ class ServiceQueue:
         #: the reader thread while it watches.
         self._reading = threading.Lock()
         #: Threads that read, or wait to read, for their own answers: when
-        #: each will have given up. A stop may land between taking a place
-        #: and the ``try`` that gives it up, or in that ``finally`` before it
-        #: does; a place left so is past its time within seconds, and the
-        #: reader thread, which steps aside for askers, watches again.
+        #: each will have given up. The reader thread stands aside for them,
+        #: so a place left behind would keep this kernel from hearing its
+        #: grants; :meth:`_ask` leaves none, and one left by anything it did
+        #: not foresee is past its time within seconds, not there for ever.
         self._askers: dict[object, float] = {}
         #: The reader thread's states, which say who has to wake it.
         self._watching = self._asleep = self._stepped_aside = False
