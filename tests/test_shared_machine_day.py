@@ -115,6 +115,20 @@ def test_usage_while_the_service_is_down_reads_the_machines_records_and_says_why
         assert "Warning" not in ran.stderr, ran.stderr
 
 
+def test_a_background_claim_is_stopped_by_its_user_while_the_service_is_down(alice, kernels):
+    """Guards against `job.cancel()` raising ServiceUnavailable while the job ran on,
+    on cores nobody counts any more, once the books service died or was taken down:
+    the user could not end their own work short of restarting the kernel."""
+    with machine(cpus=2, gpus=0) as layout:
+        a = kernels(alice, layout)
+        a.start_job("%%claim cpus=1 --background\nimport time\ntime.sleep(600)", "job")
+        wait_until(lambda: a.facts("job.status") == "running", what="the job running")
+        kill_the_service(layout)
+        assert a.facts("job.cancel()") is True
+        wait_until(lambda: a.facts("job.done()"), what="the job's end")
+        assert a.facts("job.status") == "cancelled"
+
+
 def test_a_kernel_running_through_remove_is_told_to_restart_for_books_of_its_own(alice, kernels):
     """Guards against a kernel whose machine books were removed being told to ask the
     admin to restart a service that no longer exists, when what it needs is a restart

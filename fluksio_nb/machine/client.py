@@ -658,10 +658,36 @@ class ServiceQueue:
             self._send({"op": "release", "ticket": ticket.number})
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
-        answer = self._ask({"op": "cancel", "ticket": number, "reason": reason})
+        try:
+            answer = self._ask({"op": "cancel", "ticket": number, "reason": reason})
+        except ServiceUnavailable:
+            # This kernel's own claim is stopped here, as the service's stop
+            # would: a service that is down or taken away must not leave the
+            # user unable to end their own work.
+            if not self._stop_here(number, reason):
+                raise
+            return True
         if answer["op"] == "error":
             raise NotYours(answer["message"])
         return bool(answer.get("found"))
+
+    def _stop_here(self, number: int, reason: str) -> bool:
+        """Stop claim ``number`` if it is this kernel's, without the service; whether it is."""
+        stop = None
+        with self._lock:
+            ticket = self._mine.get(number) or next(
+                (held for held in self._held_over if held.number == number), None
+            )
+            if ticket is None:
+                return False
+            if ticket.cancelled is None:
+                ticket.cancelled = reason
+                if ticket.state == "running":
+                    stop = ticket.on_cancel
+            self._cond.notify_all()
+        if stop is not None:
+            stop(reason)
+        return True
 
     def report(self, ticket: Ticket, readings: dict[str, Any]) -> None:
         with contextlib.suppress(ServiceUnavailable, OSError):
