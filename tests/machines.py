@@ -131,3 +131,15 @@ def heard(proc: subprocess.Popen) -> dict[str, Any]:
     if not line:
         raise AssertionError(f"the process ended without a word: {proc.stderr.read()}")
     return json.loads(line)
+
+
+@contextmanager
+def kernels_on_books() -> Iterator[Any]:
+    """``start(user, layout, **env)``: a kernel of the user's on those books, shut down after."""
+    from tests.kernels import Kernel, shut_down_at_the_end
+
+    def start(user: UnixUser, layout: Layout, **env: str) -> Kernel:
+        return Kernel(user=user, **machine_env(layout, **env))
+
+    with shut_down_at_the_end(start) as started:
+        yield started

@@ -29,6 +29,7 @@ from fluksio_nb.kernel import books_in_force
 from fluksio_nb.ledger import LEDGER_FILE, LedgerBroken, MachineQueue, read_snapshot
 from fluksio_nb.resources import Resources
 from fluksio_nb.settings import Settings
+from tests.stops import said_by
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -441,16 +442,13 @@ def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_ledger(tmp_pa
 #: each, another kernel of the user's takes every core and frees them while
 #: this one waits for one: a claim left held, or the ledger's lock, would keep
 #: it waiting, and a kernel that no longer heard its waker would never start.
-STOP_AT_EVERY_MOMENT = """
-import contextlib, json, signal, subprocess, sys, threading
-import fluksio_nb.ledger, fluksio_nb.queue
+STOP_AT_EVERY_MOMENT = '''
+import contextlib, subprocess, threading
+import fluksio_nb.queue
 from fluksio_nb.errors import ClaimTimeout
 
-OTHER = '''
+OTHER = """
 import sys
-from fluksio_nb.ledger import MachineQueue
-from fluksio_nb.resources import Resources
-q = MachineQueue(sys.argv[1], INVENTORY)
 for line in sys.stdin:
     if line.strip() == "hold":
         held = q.enqueue(Resources(cpus=4), "everything")
@@ -462,64 +460,40 @@ for line in sys.stdin:
     else:
         q.release(held)
         print("freed", flush=True)
-'''
+"""
 other = subprocess.Popen(
-    [sys.executable, "-c", PRELUDE + OTHER, DIRECTORY], stdin=subprocess.PIPE,
-    stdout=subprocess.PIPE, text=True,
+    [sys.executable, "-c", PRELUDE + OTHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    text=True,
 )
+
 def tell(word):
     other.stdin.write(word + "\\n")
     other.stdin.flush()
     return other.stdout.readline().strip()
 
-q = MachineQueue(DIRECTORY, INVENTORY)
-watched = [fluksio_nb.queue.__file__, contextlib.__file__, threading.__file__]
-ledger = [m for name, m in sys.modules.items() if name.startswith("fluksio_nb.ledger")]
-watched += [module.__file__ for module in ledger]
-where = None
+def attempt(made):
+    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
+    q.wait(made["ticket"], 5)
 
-def stop_at(moment):
-    seen = 0
-    def profile(frame, event, arg):
-        nonlocal seen
-        global where
-        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
-            return
-        seen += 1
-        if seen == moment:
-            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
-            signal.raise_signal(signal.SIGINT)
-    return profile
+def undo(made):
+    if "ticket" in made:
+        q.release(made["ticket"])
 
-moment, missed = 0, 0
-while missed < 5:
-    moment += 1
-    ticket, where = None, None
-    sys.setprofile(stop_at(moment))
-    try:
-        ticket = q.enqueue(Resources(cpus=1), "stopped")
-        q.wait(ticket, 5)
-    except KeyboardInterrupt as stop:
-        # Kept, traceback and all, as a kernel keeps the last error.
-        last_error = stop
-    finally:
-        sys.setprofile(None)
-        if ticket is not None:
-            q.release(ticket)
-    missed = 0 if where else missed + 1
+def check():
     if tell("hold") != "held":
-        print(json.dumps({"left_held_by_a_stop": where}))
-        raise SystemExit
+        return "left_held_by_a_stop"
     waiter = q.enqueue(Resources(cpus=1), "waiter")
     tell("free")
     try:
         q.wait(waiter, 5)
     except ClaimTimeout:
-        print(json.dumps({"deaf_after_a_stop": where}))
-        raise SystemExit
+        return "deaf_after_a_stop"
     q.release(waiter)
-print(json.dumps({"stopped_at": moment - missed - 1}))
-"""
+
+ledger = [m.__file__ for name, m in sys.modules.items() if name.startswith("fluksio_nb.ledger")]
+watched = [fluksio_nb.queue.__file__, contextlib.__file__, threading.__file__, *ledger]
+each_moment(watched, attempt, undo, check)
+'''
 
 PRELUDE = """
 from fluksio_nb.gpus import Gpu
@@ -527,6 +501,7 @@ from fluksio_nb.inventory import Inventory
 from fluksio_nb.ledger import MachineQueue
 from fluksio_nb.resources import Resources
 INVENTORY = Inventory(cpus=4, machine_cpus=4, ram_bytes=0, machine_ram_bytes=0, gpus=())
+q = MachineQueue(DIRECTORY, INVENTORY)
 """
 
 
@@ -536,14 +511,8 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_the_users_ledger_free_and_its_wa
     """Guards against a stop landing at an unlucky moment of a claim on a user's ledger,
     after which a claim stayed held, or the ledger's lock, and the user's other kernels
     waited for ever, or this kernel no longer heard that its turn had come."""
-    script = f"DIRECTORY = {str(tmp_path)!r}\nPRELUDE = {PRELUDE!r}\n" + PRELUDE
-    ran = subprocess.run(
-        [sys.executable, "-c", script + STOP_AT_EVERY_MOMENT],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    said = json.loads(ran.stdout.splitlines()[-1]) if ran.stdout else {"stderr": ran.stderr}
+    prelude = f"DIRECTORY = {str(tmp_path)!r}\n" + PRELUDE
+    said = said_by(f"{prelude}PRELUDE = {prelude!r}\n{STOP_AT_EVERY_MOMENT}", timeout=100)
     assert "stopped_at" in said, said
     # A claim's way through the ledger is hundreds of such moments: every one was tried.
     assert said["stopped_at"] > 20, said

@@ -22,6 +22,7 @@ import pytest
 from fluksio_nb.ledger import process_started
 from fluksio_nb.machine import protocol
 from tests.machines import fluksio_nb, heard, machine, process, wait_until
+from tests.stops import STOP_AT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -495,58 +496,35 @@ def test_the_service_runs_no_fluksio_nb_of_the_directory_init_was_run_from(tmp_p
 #: would keep it waiting, and a kernel that no longer heard its grants would
 #: never see the core it waits for come free.
 STOP_AT_EVERY_MOMENT = """
-import signal
 import fluksio_nb.machine.client as client
 from fluksio_nb.errors import ClaimTimeout
 from fluksio_nb.machine.client import ServiceQueue
 
 other = ServiceQueue(q.path)
-where = None
 
-def stop_at(moment):
-    seen = 0
-    def profile(frame, event, arg):
-        nonlocal seen
-        global where
-        if event not in ("call", "c_return") or frame.f_code.co_filename != client.__file__:
-            return
-        seen += 1
-        if seen == moment:
-            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
-            signal.raise_signal(signal.SIGINT)
-    return profile
+def attempt(made):
+    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
+    q.wait(made["ticket"], 5)
 
-moment, missed = 0, 0
-while missed < 5:
-    moment += 1
-    ticket, where = None, None
-    sys.setprofile(stop_at(moment))
-    try:
-        ticket = q.enqueue(Resources(cpus=1), "stopped")
-        q.wait(ticket, 5)
-    except KeyboardInterrupt as stop:
-        # Kept, traceback and all, as a kernel keeps the last error.
-        last_error = stop
-    finally:
-        sys.setprofile(None)
-        if ticket is not None:
-            q.release(ticket)
-    missed = 0 if where else missed + 1
+def undo(made):
+    if "ticket" in made:
+        q.release(made["ticket"])
+
+def check():
     everything = other.enqueue(Resources(cpus=q.books.cpus), "everything")
     try:
         other.wait(everything, 5)
     except ClaimTimeout:
-        say(left_held_by_a_stop=where)
-        raise SystemExit
+        return "left_held_by_a_stop"
     waiter = q.enqueue(Resources(cpus=1), "waiter")
     other.release(everything)
     try:
         q.wait(waiter, 5)
     except ClaimTimeout:
-        say(deaf_after_a_stop=where)
-        raise SystemExit
+        return "deaf_after_a_stop"
     q.release(waiter)
-say(stopped_at=moment - missed - 1)
+
+each_moment([client.__file__], attempt, undo, check)
 """
 
 
@@ -557,7 +535,7 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_nothing_held_and_the_kernel_hear
     ticket whose request it abandoned stayed held, with another user's claim waiting for
     it, until the kernel next asked for something."""
     with machine(cpus=2, gpus=0) as layout:
-        proc = process(layout, STOP_AT_EVERY_MOMENT)
+        proc = process(layout, STOP_AT + STOP_AT_EVERY_MOMENT)
         try:
             said = heard(proc)
         finally:

@@ -23,8 +23,8 @@ import psutil
 import pytest
 
 from fluksio_nb.ledger import process_started
-from tests.kernels import Kernel, shut_down_at_the_end, until_it_exists
-from tests.machines import fluksio_nb, machine, machine_env, wait_until
+from tests.kernels import Kernel, until_it_exists
+from tests.machines import fluksio_nb, kernels_on_books, machine, machine_env, wait_until
 from tests.unix_users import (
     USER_A,
     USER_B,
@@ -46,11 +46,8 @@ def users():
 
 @pytest.fixture
 def kernels():
-    def start(user, layout, **env) -> Kernel:
-        return Kernel(user=user, **machine_env(layout, **env))
-
-    with shut_down_at_the_end(start) as started:
-        yield started
+    with kernels_on_books() as start:
+        yield start
 
 
 def running_labels(kernel: Kernel) -> list:

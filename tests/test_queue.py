@@ -20,6 +20,7 @@ from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
+from tests.stops import said_by
 
 
 def queue(cpus=4, gpus=0, ram_bytes=0) -> ClaimQueue:
@@ -497,58 +498,36 @@ def test_an_oversized_claim_in_python_dash_c_warns_instead_of_failing(tmp_path):
 #: another thread claims the whole machine: a lock the stop left held would
 #: keep it out for ever.
 STOP_AT_EVERY_MOMENT = """
-import json, signal, sys, threading
+import threading
 import fluksio_nb.queue
 from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
 
 q = ClaimQueue(ResourceAccountant(cpus=2))
-watched = (fluksio_nb.queue.__file__, threading.__file__)
-where = None
 
-def stop_at(moment):
-    seen = 0
-    def profile(frame, event, arg):
-        nonlocal seen
-        global where
-        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
-            return
-        seen += 1
-        if seen == moment:
-            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
-            signal.raise_signal(signal.SIGINT)
-    return profile
+def attempt(made):
+    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
+    q.wait(made["ticket"], 5)
+    q.position(made["ticket"]), q.holders(), q.snapshot()
+
+def undo(made):
+    if "ticket" in made:
+        q.release(made["ticket"])
 
 def the_whole_machine():
     ticket = q.enqueue(Resources(cpus=2), "everything")
     q.wait(ticket, 5)
     q.release(ticket)
 
-moment, missed = 0, 0
-while missed < 5:
-    moment += 1
-    ticket, where = None, None
-    sys.setprofile(stop_at(moment))
-    try:
-        ticket = q.enqueue(Resources(cpus=1), "stopped")
-        q.wait(ticket, 5)
-        q.position(ticket), q.holders(), q.snapshot()
-    except KeyboardInterrupt as stop:
-        # Kept, traceback and all, as a kernel keeps the last error.
-        last_error = stop
-    finally:
-        sys.setprofile(None)
-        if ticket is not None:
-            q.release(ticket)
-    missed = 0 if where else missed + 1
+def check():
     other = threading.Thread(target=the_whole_machine, daemon=True)
     other.start()
     other.join(10)
     if other.is_alive():
-        print(json.dumps({"locked_out_by_a_stop": where}))
-        raise SystemExit
-print(json.dumps({"stopped_at": moment - missed - 1}))
+        return "locked_out_by_a_stop"
+
+each_moment([fluksio_nb.queue.__file__, threading.__file__], attempt, undo, check)
 """
 
 
@@ -556,10 +535,7 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_the_kernels_books_to_its_other_t
     """Guards against a stop landing as ``Condition.__enter__`` returned, which left the
     books' lock held by no ``with``: every other thread that claimed (a background job,
     the sampler's look at the queue) then waited for it for ever."""
-    ran = subprocess.run(
-        [sys.executable, "-c", STOP_AT_EVERY_MOMENT], capture_output=True, text=True, timeout=100
-    )
-    said = json.loads(ran.stdout.splitlines()[-1]) if ran.stdout else {"stderr": ran.stderr}
+    said = said_by(STOP_AT_EVERY_MOMENT, timeout=100)
     assert "stopped_at" in said, said
     # A claim's way through the queue is dozens of such moments: every one was tried.
     assert said["stopped_at"] > 20, said

@@ -19,8 +19,8 @@ import pytest
 
 from fluksio_nb.ledger import process_started
 from fluksio_nb.machine.setup import Layout
-from tests.kernels import Kernel, shut_down_at_the_end
-from tests.machines import fluksio_nb, machine, machine_env, wait_until
+from tests.kernels import Kernel
+from tests.machines import fluksio_nb, kernels_on_books, machine, machine_env, wait_until
 from tests.unix_users import USER_A, USER_B, ready_user, run_as, shared_tmp_dir
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,11 +36,8 @@ def alice():
 
 @pytest.fixture
 def kernels():
-    def start(user, layout, **env) -> Kernel:
-        return Kernel(user=user, **machine_env(layout, **env))
-
-    with shut_down_at_the_end(start) as started:
-        yield started
+    with kernels_on_books() as start:
+        yield start
 
 
 def claim_once(kernel: Kernel):

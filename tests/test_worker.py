@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -33,6 +32,7 @@ from fluksio_nb.errors import UnsendableInput
 from fluksio_nb.worker.client import Sink, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from tests.kernels import LEAVES_THREE_RUNNING
+from tests.stops import said_by
 from tests.waiting import has_ended, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -970,54 +970,29 @@ def test_a_stop_raised_as_a_with_of_ours_ends_shows_the_users_line():
 #: moment a round (as a function starts, and as a call into C returns); after
 #: each, a line from another thread must still go out.
 STOP_AT_EVERY_MOMENT_OF_A_PRINT = """
-import json, signal, sys, threading, time
+import threading, time
 import fluksio_nb.worker.streams as streams
 from fluksio_nb.worker.streams import Outbox
 
-sent = []
-box = Outbox(sent.append)
-watched = (streams.__file__, threading.__file__)
-where = None
+box = Outbox(lambda message: None)
 
-def stop_at(moment):
-    seen = 0
-    def profile(frame, event, arg):
-        nonlocal seen
-        global where
-        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
-            return
-        seen += 1
-        if seen == moment:
-            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
-            signal.raise_signal(signal.SIGINT)
-    return profile
+def attempt(made):
+    for line in ("one\\n", "two\\n", "three\\n"):
+        box.write("stdout", line)
 
 def one_more_line():
     box.write("stdout", "after the stop\\n")
     box.flush()
 
-moment, missed = 0, 0
-while missed < 5:
-    moment += 1
-    where = None
-    sys.setprofile(stop_at(moment))
-    try:
-        for line in ("one\\n", "two\\n", "three\\n"):
-            box.write("stdout", line)
-    except KeyboardInterrupt as stop:
-        # Kept, traceback and all, as a kernel keeps the last error.
-        last_error = stop
-    finally:
-        sys.setprofile(None)
-    missed = 0 if where else missed + 1
+def check():
     other = threading.Thread(target=one_more_line, daemon=True)
     other.start()
     other.join(10)
     if other.is_alive():
-        print(json.dumps({"output_stuck_after_a_stop": where}))
-        raise SystemExit
+        return "output_stuck_after_a_stop"
     time.sleep(streams.BATCH_S)  # the next round starts after a quiet spell, as a cell's does
-print(json.dumps({"stopped_at": moment - missed - 1}))
+
+each_moment([streams.__file__, threading.__file__], attempt, lambda made: None, check)
 """
 
 
@@ -1025,12 +1000,6 @@ def test_a_stop_at_any_moment_of_a_print_leaves_the_cells_output_going():
     """Guards against a stop landing as ``Condition.__enter__`` returned in a print, which
     left the output's lock held by no ``with``: the worker's every later print, in that
     cell and the next, waited for it for ever."""
-    ran = subprocess.run(
-        [sys.executable, "-c", STOP_AT_EVERY_MOMENT_OF_A_PRINT],
-        capture_output=True,
-        text=True,
-        timeout=25,
-    )
-    said = json.loads(ran.stdout.splitlines()[-1]) if ran.stdout else {"stderr": ran.stderr}
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_PRINT, timeout=25)
     assert "stopped_at" in said, said
     assert said["stopped_at"] > 10, said

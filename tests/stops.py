@@ -1,0 +1,82 @@
+"""The stop button pressed at every moment it could land, one moment a round.
+
+A stop that lands at an unlucky moment can leave a lock held by no ``with``,
+a ticket nobody will give back, or a reader thread standing aside for an
+asker that is gone; a random stop finds such a moment one run in ten, if at
+all. Python runs a signal's handler only as a function starts and as a call
+into C returns (never as a Python function returns, never just before a
+call), and a profile function is told of exactly those moments. So the
+scripts here press the stop at the first such moment in the watched files,
+then the second, and so on, until a round passes with no moment left, and
+check after each round that nothing was left behind.
+
+:data:`STOP_AT` is Python source, put before a script that runs in a
+process of its own (its signals are its own): it defines
+``each_moment(watched, attempt, undo, check)``, which prints one JSON line,
+``{"stopped_at": N}`` once every moment passed, or ``{problem: where}`` for
+the first round whose ``check`` found one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+STOP_AT = '''
+import json, signal, sys
+
+where = None
+
+
+def _stop_at(moment, watched):
+    seen = 0
+
+    def profile(frame, event, arg):
+        nonlocal seen
+        global where
+        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
+            return
+        seen += 1
+        if seen == moment:
+            where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
+            signal.raise_signal(signal.SIGINT)
+
+    return profile
+
+
+def each_moment(watched, attempt, undo, check):
+    """attempt(made), stopped at each moment in turn; undo(made); then check() -> problem."""
+    global where
+    last_error = None
+    moment = missed = 0
+    while missed < 5:
+        moment += 1
+        where, made = None, {}
+        sys.setprofile(_stop_at(moment, set(watched)))
+        try:
+            attempt(made)
+        except KeyboardInterrupt as stop:
+            # Kept, traceback and all, as a kernel keeps the last error: it
+            # holds whatever a half-entered context manager took.
+            last_error = stop
+        finally:
+            sys.setprofile(None)
+            undo(made)
+        missed = 0 if where else missed + 1
+        problem = check()
+        if problem:
+            print(json.dumps({problem: where}), flush=True)
+            return
+    print(json.dumps({"stopped_at": moment - missed - 1}), flush=True)
+'''
+
+
+def said_by(script: str, timeout: float) -> dict[str, Any]:
+    """Run ``STOP_AT`` and ``script`` in a Python of its own: the last line it printed, read."""
+    ran = subprocess.run(
+        [sys.executable, "-c", STOP_AT + script], capture_output=True, text=True, timeout=timeout
+    )
+    lines = ran.stdout.splitlines()
+    return json.loads(lines[-1]) if lines else {"stderr": ran.stderr}
