@@ -25,7 +25,7 @@ from fluksio_nb.machine.books import OTHERS_WAITING_LISTED
 from fluksio_nb.machine.setup import Layout
 from tests.browser.lab import OUTPUT, JupyterLab
 from tests.machines import machine, machine_env
-from tests.unix_users import USER_A, as_user, require_unix_users, unix_user, user_environ
+from tests.unix_users import USER_A, as_user, ready_user, require_unix_users, user_environ
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,7 +64,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, books: Layout) -> Iterator[
 @pytest.fixture(scope="module")
 def their_queue(books: Layout) -> Iterator[None]:
     """Another user's claims, all in the books before the test looks: held until it ends."""
-    user = unix_user(USER_A)
+    user = ready_user(USER_A)
     process = subprocess.Popen(
         [*as_user(user), sys.executable, "-c", QUEUE, str(THEIR_CLAIMS)],
         env=user_environ(user, machine_env(books)),
