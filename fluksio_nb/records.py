@@ -219,7 +219,8 @@ class UsageLog:
 
     def open(self) -> Path:
         """Open this process's file now; raise what is wrong with the directory if it cannot."""
-        with self._for_this_process():
+        self._in_this_process()
+        with self._lock:
             self._file()
             assert self.path is not None
             return self.path
@@ -230,7 +231,8 @@ class UsageLog:
             # Unknown left out, not null: an earlier reader refuses a null
             # where it wants a number, and takes a missing field's default.
             line = (record.model_dump_json(exclude_none=True) + "\n").encode()
-            with self._for_this_process():
+            self._in_this_process()
+            with self._lock:
                 fd = self._file()
                 while line:
                     line = line[os.write(fd, line) :]
@@ -238,13 +240,16 @@ class UsageLog:
             self._warn(error)
 
     def close(self) -> None:
-        with self._for_this_process():
+        self._in_this_process()
+        with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
 
-    @contextlib.contextmanager
-    def _for_this_process(self):
+    def _in_this_process(self) -> None:
+        # Not a context manager around the lock: one made of a generator holds
+        # the lock from its yield, and a stop landing as its __enter__ returns
+        # would leave it held, and every later record waiting for it.
         if self._pid != os.getpid():
             # A child of fork: the lock may have been held by a thread that does
             # not exist here, and the file is the parent's. Records written
@@ -254,8 +259,6 @@ class UsageLog:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)
             self._fd, self.path, self._pid = None, None, os.getpid()
-        with self._lock:
-            yield
 
     def _file(self) -> int:
         if self._fd is not None:

@@ -474,6 +474,7 @@ def tell(word):
 def attempt(made):
     made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
     q.wait(made["ticket"], 5)
+    q.position(made["ticket"]), q.holders(), q.snapshot()
 
 def undo(made):
     if "ticket" in made:

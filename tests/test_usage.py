@@ -49,6 +49,7 @@ from fluksio_nb.usage import (
 from fluksio_nb.usage import report as usage_report
 from fluksio_nb.usage.read import UsageRows, each_usage
 from tests.kernels import Kernel, until_it_exists
+from tests.stops import said_by
 from tests.unix_users import USER_A, ready_user, run_as, shared_tmp_dir
 from tests.waiting import gone, wait_until
 
@@ -771,3 +772,38 @@ def test_a_records_file_is_counted_once_whatever_its_names(tmp_path):
     assert log.path is not None
     os.link(log.path, log.path.with_name("again.jsonl"))
     assert [r.cpus for _, r in read_usage(tmp_path / "usage")] == [3]
+
+
+#: Records written with the stop pressed at every moment it could land in the
+#: records' code, in contextlib's and in threading's: after each, another thread
+#: must still write one.
+STOP_AT_EVERY_MOMENT_OF_A_RECORD = """
+import contextlib, tempfile, threading
+import fluksio_nb.records as records
+from fluksio_nb.records import UsageLog, UsageRecord
+
+log = UsageLog(Path(tempfile.mkdtemp()) / "usage")
+record = UsageRecord(label="stopped", asked_at=0.0, ended_at=1.0, ending="ok")
+
+def attempt(made):
+    log.write(record)
+
+def check():
+    other = threading.Thread(target=log.write, args=(record,), daemon=True)
+    other.start()
+    other.join(10)
+    if other.is_alive():
+        return "records_stuck_after_a_stop"
+
+watched = [records.__file__, contextlib.__file__, threading.__file__]
+each_moment(watched, attempt, lambda made: None, check)
+"""
+
+
+def test_a_stop_at_any_moment_of_writing_a_record_leaves_the_next_one_written():
+    """Guards against a stop landing as the record file's lock was taken in a context
+    manager made of a generator: the lock stayed held, and the kernel's every later
+    claim waited for it as it ended."""
+    said = said_by("from pathlib import Path\n" + STOP_AT_EVERY_MOMENT_OF_A_RECORD, timeout=100)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 3, said

@@ -196,16 +196,10 @@ class LedgerFile:
                 self.unreadable = str(error) or type(error).__name__
                 return empty_state(self.inventory)
 
-    @contextlib.contextmanager
-    def _locked(self, how: int) -> Iterator[None]:
+    def _locked(self, how: int) -> _Flocked:
         if self._lock_fd is None:
             self._lock_fd = self._open(LOCK_FILE)
-        try:
-            # Inside the try: a stop that lands as the lock is taken leaves it free.
-            fcntl.flock(self._lock_fd, how)
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return _Flocked(self._lock_fd, how)
 
     def _open(self, name: str) -> int:
         """A file of the ledger's, made if missing, refused unless it is ours alone."""
@@ -375,6 +369,31 @@ class LedgerFile:
         os.ftruncate(fd, len(data))
         # Made of entries that were validated as they were read, or made here.
         self._sound_text = text
+
+
+class _Flocked:
+    """The ledger's lock file, locked for a ``with`` block.
+
+    A class, not a generator: a generator's context manager takes the lock
+    before it yields, and a stop landing as its ``__enter__`` returns leaves
+    the lock held by a generator nobody resumes, for as long as the
+    traceback lives, which in a kernel is until the next error: every other
+    kernel of the user then waits for it. Here a stop that lands as the lock
+    is taken lets it go, and none can land after.
+    """
+
+    def __init__(self, fd: int, how: int) -> None:
+        self.fd, self.how = fd, how
+
+    def __enter__(self) -> None:
+        try:
+            fcntl.flock(self.fd, self.how)
+        except BaseException:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 def _record_the_dead(entries: list[dict[str, Any]]) -> None:
