@@ -7,9 +7,7 @@ a notebook, how much of the machine is free and which sizes they may ask for.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
-from pathlib import Path
 
 from fluksio_nb.errors import BadClaim
 from fluksio_nb.flavors import describe_flavors
@@ -56,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 def machine_main(argv: list[str]) -> int:
     """``fluksio-nb machine init|status|remove|serve``."""
     from fluksio_nb.kernel import books_in_force
-    from fluksio_nb.machine.setup import Layout, init, remove, serve
+    from fluksio_nb.machine.setup import Layout, init, remove, serve, why_silent
 
     parser = argparse.ArgumentParser(
         prog="fluksio-nb machine",
@@ -94,7 +92,7 @@ def machine_main(argv: list[str]) -> int:
             # Which books this user's kernels use, and why.
             books = books_in_force(layout)
             print(books.describe())
-            down = None if books.socket is None else _not_answering(books.socket)
+            down = None if books.socket is None else why_silent(books.socket)
             if down is not None:
                 print(
                     f"but the books service does not answer at {books.socket} ({down}): every "
@@ -106,26 +104,6 @@ def machine_main(argv: list[str]) -> int:
         print(f"fluksio-nb machine {options.action}: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-def _not_answering(path: Path) -> str | None:
-    """Why the books service at ``path`` does not answer; ``None`` when it does."""
-    from fluksio_nb.errors import ServiceUnavailable
-    from fluksio_nb.machine.connection import ask_once
-
-    # Connected here first for the OS's own reason (refused, no such file),
-    # where the request below would give advice that sends the reader back here.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(2)
-        try:
-            probe.connect(str(path))
-        except OSError as error:
-            return error.strerror or str(error)
-    try:
-        ask_once(path, {"op": "snapshot"}, within=0)
-    except (ServiceUnavailable, OSError) as error:
-        return str(error)
-    return None
 
 
 if __name__ == "__main__":

@@ -302,18 +302,32 @@ def start_service(layout: Layout) -> str:
 
 
 def answering(layout: Layout) -> bool:
-    from fluksio_nb.errors import ServiceUnavailable
-    from fluksio_nb.machine.connection import ask_once
     from fluksio_nb.machine.run_dir import socket_in
 
     path = socket_in(layout.run_dir)
-    if path is None:
-        return False
+    return path is not None and why_silent(path) is None
+
+
+def why_silent(path: Path) -> str | None:
+    """Why the books service at ``path`` does not answer; ``None`` when it does."""
+    import socket
+
+    from fluksio_nb.errors import ServiceUnavailable
+    from fluksio_nb.machine.connection import ask_once
+
+    # Connected here first for the OS's own reason (refused, no such file),
+    # where a request would give advice that sends the reader to `machine status`.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2)
+        try:
+            probe.connect(str(path))
+        except OSError as error:
+            return error.strerror or str(error)
     try:
         ask_once(path, {"op": "snapshot"}, within=0)
-    except (ServiceUnavailable, OSError):
-        return False
-    return True
+    except (ServiceUnavailable, OSError) as error:
+        return str(error)
+    return None
 
 
 def stop_service(layout: Layout) -> None:
