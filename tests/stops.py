@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 STOP_AT = '''
-import json, signal, sys
+import json, signal, sys, threading
 
 where = None
 
@@ -44,6 +44,14 @@ def _stop_at(moment, watched):
             signal.raise_signal(signal.SIGINT)
 
     return profile
+
+
+def finishes(target, *args):
+    """Whether target(*args), in a thread of its own, ends within 10 s: no lock was left held."""
+    other = threading.Thread(target=target, args=args, daemon=True)
+    other.start()
+    other.join(10)
+    return not other.is_alive()
 
 
 def each_moment(watched, attempt, undo, check):
@@ -71,6 +79,21 @@ def each_moment(watched, attempt, undo, check):
             return
     print(json.dumps({"stopped_at": moment - missed - 1}), flush=True)
 '''
+
+
+#: ``attempt`` and ``undo`` for a queue ``q`` (and ``Resources``) the script made:
+#: a claim asked for, waited on and looked at, given back whatever came of it.
+A_CLAIM = """
+def attempt(made):
+    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
+    q.wait(made["ticket"], 5)
+    q.position(made["ticket"]), q.holders(), q.snapshot()
+
+
+def undo(made):
+    if "ticket" in made:
+        q.release(made["ticket"])
+"""
 
 
 def said_by(script: str, timeout: float) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fluksio_nb.kernel import books_in_force
 from fluksio_nb.ledger import LEDGER_FILE, LedgerBroken, MachineQueue, read_snapshot
 from fluksio_nb.resources import Resources
 from fluksio_nb.settings import Settings
-from tests.stops import said_by
+from tests.stops import A_CLAIM, said_by
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -471,15 +471,6 @@ def tell(word):
     other.stdin.flush()
     return other.stdout.readline().strip()
 
-def attempt(made):
-    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
-    q.wait(made["ticket"], 5)
-    q.position(made["ticket"]), q.holders(), q.snapshot()
-
-def undo(made):
-    if "ticket" in made:
-        q.release(made["ticket"])
-
 def check():
     if tell("hold") != "held":
         return "left_held_by_a_stop"
@@ -513,7 +504,8 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_the_users_ledger_free_and_its_wa
     after which a claim stayed held, or the ledger's lock, and the user's other kernels
     waited for ever, or this kernel no longer heard that its turn had come."""
     prelude = f"DIRECTORY = {str(tmp_path)!r}\n" + PRELUDE
-    said = said_by(f"{prelude}PRELUDE = {prelude!r}\n{STOP_AT_EVERY_MOMENT}", timeout=100)
+    script = f"{prelude}PRELUDE = {prelude!r}\n{A_CLAIM}{STOP_AT_EVERY_MOMENT}"
+    said = said_by(script, timeout=100)
     assert "stopped_at" in said, said
     # A claim's way through the ledger is hundreds of such moments: every one was tried.
     assert said["stopped_at"] > 20, said

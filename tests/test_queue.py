@@ -20,7 +20,7 @@ from fluksio_nb.books import Allocation, ResourceAccountant
 from fluksio_nb.errors import ClaimCancelled, ClaimTimeout, ClaimTooLarge, ClampedWarning
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
-from tests.stops import said_by
+from tests.stops import A_CLAIM, said_by
 
 
 def queue(cpus=4, gpus=0, ram_bytes=0) -> ClaimQueue:
@@ -506,25 +506,13 @@ from fluksio_nb.resources import Resources
 
 q = ClaimQueue(ResourceAccountant(cpus=2))
 
-def attempt(made):
-    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
-    q.wait(made["ticket"], 5)
-    q.position(made["ticket"]), q.holders(), q.snapshot()
-
-def undo(made):
-    if "ticket" in made:
-        q.release(made["ticket"])
-
 def the_whole_machine():
     ticket = q.enqueue(Resources(cpus=2), "everything")
     q.wait(ticket, 5)
     q.release(ticket)
 
 def check():
-    other = threading.Thread(target=the_whole_machine, daemon=True)
-    other.start()
-    other.join(10)
-    if other.is_alive():
+    if not finishes(the_whole_machine):
         return "locked_out_by_a_stop"
 
 each_moment([fluksio_nb.queue.__file__, threading.__file__], attempt, undo, check)
@@ -535,7 +523,7 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_the_kernels_books_to_its_other_t
     """Guards against a stop landing as ``Condition.__enter__`` returned, which left the
     books' lock held by no ``with``: every other thread that claimed (a background job,
     the sampler's look at the queue) then waited for it for ever."""
-    said = said_by(STOP_AT_EVERY_MOMENT, timeout=100)
+    said = said_by(A_CLAIM + STOP_AT_EVERY_MOMENT, timeout=100)
     assert "stopped_at" in said, said
     # A claim's way through the queue is dozens of such moments: every one was tried.
     assert said["stopped_at"] > 20, said

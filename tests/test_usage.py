@@ -789,10 +789,7 @@ def attempt(made):
     log.write(record)
 
 def check():
-    other = threading.Thread(target=log.write, args=(record,), daemon=True)
-    other.start()
-    other.join(10)
-    if other.is_alive():
+    if not finishes(log.write, record):
         return "records_stuck_after_a_stop"
 
 watched = [records.__file__, contextlib.__file__, threading.__file__]

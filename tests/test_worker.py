@@ -985,10 +985,7 @@ def one_more_line():
     box.flush()
 
 def check():
-    other = threading.Thread(target=one_more_line, daemon=True)
-    other.start()
-    other.join(10)
-    if other.is_alive():
+    if not finishes(one_more_line):
         return "output_stuck_after_a_stop"
     time.sleep(streams.BATCH_S)  # the next round starts after a quiet spell, as a cell's does
 
