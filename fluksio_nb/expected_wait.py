@@ -17,6 +17,10 @@ What it decides:
   rests on the past runs of what is ahead of it, never on its own: work
   run for the first time still gets a guess. This is how the queue moves
   when claims are alike; it is a guess, said as one.
+- **A restarted books service holds every grant for a few seconds**, while
+  kernels put back the claims that ran across the restart (its snapshot says
+  until when, ``grants_resume_at``). A claim waiting then, with the machine
+  free, says so, rather than "waits for room".
 - **Cannot tell is an answer.** Nothing running to wait for, a label
   nothing like has finished here, running or ahead, or a claim ahead whose
   label is private: ``seconds`` is ``None`` and ``why`` says which.
@@ -49,6 +53,11 @@ def expected_waits(
     label to its past runs' seconds.
     """
     now = time.time() if now is None else now
+    resume_at = snapshot.get("grants_resume_at")
+    if isinstance(resume_at, (int, float)) and resume_at > now:
+        # Nothing moves until then: the queue is played forward from that moment.
+        later = expected_waits({**snapshot, "grants_resume_at": None}, durations, now=resume_at)
+        return [_after_the_restart(guess, resume_at - now) for guess in later]
     waiting = list(snapshot.get("waiting", ()))
     running = list(snapshot.get("running", ()))
     if not running:
@@ -85,6 +94,20 @@ def expected_waits(
         heapq.heappush(ends, start + runs)
         rests_on.add(label)
     return answers
+
+
+def _after_the_restart(guess: dict[str, Any], held_s: float) -> dict[str, Any]:
+    """A guess made from the end of a service restart's grace, said from now."""
+    why = (
+        f"the machine's books service has just restarted, and grants nothing for "
+        f"{held_s:.0f} s more, while kernels put back the claims that ran across it"
+    )
+    if guess["seconds"] is None:
+        if not guess["why"].startswith("cannot tell: nothing is running"):
+            return {"seconds": None, "why": f"{guess['why']}; and {why}"}
+        # Nothing runs, or has come back yet: the claim starts as the grace ends.
+        return {"seconds": round(held_s, 1), "why": why}
+    return {"seconds": round(held_s + guess["seconds"], 1), "why": f"{why}; then {guess['why']}"}
 
 
 def _why_unknown(label: str | None, where: str) -> str:

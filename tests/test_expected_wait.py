@@ -101,3 +101,34 @@ def test_every_waiting_entry_gets_its_guess():
     snapshot = {"running": [running("fit", 0)], "waiting": [waiting("fit"), waiting("x")]}
     with_expected_waits(snapshot, {"fit": [10.0]})
     assert [set(w["expected_wait"]) for w in snapshot["waiting"]] == [{"seconds", "why"}] * 2
+
+
+def test_a_restart_of_the_books_service_holds_the_queue_and_says_so():
+    """Guards against a claim waiting out a restarted service's grace on a free machine
+    told "nothing is running for it to wait for", and against guesses that forget
+    the queue stands still until the grace ends."""
+    alone = {"running": [], "waiting": [waiting(None)], "grants_resume_at": NOW + 2.4}
+    (guess,) = expected_waits(alone, {}, now=NOW)
+    assert guess == {
+        "seconds": 2.4,
+        "why": "the machine's books service has just restarted, and grants nothing for "
+        "2 s more, while kernels put back the claims that ran across it",
+    }
+    assert describe_wait(guess).startswith("expected to start in under a minute (the machine's")
+
+    # A claim put back runs on; the one ahead in the queue waits for it from the grace's end.
+    behind = {
+        "running": [running("fit", 100)],
+        "waiting": [waiting("fit")],
+        "grants_resume_at": NOW + 60,
+    }
+    (guess,) = expected_waits(behind, {"fit": [300.0]}, now=NOW)
+    assert guess["seconds"] == 60 + 300 - 160
+    assert guess["why"].endswith("then from 1 past run of 'fit' and the running claims' ages")
+
+    over = {**behind, "grants_resume_at": NOW - 1}
+    (guess,) = expected_waits(over, {"fit": [300.0]}, now=NOW)
+    assert guess == {
+        "seconds": 200.0,
+        "why": "from 1 past run of 'fit' and the running claims' ages",
+    }

@@ -393,6 +393,29 @@ def test_a_restore_outside_a_restart_is_refused_and_jumps_no_queue(tmp_path):
         assert len(books["waiting"]) == 1
 
 
+def test_a_claim_made_while_the_service_restarts_waits_on_a_free_machine_and_says_until_when(
+    tmp_path,
+):
+    """Guards against a claim held back by a restart's grace showing no reason, or a
+    wrong one, while the whole machine is free; and against a service past its grace
+    still saying it holds grants."""
+    from fluksio_nb.expected_wait import describe_wait, expected_waits
+
+    with service_here(tmp_path, cpus=2, gpus=0, restarting=True) as path:
+        kernel = Client(path)
+        asked = kernel.ask(op="claim", need={"cpus": 1, "gpus": 0, "ram_bytes": 0}, label="w")
+        assert asked["op"] == "ticket" and "granted_at" not in asked
+        books = kernel.books()
+        assert books["cpus"]["free"] == 2 and len(books["waiting"]) == 1
+        assert 3500 < books["grants_resume_at"] - time.time() <= 3600
+        (guess,) = expected_waits(books, {})
+        assert describe_wait(guess).startswith(
+            "expected to start in about 1 h (the machine's books service has just restarted"
+        )
+    with service_here(tmp_path, cpus=2, gpus=0) as path:
+        assert "grants_resume_at" not in Client(path).books()
+
+
 def test_a_restore_while_restarting_keeps_its_user_to_the_cap_and_to_distinct_free_cards(
     tmp_path,
 ):

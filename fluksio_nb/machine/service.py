@@ -367,6 +367,10 @@ class BooksService:
         snapshot = self.books.snapshot(
             connection.uid, admin=in_group(connection.uid, self.admin_group)
         )
+        if self._holding():
+            # Said, so that a claim waiting with the machine free says why.
+            left = self._granting_from - asyncio.get_running_loop().time()
+            snapshot["grants_resume_at"] = time.time() + left
         line = protocol.line({"op": "snapshot", "id": request.id, "snapshot": snapshot})
         if len(line) > protocol.MAX_LINE_BYTES:
             # Only the reader's own claims can make it this long now; a line
