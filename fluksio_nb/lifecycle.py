@@ -45,6 +45,7 @@ from fluksio_nb.errors import (
     WorkerDied,
 )
 from fluksio_nb.pickling import global_to_blame, why_it_cannot_travel
+from fluksio_nb.queue import books_changing
 from fluksio_nb.relay import CellOutput, ForegroundOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
@@ -197,20 +198,27 @@ class ClaimLifecycle(ABC):
         return self.status.readings
 
     def release(self, error: BaseException | None = None) -> None:
-        """Give the share back and end everything this claim started; say how it went."""
-        # Given back before its record is written: a kernel killed in between
-        # leaves its claim out of the books, so nobody records it for the dead
-        # kernel too. Once, or (in that instant) not at all; never twice.
-        self._give_back()
-        if self.status.phase == "done":
-            return
-        if self._stop_reason is not None:
-            ending, message, _ = self._stop_reason
-            self._end(ending, message)
-        elif error is None:
-            self._end("ok", "")
-        else:
-            self._end(ending_of(error), message_of(error))
+        """Give the share back and end everything this claim started; say how it went.
+
+        A stop pressed meanwhile lands once all that is done: pressed twice, the
+        second stop came while the first one's cleanup gave the claim's processes
+        their half second to end, and left the share held for the rest of the
+        kernel's life, and the processes running.
+        """
+        with books_changing():
+            # Given back before its record is written: a kernel killed in between
+            # leaves its claim out of the books, so nobody records it for the dead
+            # kernel too. Once, or (in that instant) not at all; never twice.
+            self._give_back()
+            if self.status.phase == "done":
+                return
+            if self._stop_reason is not None:
+                ending, message, _ = self._stop_reason
+                self._end(ending, message)
+            elif error is None:
+                self._end("ok", "")
+            else:
+                self._end(ending_of(error), message_of(error))
 
     def __enter__(self) -> ClaimLifecycle:
         self._refuse_once_ended()

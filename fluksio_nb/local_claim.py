@@ -64,7 +64,7 @@ from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
-from fluksio_nb.queue import ClaimQueue, Ticket, held_words
+from fluksio_nb.queue import ClaimQueue, Ticket, books_changing, held_words
 from fluksio_nb.records import UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
@@ -121,7 +121,8 @@ class Claim(ClaimLifecycle):
         self._ticket: Ticket | None = None
         self._deadline: float | None = None
         self._stoppers: list[Callable[[], None]] = []
-        self._processes: list[subprocess.Popen] = []
+        #: What :meth:`popen` started, each with whether it leads a group of its own.
+        self._processes: list[tuple[subprocess.Popen, bool]] = []
         #: The reading last written to the machine's ledger.
         self._told: Sample | None = None
         #: The reading that reached the warning stage, until the cell is told of it.
@@ -195,12 +196,15 @@ class Claim(ClaimLifecycle):
         except BaseException as error:
             # A `with` whose __enter__ raised never reaches __exit__: the place
             # in the queue is given up here or nowhere, even when the stop
-            # button came between the queue's ticket and this claim's.
-            if self._ticket is not None:
-                self._queue.release(self._ticket)
-            self._end(
-                ending_of(error), str(error) if not isinstance(error, KeyboardInterrupt) else ""
-            )
+            # button came between the queue's ticket and this claim's; a second
+            # stop lands once it is.
+            with books_changing():
+                if self._ticket is not None:
+                    self._queue.release(self._ticket)
+                self._end(
+                    ending_of(error),
+                    str(error) if not isinstance(error, KeyboardInterrupt) else "",
+                )
             if isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted):
                 # Stopped while waiting: one line, not the queue's frames.
                 raise Interrupted() from None
@@ -343,9 +347,9 @@ class Claim(ClaimLifecycle):
         if self._thread_limits is not None:
             self._thread_limits.restore_original_limits()
             self._thread_limits = None
-        for process in self._processes:
-            if process.poll() is None:
-                _end_process_group(process)
+        # Those that ended too: what they left running in their group goes now.
+        for process, leads in self._processes:
+            _end_process_group(process, leads)
         held = self._confinement
         if held is not None:
             # One of its processes the cap killed, unasked about since: still a halt.
@@ -453,14 +457,17 @@ class Claim(ClaimLifecycle):
                 on_sent=watch_it,
             )
         finally:
-            self.status.sending_since = None
-            self.status.sending_written = self.status.sending_total = 0
-            if watched is not None:
-                self._stop_watching(watched)
-            self._stoppers.remove(worker.kill)
-            if worker.alive:
-                held.let_go(worker.pid)
-            self._pool.checkin(worker, self.env)
+            # Whole, or a stop pressed again as the cell ended would leave the
+            # worker out of the pool and still watched.
+            with books_changing():
+                self.status.sending_since = None
+                self.status.sending_written = self.status.sending_total = 0
+                if watched is not None:
+                    self._stop_watching(watched)
+                self._stoppers.remove(worker.kill)
+                if worker.alive:
+                    held.let_go(worker.pid)
+                self._pool.checkin(worker, self.env)
         if outcome.sent_s is not None:
             self.status.sent_s = (self.status.sent_s or 0.0) + outcome.sent_s
             self.status.sent_bytes += outcome.sent_bytes
@@ -513,7 +520,9 @@ class Claim(ClaimLifecycle):
         """Start a subprocess with this share's environment, sampled and held to its budget.
 
         An ``env=`` given here is laid over the derived one, as a claim's own
-        ``env`` is. The process ends, if it has not already, when the claim does.
+        ``env`` is. The process ends, if it has not already, when the claim does,
+        and so does everything in the process group it leads (a session of its
+        own, unless ``start_new_session=False`` is given).
         """
         self._refuse_once_ended()
         held = self._confinement
@@ -523,8 +532,9 @@ class Claim(ClaimLifecycle):
         kwargs.setdefault("start_new_session", True)
         kwargs["preexec_fn"] = held.into_the_share(then=kwargs.pop("preexec_fn", None))
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
-        self._processes.append(process)
-        self._hold_process(stop=lambda: _end_process_group(process))
+        leads = bool(kwargs["start_new_session"]) or kwargs.get("process_group") == 0
+        self._processes.append((process, leads))
+        self._hold_process(stop=lambda: _end_process_group(process, leads))
         self._watch_process(process.pid)
         return process
 
@@ -715,19 +725,30 @@ class Claim(ClaimLifecycle):
             )
 
 
-def _end_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM the process's group, then SIGKILL whatever is left a moment later."""
+def _end_process_group(process: subprocess.Popen, leads: bool) -> None:
+    """SIGTERM the group the process leads, then SIGKILL whatever is left of it a moment later.
+
+    The group goes whole: the leader, what it left running, and what it
+    started as it ended. A process that shares a group (the kernel's own,
+    with ``start_new_session=False``) goes alone: the group is not the
+    claim's, and signalling it ended the kernel.
+    """
+
+    def send(sig: int) -> None:
+        if not leads:
+            process.send_signal(sig)  # nothing, once it has been waited for
+        elif process.returncode is None or not psutil.pid_exists(process.pid):
+            # Waited for, the leader's pid is free again only once its group is
+            # empty: whoever has it since leads no group of ours.
+            os.killpg(process.pid, sig)
+
     try:
-        group = os.getpgid(process.pid)
+        send(signal.SIGTERM)
     except ProcessLookupError:
         return
-    for sig, grace in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            break
-        try:
-            process.wait(timeout=grace or 5)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=0.5)
+    with contextlib.suppress(ProcessLookupError):
+        send(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)

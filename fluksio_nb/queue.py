@@ -298,9 +298,10 @@ _holding_depth = 0
 def books_changing() -> Iterator[None]:
     """Hold the stop button back while the books change; it lands as the change is whole.
 
-    Only the main thread takes Python's signals, so only it holds them; a
-    change to the books takes microseconds, or a ledger transaction, so the
-    stop is late by that much at most.
+    Only the main thread takes Python's signals, so only it holds them. A
+    change to the books takes microseconds, or a ledger transaction; a
+    claim's end, which is one too, gives the claim's processes half a second
+    to go. The stop is late by that much at most.
 
     The handlers are swapped for one that writes the signal down, rather than
     the signals masked: a mask holds back only the main thread's share of

@@ -94,6 +94,23 @@ def test_claimed_work_runs_off_the_reserved_core(tmp_path):
     assert in_kernel == cores, "the kernel itself is not confined"
 
 
+def test_a_claims_process_sharing_the_kernels_group_ends_alone(kernel):
+    """Guards against `c.popen(..., start_new_session=False)`, whose process shares the
+    kernel's process group, ending the kernel with it when the claim ended."""
+    ran = kernel.run(
+        "import os\n"
+        "from fluksio_nb import claim\n"
+        "with claim(cpus=1) as c:\n"
+        "    p = c.popen(['sleep', '300'], start_new_session=False)\n"
+        "    shares = os.getpgid(p.pid) == os.getpgid(0)\n"
+        "print(shares, p.poll() is not None)",
+        timeout=60,
+        check=True,
+    )
+    assert ran.stdout.split() == ["True", "True"]
+    assert_books_balanced(kernel)
+
+
 def test_a_plain_cell_still_runs_in_the_kernel(kernel):
     """Declaring nothing changes nothing."""
     assert kernel.facts("__import__('os').getpid()") == kernel.pid

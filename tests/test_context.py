@@ -6,6 +6,7 @@ left limited after it), a subprocess that outlives its claim, and threads
 using claims at once over-granting the machine.
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -152,6 +153,60 @@ def test_a_subprocess_still_running_when_the_block_ends_is_ended():
     with claim() as c:
         process = c.popen(["sleep", "60"])
     assert process.poll() is not None
+
+
+def left_in_group(group: int) -> list[int]:
+    """The live processes in process group ``group``."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+    return found
+
+
+def started_and_ready(c, script: str, ready) -> int:
+    """``sh -c script`` in the claim, once it says it is ready (touches ``ready``): its group."""
+    group = c.popen(["sh", "-c", f"{script}"]).pid
+    assert wait_until(ready.exists, 30), "the script never got ready"
+    return group
+
+
+def test_a_second_stop_while_a_stopped_claim_ends_still_gives_everything_back(tmp_path):
+    """Guards against the stop button pressed twice, the second landing while the first
+    one's cleanup ends the claim's processes (it gives them half a second to go): the
+    share stayed held for the rest of the kernel's life, and the processes ran on."""
+    pressed, ready = tmp_path / "second stop", tmp_path / "ready"
+    # Pressed by the claim's own process as it is asked to end: inside the cleanup.
+    second_stop = (
+        f"trap 'touch \"{pressed}\"; kill -INT {os.getpid()}; exit' TERM; "
+        f'sleep 300 & touch "{ready}"; wait'
+    )
+    with pytest.raises(KeyboardInterrupt), claim(cpus=2, label="stopped twice") as c:
+        group = started_and_ready(c, second_stop, ready)
+        raise KeyboardInterrupt  # the first stop
+    assert pressed.exists(), "the second stop was never pressed"
+    books = accountant().snapshot()
+    assert books["running"] == [] and books["cpus"]["free"] == 2
+    assert wait_until(lambda: not left_in_group(group), 30), "the claim's processes ran on"
+
+
+def test_what_a_process_started_as_it_ended_goes_with_the_claim(tmp_path):
+    """Guards against ending only the process a claim started: what it left running in
+    its group, or started in answer to SIGTERM, ran on after the claim."""
+    ready = tmp_path / "ready"
+    leaves_one_behind = "sleep 300 & exit"
+    starts_one_as_it_ends = (
+        f"trap 'sleep 300 & exit' TERM; touch \"{ready}\"; while :; do sleep 0.05; done"
+    )
+    with claim(cpus=1) as c:
+        left = c.popen(["sh", "-c", leaves_one_behind])
+        left.wait(30)
+        assert left_in_group(left.pid), "nothing was left running to end"
+        ending = started_and_ready(c, starts_one_as_it_ends, ready)
+    assert wait_until(lambda: not left_in_group(left.pid) and not left_in_group(ending), 30)
 
 
 def test_a_claims_ended_subprocess_no_longer_keeps_the_sampling_thread():

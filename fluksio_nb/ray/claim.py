@@ -50,6 +50,7 @@ from fluksio_nb.errors import (
     unsendable,
 )
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised
+from fluksio_nb.queue import books_changing
 from fluksio_nb.ray.connection import (
     ElsewhereThanTheKernel,
     _job_of,
@@ -210,7 +211,9 @@ class RayClaim(ClaimLifecycle):
                 if self._due_to_show():
                     self._show()
         except BaseException:
-            remove_placement_group(group)
+            # Whole: a second stop would leave the cluster holding the group.
+            with books_changing():
+                remove_placement_group(group)
             raise
         self._held = group
         task = ray_connection.remote(ray, run_claimed_cell)
