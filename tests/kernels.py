@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -162,6 +163,8 @@ class Kernel:
         self.user = user
         #: The directory the kernel's user owns for it, removed at shutdown.
         self.own_dir: Path | None = None
+        #: Where the kernel writes its threads' stacks when a cell is late (:meth:`stacks`).
+        self._stacks: Path | None = None
         if user is None:
             self.manager = KernelManager(kernel_name="python3")
             spec = self.manager.kernel_spec
@@ -178,7 +181,15 @@ class Kernel:
         self.seen: list[dict[str, Any]] = []
         #: When each of ``seen`` arrived.
         self.seen_at: list[float] = []
-        self.run("%load_ext fluksio_nb", check=True)
+        own = self.own_dir or Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
+        self._stacks = own / "stacks"
+        # One cell, so that the notebook's cell numbers are as a user's would be.
+        self.run(
+            "%load_ext fluksio_nb\n"
+            "__import__('faulthandler').register(__import__('signal').SIGUSR2, "
+            f"file=open({str(self._stacks)!r}, 'w'), all_threads=True)",
+            check=True,
+        )
 
     def _start_as(self, user: UnixUser, env: dict[str, str], launched_by: Sequence[str]) -> None:
         own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
@@ -265,7 +276,9 @@ class Kernel:
                 raise AssertionError(f"the cell ended and did not {until.does}: {ran.so_far()}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the cell did not {until.does} in {timeout} s: {ran.so_far()}")
+                raise TimeoutError(
+                    f"the cell did not {until.does} in {timeout} s: {ran.so_far()}{self.stacks()}"
+                )
             if between is not None:
                 between(ran)
                 left = min(left, 0.05)
@@ -365,13 +378,32 @@ class Kernel:
             go.touch()
         return self.messages_of(msg_id)
 
+    def stacks(self) -> str:
+        """Where each of the kernel's threads is now, for a test to say why a cell was late."""
+        if self._stacks is None:
+            return ""
+        try:
+            os.kill(self.pid, signal.SIGUSR2)
+        except OSError as error:
+            return f"\n(no stacks: {error})"
+        # Written from the signal's handler, all at once: a test that failed
+        # already reads it once it is there and has stopped growing.
+        said, deadline = "", time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            before, said = said, self._stacks.read_text(errors="replace")
+            if said and said == before:
+                break
+        self._stacks.write_text("")
+        return f"\nthe kernel's threads, as the wait ended:\n{said}"
+
     def shutdown(self) -> None:
         self.client.stop_channels()
         try:
             self.manager.shutdown_kernel(now=True)
         finally:
-            if self.own_dir is not None:
-                shutil.rmtree(self.own_dir, ignore_errors=True)
+            if self._stacks is not None:
+                shutil.rmtree(self.own_dir or self._stacks.parent, ignore_errors=True)
 
 
 @contextmanager
