@@ -87,7 +87,9 @@ def machine_main(argv: list[str]) -> int:
         elif options.action == "remove":
             print(remove(layout))
         elif options.action == "serve":
-            serve(layout)
+            from fluksio_nb.usage.read import kernel_deaths
+
+            serve(layout, read_deaths=kernel_deaths)
         else:
             # Which books this user's kernels use, and why.
             books = books_in_force(layout)

@@ -418,6 +418,20 @@ def test_a_killed_kernels_claims_are_recorded_by_the_service_against_its_user_on
         assert held["granted_at"] < held["ended_at"]
         assert "peak_rss_bytes" not in held, "a peak memory nobody alive knew was made up"
 
+        # Her own, through the service, which reads root's file for her; nobody else's.
+        def usage_of(user) -> dict:
+            ran = run_as(
+                user,
+                "import sys; from fluksio_nb.__main__ import main; "
+                "sys.exit(main(['usage', '--json']))",
+                env=machine_env(layout),
+            )
+            assert ran.returncode == 0 and not ran.stderr, ran.stderr
+            return {r["user"]: r for r in json.loads(ran.stdout)["users"]}
+
+        assert usage_of(alice)[USER_A]["endings"] == {"ok": 1, "kernel died": 2}
+        assert USER_A not in usage_of(bob), "another user's killed kernels were shown"
+
 
 STRESS = r"""
 import json, random, signal, sys, time

@@ -96,6 +96,16 @@ class Snapshot(_Message):
     id: int
 
 
+class KernelDeaths(_Message):
+    """The asker's own claims whose kernel was killed: the records the service wrote, which
+    only root may read."""
+
+    op: Literal["kernel_deaths"]
+    id: int
+    #: Only those that ended since (``time.time()``).
+    since: float | None = None
+
+
 class Restore(_Message):
     """A claim this kernel was running when its connection to the service broke."""
 
@@ -109,7 +119,8 @@ class Restore(_Message):
 
 
 Request = Annotated[
-    Claim | Release | Cancel | Report | Snapshot | Restore, Field(discriminator="op")
+    Claim | Release | Cancel | Report | Snapshot | KernelDeaths | Restore,
+    Field(discriminator="op"),
 ]
 read_hello = TypeAdapter(Hello).validate_json
 read_request = TypeAdapter(Request).validate_json

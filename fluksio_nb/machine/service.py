@@ -28,6 +28,10 @@ What it decides:
   closed (a client that stopped reading, a bad line, the service stopping
   for a restart) leaves none: its kernel lives, and ends and records its
   claims itself.
+- **Each user may read the records of their own killed kernels**, and no
+  one else's: root's file is private, so the service reads it for them
+  (``kernel_deaths``), away from the loop that answers claims, one read per
+  user at a time, the newest :data:`DEATHS_ANSWERED` at most.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import os
 import pwd
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +71,14 @@ MAX_BACKLOG_BYTES = 4 << 20
 #: person's notebooks make, and low enough that the service's memory is bounded.
 MAX_CONNECTIONS_PER_USER = 512
 MAX_WAITING_PER_USER = 4096
+#: The most records of a user's killed kernels one answer holds: some 300 KB,
+#: well inside a line.
+DEATHS_ANSWERED = 1000
+
+#: How the service reads its records for one user: ``(directory, uid, since,
+#: most)`` to the newest records and how many more there were. Given by the
+#: caller, which may import the reader (:func:`fluksio_nb.usage.read.kernel_deaths`).
+DeathsReader = Callable[[Path, int, float | None, int], tuple[list[UsageRecord], int]]
 
 
 def in_group(uid: int, group: str | None) -> bool:
@@ -157,13 +170,17 @@ class BooksService:
         caps: dict[str, Cap] | None = None,
         admin_group: str | None = None,
         records: str | None = None,
+        read_deaths: DeathsReader | None = None,
     ) -> None:
         self.books = books
         self.cap_by_name = caps or {}
         self.admin_group = admin_group
         self.records = records
+        self.read_deaths = read_deaths
         self.connections: set[Connection] = set()
         self._granting_from = 0.0
+        #: Users whose killed kernels' records are being read now.
+        self._reading_deaths: set[int] = set()
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -384,6 +401,50 @@ class BooksService:
                 }
             )
         connection.send_line(line)
+
+    def _on_kernel_deaths(self, connection: Connection, request: protocol.KernelDeaths) -> None:
+        """The asker's own killed kernels' records, read from root's files on a thread."""
+        uid, read = connection.uid, self.read_deaths
+        if not self.records or read is None:
+            connection.send({"op": "kernel_deaths", "id": request.id, "records": [], "more": 0})
+            return
+        if uid in self._reading_deaths:
+            connection.send(
+                {
+                    "op": "error",
+                    "id": request.id,
+                    "message": "your killed kernels' records are being read for you already; "
+                    "ask again once that answer has come",
+                }
+            )
+            return
+        self._reading_deaths.add(uid)
+        directory, since = Path(self.records), request.since
+        reading = asyncio.get_running_loop().run_in_executor(
+            None, read, directory, uid, since, DEATHS_ANSWERED
+        )
+
+        def answer(done: asyncio.Future) -> None:
+            self._reading_deaths.discard(uid)
+            try:
+                records, more = done.result()
+            except Exception as error:
+                log.warning("the records of %s's killed kernels were not read: %s", uid, error)
+                message = f"the records could not be read: {error}"
+                connection.send({"op": "error", "id": request.id, "message": message})
+                return
+            connection.send(
+                {
+                    "op": "kernel_deaths",
+                    "id": request.id,
+                    "records": [
+                        record.model_dump(mode="json", exclude_none=True) for record in records
+                    ],
+                    "more": more,
+                }
+            )
+
+        reading.add_done_callback(answer)
 
     def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
         """A kernel's running claim from before the service restarted, back in the books.

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
@@ -50,6 +50,9 @@ from fluksio_nb.machine.books import MachineBooks
 from fluksio_nb.machine.caps import Cap
 from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, MARKER_NAME, SOCKET_NAME
 from fluksio_nb.resources import explain
+
+if TYPE_CHECKING:
+    from fluksio_nb.machine.service import DeathsReader
 
 UNIT_NAME = "fluksio-nb.service"
 
@@ -413,8 +416,12 @@ def remove(layout: Layout) -> str:
 SERVICE_NICENESS = -10
 
 
-def serve(layout: Layout) -> None:
-    """Run the books service in the foreground: what the systemd unit runs."""
+def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
+    """Run the books service in the foreground: what the systemd unit runs.
+
+    ``read_deaths`` reads the service's records for a user who asks for
+    their own killed kernels' (:class:`~fluksio_nb.machine.service.DeathsReader`).
+    """
     _must_be_root("serve")
     import asyncio
     import logging
@@ -442,6 +449,7 @@ def serve(layout: Layout) -> None:
         caps={name: cap.as_cap() for name, cap in config.caps.items()},
         admin_group=config.admin_group,
         records=str(layout.records),
+        read_deaths=read_deaths,
     )
     # After a reboot /run is empty again: the service marks it as it starts.
     _mark(layout)

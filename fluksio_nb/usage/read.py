@@ -112,12 +112,14 @@ def each_usage(
     user: str | None = None,
     owner: int | None = None,
     at_most: int | None = None,
+    written_for: int | None = None,
 ) -> Iterator[tuple[str, UsageRecord]]:
     """The records of :func:`read_usage`, one at a time; what was not read goes in ``counts``.
 
     ``owner``: read only the files of this uid; others' are counted
     (``others_files``), unopened where the directory already says whose
-    they are.
+    they are. Of root's files, only root's own records, unless
+    ``written_for`` names the user whose records root wrote are wanted.
     ``at_most``: read no more than this many bytes in all, newest files
     first and each file's end first; the files are sorted, so it goes with
     ``owner``, which keeps that list to one user's.
@@ -141,12 +143,42 @@ def each_usage(
             if left is not None and left <= 0:
                 counts.files_cut += 1
                 continue
-            file = _File(where, name, since, user, owner, names, counts, left, read)
+            file = _File(where, name, since, user, owner, names, counts, left, read, written_for)
             yield from file.records()
             if left is not None:
                 left -= file.read
     finally:
         os.close(where)
+
+
+#: The most the books service reads of its files for one user's killed kernels.
+DEATHS_READ_AT_MOST = 16 * 2**20
+
+
+def kernel_deaths(
+    directory: Path, uid: int, since: float | None = None, most: int = 1000
+) -> tuple[list[UsageRecord], int]:
+    """The records the books service wrote for ``uid``'s killed kernels: the newest ``most``.
+
+    Read by the service, which alone may read its files, for that user to
+    see their own. Only root's files are opened; the newest are read first,
+    16 MiB at most. Returns the records, newest first, and how many more
+    there were.
+    """
+    rows = UsageRows()
+    found = [
+        record
+        for _, record in each_usage(
+            directory,
+            rows,
+            since=since,
+            owner=0,
+            at_most=DEATHS_READ_AT_MOST,
+            written_for=uid,
+        )
+    ]
+    found.sort(key=lambda record: record.ended_at, reverse=True)
+    return found[:most], max(0, len(found) - most)
 
 
 def _records_files(
@@ -197,11 +229,14 @@ class _File:
         counts: UsageRows,
         left: int | None,
         files_read: set[tuple[int, int]],
+        written_for: int | None = None,
     ) -> None:
         self.where, self.name, self.since, self.user, self.owner = where, name, since, user, owner
         self.names, self.counts, self.left = names, counts, left
         self.files_read = files_read
         self.read = 0
+        #: In root's files, whose records root wrote are wanted; by default, the owner's.
+        self.written_for = written_for
 
     def records(self) -> Iterator[tuple[str, UsageRecord]]:
         counts = self.counts
@@ -241,7 +276,8 @@ class _File:
                 if record is None or (self.since is not None and record.ended_at < self.since):
                     continue
                 whose = _whose(record, info.st_uid)
-                if info.st_uid == 0 and self.owner is not None and whose != self.owner:
+                wanted = self.owner if self.written_for is None else self.written_for
+                if info.st_uid == 0 and wanted is not None and whose != wanted:
                     continue
                 owner = _named(whose, self.names)
                 if self.user is None or owner == self.user:

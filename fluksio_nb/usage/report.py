@@ -14,7 +14,9 @@ What it decides:
   files, entries that are not plain files, and lines that are not records.
 - **By default, the user's own records and the machine's**: their own
   directory, and on a machine whose books every user shares, the records
-  directory its service names.
+  directory its service names, and the records the service wrote, in a
+  file of root's, for the user's kernels that were killed, which it reads
+  for them (:func:`own_kernel_deaths`).
 - **Added up as they are read, in memory no user can grow at will.** No
   record is kept once counted. Notebook names and endings are written by
   the records' owner, so a user's rows are told apart by at most
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pwd
 import re
 import sys
@@ -38,6 +41,8 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from fluksio_nb.budget import human
 from fluksio_nb.records import UsageRecord, default_usage_dir
@@ -314,13 +319,64 @@ def usage_dirs() -> list[Path]:
             records = records_beside(found)
             warnings.warn(
                 f"the machine's books service does not answer ({error}); its usage records "
-                + (f"were read from {records}" if records else "were not read"),
+                + (f"were read from {records}" if records else "were not read")
+                + (
+                    ""
+                    if os.geteuid() == 0
+                    else ", but not those of your kernels that were killed, which only it may read"
+                ),
                 UsageServiceDown,
                 stacklevel=2,
             )
         if records:
             dirs.insert(0, Path(records))
     return dirs
+
+
+def own_kernel_deaths(
+    since: float | None,
+) -> tuple[list[tuple[str, UsageRecord]], list[str]]:
+    """This user's claims whose kernel was killed, as the machine's books service recorded them.
+
+    The service writes those records into a file of root's, private like
+    every records file, and reads a user's own for them. There are none
+    where no service keeps the books; root reads them in the directory.
+    Returns the rows, and what was left out, said.
+    """
+    from fluksio_nb.errors import ServiceUnavailable
+    from fluksio_nb.kernel import books_in_force
+    from fluksio_nb.machine.connection import ask_once
+
+    found = books_in_force().socket
+    if found is None or os.geteuid() == 0:
+        return [], []
+    not_counted = "the claims of your kernels that were killed are not counted"
+    try:
+        answer = ask_once(found, {"op": "kernel_deaths", "since": since})
+    except (ServiceUnavailable, OSError, ValueError) as error:
+        return [], [
+            f"{not_counted}: only the books service may read them, and it did not ({error})"
+        ]
+    if answer.get("op") != "kernel_deaths":
+        return [], [f"{not_counted}: the books service said {answer.get('message') or answer}"]
+    me = str(answer["welcome"].get("user") or os.getuid())
+    rows, left_out = [], []
+    for raw in answer.get("records") or ():
+        try:
+            rows.append((me, UsageRecord.model_validate(raw)))
+        except ValidationError:
+            left_out.append(raw)
+    said = []
+    if left_out:
+        said.append(f"{len(left_out)} of your killed kernels' records did not read as records")
+    more = answer.get("more")
+    if isinstance(more, int) and more > 0:
+        said.append(
+            f"{_plural(more, 'older claim', 'older claims')} of your killed kernels "
+            f"{'is' if more == 1 else 'are'} not counted: the books service gives the newest "
+            f"{len(rows)}; --since leaves them out"
+        )
+    return rows, said
 
 
 class UsageServiceDown(UserWarning):
@@ -382,6 +438,11 @@ def usage_main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
+    if options.dir is None and not heard:
+        deaths, said = own_kernel_deaths(since)
+        adding.add(row for row in deaths if options.user in (None, row[0]))
+        for line in said:
+            print(f"fluksio-nb usage: {line}", file=sys.stderr)
     summary = adding.rows()
     if options.json:
         report = {
