@@ -311,14 +311,19 @@ def test_a_kernel_on_a_machine_whose_service_is_down_says_so():
 
 
 @contextmanager
-def service_here(tmp_path, *, cpus=4, gpus=2, caps=None, restarting=False):
+def service_here(tmp_path, *, cpus=4, gpus=2, caps=None, restarting=False, read_deaths=None):
     """The service's own code on a socket of this test's, in a thread of its own:
     what ``restarting`` keeps it in (a restart's grace) lasts until the test ends."""
     from fluksio_nb.machine.books import MachineBooks
     from fluksio_nb.machine.service import BooksService, Connection
 
     path = tmp_path / "books.sock"
-    service = BooksService(MachineBooks(cpus, range(gpus), 0), caps=caps)
+    service = BooksService(
+        MachineBooks(cpus, range(gpus), 0),
+        caps=caps,
+        records=str(tmp_path),
+        read_deaths=read_deaths,
+    )
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     stopping = asyncio.Event()
@@ -414,6 +419,37 @@ def test_a_claim_made_while_the_service_restarts_waits_on_a_free_machine_and_say
         )
     with service_here(tmp_path, cpus=2, gpus=0) as path:
         assert "grants_resume_at" not in Client(path).books()
+
+
+def test_reading_killed_kernels_records_keeps_the_service_answering_claims(tmp_path):
+    """Guards against a user who asks for their killed kernels' records again and again
+    taking the service's time (and its GIL) from the claims of everyone: one read at a
+    time, on a thread, and after a read that took a second, none for nine more."""
+    reading, go_on = threading.Event(), threading.Event()
+
+    def a_read_of_a_second(directory, uid, since, most):
+        reading.set()
+        go_on.wait(60)
+        time.sleep(1.0)  # how long this read takes: the rest is the service's
+        return [], 0
+
+    with service_here(tmp_path, cpus=2, gpus=0, read_deaths=a_read_of_a_second) as path:
+        first, second = Client(path), Client(path)
+        first.sock.sendall(protocol.line({"op": "kernel_deaths", "id": 7}))
+        assert reading.wait(30)
+        busy = second.ask(op="kernel_deaths")
+        assert busy["op"] == "error" and busy["retry_in"] == 1.0, busy
+        claimed = second.ask(op="claim", need={"cpus": 1, "gpus": 0, "ram_bytes": 0}, label="c")
+        assert "granted_at" in claimed, "a claim waited for the read"
+        go_on.set()
+        assert json.loads(first.file.readline()) == {
+            "op": "kernel_deaths",
+            "id": 7,
+            "records": [],
+            "more": 0,
+        }
+        soon = second.ask(op="kernel_deaths")
+        assert soon["op"] == "error" and 0 < soon["retry_in"] < 10, soon
 
 
 def test_a_restore_while_restarting_keeps_its_user_to_the_cap_and_to_distinct_free_cards(

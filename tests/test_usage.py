@@ -47,7 +47,7 @@ from fluksio_nb.usage import (
     user_totals,
 )
 from fluksio_nb.usage import report as usage_report
-from fluksio_nb.usage.read import UsageRows, each_usage
+from fluksio_nb.usage.read import UsageRows, each_usage, kernel_deaths
 from tests.kernels import Kernel, until_it_exists
 from tests.stops import said_by
 from tests.unix_users import USER_A, ready_user, run_as, shared_tmp_dir
@@ -761,6 +761,10 @@ def test_only_a_file_of_roots_may_say_whose_records_it_holds(shared_dir):
     # What reads root's own records unasked (its panel) is not shown others' in root's file.
     counts = UsageRows()
     assert list(each_usage(shared_dir, counts, owner=0)) == []
+    # What the books service reads for a user: root's records of theirs, not a forgery.
+    deaths, more = kernel_deaths(shared_dir, victim.uid)
+    assert ([r.cpus for r in deaths], more) == ([2], 0)
+    assert kernel_deaths(shared_dir, forger.pw_uid) == ([], 0)
 
 
 def test_a_records_file_is_counted_once_whatever_its_names(tmp_path):

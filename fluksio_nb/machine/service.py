@@ -30,8 +30,11 @@ What it decides:
   claims itself.
 - **Each user may read the records of their own killed kernels**, and no
   one else's: root's file is private, so the service reads it for them
-  (``kernel_deaths``), away from the loop that answers claims, one read per
-  user at a time, the newest :data:`DEATHS_ANSWERED` at most.
+  (``kernel_deaths``), the newest :data:`DEATHS_ANSWERED` at most. Reading
+  takes the GIL from the loop that answers claims, so it is done on a
+  thread, for one asker at a time, and busy at most a tenth of the time
+  (:data:`DEATHS_DUTY`): nobody can slow everyone's claims by asking again
+  and again.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import asyncio
 import contextlib
 import grp
 import logging
+import math
 import os
 import pwd
 import signal
@@ -74,6 +78,8 @@ MAX_WAITING_PER_USER = 4096
 #: The most records of a user's killed kernels one answer holds: some 300 KB,
 #: well inside a line.
 DEATHS_ANSWERED = 1000
+#: The most of the service's time reading those records may take.
+DEATHS_DUTY = 0.1
 
 #: How the service reads its records for one user: ``(directory, uid, since,
 #: most)`` to the newest records and how many more there were. Given by the
@@ -179,8 +185,8 @@ class BooksService:
         self.read_deaths = read_deaths
         self.connections: set[Connection] = set()
         self._granting_from = 0.0
-        #: Users whose killed kernels' records are being read now.
-        self._reading_deaths: set[int] = set()
+        #: When, on the loop's clock, the next read of killed kernels' records may start.
+        self._deaths_free_at = 0.0
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -404,28 +410,30 @@ class BooksService:
 
     def _on_kernel_deaths(self, connection: Connection, request: protocol.KernelDeaths) -> None:
         """The asker's own killed kernels' records, read from root's files on a thread."""
-        uid, read = connection.uid, self.read_deaths
+        uid, read, loop = connection.uid, self.read_deaths, asyncio.get_running_loop()
         if not self.records or read is None:
             connection.send({"op": "kernel_deaths", "id": request.id, "records": [], "more": 0})
             return
-        if uid in self._reading_deaths:
+        wait = self._deaths_free_at - loop.time()
+        if wait > 0:
+            # How long, unknown while a read runs: the asker tries again in a moment.
+            again = 1.0 if math.isinf(wait) else round(wait, 2)
+            message = (
+                "the books service is reading, or has just read, usage records for "
+                f"someone; ask again in {math.ceil(again)} s"
+            )
             connection.send(
-                {
-                    "op": "error",
-                    "id": request.id,
-                    "message": "your killed kernels' records are being read for you already; "
-                    "ask again once that answer has come",
-                }
+                {"op": "error", "id": request.id, "message": message, "retry_in": again}
             )
             return
-        self._reading_deaths.add(uid)
+        self._deaths_free_at = math.inf
         directory, since = Path(self.records), request.since
-        reading = asyncio.get_running_loop().run_in_executor(
-            None, read, directory, uid, since, DEATHS_ANSWERED
-        )
+        started = loop.time()
+        reading = loop.run_in_executor(None, read, directory, uid, since, DEATHS_ANSWERED)
 
         def answer(done: asyncio.Future) -> None:
-            self._reading_deaths.discard(uid)
+            now = loop.time()
+            self._deaths_free_at = now + (now - started) * (1 - DEATHS_DUTY) / DEATHS_DUTY
             try:
                 records, more = done.result()
             except Exception as error:

@@ -333,6 +333,10 @@ def usage_dirs() -> list[Path]:
     return dirs
 
 
+#: How long ``fluksio-nb usage`` waits for a books service busy reading records for others.
+DEATHS_WAITED_AT_MOST_S = 10.0
+
+
 def own_kernel_deaths(
     since: float | None,
 ) -> tuple[list[tuple[str, UsageRecord]], list[str]]:
@@ -351,8 +355,15 @@ def own_kernel_deaths(
     if found is None or os.geteuid() == 0:
         return [], []
     not_counted = "the claims of your kernels that were killed are not counted"
+    deadline = time.monotonic() + DEATHS_WAITED_AT_MOST_S
     try:
-        answer = ask_once(found, {"op": "kernel_deaths", "since": since})
+        while True:
+            answer = ask_once(found, {"op": "kernel_deaths", "since": since})
+            # Busy reading for someone else: it says when to ask again.
+            again = answer.get("retry_in")
+            if not isinstance(again, (int, float)) or time.monotonic() + again > deadline:
+                break
+            time.sleep(max(again, 0.01))
     except (ServiceUnavailable, OSError, ValueError) as error:
         return [], [
             f"{not_counted}: only the books service may read them, and it did not ({error})"
