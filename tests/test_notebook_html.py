@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+JUPYTER = [sys.executable, "-m", "jupyter"]
+
 CELLS = [
     ("%load_ext fluksio_nb", []),
     ("%%claim cpus=1 --label long\nimport time\ntime.sleep(2)\nlong_done = True", []),
@@ -48,9 +50,8 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
             }
         )
     )
-    jupyter = [sys.executable, "-m", "jupyter"]
     subprocess.run(
-        [*jupyter, "nbconvert", "--to", "html", "--execute", str(notebook)],
+        [*JUPYTER, "nbconvert", "--to", "html", "--execute", str(notebook)],
         check=True,
         capture_output=True,
         timeout=300,
@@ -69,3 +70,64 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
     # How nbconvert places a widget view, for a widget manager that is not there.
     assert '<script type="application/vnd.jupyter.widget-view+json">' not in page
     assert page.count("division by zero") == 1
+
+
+def test_an_executed_notebook_keeps_no_ended_claims_widget_code(tmp_path: Path):
+    """Guards against nbconvert, papermill and nbval (nbclient, which keeps the last
+    state of every widget a notebook made, closed ones too) saving each ended claim's
+    ES module and stylesheet in the notebook: 45 KB for every claimed cell that ran
+    long enough to show its live view."""
+    notebook = tmp_path / "claims.ipynb"
+    cells = [
+        "%load_ext fluksio_nb",
+        *(f"%%claim cpus=1 --label long{n}\nimport time\ntime.sleep(1)" for n in range(3)),
+    ]
+    notebook.write_text(
+        json.dumps(
+            {
+                "cells": [
+                    {
+                        "cell_type": "code",
+                        "execution_count": None,
+                        "id": f"cell-{n}",
+                        "metadata": {},
+                        "outputs": [],
+                        "source": source,
+                    }
+                    for n, source in enumerate(cells)
+                ],
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "nbformat": 4,
+                "nbformat_minor": 5,
+            }
+        )
+    )
+    subprocess.run(
+        [
+            *JUPYTER,
+            "nbconvert",
+            "--to",
+            "notebook",
+            "--execute",
+            "--output",
+            "executed.ipynb",
+            notebook,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    executed = json.loads((tmp_path / "executed.ipynb").read_text())
+    states = executed["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    claims = [m["state"] for m in states.values() if m["state"].get("kind") == "claim"]
+    assert sorted(state["label"] for state in claims) == ["long0", "long1", "long2"]
+    for state in claims:
+        assert len(state["_esm"]) < 100 and state["_css"] == "", "a live view's code was kept"
+    records = [
+        "".join(output["data"]["text/plain"])
+        for cell in executed["cells"]
+        for output in cell["outputs"]
+        if "text/plain" in output.get("data", {})
+    ]
+    assert sum("· waited " in record for record in records) == 3, records
