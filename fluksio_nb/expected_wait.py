@@ -55,9 +55,7 @@ def expected_waits(
     now = time.time() if now is None else now
     resume_at = snapshot.get("grants_resume_at")
     if isinstance(resume_at, (int, float)) and resume_at > now:
-        # Nothing moves until then: the queue is played forward from that moment.
-        later = expected_waits({**snapshot, "grants_resume_at": None}, durations, now=resume_at)
-        return [_after_the_restart(guess, resume_at - now) for guess in later]
+        return _after_the_restart(snapshot, durations, resume_at - now, resume_at)
     waiting = list(snapshot.get("waiting", ()))
     running = list(snapshot.get("running", ()))
     if not running:
@@ -96,18 +94,74 @@ def expected_waits(
     return answers
 
 
-def _after_the_restart(guess: dict[str, Any], held_s: float) -> dict[str, Any]:
-    """A guess made from the end of a service restart's grace, said from now."""
+def _fit_as_it_stands(snapshot: Mapping[str, Any]) -> list[bool]:
+    """Whether each waiting claim, in queue order, fits in what is free beside those ahead.
+
+    Only while a restarted service holds its grants can a waiting claim fit:
+    at any other time it would have been granted.
+    """
+    try:
+        left = [
+            snapshot["cpus"]["free"],
+            snapshot["gpus"]["free"],
+            snapshot["ram_bytes"]["free"],
+        ]
+    except (KeyError, TypeError):
+        return [False for _ in snapshot.get("waiting", ())]
+    fits = []
+    for claim in snapshot.get("waiting", ()):
+        asked = claim.get("asked") or {}
+        need = [asked.get(key) for key in ("cpus", "gpus", "ram_bytes")]
+        fit = all(isinstance(n, int) for n in need) and all(
+            n <= free for n, free in zip(need, left, strict=True)
+        )
+        if fit:
+            left = [free - n for n, free in zip(need, left, strict=True)]
+        fits.append(fit)
+    return fits
+
+
+def _after_the_restart(
+    snapshot: Mapping[str, Any],
+    durations: Mapping[str, Sequence[float]],
+    held_s: float,
+    resume_at: float,
+) -> list[dict[str, Any]]:
+    """The waits while a restarted service holds its grants, until ``resume_at``.
+
+    What fits then starts then; the queue is played forward from that
+    moment for the rest, with those counted as running.
+    """
     why = (
         f"the machine's books service has just restarted, and grants nothing for "
         f"{held_s:.0f} s more, while kernels put back the claims that ran across it"
     )
-    if guess["seconds"] is None:
-        if not guess["why"].startswith("cannot tell: nothing is running"):
-            return {"seconds": None, "why": f"{guess['why']}; and {why}"}
-        # Nothing runs, or has come back yet: the claim starts as the grace ends.
-        return {"seconds": round(held_s, 1), "why": why}
-    return {"seconds": round(held_s + guess["seconds"], 1), "why": f"{why}; then {guess['why']}"}
+    waiting = list(snapshot.get("waiting", ()))
+    fits = _fit_as_it_stands(snapshot)
+    paired = list(zip(waiting, fits, strict=True))
+    starting = [{**claim, "granted_at": resume_at} for claim, fit in paired if fit]
+    later = iter(
+        expected_waits(
+            {
+                "running": [*snapshot.get("running", ()), *starting],
+                "waiting": [claim for claim, fit in paired if not fit],
+            },
+            durations,
+            now=resume_at,
+        )
+    )
+    answers = []
+    for fit in fits:
+        guess = None if fit else next(later)
+        if guess is None or str(guess["why"]).startswith("cannot tell: nothing is running"):
+            # It fits, or nothing runs (or has come back yet): it starts as the grace ends.
+            answers.append({"seconds": round(held_s, 1), "why": why})
+        elif guess["seconds"] is None:
+            answers.append({"seconds": None, "why": f"{guess['why']}; and {why}"})
+        else:
+            seconds = round(held_s + guess["seconds"], 1)
+            answers.append({"seconds": seconds, "why": f"{why}; then {guess['why']}"})
+    return answers
 
 
 def _why_unknown(label: str | None, where: str) -> str:

@@ -116,17 +116,26 @@ def test_a_restart_of_the_books_service_holds_the_queue_and_says_so():
     }
     assert describe_wait(guess).startswith("expected to start in under a minute (the machine's")
 
-    # A claim put back runs on; the one ahead in the queue waits for it from the grace's end.
+    # A claim put back runs on, holding one of two cores: the first in the queue fits
+    # beside it and starts as the grace ends; the next waits for it from then.
+    def asking(cpus: int) -> dict:
+        return {**waiting("fit"), "asked": {"cpus": cpus, "gpus": 0, "ram_bytes": 0}}
+
     behind = {
         "running": [running("fit", 100)],
-        "waiting": [waiting("fit")],
+        "waiting": [asking(1), asking(1)],
+        "cpus": {"free": 1},
+        "gpus": {"free": 0},
+        "ram_bytes": {"free": 0},
         "grants_resume_at": NOW + 60,
     }
-    (guess,) = expected_waits(behind, {"fit": [300.0]}, now=NOW)
-    assert guess["seconds"] == 60 + 300 - 160
-    assert guess["why"].endswith("then from 1 past run of 'fit' and the running claims' ages")
+    fits, waits = expected_waits(behind, {"fit": [300.0]}, now=NOW)
+    assert fits["seconds"] == 60 and fits["why"].startswith("the machine's books service has")
+    assert waits["seconds"] == 60 + 300 - 160
+    assert waits["why"].endswith("then from 1 past run of 'fit' and the running claims' ages")
 
-    over = {**behind, "grants_resume_at": NOW - 1}
+    # Once the grace is over, the queue is as it always is.
+    over = {**behind, "waiting": [asking(1)], "grants_resume_at": NOW - 1}
     (guess,) = expected_waits(over, {"fit": [300.0]}, now=NOW)
     assert guess == {
         "seconds": 200.0,
