@@ -702,6 +702,16 @@ def test_a_worker_that_dies_says_how(own_worker, code, returncode, said):
     assert again.died and "already ended" in again.description
 
 
+def test_a_cell_that_closes_the_workers_channel_is_told_so_not_blamed_on_memory(own_worker):
+    """Guards against a cell that closed every descriptor (os.closerange) being told the
+    out-of-memory killer ended it, when the kernel did, having lost its channel."""
+    outcome = own_worker.run("import os\nos.closerange(3, 4096)\nimport time\ntime.sleep(60)")
+    assert outcome.died
+    assert "closed its channel to the kernel and lived on" in outcome.description
+    assert "out-of-memory" not in outcome.description
+    assert not own_worker.alive
+
+
 def test_a_worker_killed_from_outside_says_sigkill(own_worker):
     """The out-of-memory killer's SIGKILL must read as a death, not a hang."""
     recorder = Recorder()

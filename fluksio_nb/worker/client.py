@@ -115,6 +115,16 @@ GRACE_AFTER_SIGTERM = 0.3
 GRACE_AFTER_SIGKILL = 2.0
 #: How long :meth:`Worker.close` lets the worker exit by itself.
 GRACE_TO_EXIT = 1.0
+#: How long a worker whose channel closed has to exit, before it is taken to
+#: have closed its end and lived on. One on its way out closes its channel
+#: just before it exits, and is found exited at once.
+CHANNEL_CLOSED_GRACE_S = 1.0
+#: Why the kernel ended a worker that closed its channel and lived on.
+CLOSED_ITS_CHANNEL = (
+    "it closed its channel to the kernel and lived on: the cell closed file "
+    "descriptors it had not opened (such as os.closerange), and the worker talks "
+    "to the kernel through them"
+)
 
 #: The longest the main thread blocks without looking for a pending SIGINT.
 #: Any thread may take a signal sent to the process; Python then only flags
@@ -643,6 +653,12 @@ class Worker:
     def _died(self, cell: _Cell) -> Outcome:
         cell.over = True
         self._drain_streams(cell.show)
+        if self._ending is None:
+            try:
+                self._process.wait_without_reaping(CHANNEL_CLOSED_GRACE_S)
+            except subprocess.TimeoutExpired:
+                # Ended here, not by the OOM killer, whose SIGKILL it would read as.
+                self._ending = CLOSED_ITS_CHANNEL
         self._process.end()
         returncode = self._process.returncode
         if not self._ready:
