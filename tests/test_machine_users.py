@@ -431,6 +431,17 @@ def test_a_killed_kernels_claims_are_recorded_by_the_service_against_its_user_on
 
         assert usage_of(alice)[USER_A]["endings"] == {"ok": 1, "kernel died": 2}
         assert USER_A not in usage_of(bob), "another user's killed kernels were shown"
+        # And among the finished claims her panel and %claims show.
+        finished = (
+            "[(c['label'], c['ending']) for c in __import__('fluksio_nb.usage.recent', "
+            "fromlist=['_']).process_recent_usage().finished()['claims']]"
+        )
+        assert sorted(kernels(alice, layout).facts(finished)) == [
+            ["fine", "ok"],
+            ["held", "kernel died"],
+            ["queued", "kernel died"],
+        ]
+        assert ["held", "kernel died"] not in b.facts(finished)
 
 
 STRESS = r"""

@@ -31,6 +31,10 @@ What it decides:
   so what is left out is the oldest; when something is, one warning per
   process and directory says so (:class:`RecentUsageCut`).
 - **A record's user is its file's owner**, as everywhere records are read.
+- **Claims whose kernel was killed are finished claims too.** On books
+  every user shares, the service records them in a file only root may
+  read, and is asked for the user's own once a minute at most
+  (:func:`~.report.own_kernel_deaths`), never waited on when busy.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ READ_AT_MOST = 8 * 2**20
 #: How long the list of directories is kept: finding the machine's asks its service.
 DIRS_FOR_S = 60.0
 
+#: How long the claims of the user's killed kernels are kept before the service is asked again.
+DEATHS_FOR_S = 60.0
+
 
 class RecentUsageCut(UserWarning):
     """Older usage records were left unread: past the bytes read each time."""
@@ -95,10 +102,18 @@ def finished_entry(user: str, record: UsageRecord) -> dict[str, Any]:
 class RecentUsage:
     """The records of some directories, read again only when a file in them changed."""
 
-    def __init__(self, directories: Callable[[], list[Path]] | None = None) -> None:
+    def __init__(
+        self,
+        directories: Callable[[], list[Path]] | None = None,
+        deaths: Callable[[], list[tuple[str, UsageRecord]]] | None = None,
+    ) -> None:
         self._directories = directories or _usage_dirs
+        #: The claims of the user's killed kernels, where only the books service reads them.
+        self._ask_deaths = deaths or (_service_deaths if directories is None else list)
         self._dirs: list[Path] = []
         self._dirs_at = -float("inf")
+        self._deaths: list[tuple[str, UsageRecord]] = []
+        self._deaths_at = -float("inf")
         self._read: dict[Path, tuple[Any, _Kept]] = {}
         self._lock = threading.Lock()
 
@@ -125,9 +140,12 @@ class RecentUsage:
     def finished(self, limit: int = FINISHED) -> dict[str, Any]:
         """The ``limit`` (at most :data:`FINISHED`) claims that ended last, newest first."""
         kept, others = self._kept()
+        deaths = [
+            (record.ended_at, -n, user, record) for n, (user, record) in enumerate(self._died())
+        ]
         newest = heapq.nlargest(
             min(limit, FINISHED),
-            (entry for one in kept for entry in one.finished),
+            [*(entry for one in kept for entry in one.finished), *deaths],
             key=lambda entry: entry[0],
         )
         return {
@@ -135,6 +153,15 @@ class RecentUsage:
             # Others' files as listed now, and any of the user's own that could not be opened.
             "unreadable_files": others + sum(one.counts.unreadable_files for one in kept),
         }
+
+    def _died(self) -> list[tuple[str, UsageRecord]]:
+        """The claims of the user's killed kernels, as last heard; asked again once a minute."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._deaths_at >= DEATHS_FOR_S:
+                self._deaths_at = now
+                self._deaths = self._ask_deaths()[:FINISHED]
+            return self._deaths
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
@@ -251,6 +278,13 @@ def _usage_dirs() -> list[Path]:
         # panel asks again in a minute, and a warning here would go nowhere.
         warnings.simplefilter("ignore")
         return usage_dirs()
+
+
+def _service_deaths() -> list[tuple[str, UsageRecord]]:
+    from fluksio_nb.usage.report import own_kernel_deaths
+
+    # Not waited for: the panel asks again in a minute.
+    return own_kernel_deaths(None, patience=0)[0]
 
 
 _recent: RecentUsage | None = None

@@ -338,14 +338,15 @@ DEATHS_WAITED_AT_MOST_S = 10.0
 
 
 def own_kernel_deaths(
-    since: float | None,
+    since: float | None, patience: float = DEATHS_WAITED_AT_MOST_S
 ) -> tuple[list[tuple[str, UsageRecord]], list[str]]:
     """This user's claims whose kernel was killed, as the machine's books service recorded them.
 
     The service writes those records into a file of root's, private like
     every records file, and reads a user's own for them. There are none
     where no service keeps the books; root reads them in the directory.
-    Returns the rows, and what was left out, said.
+    A service busy reading for others is asked again for ``patience``
+    seconds at most. Returns the rows, and what was left out, said.
     """
     from fluksio_nb.errors import ServiceUnavailable
     from fluksio_nb.kernel import books_in_force
@@ -355,7 +356,7 @@ def own_kernel_deaths(
     if found is None or os.geteuid() == 0:
         return [], []
     not_counted = "the claims of your kernels that were killed are not counted"
-    deadline = time.monotonic() + DEATHS_WAITED_AT_MOST_S
+    deadline = time.monotonic() + patience
     try:
         while True:
             answer = ask_once(found, {"op": "kernel_deaths", "since": since})
