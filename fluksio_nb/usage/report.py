@@ -45,6 +45,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fluksio_nb.budget import human
+from fluksio_nb.identity import user_name
 from fluksio_nb.records import UsageRecord, default_usage_dir
 from fluksio_nb.usage.read import UsageRows, each_usage
 
@@ -385,8 +386,8 @@ def own_kernel_deaths(
     if isinstance(more, int) and more > 0:
         said.append(
             f"{_plural(more, 'older claim', 'older claims')} of your killed kernels "
-            f"{'is' if more == 1 else 'are'} not counted: the books service gives the newest "
-            f"{len(rows)}; --since leaves them out"
+            f"{'is' if more == 1 else 'are'} not counted: the books service gives only the "
+            f"newest {len(rows)} (--since asks for a shorter span)"
         )
     return rows, said
 
@@ -450,9 +451,10 @@ def usage_main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
-    if options.dir is None and not heard:
+    me = (user_name(os.getuid()), str(os.getuid()))
+    if options.dir is None and not heard and options.user in (None, *me):
         deaths, said = own_kernel_deaths(since)
-        adding.add(row for row in deaths if options.user in (None, row[0]))
+        adding.add(deaths)
         for line in said:
             print(f"fluksio-nb usage: {line}", file=sys.stderr)
     summary = adding.rows()
