@@ -169,7 +169,7 @@ def left_in_group(group: int) -> list[int]:
 
 def started_and_ready(c, script: str, ready) -> int:
     """``sh -c script`` in the claim, once it says it is ready (touches ``ready``): its group."""
-    group = c.popen(["sh", "-c", f"{script}"]).pid
+    group = c.popen(["sh", "-c", script]).pid
     assert wait_until(ready.exists, 30), "the script never got ready"
     return group
 
