@@ -28,9 +28,9 @@ CELLS = [
 ]
 
 
-def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_path: Path):
-    notebook = tmp_path / "claims.ipynb"
-    notebook.write_text(
+def written(path: Path, cells: list[tuple[str, list[str]]]) -> Path:
+    """A notebook at ``path`` of code cells, each its source and its tags, never run."""
+    path.write_text(
         json.dumps(
             {
                 "cells": [
@@ -42,7 +42,7 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
                         "outputs": [],
                         "source": source,
                     }
-                    for n, (source, tags) in enumerate(CELLS)
+                    for n, (source, tags) in enumerate(cells)
                 ],
                 "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
                 "nbformat": 4,
@@ -50,6 +50,11 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
             }
         )
     )
+    return path
+
+
+def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_path: Path):
+    notebook = written(tmp_path / "claims.ipynb", CELLS)
     subprocess.run(
         [*JUPYTER, "nbconvert", "--to", "html", "--execute", str(notebook)],
         check=True,
@@ -77,31 +82,11 @@ def test_an_executed_notebook_keeps_no_ended_claims_widget_code(tmp_path: Path):
     state of every widget a notebook made, closed ones too) saving each ended claim's
     ES module and stylesheet in the notebook: 45 KB for every claimed cell that ran
     long enough to show its live view."""
-    notebook = tmp_path / "claims.ipynb"
     cells = [
-        "%load_ext fluksio_nb",
-        *(f"%%claim cpus=1 --label long{n}\nimport time\ntime.sleep(1)" for n in range(3)),
+        ("%load_ext fluksio_nb", []),
+        *((f"%%claim cpus=1 --label long{n}\nimport time\ntime.sleep(1)", []) for n in range(3)),
     ]
-    notebook.write_text(
-        json.dumps(
-            {
-                "cells": [
-                    {
-                        "cell_type": "code",
-                        "execution_count": None,
-                        "id": f"cell-{n}",
-                        "metadata": {},
-                        "outputs": [],
-                        "source": source,
-                    }
-                    for n, source in enumerate(cells)
-                ],
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-                "nbformat": 4,
-                "nbformat_minor": 5,
-            }
-        )
-    )
+    notebook = written(tmp_path / "claims.ipynb", cells)
     subprocess.run(
         [
             *JUPYTER,
