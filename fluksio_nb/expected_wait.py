@@ -29,6 +29,7 @@ What it decides:
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -134,7 +135,7 @@ def _after_the_restart(
     """
     why = (
         f"the machine's books service has just restarted, and grants nothing for "
-        f"{held_s:.0f} s more, while kernels put back the claims that ran across it"
+        f"{math.ceil(held_s)} s more, while kernels put back the claims that ran across it"
     )
     waiting = list(snapshot.get("waiting", ()))
     fits = _fit_as_it_stands(snapshot)

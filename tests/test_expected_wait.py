@@ -112,7 +112,7 @@ def test_a_restart_of_the_books_service_holds_the_queue_and_says_so():
     assert guess == {
         "seconds": 2.4,
         "why": "the machine's books service has just restarted, and grants nothing for "
-        "2 s more, while kernels put back the claims that ran across it",
+        "3 s more, while kernels put back the claims that ran across it",
     }
     assert describe_wait(guess).startswith("expected to start in under a minute (the machine's")
 
