@@ -283,8 +283,12 @@ def _usage_dirs() -> list[Path]:
 def _service_deaths() -> list[tuple[str, UsageRecord]]:
     from fluksio_nb.usage.report import own_kernel_deaths
 
-    # Not waited for: the panel asks again in a minute.
-    return own_kernel_deaths(None, patience=0)[0]
+    try:
+        # Not waited for: the panel asks again in a minute.
+        return own_kernel_deaths(None, patience=0)[0]
+    except Exception:
+        # What the service could not say is left out; the panel never fails for it.
+        return []
 
 
 _recent: RecentUsage | None = None
