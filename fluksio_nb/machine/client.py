@@ -292,12 +292,11 @@ class ServiceQueue:
                     self._reader_wakes.notify()
 
     def _asked(self) -> float | None:
-        """Until when an asker may want the connection; None if none does. Lock held."""
-        now = time.monotonic()
-        for place, until in list(self._askers.items()):
-            if until <= now:
-                del self._askers[place]  # left behind by a stop, not given up
-        return max(self._askers.values(), default=None)
+        """Until when an asker may want the connection; None if none does. Lock held.
+
+        A place past its time was left behind by a stop, not given up.
+        """
+        return _latest_to_come(self._askers, forget_after=0.0)
 
     def _hear_what_is_there(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for the connection, and hear every line on it.
@@ -416,11 +415,7 @@ class ServiceQueue:
         request abandoned before it went (the stop landed first) has no
         answer to come; it is forgotten a while after.
         """
-        now = time.monotonic()
-        for number, until in list(self._abandoned.items()):
-            if until + _FORGET_ABANDONED_S < now:
-                del self._abandoned[number]
-        return max((until for until in self._abandoned.values() if until > now), default=None)
+        return _latest_to_come(self._abandoned, forget_after=_FORGET_ABANDONED_S)
 
     def _watch(self) -> None:
         """Hear what comes until an asker wants the connection or nothing is held."""
@@ -741,3 +736,15 @@ class ServiceQueue:
 
     def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
         return timeout_message(ticket, timeout, self.holders())
+
+
+def _latest_to_come(deadlines: dict[Any, float], forget_after: float) -> float | None:
+    """The latest of ``deadlines`` still to come; ``None`` if none is.
+
+    Those past by more than ``forget_after`` seconds are dropped from it.
+    """
+    now = time.monotonic()
+    for key, until in list(deadlines.items()):
+        if until + forget_after <= now:
+            del deadlines[key]
+    return max((until for until in deadlines.values() if until > now), default=None)

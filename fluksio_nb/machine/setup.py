@@ -218,16 +218,17 @@ def init(
         )
     except ValidationError as error:
         raise MachineSetupError(_refused(error)) from None
+    gids = {}
     for name in (config.group, config.admin_group):
         if name is not None:
             try:
-                grp.getgrnam(name)
+                gids[name] = grp.getgrnam(name).gr_gid
             except KeyError:
                 raise MachineSetupError(
                     f"there is no group {name!r} on this machine; create it (groupadd {name}) "
                     "or name another"
                 ) from None
-    gid = grp.getgrnam(config.group).gr_gid if config.group else 0
+    gid = gids[config.group] if config.group else 0
     _root_dir(layout.config.parent, 0o755, prefix=layout.prefix)
     staged = layout.config.with_suffix(".json.new")
     staged.write_text(config.model_dump_json(indent=2, exclude_defaults=True) + "\n")
