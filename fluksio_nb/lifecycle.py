@@ -45,11 +45,11 @@ from fluksio_nb.errors import (
     WorkerDied,
 )
 from fluksio_nb.pickling import global_to_blame, why_it_cannot_travel
-from fluksio_nb.queue import books_changing
 from fluksio_nb.relay import CellOutput, ForegroundOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView
+from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.worker.client import Outcome
 
 #: How long a claim waits before it is shown waiting. A running claim is shown
@@ -205,7 +205,7 @@ class ClaimLifecycle(ABC):
         their half second to end, and left the share held for the rest of the
         kernel's life, and the processes running.
         """
-        with books_changing():
+        with stop_held_back():
             # Given back before its record is written: a kernel killed in between
             # leaves its claim out of the books, so nobody records it for the dead
             # kernel too. Once, or (in that instant) not at all; never twice.

@@ -64,12 +64,13 @@ from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.kernel import accountant, inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
-from fluksio_nb.queue import ClaimQueue, Ticket, books_changing, held_words
+from fluksio_nb.queue import ClaimQueue, Ticket, held_words
 from fluksio_nb.records import UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
 from fluksio_nb.status import Ending, StatusView, note_ended, note_running
+from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
 from fluksio_nb.usage.recent import process_recent_usage
@@ -198,7 +199,7 @@ class Claim(ClaimLifecycle):
             # in the queue is given up here or nowhere, even when the stop
             # button came between the queue's ticket and this claim's; a second
             # stop lands once it is.
-            with books_changing():
+            with stop_held_back():
                 if self._ticket is not None:
                     self._queue.release(self._ticket)
                 self._end(
@@ -459,7 +460,7 @@ class Claim(ClaimLifecycle):
         finally:
             # Whole, or a stop pressed again as the cell ended would leave the
             # worker out of the pool and still watched.
-            with books_changing():
+            with stop_held_back():
                 self.status.sending_since = None
                 self.status.sending_written = self.status.sending_total = 0
                 if watched is not None:

@@ -18,21 +18,15 @@ notebook written on a large box still runs on a laptop; ``strict`` refuses
 them instead. Every way a claim can end (its block returns or raises, the
 wait times out, it is cancelled, the user presses stop) gives its share back.
 
-The stop button is a ``KeyboardInterrupt`` raised in the kernel's main thread
-between any two calls, so it can land halfway through a change to the books:
-cores taken and no ticket holding them, or a ticket granted that its caller
-never received. Every change to the books is made with those signals held
-back (:func:`books_changing`); one that arrives meanwhile is raised as the
-change is whole, where the caller's cleanup can see what it has to give back.
-Waiting is never held back: a claim in the queue stops at once.
+Every change to the books is made with the stop button held back
+(:func:`~fluksio_nb.stop_button.stop_held_back`), so that it lands as the
+change is whole; waiting is never held back.
 """
 
 from __future__ import annotations
 
-import _signal
 import itertools
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,6 +45,7 @@ from fluksio_nb.errors import (
     warn_at_users_line,
 )
 from fluksio_nb.resources import Resources
+from fluksio_nb.stop_button import stop_held_back
 
 #: How often a waiter looks at its own deadline when nothing wakes it. Grants
 #: and cancellations wake it at once; this only bounds how late a timeout is.
@@ -110,7 +105,7 @@ class ClaimQueue:
         fitted = self.fit_to_machine(wanted)
         ticket: Ticket | None = None
         try:
-            with books_changing(), self._lock:
+            with stop_held_back(), self._lock:
                 number = next(self._numbers)
                 ticket = Ticket(
                     number=number,
@@ -138,7 +133,7 @@ class ClaimQueue:
 
     def release(self, ticket: Ticket) -> None:
         """Leave the queue, or give the share back: safe to call on any ticket, twice."""
-        with books_changing(), self._lock:
+        with stop_held_back(), self._lock:
             if ticket.state == "waiting" and ticket in self._waiting:
                 self._waiting.remove(ticket)
             elif ticket.state == "running":
@@ -169,7 +164,7 @@ class ClaimQueue:
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         """Cancel a waiting claim, or ask a running one to stop. False if unknown."""
         stop = None
-        with books_changing(), self._lock:
+        with stop_held_back(), self._lock:
             ticket = self._running.get(number) or next(
                 (t for t in self._waiting if t.number == number), None
             )
@@ -285,60 +280,6 @@ def _need(resources: Resources) -> Need:
     return (resources.cpus, resources.gpus, resources.ram_bytes)
 
 
-#: The signals that raise in the main thread while it changes the books: the
-#: stop button's, and what a test or a timer uses in its place.
-_HELD_BACK = (int(signal.SIGINT), int(signal.SIGALRM), int(signal.SIGTERM))
-
-#: How deep the main thread is in :func:`books_changing`: a ledger transaction
-#: inside a claim's own change holds the signals once, not twice.
-_holding_depth = 0
-
-
-@contextmanager
-def books_changing() -> Iterator[None]:
-    """Hold the stop button back while the books change; it lands as the change is whole.
-
-    Only the main thread takes Python's signals, so only it holds them. A
-    change to the books takes microseconds, or a ledger transaction; a
-    claim's end, which is one too, gives the claim's processes half a second
-    to go. The stop is late by that much at most.
-
-    The handlers are swapped for one that writes the signal down, rather than
-    the signals masked: a mask holds back only the main thread's share of
-    them. A kernel has other threads, the signal goes to one of those, and
-    Python runs the handler in the main thread at its next bytecode, halfway
-    through the change, or late enough to stop the next one.
-
-    Every claim and give-back passes through here a few times, so the swap
-    goes through ``_signal``, the C functions under :mod:`signal`: the
-    module's wrappers turn every number into an enum and back, which cost
-    more than the rest of a ledger transaction together.
-    """
-    global _holding_depth
-    if _holding_depth or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-
-    def write_down(signum: int, _frame: Any) -> None:
-        arrived.append(signum)
-
-    before = {}
-    for signum in _HELD_BACK:
-        # A handler not set from Python cannot be put back from Python: leave it.
-        if _signal.getsignal(signum) is not None:
-            before[signum] = _signal.signal(signum, write_down)
-    _holding_depth += 1
-    try:
-        yield
-    finally:
-        _holding_depth -= 1
-        for signum, handler in before.items():
-            _signal.signal(signum, handler)
-        for signum in dict.fromkeys(arrived):
-            signal.raise_signal(signum)
-
-
 def wait_on(condition: threading.Condition, timeout: float) -> None:
     """``condition.wait(timeout)``, the stop button landing once the lock is held again.
 
@@ -348,7 +289,7 @@ def wait_on(condition: threading.Condition, timeout: float) -> None:
     of the interrupt. Held back, the stop lands as the wait returns: at most
     ``timeout`` late, which every caller keeps to a fraction of a second.
     """
-    with books_changing():
+    with stop_held_back():
         condition.wait(timeout)
 
 

@@ -8,7 +8,8 @@ into C returns (never as a Python function returns, never just before a
 call), and a profile function is told of exactly those moments. So the
 scripts here press the stop at the first such moment in the watched files,
 then the second, and so on, until a round passes with no moment left, and
-check after each round that nothing was left behind.
+check after each round that nothing was left behind, the signal handlers a
+hold swapped included.
 
 :data:`STOP_AT` is Python source, put before a script that runs in a
 process of its own (its signals are its own): it defines
@@ -28,6 +29,7 @@ STOP_AT = '''
 import json, signal, sys, threading
 
 where = None
+HANDLERS_PUT_BACK = (signal.SIGINT, signal.SIGALRM, signal.SIGTERM)
 
 
 def _stop_at(moment, watched):
@@ -59,6 +61,8 @@ def each_moment(watched, attempt, undo, check):
     global where
     last_error = None
     moment = missed = 0
+    # Every hold puts back the handlers it swapped, whatever moment the stop came.
+    handlers = {signum: signal.getsignal(signum) for signum in HANDLERS_PUT_BACK}
     while missed < 5:
         moment += 1
         where, made = None, {}
@@ -74,6 +78,8 @@ def each_moment(watched, attempt, undo, check):
             undo(made)
         missed = 0 if where else missed + 1
         problem = check()
+        if any(signal.getsignal(signum) != handler for signum, handler in handlers.items()):
+            problem = problem or "handlers_left_swapped"
         if problem:
             print(json.dumps({problem: where}), flush=True)
             return

@@ -445,6 +445,7 @@ def test_the_stop_button_at_any_moment_leaves_no_claim_held_in_the_ledger(tmp_pa
 STOP_AT_EVERY_MOMENT = '''
 import contextlib, subprocess, threading
 import fluksio_nb.queue
+import fluksio_nb.stop_button
 from fluksio_nb.errors import ClaimTimeout
 
 OTHER = """
@@ -483,7 +484,8 @@ def check():
     q.release(waiter)
 
 ledger = [m.__file__ for name, m in sys.modules.items() if name.startswith("fluksio_nb.ledger")]
-watched = [fluksio_nb.queue.__file__, contextlib.__file__, threading.__file__, *ledger]
+watched = [fluksio_nb.queue.__file__, fluksio_nb.stop_button.__file__, *ledger]
+watched += [contextlib.__file__, threading.__file__]
 each_moment(watched, attempt, undo, check)
 '''
 

@@ -556,6 +556,7 @@ def test_the_service_runs_no_fluksio_nb_of_the_directory_init_was_run_from(tmp_p
 #: never see the core it waits for come free.
 STOP_AT_EVERY_MOMENT = """
 import fluksio_nb.machine.client as client
+import fluksio_nb.stop_button
 from fluksio_nb.errors import ClaimTimeout
 from fluksio_nb.machine.client import ServiceQueue
 
@@ -583,7 +584,7 @@ def check():
         return "deaf_after_a_stop"
     q.release(waiter)
 
-each_moment([client.__file__], attempt, undo, check)
+each_moment([client.__file__, fluksio_nb.stop_button.__file__], attempt, undo, check)
 """
 
 

@@ -415,7 +415,7 @@ def words_printed_by(script: str) -> list[str]:
 
 HELD_BACK_FROM_ANOTHER_THREAD = """
 import os, select, signal, sys, threading
-from fluksio_nb.queue import books_changing
+from fluksio_nb.stop_button import stop_held_back
 
 # A kernel has threads besides the main one: the stop is delivered to one of
 # them, and Python runs its handler in the main thread all the same.
@@ -426,7 +426,7 @@ os.set_blocking(write_end, False)
 signal.set_wakeup_fd(write_end)
 changed = False
 try:
-    with books_changing():
+    with stop_held_back():
         signal.pthread_kill(sleeper.ident, signal.SIGINT)
         os.read(read_end, 1)  # the signal has arrived: its handler is due
         sum(range(1000))  # bytecodes, each a moment the handler could run at
@@ -444,12 +444,12 @@ def test_a_stop_delivered_to_another_thread_lands_after_the_books_change():
 
 HELD_BACK_ACROSS_A_NESTED_CHANGE = """
 import os, signal
-from fluksio_nb.queue import books_changing
+from fluksio_nb.stop_button import stop_held_back
 
 where = "nowhere"
 try:
-    with books_changing():
-        with books_changing():  # a ledger transaction inside a claim's own change
+    with stop_held_back():
+        with stop_held_back():  # a ledger transaction inside a claim's own change
             os.kill(os.getpid(), signal.SIGINT)
         where = "between"
         sum(range(1000))  # bytecodes, each a moment the handler could run at
@@ -500,6 +500,7 @@ def test_an_oversized_claim_in_python_dash_c_warns_instead_of_failing(tmp_path):
 STOP_AT_EVERY_MOMENT = """
 import threading
 import fluksio_nb.queue
+import fluksio_nb.stop_button
 from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
@@ -515,7 +516,8 @@ def check():
     if not finishes(the_whole_machine):
         return "locked_out_by_a_stop"
 
-each_moment([fluksio_nb.queue.__file__, threading.__file__], attempt, undo, check)
+watched = [fluksio_nb.queue.__file__, fluksio_nb.stop_button.__file__, threading.__file__]
+each_moment(watched, attempt, undo, check)
 """
 
 

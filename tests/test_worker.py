@@ -960,11 +960,11 @@ def test_a_stop_raised_as_a_with_of_ours_ends_shows_the_users_line():
     import os
     import signal
 
-    from fluksio_nb.queue import books_changing
+    from fluksio_nb.stop_button import stop_held_back
     from fluksio_nb.worker.shell import without_our_last_frames
 
     def users_cell():
-        with books_changing():  # a with of ours that holds the stop back, as a frame's does
+        with stop_held_back():  # a with of ours that holds the stop back, as a frame's does
             os.kill(os.getpid(), signal.SIGINT)
 
     try:

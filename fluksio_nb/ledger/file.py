@@ -53,7 +53,6 @@ from fluksio_nb.ledger.document import (
     warn_left_out,
 )
 from fluksio_nb.ledger.owner import last_seen, owner_alive
-from fluksio_nb.queue import books_changing
 from fluksio_nb.records import (
     KERNEL_DIED,
     UsageNotRecorded,
@@ -62,6 +61,7 @@ from fluksio_nb.records import (
     process_log,
 )
 from fluksio_nb.resources import explain
+from fluksio_nb.stop_button import stop_held_back
 
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
@@ -168,7 +168,7 @@ class LedgerFile:
         """The document, locked against every other process, written back on success."""
         # The stop button waits for the lock like everyone, but never lands
         # between reading the document and writing it back.
-        with self._thread_lock, self._locked(fcntl.LOCK_EX), books_changing():
+        with self._thread_lock, self._locked(fcntl.LOCK_EX), stop_held_back():
             # Looked up once: while the lock is held, no kernel of this user
             # replaces the file, and no other user can.
             fd = self._document()

@@ -34,8 +34,9 @@ from fluksio_nb.ledger.owner import identity
 from fluksio_nb.ledger.rules import cancel_claim, dispatch
 from fluksio_nb.ledger.snapshot import machine_snapshot
 from fluksio_nb.ledger.wake import Waker, wake
-from fluksio_nb.queue import Ticket, books_changing, fit_to_capacity, timeout_message
+from fluksio_nb.queue import Ticket, fit_to_capacity, timeout_message
 from fluksio_nb.resources import Resources
+from fluksio_nb.stop_button import stop_held_back
 
 #: How often a waiter or a running claim looks at the ledger when nobody wakes
 #: it: the bound on how long a silently dead holder keeps its share.
@@ -88,7 +89,7 @@ class MachineQueue:
         try:
             # Held back throughout, the stop lands once this kernel knows the
             # claim as well as the ledger does.
-            with books_changing():
+            with stop_held_back():
                 with self.ledger.transaction() as state:
                     if self.ledger.disagreement is not None:
                         raise BadClaim(_not_queued(label or wanted.label, self.ledger.disagreement))
@@ -151,7 +152,7 @@ class MachineQueue:
             return
         # Held back throughout: a second stop, landing while the first one's
         # cleanup gives the claim back, would leave it in the ledger.
-        with books_changing():
+        with stop_held_back():
             # Marked before the ledger changes: the looking thread may take the
             # ledger between this transaction and the forgetting below, and
             # write back a claim still "running" here, held by nobody.

@@ -65,13 +65,13 @@ from fluksio_nb.machine.connection import (
 )
 from fluksio_nb.queue import (
     Ticket,
-    books_changing,
     fit_to_capacity,
     timeout_message,
     wait_for_grant,
     wait_on,
 )
 from fluksio_nb.resources import Resources
+from fluksio_nb.stop_button import stop_held_back
 
 #: How long a claim granted on the spot has run before the reader thread
 #: starts watching the connection for news of it: a stop, or the service
@@ -273,7 +273,7 @@ class ServiceQueue:
                         )
                     # Held back while a line is read and heard: a stop landing
                     # halfway would lose the line. It lands once the slice ends.
-                    with books_changing():
+                    with stop_held_back():
                         self._hear_what_is_there(min(left, READ_SLICE_S))
         except BaseException:
             with self._lock:

@@ -50,7 +50,6 @@ from fluksio_nb.errors import (
     unsendable,
 )
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised
-from fluksio_nb.queue import books_changing
 from fluksio_nb.ray.connection import (
     ElsewhereThanTheKernel,
     _job_of,
@@ -64,6 +63,7 @@ from fluksio_nb.ray.task_side import _inputs_as_parcel, run_claimed_cell
 from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import StatusView
+from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.worker.client import (
     GRACE_AFTER_SIGINT_AT_MOST,
     GRACE_AFTER_SIGKILL,
@@ -212,7 +212,7 @@ class RayClaim(ClaimLifecycle):
                     self._show()
         except BaseException:
             # Whole: a second stop would leave the cluster holding the group.
-            with books_changing():
+            with stop_held_back():
                 remove_placement_group(group)
             raise
         self._held = group

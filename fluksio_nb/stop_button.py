@@ -1,0 +1,97 @@
+"""When the stop button lands: never halfway through what must be whole.
+
+The stop button is a ``KeyboardInterrupt`` raised in the kernel's main
+thread at the next moment Python checks for signals: as any function starts,
+and as any call into C returns. So it can land halfway through a change to
+the books (cores taken and no ticket holding them, or a ticket granted that
+its caller never received). This module holds it back over such a stretch;
+one that arrives meanwhile is raised as the stretch ends.
+
+What it decides:
+
+- **A change to the books is whole** (:func:`stop_held_back`): the stop
+  lands after it, where the caller's cleanup can see what it has to give
+  back. So is a claim's end, and a worker's return to its pool. Waiting
+  is never held back: a claim in the queue stops at once.
+
+Only the main thread takes Python's signals, so only it holds them. The
+handlers are swapped for one that writes the signal down, rather than the
+signals masked: a mask holds back only the main thread's share of them. A
+kernel has other threads, the signal goes to one of those, and Python runs
+the handler in the main thread at its next bytecode, inside the stretch.
+"""
+
+from __future__ import annotations
+
+import _signal
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+#: The signals that raise in the main thread while it is held: the stop
+#: button's, and what a test or a timer uses in its place.
+_HELD_BACK = (int(signal.SIGINT), int(signal.SIGALRM), int(signal.SIGTERM))
+
+#: How deep the main thread is in a hold: a ledger transaction inside a
+#: claim's own change holds the signals once, not twice.
+_holding_depth = 0
+
+#: The handlers a hold swapped out, and the signals that arrived since.
+_Held = tuple[dict[int, Any], list[int]]
+
+
+@contextmanager
+def stop_held_back() -> Iterator[None]:
+    """Hold the stop button back over what must be whole; it lands as that ends.
+
+    A change to the books takes microseconds, or a ledger transaction; a
+    claim's end gives the claim's processes half a second to go. The stop is
+    late by that much at most. Never hold it over a wait with no end.
+    """
+    global _holding_depth
+    if not _may_hold():
+        yield
+        return
+    held = _hold()
+    _holding_depth += 1
+    try:
+        yield
+    finally:
+        _holding_depth -= 1
+        _land(held)
+
+
+def _may_hold() -> bool:
+    return not _holding_depth and threading.current_thread() is threading.main_thread()
+
+
+def _hold() -> _Held:
+    # Every claim and give-back holds a few times, so the swap goes through
+    # ``_signal``, the C functions under :mod:`signal`: the module's wrappers
+    # turn every number into an enum and back, which cost more than the rest
+    # of a ledger transaction together.
+    arrived: list[int] = []
+
+    def write_down(signum: int, _frame: Any) -> None:
+        arrived.append(signum)
+
+    before = {}
+    for signum in _HELD_BACK:
+        # A handler not set from Python cannot be put back from Python: leave it.
+        if _signal.getsignal(signum) is not None:
+            before[signum] = _signal.signal(signum, write_down)
+    return before, arrived
+
+
+def _land(held: _Held) -> None:
+    before, arrived = held
+    try:
+        # The stop's own handler goes back last: a stop landing as it does
+        # is raised there, with every other handler back in place.
+        for signum in sorted(before, key=lambda signum: signum == signal.SIGINT):
+            _signal.signal(signum, before[signum])
+    finally:
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
