@@ -212,12 +212,14 @@ class Claim(ClaimLifecycle):
             raise
         try:
             self._start(ticket, allocation)
+            # In here: a stop landing as it is called would leave the claim
+            # started and its block never entered, holding its share for good.
+            _held_here().append(self)
         except BaseException as error:
             # Granted, but not started: the cgroups made so far, the share and
             # the place all go, as they would at the block's end.
             self.release(error)
             raise
-        _held_here().append(self)
         return self
 
     def _refuse_to_wait_on_this_thread(self, ticket: Ticket) -> None:

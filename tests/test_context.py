@@ -22,6 +22,7 @@ from fluksio_nb.errors import BadClaim, ClaimTimeout, UnsendableInput, WorkerDie
 from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
+from tests.stops import said_by
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,6 +192,41 @@ def test_a_second_stop_while_a_stopped_claim_ends_still_gives_everything_back(tm
     books = accountant().snapshot()
     assert books["running"] == [] and books["cpus"]["free"] == 2
     assert wait_until(lambda: not left_in_group(group), 30), "the claim's processes ran on"
+
+
+#: A ``with claim()`` block entered, stopped at every moment in fluksio_nb's
+#: code, one moment a round, and left: its share must be back after each.
+STOP_AT_EVERY_MOMENT_OF_ENTERING = """
+import glob, os
+import fluksio_nb
+from fluksio_nb import accountant, claim
+
+def attempt(made):
+    made["claim"] = claim(cpus=1, label="stopped")
+    # As a `with` enters it; a stop that lands in here never reaches __exit__.
+    made["entered"] = made["claim"].__enter__()
+
+def undo(made):
+    if "entered" in made:
+        made["claim"].__exit__(None, None, None)
+
+def check():
+    books = accountant().snapshot()
+    if books["running"] or books["waiting"]:
+        return "a_share_left_held"
+
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+each_moment(watched, attempt, undo, check)
+"""
+
+
+def test_a_stop_at_any_moment_of_entering_a_block_leaves_no_share_held():
+    """Guards against a stop landing as a started claim noted itself held by its thread:
+    its block was never entered, so nothing ever gave its share back."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_ENTERING, timeout=300)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 100, said
 
 
 def test_what_a_process_started_as_it_ended_goes_with_the_claim(tmp_path):
