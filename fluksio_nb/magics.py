@@ -45,6 +45,7 @@ from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.pickling import global_to_blame
 from fluksio_nb.relay import ForegroundOutput
 from fluksio_nb.status import StatusView, TextView, can_show_widgets
+from fluksio_nb.stop_button import held_once_the_cell_is_over
 from fluksio_nb.variables import (
     choose_if_changed,
     choose_inputs,
@@ -148,9 +149,11 @@ class ClaimMagics(Magics):
         # call may have changed, and those the cell changed only through
         # themselves, as `data *= 2` does.
         into_own = if_changed + sorted(names_never_rebound(cell).intersection(inputs))
-        with self._keeping_what_came_back(deleted, into_own):
-            outcome = job.run()
-        missing = self._bring_back(outcome, deleted, into_own, by_hand=by_hand)
+        # A stop pressed as the cell ends lands once its names are bound.
+        with held_once_the_cell_is_over():
+            with self._keeping_what_came_back(deleted, into_own):
+                outcome = job.run()
+            missing = self._bring_back(outcome, deleted, into_own, by_hand=by_hand)
         if missing:
             # After the rest are bound, and as the cell's error: "Run All"
             # stops here, not at a later cell that reads a name not there.

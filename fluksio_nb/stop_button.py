@@ -4,15 +4,24 @@ The stop button is a ``KeyboardInterrupt`` raised in the kernel's main
 thread at the next moment Python checks for signals: as any function starts,
 and as any call into C returns. So it can land halfway through a change to
 the books (cores taken and no ticket holding them, or a ticket granted that
-its caller never received). This module holds it back over such a stretch;
+its caller never received), or after a claimed cell is over and before the
+kernel has bound what it made. This module holds it back over such a stretch;
 one that arrives meanwhile is raised as the stretch ends.
 
 What it decides:
 
 - **A change to the books is whole** (:func:`stop_held_back`): the stop
   lands after it, where the caller's cleanup can see what it has to give
-  back. So is a claim's end, and a worker's return to its pool. Waiting
-  is never held back: a claim in the queue stops at once.
+  back. So is a claim's end, a worker's return to its pool, and a frame
+  read from a worker. Waiting is never held back: a claim in the queue
+  stops at once.
+- **A claimed cell that is over keeps what it bound**
+  (:func:`held_once_the_cell_is_over`, :func:`the_cell_is_over`). Once the
+  cell's end reaches the kernel, its names are bound in the worker, as a
+  normal cell's are in the kernel by its last line. What follows (the
+  worker back to its pool, the share given back, the record, the names
+  bound in the kernel) has nothing left to stop, and a stop landing in it
+  lost the names. It lands once they are bound, as the magic ends.
 
 Only the main thread takes Python's signals, so only it holds them. The
 handlers are swapped for one that writes the signal down, rather than the
@@ -28,6 +37,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 #: The signals that raise in the main thread while it is held: the stop
@@ -40,6 +50,10 @@ _holding_depth = 0
 
 #: The handlers a hold swapped out, and the signals that arrived since.
 _Held = tuple[dict[int, Any], list[int]]
+
+#: Where :func:`the_cell_is_over` leaves its hold, for the
+#: :func:`held_once_the_cell_is_over` around it to end; None outside one.
+_CELL_END: ContextVar[list[_Held] | None] = ContextVar("fluksio_nb_cell_end", default=None)
 
 
 @contextmanager
@@ -61,6 +75,40 @@ def stop_held_back() -> Iterator[None]:
     finally:
         _holding_depth -= 1
         _land(held)
+
+
+@contextmanager
+def held_once_the_cell_is_over() -> Iterator[None]:
+    """Around a claimed cell: a stop from :func:`the_cell_is_over` on lands as this ends.
+
+    Put where the cell's names are bound inside it, and nothing after.
+    """
+    global _holding_depth
+    slot: list[_Held] = []
+    token = _CELL_END.set(slot)
+    try:
+        yield
+    finally:
+        _CELL_END.reset(token)
+        if slot:
+            _holding_depth -= 1
+            _land(slot[0])
+
+
+def the_cell_is_over() -> None:
+    """The claimed cell's end has reached the kernel: hold the stop back from here on.
+
+    Said as the end arrives, before its outputs are unpacked. Outside
+    :func:`held_once_the_cell_is_over`, or off the main thread, it does
+    nothing; inside :func:`stop_held_back` too, whose end would put back the
+    handlers under this hold's feet.
+    """
+    global _holding_depth
+    slot = _CELL_END.get()
+    if slot is None or slot or not _may_hold():
+        return
+    slot.append(_hold())
+    _holding_depth += 1
 
 
 def _may_hold() -> bool:

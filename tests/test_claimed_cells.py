@@ -27,6 +27,7 @@ from tests.kernels import (
     until_it_exists,
 )
 from tests.small_shm import require_small_shm
+from tests.stops import said_by
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -888,6 +889,58 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
     assert kernel.error_when_idle(msg_id) == "KeyboardInterrupt"
     assert kernel.facts("steps") > 0
     assert_books_balanced(kernel)
+
+
+#: A claimed cell run in an IPython shell of its own, stopped at every moment of
+#: fluksio_nb's code, one moment a round: as it takes its share, as its worker
+#: runs it, as the worker goes back to its pool, as the share is given back and
+#: its names are bound. After each, no share may be held, and a cell that ran
+#: to its end (it leaves a file as its last act) must have its name bound.
+STOP_AT_EVERY_MOMENT_OF_A_CELL = """
+import glob, os, tempfile
+from pathlib import Path
+from IPython.core.interactiveshell import InteractiveShell
+import fluksio_nb
+from fluksio_nb import accountant
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fluksio_nb")
+assert shell.run_cell("%%claim\\nwarm = 1").success
+ran = Path(tempfile.mkdtemp()) / "ran"
+last = {"n": 0}
+
+def attempt(made):
+    last["n"] += 1
+    shell.run_cell(f"%%claim\\nx = {last['n']}\\nopen({str(ran)!r}, 'w').close()")
+
+def undo(made):
+    last["ran"] = ran.exists()
+    ran.unlink(missing_ok=True)
+
+def check():
+    books = accountant().snapshot()
+    if books["running"] or books["waiting"]:
+        return "a_share_left_held"
+    if last["ran"] and shell.user_ns.get("x") != last["n"]:
+        return f"it_ran_and_x_is_{shell.user_ns.get('x')}_not_{last['n']}"
+
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+each_moment(watched, attempt, undo, check)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_at_any_moment_of_a_claimed_cell_keeps_what_it_ran_and_gives_its_share_back():
+    """Guards against the stop button landing at an unlucky moment of a claimed cell:
+    after the worker sent the cell's names back and before the kernel bound them, which
+    lost everything the cell made; as a read of the worker's message returned, or before
+    the message was acted on, which lost the cell's end and left the kernel waiting for
+    it for ever; and as a started claim noted itself held, which kept its share for good."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_CELL, timeout=900)
+    assert "stopped_at" in said, said
+    # A claimed cell is well over a thousand such moments: every one was tried.
+    assert said["stopped_at"] > 1000, said
 
 
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_children(kernel):

@@ -33,6 +33,7 @@ from fluksio_nb.worker.messages import (
     relay,
 )
 from fluksio_nb.worker.protocol import Channel
+from tests.stops import said_by
 
 EVERY_MESSAGE = [
     Run("x = 1", outputs=["x"], if_changed=["y"], random_state={"random": 3}, cwd="/tmp"),
@@ -186,3 +187,66 @@ def test_a_sink_that_is_no_sink_is_shown_through_relay_and_may_lack_clear_output
     assert duck.calls == [("stdout", "out"), ("error", "E")]
     sink = Recorder()
     assert forwarder(sink) == sink.forward
+
+
+#: Each round, a frame with an out-of-band buffer arrives in two halves while
+#: ``receive`` reads it, and is stopped at one moment of the reading. The frame
+#: must come whole, from that receive or the next: a stop that landed as a read
+#: returned left its bytes uncounted, and the next frame was read from the
+#: middle of this one, its length garbage, waited for ever.
+STOP_AT_EVERY_MOMENT_OF_A_RECEIVE = """
+import pickle, socket, threading, time
+import numpy as np
+import fluksio_nb.stop_button
+import fluksio_nb.worker.protocol as protocol
+from fluksio_nb.worker.messages import Done
+
+ours, theirs = socket.socketpair()
+receiving = protocol.Channel(ours)
+writing = protocol.Channel(theirs)
+last = {}
+
+def frame_of(message):
+    buffers = []
+    body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    header = protocol._PREFIX.pack(len(body), len(views))
+    header += b"".join(protocol._BUFFER_LENGTH.pack(view.nbytes) for view in views)
+    return header + body + b"".join(bytes(view) for view in views)
+
+def in_two_halves(frame):
+    half = len(frame) // 2
+    theirs.sendall(frame[:half])
+    time.sleep(0.002)
+    theirs.sendall(frame[half:])
+
+def attempt(made):
+    last["round"] = last.get("round", 0) + 1
+    last["sent"] = Done(True, {"n": np.arange(last["round"] * 7)}, {}, [])
+    writer = threading.Thread(target=in_two_halves, args=(frame_of(last["sent"]),))
+    last["writer"] = writer
+    writer.start()
+    made["got"] = receiving.receive()
+
+def undo(made):
+    last["writer"].join()
+    last["got"] = made["got"] if "got" in made else receiving.receive()
+
+def check():
+    if receiving.broken:
+        return "broken_by_a_stop"
+    got, sent = last["got"], last["sent"]
+    if got.outputs.keys() != {"n"} or not np.array_equal(got.outputs["n"], sent.outputs["n"]):
+        return "a_frame_read_wrong"
+
+each_moment([protocol.__file__, fluksio_nb.stop_button.__file__], attempt, undo, check)
+"""
+
+
+def test_a_stop_at_any_moment_of_a_receive_leaves_the_frame_to_the_next():
+    """Guards against the stop button landing as a read from the worker returned: the
+    bytes it took went uncounted, and the kernel waited for ever on a frame whose length
+    it read from the middle of another, with the worker waiting on it."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_RECEIVE, timeout=100)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 10, said

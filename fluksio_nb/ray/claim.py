@@ -63,7 +63,7 @@ from fluksio_nb.ray.task_side import _inputs_as_parcel, run_claimed_cell
 from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import StatusView
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import stop_held_back, the_cell_is_over
 from fluksio_nb.worker.client import (
     GRACE_AFTER_SIGINT_AT_MOST,
     GRACE_AFTER_SIGKILL,
@@ -467,6 +467,8 @@ class RayClaim(ClaimLifecycle):
         self._update_view()
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:
+        # The cell's names are the kernel's now: a stop from here on lands once they are bound.
+        the_cell_is_over()
         parcel = result.get("parcel")
         readings = self.status.readings
         readings.peak_rss_bytes = max(readings.peak_rss_bytes, result.get("peak_bytes", 0))

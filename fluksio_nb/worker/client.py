@@ -14,7 +14,9 @@ with that process, and it decides:
   else the cell shows. The pipes carry what child processes and C code write,
   passed on as :class:`~fluksio_nb.worker.messages.Stream` messages too; they
   are drained before each message is handled, which keeps that output close to
-  where it was written.
+  where it was written. A message the stop lands on before it was acted on
+  is read again by the stop ladder's listening, not lost: lost, the cell's
+  end was never heard.
 - **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
   button sends the kernel does not reach it behind the kernel's back. Stopping
   a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
@@ -69,6 +71,7 @@ from fluksio_nb.errors import Interrupted, unsendable
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
 from fluksio_nb.sampler import Chances
+from fluksio_nb.stop_button import stop_held_back, the_cell_is_over
 from fluksio_nb.worker.messages import (
     ClearOutput,
     Display,
@@ -545,8 +548,9 @@ class Worker:
                     return None
                 if longest_wait is not None:
                     timeout = min(timeout, longest_wait)
-            frame_waiting = False
-            for key, _ in self._selector.select(timeout):
+            # One read before a stop that landed ahead of acting on it is first.
+            frame_waiting = self._channel.has_next
+            for key, _ in self._selector.select(0 if frame_waiting else timeout):
                 if key.data is self._channel:
                     frame_waiting = True
                 elif not key.data.drain(cell.show):
@@ -557,7 +561,7 @@ class Worker:
             # pipes by now, and belongs before it.
             self._drain_streams(cell.show)
             try:
-                message = self._channel.receive()
+                message = self._channel.next_message()
             except ChannelClosed:
                 return self._died(cell)
             except Exception as error:
@@ -570,6 +574,7 @@ class Worker:
                 )
                 return self._died(cell)
             outcome = self._take(message, cell)
+            self._channel.taken()
             if outcome is not None:
                 return outcome
             if until is not None and until():
@@ -585,6 +590,9 @@ class Worker:
                     cell.error = CellError(message.ename, message.evalue, message.traceback)
                 cell.show(message)
             case InputRequest():
+                # Asked once: the stop may land while the user is asked, and
+                # the cell is then stopped, not asked again.
+                self._channel.taken()
                 self._answer(message, cell.sink)
             case Ready(resident_bytes=held):
                 self._ready = True
@@ -600,9 +608,19 @@ class Worker:
                 if cell.on_sending_back is not None:
                     cell.on_sending_back(written, total)
             case Done():
-                cell.over = True
-                self._drain_streams(cell.show)
-                return self._finished(message, cell)
+                # The cell's names are the kernel's now: in a claimed cell, a
+                # stop from here on lands once they are bound.
+                the_cell_is_over()
+                # Whole or not at all: its outputs can be unpacked once, and a
+                # stop landing halfway would leave the message to be read again,
+                # its files gone. Kept on the cell, the outcome outlives a stop
+                # that lands after.
+                with stop_held_back():
+                    cell.over = True
+                    self._drain_streams(cell.show)
+                    self._channel.taken()
+                    cell.outcome = self._finished(message, cell)
+                return cell.outcome
         return None
 
     def _answer(self, request: InputRequest, sink: Sink) -> None:

@@ -26,10 +26,13 @@ carries their names.
 from __future__ import annotations
 
 import pickle
+import select
 import socket
 import struct
 import threading
 from typing import Any
+
+from fluksio_nb.stop_button import stop_held_back
 
 #: Body length, then how many out-of-band buffers follow it.
 _PREFIX = struct.Struct("<QI")
@@ -49,16 +52,23 @@ class Channel:
     Sending is safe from several threads, because the worker's own cell may
     display from a thread of its own. Receiving is meant for one thread.
 
-    A frame interrupted halfway — a ``KeyboardInterrupt`` landing inside a big
-    transfer — leaves the stream somewhere no reader can find the next frame,
-    so the channel marks itself broken and every later call raises
-    :class:`ChannelClosed`, rather than reading garbage as a length.
+    A frame whose sending was interrupted halfway — a ``KeyboardInterrupt``
+    landing inside a big transfer — leaves the stream somewhere no reader can
+    find the next frame, so the channel marks itself broken and every later
+    call raises :class:`ChannelClosed`, rather than reading garbage as a
+    length. A receive the stop interrupted is picked up again by the next.
     """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
         self._broken: str | None = None
+        #: The frame being read, as far as it has come, and its object once it is whole.
+        self._frame = _Frame()
+        self._whole: Any = _MORE
+        #: What a read waits on for more bytes: poll has no ceiling on descriptor numbers.
+        self._more = select.poll()
+        self._more.register(sock, select.POLLIN)
 
     @classmethod
     def from_fd(cls, fd: int) -> Channel:
@@ -93,28 +103,63 @@ class Channel:
 
     def receive(self) -> Any:
         """Read one whole frame, blocking until it has arrived: the object that was sent."""
+        message = self.next_message()
+        self.taken()
+        return message
+
+    def next_message(self) -> Any:
+        """The next whole message, which stays the next until :meth:`taken` says it was acted on.
+
+        For a reader the stop button may interrupt between reading a message
+        and acting on it: the message is read again, not lost. A stop landing
+        while it waits leaves what was read of the frame with the channel, and
+        the next call reads on from there.
+        """
         self._check_usable()
-        started = False
         try:
-            prefix = self._read_exact(_PREFIX.size, at_boundary=True)
-            started = True
-            body_length, buffer_count = _PREFIX.unpack(prefix)
-            lengths = self._read_exact(_BUFFER_LENGTH.size * buffer_count)
-            body = self._read_exact(body_length)
-            buffers = [
-                self._read_exact(length) for (length,) in _BUFFER_LENGTH.iter_unpack(lengths)
-            ]
+            while True:
+                # Each read and its count are one step the stop cannot split:
+                # landing as a read returned, it left bytes taken that nobody
+                # counted, and the next frame was read from the middle of this
+                # one, a length of garbage waited for ever. Nothing in here
+                # waits, so the stop is late by a read at most.
+                with stop_held_back():
+                    self._read_on()
+                if self._whole is not _MORE:
+                    return self._whole
+                self._more.poll()
         except ChannelClosed as closed:
             self._broken = str(closed)
             raise
         except OSError as error:
             self._broken = f"receiving failed: {error}"
             raise ChannelClosed(f"the other end of the channel is gone ({error})") from error
-        except BaseException:
-            if started:
-                self._broken = "a receive was interrupted halfway through a frame"
-            raise
-        return pickle.loads(body, buffers=buffers)
+
+    @property
+    def has_next(self) -> bool:
+        """Whether a whole message is here that was not :meth:`taken`: no need to wait for one."""
+        return self._whole is not _MORE
+
+    def taken(self) -> None:
+        """The message :meth:`next_message` gave was acted on: the one after is next."""
+        self._whole = _MORE
+
+    def _read_on(self) -> None:
+        """Read what has arrived of the frame; once it is whole, its object is ``_whole``."""
+        frame = self._frame
+        if self._whole is not _MORE:
+            return
+        while (into := frame.unfilled()) is not None:
+            try:
+                count = self.sock.recv_into(into, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            if count == 0:
+                where = "between frames" if frame.untouched else "in the middle of a frame"
+                raise ChannelClosed(f"the other end of the channel closed it {where}")
+            frame.filled(count)
+        self._whole = pickle.loads(frame.body, buffers=frame.buffers)
+        self._frame = _Frame()
 
     def close(self) -> None:
         self._broken = self._broken or "this end closed the channel"
@@ -139,16 +184,54 @@ class Channel:
                     pending[first] = head[sent:]
                     sent = 0
 
-    def _read_exact(self, size: int, at_boundary: bool = False) -> bytearray:
-        # A bytearray so that out-of-band buffers come back writable: a numpy
-        # array rebuilt on read-only memory would refuse the cell's first `+=`.
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        got = 0
-        while got < size:
-            count = self.sock.recv_into(view[got:])
-            if count == 0:
-                where = "between frames" if at_boundary and got == 0 else "in the middle of a frame"
-                raise ChannelClosed(f"the other end of the channel closed it {where}")
-            got += count
-        return buffer
+
+#: A frame not read whole yet.
+_MORE = object()
+
+
+class _Frame:
+    """One frame as it is read: its prefix, its buffers' lengths, its body, its buffers.
+
+    Each part is read into a buffer allocated once at its final size: a
+    bytearray, so that out-of-band buffers come back writable (a numpy array
+    rebuilt on read-only memory would refuse the cell's first ``+=``).
+    """
+
+    def __init__(self) -> None:
+        self.prefix = bytearray(_PREFIX.size)
+        self.lengths = bytearray()
+        self.body = bytearray()
+        self.buffers: list[bytearray] = []
+        self.untouched = True
+        #: The parts still to fill, in order, and how much of the first is.
+        self._parts = [self.prefix]
+        self._got = 0
+        self._stage = 0
+
+    def unfilled(self) -> memoryview | None:
+        """Where the next bytes go; None once the frame is whole."""
+        while self._parts and self._got == len(self._parts[0]):
+            self._parts.pop(0)
+            self._got = 0
+            if not self._parts:
+                self._next_stage()
+        return memoryview(self._parts[0])[self._got :] if self._parts else None
+
+    def filled(self, count: int) -> None:
+        self._got += count
+        self.untouched = False
+
+    def _next_stage(self) -> None:
+        # The prefix says how long the lengths and the body are; the lengths,
+        # how long each buffer is.
+        self._stage += 1
+        if self._stage == 1:
+            body_length, buffer_count = _PREFIX.unpack(self.prefix)
+            self.lengths = bytearray(_BUFFER_LENGTH.size * buffer_count)
+            self.body = bytearray(body_length)
+            self._parts = [self.lengths, self.body]
+        elif self._stage == 2:
+            self.buffers = [
+                bytearray(length) for (length,) in _BUFFER_LENGTH.iter_unpack(self.lengths)
+            ]
+            self._parts = list(self.buffers)
