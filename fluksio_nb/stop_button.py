@@ -21,7 +21,11 @@ What it decides:
   normal cell's are in the kernel by its last line. What follows (the
   worker back to its pool, the share given back, the record, the names
   bound in the kernel) has nothing left to stop, and a stop landing in it
-  lost the names. It lands once they are bound, as the magic ends.
+  lost the names. It lands once they are bound, as the magic ends. Unpacking
+  the outputs is held too: it is the kernel's own work, at memory speed,
+  and can be done once. A class whose unpickling never ends would hold the
+  stop with it: a cell can make the kernel run such code, and the kernel
+  then has to be restarted, as after a C call that never returns.
 
 Only the main thread takes Python's signals, so only it holds them. The
 handlers are swapped for one that writes the signal down, rather than the
