@@ -225,7 +225,17 @@ class ClaimLifecycle(ABC):
         return self.acquire()
 
     def __exit__(self, kind, error, traceback) -> None:
-        self.release(error)
+        try:
+            self.release(error)
+        except KeyboardInterrupt as stop:
+            if self.status.phase != "done":
+                # It landed before the release could hold it back (as the
+                # release started): the share is still held, and no `with`
+                # is left to give it back. Only a stop landing as this
+                # __exit__ itself starts is beyond reach: Python checks for
+                # it there, before any line of it runs.
+                self.release(stop)
+            raise
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` holding this share; return its result."""

@@ -32,13 +32,16 @@ where = None
 HANDLERS_PUT_BACK = (signal.SIGINT, signal.SIGALRM, signal.SIGTERM)
 
 
-def _stop_at(moment, watched):
+def _stop_at(moment, watched, beyond_reach):
     seen = 0
 
     def profile(frame, event, arg):
         nonlocal seen
         global where
-        if event not in ("call", "c_return") or frame.f_code.co_filename not in watched:
+        code = frame.f_code
+        if event not in ("call", "c_return") or code.co_filename not in watched:
+            return
+        if event == "call" and (code.co_filename, code.co_name) in beyond_reach:
             return
         seen += 1
         if seen == moment:
@@ -56,8 +59,12 @@ def finishes(target, *args):
     return not other.is_alive()
 
 
-def each_moment(watched, attempt, undo, check):
-    """attempt(made), stopped at each moment in turn; undo(made); then check() -> problem."""
+def each_moment(watched, attempt, undo, check, beyond_reach=()):
+    """attempt(made), stopped at each moment in turn; undo(made); then check() -> problem.
+
+    ``beyond_reach``: (file, function) pairs whose start is not pressed on, the
+    one moment nothing can hold the stop back at: as an ``__exit__`` starts.
+    """
     global where
     last_error = None
     moment = missed = 0
@@ -66,7 +73,7 @@ def each_moment(watched, attempt, undo, check):
     while missed < 5:
         moment += 1
         where, made = None, {}
-        sys.setprofile(_stop_at(moment, set(watched)))
+        sys.setprofile(_stop_at(moment, set(watched), set(beyond_reach)))
         try:
             attempt(made)
         except KeyboardInterrupt as stop:
