@@ -203,7 +203,6 @@ from fluksio_nb.worker.messages import Done
 
 ours, theirs = socket.socketpair()
 receiving = protocol.Channel(ours)
-writing = protocol.Channel(theirs)
 last = {}
 
 def frame_of(message):
