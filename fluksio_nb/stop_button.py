@@ -68,16 +68,13 @@ def stop_held_back() -> Iterator[None]:
     claim's end gives the claim's processes half a second to go. The stop is
     late by that much at most. Never hold it over a wait with no end.
     """
-    global _holding_depth
     if not _may_hold():
         yield
         return
     held = _hold()
-    _holding_depth += 1
     try:
         yield
     finally:
-        _holding_depth -= 1
         _land(held)
 
 
@@ -87,7 +84,6 @@ def held_once_the_cell_is_over() -> Iterator[None]:
 
     Put where the cell's names are bound inside it, and nothing after.
     """
-    global _holding_depth
     slot: list[_Held] = []
     token = _CELL_END.set(slot)
     try:
@@ -95,7 +91,6 @@ def held_once_the_cell_is_over() -> Iterator[None]:
     finally:
         _CELL_END.reset(token)
         if slot:
-            _holding_depth -= 1
             _land(slot[0])
 
 
@@ -107,12 +102,10 @@ def the_cell_is_over() -> None:
     nothing; inside :func:`stop_held_back` too, whose end would put back the
     handlers under this hold's feet.
     """
-    global _holding_depth
     slot = _CELL_END.get()
     if slot is None or slot or not _may_hold():
         return
     slot.append(_hold())
-    _holding_depth += 1
 
 
 def _may_hold() -> bool:
@@ -120,6 +113,7 @@ def _may_hold() -> bool:
 
 
 def _hold() -> _Held:
+    global _holding_depth
     # Every claim and give-back holds a few times, so the swap goes through
     # ``_signal``, the C functions under :mod:`signal`: the module's wrappers
     # turn every number into an enum and back, which cost more than the rest
@@ -134,10 +128,13 @@ def _hold() -> _Held:
         # A handler not set from Python cannot be put back from Python: leave it.
         if _signal.getsignal(signum) is not None:
             before[signum] = _signal.signal(signum, write_down)
+    _holding_depth += 1
     return before, arrived
 
 
 def _land(held: _Held) -> None:
+    global _holding_depth
+    _holding_depth -= 1
     before, arrived = held
     try:
         # The stop's own handler goes back last: a stop landing as it does
