@@ -20,7 +20,9 @@ What it decides:
 - **A restarted books service holds every grant for a few seconds**, while
   kernels put back the claims that ran across the restart (its snapshot says
   until when, ``grants_resume_at``). A claim waiting then, with the machine
-  free, says so, rather than "waits for room".
+  free, says so, rather than "waits for room". Which claims go as the grace
+  ends is the queue's own rule (:func:`~fluksio_nb.queue.who_goes_next`), so
+  one that fits but takes what a claim ahead of it needs is not told it goes.
 - **Cannot tell is an answer.** Nothing running to wait for, a label
   nothing like has finished here, running or ahead, or a claim ahead whose
   label is private: ``seconds`` is ``None`` and ``why`` says which.
@@ -34,6 +36,8 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from fluksio_nb.queue import who_goes_next
 
 
 def typical(durations: Mapping[str, Sequence[float]], label: str | None) -> float | None:
@@ -96,30 +100,25 @@ def expected_waits(
 
 
 def _fit_as_it_stands(snapshot: Mapping[str, Any]) -> list[bool]:
-    """Whether each waiting claim, in queue order, fits in what is free beside those ahead.
+    """Whether each waiting claim, in queue order, goes in what is free, by the queue's rule.
 
     Only while a restarted service holds its grants can a waiting claim fit:
     at any other time it would have been granted.
     """
+    waiting = list(snapshot.get("waiting", ()))
     try:
-        left = [
-            snapshot["cpus"]["free"],
-            snapshot["gpus"]["free"],
-            snapshot["ram_bytes"]["free"],
-        ]
+        free = (snapshot["cpus"]["free"], snapshot["gpus"]["free"], snapshot["ram_bytes"]["free"])
     except (KeyError, TypeError):
-        return [False for _ in snapshot.get("waiting", ())]
-    fits = []
-    for claim in snapshot.get("waiting", ()):
+        return [False for _ in waiting]
+    # One whose asking cannot be read is not known to go, and holds nobody back.
+    read = []
+    for index, claim in enumerate(waiting):
         asked = claim.get("asked") or {}
-        need = [asked.get(key) for key in ("cpus", "gpus", "ram_bytes")]
-        fit = all(isinstance(n, int) for n in need) and all(
-            n <= free for n, free in zip(need, left, strict=True)
-        )
-        if fit:
-            left = [free - n for n, free in zip(need, left, strict=True)]
-        fits.append(fit)
-    return fits
+        need = tuple(asked.get(key) for key in ("cpus", "gpus", "ram_bytes"))
+        if all(isinstance(n, int) for n in need):
+            read.append((index, need))
+    going = {read[at][0] for at in who_goes_next([need for _, need in read], free)}
+    return [index in going for index in range(len(waiting))]
 
 
 def _after_the_restart(

@@ -141,3 +141,24 @@ def test_a_restart_of_the_books_service_holds_the_queue_and_says_so():
         "seconds": 200.0,
         "why": "from 1 past run of 'fit' and the running claims' ages",
     }
+
+
+def test_a_claim_that_would_take_what_one_ahead_needs_is_not_told_it_goes_as_the_grace_ends():
+    """Guards against the guess using its own fit, not the queue's rule: the claim of one core
+    behind one of two was told it starts as the grace ends, where the rule sets that core
+    aside for the claim ahead."""
+
+    def asking(cpus: int) -> dict:
+        return {**waiting("fit"), "asked": {"cpus": cpus, "gpus": 0, "ram_bytes": 0}}
+
+    held = {
+        "running": [running("fit", 100)],
+        "waiting": [asking(2), asking(1)],
+        "cpus": {"free": 1},
+        "gpus": {"free": 0},
+        "ram_bytes": {"free": 0},
+        "grants_resume_at": NOW + 60,
+    }
+    ahead, behind = expected_waits(held, {"fit": [300.0]}, now=NOW)
+    assert ahead["seconds"] == 60 + 300 - 160
+    assert behind["seconds"] > ahead["seconds"]
