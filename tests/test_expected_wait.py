@@ -15,6 +15,23 @@ def waiting(label: str | None) -> dict:
     return {"label": label, "since": NOW - 1}
 
 
+def asking(cpus: int) -> dict:
+    return {**waiting("fit"), "asked": {"cpus": cpus, "gpus": 0, "ram_bytes": 0}}
+
+
+def one_core_free_in_a_grace(queue: list[dict]) -> dict:
+    """A restarted service's snapshot, 60 s of grace left: one claim put back runs on
+    a core of two, and ``queue`` waits."""
+    return {
+        "running": [running("fit", 100)],
+        "waiting": queue,
+        "cpus": {"free": 1},
+        "gpus": {"free": 0},
+        "ram_bytes": {"free": 0},
+        "grants_resume_at": NOW + 60,
+    }
+
+
 def test_the_next_claim_waits_for_the_running_claims_typical_run_less_its_age():
     """Guards against a guess that ignores how long the running claim has already run."""
     snapshot = {"running": [running("fit", 100)], "waiting": [waiting("fit")]}
@@ -118,17 +135,7 @@ def test_a_restart_of_the_books_service_holds_the_queue_and_says_so():
 
     # A claim put back runs on, holding one of two cores: the first in the queue fits
     # beside it and starts as the grace ends; the next waits for it from then.
-    def asking(cpus: int) -> dict:
-        return {**waiting("fit"), "asked": {"cpus": cpus, "gpus": 0, "ram_bytes": 0}}
-
-    behind = {
-        "running": [running("fit", 100)],
-        "waiting": [asking(1), asking(1)],
-        "cpus": {"free": 1},
-        "gpus": {"free": 0},
-        "ram_bytes": {"free": 0},
-        "grants_resume_at": NOW + 60,
-    }
+    behind = one_core_free_in_a_grace([asking(1), asking(1)])
     fits, waits = expected_waits(behind, {"fit": [300.0]}, now=NOW)
     assert fits["seconds"] == 60 and fits["why"].startswith("the machine's books service has")
     assert waits["seconds"] == 60 + 300 - 160
@@ -147,18 +154,7 @@ def test_a_claim_that_would_take_what_one_ahead_needs_is_not_told_it_goes_as_the
     """Guards against the guess using its own fit, not the queue's rule: the claim of one core
     behind one of two was told it starts as the grace ends, where the rule sets that core
     aside for the claim ahead."""
-
-    def asking(cpus: int) -> dict:
-        return {**waiting("fit"), "asked": {"cpus": cpus, "gpus": 0, "ram_bytes": 0}}
-
-    held = {
-        "running": [running("fit", 100)],
-        "waiting": [asking(2), asking(1)],
-        "cpus": {"free": 1},
-        "gpus": {"free": 0},
-        "ram_bytes": {"free": 0},
-        "grants_resume_at": NOW + 60,
-    }
+    held = one_core_free_in_a_grace([asking(2), asking(1)])
     ahead, behind = expected_waits(held, {"fit": [300.0]}, now=NOW)
     assert ahead["seconds"] == 60 + 300 - 160
     assert behind["seconds"] > ahead["seconds"]
