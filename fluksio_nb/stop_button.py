@@ -15,6 +15,10 @@ What it decides:
   back. So is a claim's end, a worker's return to its pool, and a frame
   read from a worker. Waiting is never held back: a claim in the queue
   stops at once.
+- **What is made is owned as it is made.** A descriptor, a shared-memory
+  file or a worker's process is made under a hold that ends inside the
+  ``try`` whose cleanup closes it: landing as the call that made it
+  returned, the stop would leave it open with nothing holding its number.
 - **A claimed cell that is over keeps what it bound**
   (:func:`held_once_the_cell_is_over`, :func:`the_cell_is_over`). Once the
   cell's end reaches the kernel, its names are bound in the worker, as a

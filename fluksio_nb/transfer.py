@@ -97,6 +97,7 @@ from typing import Any
 import psutil
 
 from fluksio_nb import pickling
+from fluksio_nb.stop_button import stop_held_back
 
 #: Buffers at least this big travel through shared memory rather than inline.
 #: Where the two cost the same, measured as pack, pickle the parcel, unpack and
@@ -184,8 +185,16 @@ class Parcel:
         """Remove the shared-memory files of a parcel that will not be unpacked.
 
         Only for a parcel nobody will unpack: a receiver still holding a copy
-        finds its big values gone.
+        finds its big values gone. Once: whoever gives up on the parcel
+        discards it, and a second call finds nothing left, where it would put
+        a kept file back on the shelf twice, for two parcels to write at once.
         """
+        # Marked before its files go: a stop landing in between leaves a file
+        # lent, never one let go twice. The values stay, for whoever reads
+        # what was sent (a worker comparing what it was sent with what it has).
+        if self.__dict__.get("_discarded"):
+            return
+        object.__setattr__(self, "_discarded", True)
         for value in self.values.values():
             _let_go(value.segments)
 
@@ -436,12 +445,17 @@ def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | me
 
 def _write_segment(raw: memoryview, written: _Written | None = None) -> Segment:
     path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-    fd = _create(path)
+    fd = None
     try:
+        # Made and known as one step: a stop landing as the file is made
+        # would otherwise leave it there, nameless to this process.
+        with stop_held_back():
+            fd = _create(path)
         _write_all(fd, raw, written)
     except BaseException:
-        os.close(fd)
-        os.unlink(path)
+        if fd is not None:
+            os.close(fd)
+            os.unlink(path)
         raise
     os.close(fd)
     return Segment(path, raw.nbytes)
@@ -608,15 +622,31 @@ class _Shelf:
         in_segment_dir: bool = False,
         written: _Written | None = None,
     ) -> Segment:
-        with self._lock:
-            path = self._free_of_size(raw.nbytes)
+        path = None
+        try:
+            with self._lock:
+                path = self._free_of_size(raw.nbytes)
+                if path is not None:
+                    self._files[path].lent = True
+        except BaseException:
+            # Stopped as it was taken off the shelf: back on it.
             if path is not None:
-                self._files[path].lent = True
+                self.give_back(path)
+            raise
         if path is None:
             path, fd = self._new_file(raw, in_segment_dir, written)
-            with self._lock:
-                self._files[path] = _Kept(fd, raw.nbytes, True, time.monotonic())
-                self._trim(time.monotonic())
+            try:
+                with self._lock:
+                    self._files[path] = _Kept(fd, raw.nbytes, True, time.monotonic())
+                    self._trim(time.monotonic())
+            except BaseException:
+                # Stopped as it was shelved, lent to nobody: it goes.
+                with self._lock:
+                    if path in self._files:
+                        self._drop(path)
+                    else:
+                        os.close(fd)
+                raise
             return Segment(path, raw.nbytes, kept=True)
         kept = self._files[path]
         try:
@@ -768,16 +798,21 @@ def _new_kept_file(
     if not hasattr(os, "memfd_create") or not os.path.isdir(f"/proc/{pid}/fd"):
         segment = _write_segment(raw, written)
         return segment.path, os.open(segment.path, os.O_RDWR | os.O_NOFOLLOW)
-    if in_segment_dir:
-        path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{pid}-{secrets.token_hex(8)}")
-        fd = _create(path)
-        os.unlink(path)
-    else:
-        fd = os.memfd_create(f"{SEGMENT_PREFIX}{pid}-kept", os.MFD_CLOEXEC)
+    fd = None
     try:
+        # Made, unnamed and known as one step, so that a stop landing on the
+        # way leaves neither a name in the directory nor a descriptor.
+        with stop_held_back():
+            if in_segment_dir:
+                path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{pid}-{secrets.token_hex(8)}")
+                fd = _create(path)
+                os.unlink(path)
+            else:
+                fd = os.memfd_create(f"{SEGMENT_PREFIX}{pid}-kept", os.MFD_CLOEXEC)
         _write_all(fd, raw, written)
     except BaseException:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         raise
     return f"/proc/{pid}/fd/{fd}", fd
 
