@@ -1010,3 +1010,42 @@ def test_a_stop_at_any_moment_of_a_print_leaves_the_cells_output_going():
     said = said_by(STOP_AT_EVERY_MOMENT_OF_A_PRINT, timeout=25)
     assert "stopped_at" in said, said
     assert said["stopped_at"] > 10, said
+
+
+#: A worker started, the stop pressed at every moment of fluksio_nb's code in
+#: the start, one moment a round; after each, the worker made is closed, and no
+#: process may be left running and no descriptor open that was not before.
+STOP_AT_EVERY_MOMENT_OF_A_WORKERS_START = """
+import glob, os
+import psutil
+import fluksio_nb
+from fluksio_nb.worker.client import Worker
+
+descriptors = len(os.listdir("/proc/self/fd"))
+
+def attempt(made):
+    made["worker"] = Worker({})
+
+def undo(made):
+    if "worker" in made:
+        made["worker"].close()
+
+def check():
+    if [child for child in psutil.Process().children() if child.status() != "zombie"]:
+        return "a_worker_left_running"
+    if len(os.listdir("/proc/self/fd")) > descriptors:
+        return "a_descriptor_left_open"
+
+here = os.path.dirname(fluksio_nb.__file__)
+each_moment(glob.glob(os.path.join(here, "**", "*.py"), recursive=True), attempt, undo, check)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_at_any_moment_of_a_workers_start_leaves_no_process_or_descriptor():
+    """Guards against a stop landing as the worker's lifeline pipe was made, which left
+    both its ends open for the kernel's life, and as a half-made worker was being wired
+    up, which left its process running, owned by nobody."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_WORKERS_START, timeout=300)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 20, said

@@ -273,27 +273,6 @@ class Worker:
         self._derived = dict(env)
         #: The whole environment the worker was started with, or last reshaped to.
         self.env = self._whole_environ()
-        kernel_end, worker_end = socket.socketpair()
-        try:
-            self._process = WorkerProcess(self.env, cwd, worker_end)
-        except BaseException:
-            kernel_end.close()
-            raise
-        finally:
-            worker_end.close()
-        self.pid: int = self._process.pid
-        # Before the worker has started a thread of its own: threads inherit
-        # the mask of the thread that starts them, and this sets the main one's.
-        confine(self.pid, cores)
-        self._channel = Channel(kernel_end)
-        self._streams = [
-            _Stream("stdout", self._process.stdout),
-            _Stream("stderr", self._process.stderr),
-        ]
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._channel.sock, selectors.EVENT_READ, self._channel)
-        for stream in self._streams:
-            self._selector.register(stream.fd, selectors.EVENT_READ, stream)
         self._run_lock = threading.Lock()
         self._cell: _Cell | None = None
         self._ready = False
@@ -315,6 +294,39 @@ class Worker:
         #: reported as a crash.
         self._ending: str | None = None
         self._death: Outcome | None = None
+        kernel_end, worker_end = socket.socketpair()
+        try:
+            self._process = WorkerProcess(self.env, cwd, worker_end)
+        except BaseException:
+            kernel_end.close()
+            worker_end.close()
+            raise
+        try:
+            worker_end.close()
+            self.pid: int = self._process.pid
+            # Before the worker has started a thread of its own: threads inherit
+            # the mask of the thread that starts them, and this sets the main one's.
+            confine(self.pid, cores)
+            self._channel = Channel(kernel_end)
+            self._streams = [
+                _Stream("stdout", self._process.stdout),
+                _Stream("stderr", self._process.stderr),
+            ]
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._channel.sock, selectors.EVENT_READ, self._channel)
+            for stream in self._streams:
+                self._selector.register(stream.fd, selectors.EVENT_READ, stream)
+        except BaseException:
+            # Stopped, or failed, half made: nobody would end its process.
+            with stop_held_back():
+                self._process.end()
+                self._process.close()
+                self._process.stdout.close()
+                self._process.stderr.close()
+                kernel_end.close()
+                if hasattr(self, "_selector"):
+                    self._selector.close()
+            raise
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {'alive' if self.alive else 'ended'}>"

@@ -37,6 +37,8 @@ from typing import IO
 
 import psutil
 
+from fluksio_nb.stop_button import stop_held_back
+
 #: Where this process found ``fluksio_nb``: where its worker must find it too.
 _PACKAGE_HOME = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,37 +68,49 @@ class WorkerProcess:
     ) -> None:
         # The worker watches the read end for the end-of-file that the kernel's
         # death causes; the kernel never writes to it.
-        lifeline_read, lifeline_write = os.pipe()
         try:
-            self._popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _START,
-                    _PACKAGE_HOME,
-                    f"--channel-fd={channel_end.fileno()}",
-                    f"--lifeline-fd={lifeline_read}",
-                    f"--kernel-pid={os.getpid()}",
-                ],
-                env=env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(channel_end.fileno(), lifeline_read),
-                start_new_session=True,
-            )
-        except BaseException:
-            os.close(lifeline_write)
+            # Made and owned in one step: a stop landing as the pipe is made, or
+            # as the process starts, would leave one open, or running, for nobody.
+            with stop_held_back():
+                lifeline_read, lifeline_write = os.pipe()
+                try:
+                    self._popen = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            _START,
+                            _PACKAGE_HOME,
+                            f"--channel-fd={channel_end.fileno()}",
+                            f"--lifeline-fd={lifeline_read}",
+                            f"--kernel-pid={os.getpid()}",
+                        ],
+                        env=env,
+                        cwd=cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        pass_fds=(channel_end.fileno(), lifeline_read),
+                        start_new_session=True,
+                    )
+                except BaseException:
+                    os.close(lifeline_write)
+                    raise
+                finally:
+                    os.close(lifeline_read)
+                self._lifeline = lifeline_write
+                # Dropped without being closed, it must not leave its process behind.
+                self._finalizer = weakref.finalize(self, _end_unreaped, self._popen, lifeline_write)
+        except KeyboardInterrupt:
+            # The stop, held back while the process started, lands as it
+            # ends: the process and its pipes go with the start nobody will return.
+            if hasattr(self, "_finalizer"):
+                self._finalizer()
+                self._popen.stdout.close()
+                self._popen.stderr.close()
             raise
-        finally:
-            os.close(lifeline_read)
         self.pid: int = self._popen.pid
         self.stdout: IO[bytes] = self._popen.stdout
         self.stderr: IO[bytes] = self._popen.stderr
-        self._lifeline = lifeline_write
-        # Dropped without being closed, it must not leave its process behind.
-        self._finalizer = weakref.finalize(self, _end_unreaped, self._popen, lifeline_write)
 
     @property
     def returncode(self) -> int | None:
