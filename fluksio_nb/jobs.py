@@ -3,9 +3,10 @@
 Every ``%%claim`` cell is a :class:`Job`, wherever it runs; a foreground cell
 is a job run in the cell's own thread (:meth:`Job.run`), as a blocking call in
 ipyparallel is a task plus a wait. A background cell has taken its place
-before the magic returns (:meth:`~fluksio_nb.lifecycle.ClaimLifecycle.take_place`),
-in the main thread, so eight background cells started in order are granted in
-that order and never more at once than the inventory holds. It then waits and
+before the magic returns (:meth:`Job.start`), in the main thread, so eight
+background cells started in order are granted in that order and never more
+at once than the inventory holds. Stopped before its handle returns, it
+leaves nothing going on that the handle would have reached. It then waits and
 runs on a thread of its own while the user goes on working. A cell ``--on
 ray`` has connected to its cluster by then, and been refused if no node can
 hold it; Ray's queue is its queue.
@@ -27,11 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from fluksio_nb import random_streams
-from fluksio_nb.errors import RemoteError
+from fluksio_nb.errors import BadClaim, RemoteError
 from fluksio_nb.lifecycle import ClaimLifecycle
 from fluksio_nb.namespaces import each_at_home
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.status import describe
+from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.worker.client import Outcome, Sink
 
 #: How long starting a job granted on the spot waits for it to be running,
@@ -64,7 +66,7 @@ class Job:
         output: Sink | None = None,
         random_state: dict[str, Any] | None = None,
     ) -> None:
-        """Run ``code`` under ``claimed``, which has already taken its place.
+        """Run ``code`` under ``claimed``, which takes its place as the job starts or runs.
 
         ``inputs`` were packed by the claim's place to run, and are discarded
         once the cell is over. ``home`` is the namespace the job's names are
@@ -89,6 +91,10 @@ class Job:
         self._values: dict[str, object] = {}
         self._error: BaseException | None = None
         self._shown_by_its_cell = False
+        #: Whose the job is once :meth:`start` has begun: its thread's, or,
+        #: if the start was given up first, nobody's.
+        self._handover = threading.Lock()
+        self._taken = False
 
     @property
     def label(self) -> str:
@@ -150,24 +156,61 @@ class Job:
             self._started.set()
 
     def start(self) -> Job:
-        """Run the cell on a thread of its own; the handle, at once."""
-        with _unfinished_lock:
-            _unfinished.add(self)
-        # Registered again each time so that it runs before anything registered
-        # since, such as the worker pool's close: atexit runs the last first.
-        atexit.unregister(_end_unfinished_jobs)
-        atexit.register(_end_unfinished_jobs)
-        thread = threading.Thread(
-            target=self._in_the_background, name=f"fluksio-job-{self.label}", daemon=True
-        )
-        thread.start()
-        if self._claim.granted_at is not None:
-            # Granted on the spot: what the cell shows is that it runs, not a
-            # race between this thread and the job's (cgroups take a moment).
-            self._started.wait(STARTS_WITHIN_S)
+        """Take the claim's place in its queue and run the cell on a thread of its own.
+
+        The handle, at once. A stop landing before it returns leaves nothing
+        of the job going on without one: its place in the queue is given
+        back, or, once its thread has it, the job is cancelled.
+        """
+        try:
+            self._claim.take_place()
+            with _unfinished_lock:
+                _unfinished.add(self)
+            # Registered again each time so that it runs before anything registered
+            # since, such as the worker pool's close: atexit runs the last first.
+            atexit.unregister(_end_unfinished_jobs)
+            atexit.register(_end_unfinished_jobs)
+            thread = threading.Thread(
+                target=self._in_the_background, name=f"fluksio-job-{self.label}", daemon=True
+            )
+            thread.start()
+            if self._claim.granted_at is not None:
+                # Granted on the spot: what the cell shows is that it runs, not a
+                # race between this thread and the job's (cgroups take a moment).
+                self._started.wait(STARTS_WITHIN_S)
+        except BadClaim:
+            raise
+        except BaseException as error:
+            self._given_up(error)
+            raise
         return self
 
+    def _given_up(self, error: BaseException) -> None:
+        """Undo a start that did not return its handle, at whatever moment it stopped."""
+        with stop_held_back():
+            with self._handover:
+                taken = self._taken
+                self._taken = True
+            if taken:
+                # Its thread has it, and ends it as any cancelled job ends.
+                self.cancel("stopped as the cell that started it was")
+                return
+            # No thread ever will: one starting now finds it taken, and does nothing.
+            self._error = error
+            try:
+                self._claim.release(error)
+            finally:
+                self._inputs.discard()
+                with _unfinished_lock:
+                    _unfinished.discard(self)
+                self._started.set()
+                self._finished.set()
+
     def _in_the_background(self) -> None:
+        with self._handover:
+            if self._taken:
+                return  # given up as it started
+            self._taken = True
         try:
             outcome = self._run()
             home = self._home

@@ -107,24 +107,31 @@ class ClaimMagics(Magics):
             raise UsageError(_unsendable_message(packed.failures, place.reached_as, namespace))
         by_hand = parsed.outputs is not None
         try:
-            # A background claim's status is shown at once, from this thread:
-            # it belongs in the cell that started it, which is only the
-            # executing one now.
-            claimed = place.for_cell(
-                resources,
-                parsed.on,
-                view=new_view(),
-                show_after=None if parsed.background else SHOW_AFTER_S,
-            )
-            if parsed.background:
-                # In the queue, in order, and refused if it can never run,
-                # before the handle returns: a foreground cell does both as it
-                # waits, and shows a refusal as the claim's own error.
-                claimed.take_place()
-        except BadClaim as error:
-            packed.discard()
-            raise _refused(error) from None
-        if parsed.background:
+            try:
+                # A background claim's status is shown at once, from this thread:
+                # it belongs in the cell that started it, which is only the
+                # executing one now.
+                claimed = place.for_cell(
+                    resources,
+                    parsed.on,
+                    view=new_view(),
+                    show_after=None if parsed.background else SHOW_AFTER_S,
+                )
+                if parsed.background:
+                    # In the queue, in order, and refused if it can never run,
+                    # before the handle returns: a foreground cell does both as it
+                    # waits, and shows a refusal as the claim's own error.
+                    return Job(
+                        claimed,
+                        cell,
+                        packed,
+                        outputs,
+                        by_hand=by_hand,
+                        if_changed=if_changed,
+                        home=namespace,
+                    ).start()
+            except BadClaim as error:
+                raise _refused(error) from None
             job = Job(
                 claimed,
                 cell,
@@ -132,28 +139,23 @@ class ClaimMagics(Magics):
                 outputs,
                 by_hand=by_hand,
                 if_changed=if_changed,
-                home=namespace,
+                output=ForegroundOutput(),
+                random_state=random_streams.capture(),
             )
-            return job.start()
-        job = Job(
-            claimed,
-            cell,
-            packed,
-            outputs,
-            by_hand=by_hand,
-            if_changed=if_changed,
-            output=ForegroundOutput(),
-            random_state=random_streams.capture(),
-        )
-        # Arrays that go into the kernel's own rather than replace it: those a
-        # call may have changed, and those the cell changed only through
-        # themselves, as `data *= 2` does.
-        into_own = if_changed + sorted(names_never_rebound(cell).intersection(inputs))
-        # A stop pressed as the cell ends lands once its names are bound.
-        with held_once_the_cell_is_over():
-            with self._keeping_what_came_back(deleted, into_own):
-                outcome = job.run()
-            missing = self._bring_back(outcome, deleted, into_own, by_hand=by_hand)
+            # Arrays that go into the kernel's own rather than replace it: those a
+            # call may have changed, and those the cell changed only through
+            # themselves, as `data *= 2` does.
+            into_own = if_changed + sorted(names_never_rebound(cell).intersection(inputs))
+            # A stop pressed as the cell ends lands once its names are bound.
+            with held_once_the_cell_is_over():
+                with self._keeping_what_came_back(deleted, into_own):
+                    outcome = job.run()
+                missing = self._bring_back(outcome, deleted, into_own, by_hand=by_hand)
+        except BaseException:
+            # Refused, failed or stopped, at any moment: the inputs' shared
+            # memory goes with the cell (a job that had them discarded them).
+            packed.discard()
+            raise
         if missing:
             # After the rest are bound, and as the cell's error: "Run All"
             # stops here, not at a later cell that reads a name not there.
