@@ -292,16 +292,13 @@ def _family_threads(pid: int) -> dict[int, list[int]]:
             continue  # gone since its parent listed it
         family[parent] = threads
         for task in threads:
+            # A file object, not a bare descriptor: one the stop button lands on
+            # as it is opened is closed as it is dropped.
             try:
-                fd = os.open(f"/proc/{parent}/task/{task}/children", os.O_RDONLY | os.O_CLOEXEC)
+                with open(f"/proc/{parent}/task/{task}/children", "rb", buffering=0) as file:
+                    listing = file.read()
             except OSError:
                 continue  # a thread that ended since the listing
-            try:
-                listing = os.read(fd, 65536)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
             if listing:
                 pending += [int(child) for child in listing.split()]
     return family

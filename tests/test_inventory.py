@@ -23,6 +23,7 @@ from fluksio_nb.inventory import (
     usable_cpus,
 )
 from fluksio_nb.settings import Settings
+from tests.stops import said_by
 
 
 def write(path, text):
@@ -192,3 +193,34 @@ def test_no_nvidia_tools_means_no_cards(monkeypatch, tmp_path):
         pytest.skip("NVML answers on this machine: it has real cards")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert detect_gpus() == ([], "none found")
+
+
+#: Every process below this one listed, a child there to be found, the stop
+#: pressed at every moment of the listing, one moment a round; after each, no
+#: descriptor may be open that was not before.
+STOP_AT_EVERY_MOMENT_OF_LISTING_DESCENDANTS = """
+import os, subprocess, sys
+import fluksio_nb.inventory as inventory
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+descriptors = len(os.listdir("/proc/self/fd"))
+
+def attempt(made):
+    made["found"] = inventory.descendants(os.getpid())
+
+def check():
+    if len(os.listdir("/proc/self/fd")) > descriptors:
+        return "a_descriptor_left_open"
+
+each_moment([inventory.__file__], attempt, lambda made: None, check)
+child.kill()
+"""
+
+
+def test_a_stop_at_any_moment_of_listing_a_processs_descendants_leaves_no_descriptor_open():
+    """Guards against a stop landing as a task's list of children was opened, which left
+    its descriptor open with nothing holding its number: the listing runs on every
+    claimed cell and every reading of a running claim."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_LISTING_DESCENDANTS, timeout=60)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] >= 5, said
