@@ -366,31 +366,50 @@ class Claim(ClaimLifecycle):
 
     # -- running things under it -----------------------------------------------
 
-    def _started(self, worker: Worker, sink: Any) -> Worker:
-        """``worker``, once it has started: a cold one's start is not the cell running.
+    def _ready_worker(self, sink: Any) -> Worker:
+        """A worker for the cell, warm from the pool where one fits, once it has started.
+
+        A warm worker grown too big for the budget is ended, and a fresh one
+        started. Stopped or failed on the way, the worker goes back to the
+        pool (ended first if it had not started), at whatever moment.
+        """
+        worker: Worker | None = None
+        try:
+            worker = self._pool.checkout(self.env, timeout=self._time_left())
+            self._wait_until_started(worker, sink)
+            if self._grown_into_the_budget(worker):
+                # What its earlier cells left it holding (a heap they freed but
+                # Python kept, a library they imported) would count against this
+                # claim's ram=, or leave it too little to run in.
+                worker.kill()
+                self._pool.checkin(worker, self.env)
+                worker = None  # given back: a stop as the next starts leaves it be
+                worker = self._pool.fresh(self.env)
+                self._wait_until_started(worker, sink)
+            return worker
+        except BaseException:
+            if worker is not None:
+                with stop_held_back():
+                    if worker.ready_at is None:
+                        worker.kill()
+                    self._pool.checkin(worker, self.env)
+            raise
+
+    def _wait_until_started(self, worker: Worker, sink: Any) -> None:
+        """Until ``worker`` has started: a cold one's start is not the cell running.
 
         The live view is due one reading into the cell, not into the worker's
         imports (half a second on a slow machine), or every quick first cell
         would get one.
         """
         asked_at = time.monotonic()
-        try:
-            worker.wait_until_ready(timeout=self._time_left(), sink=sink)
-        except BaseException:
-            worker.kill()
-            self._pool.checkin(worker, self.env)
-            raise
-        try:
-            self._refuse_if_out_of_time()
-        except ClaimTimeout:
-            self._pool.checkin(worker, self.env)
-            raise
+        worker.wait_until_ready(timeout=self._time_left(), sink=sink)
+        self._refuse_if_out_of_time()
         ready_at = worker.ready_at or time.monotonic()
         if ready_at > asked_at:
             # Waited for a worker to start, a fresh one or the one started
             # ahead of the first claim: not the cell's running, said apart.
             self.status.starting_s += ready_at - asked_at
-        return worker
 
     def _grown_into_the_budget(self, worker: Worker) -> bool:
         """Whether a warm worker has grown, since it started, by more than a quarter of the budget.
@@ -421,24 +440,7 @@ class Claim(ClaimLifecycle):
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         self._refuse_if_out_of_time()
-        worker = self._started(self._pool.checkout(self.env, timeout=self._time_left()), sink)
-        if self._grown_into_the_budget(worker):
-            # What its earlier cells left it holding (a heap they freed but
-            # Python kept, a library they imported) would count against this
-            # claim's ram=, or leave it too little to run in.
-            worker.kill()
-            self._pool.checkin(worker, self.env)
-            worker = self._started(self._pool.fresh(self.env), sink)
-        # A warm worker ran an earlier claim on other cores, and its thread
-        # pools are still there: every thread of it moves to this claim's.
-        family = held.admit(worker.pid)
-        self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
-        if (too_big := held.over_before_it_ran(self.budget)) is not None:
-            held.let_go(worker.pid)
-            self._pool.checkin(worker, self.env)
-            self._halt(too_big)
-            raise ClaimHalted(too_big)
-        self._hold_process(stop=worker.kill)
+        worker: Worker | None = None
         watched: Watched | None = None
 
         def watch_it() -> None:
@@ -449,6 +451,15 @@ class Claim(ClaimLifecycle):
             watched = self._watch_process(worker.pid, family=family)
 
         try:
+            worker = self._ready_worker(sink)
+            # A warm worker ran an earlier claim on other cores, and its thread
+            # pools are still there: every thread of it moves to this claim's.
+            family = held.admit(worker.pid)
+            self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+            if (too_big := held.over_before_it_ran(self.budget)) is not None:
+                self._halt(too_big)
+                raise ClaimHalted(too_big)
+            self._hold_process(stop=worker.kill)
             outcome = worker.run(
                 code,
                 inputs=inputs,
@@ -461,16 +472,19 @@ class Claim(ClaimLifecycle):
             )
         finally:
             # Whole, or a stop pressed again as the cell ended would leave the
-            # worker out of the pool and still watched.
+            # worker out of the pool and still watched; from the moment the
+            # pool handed it over, or it would be left running for nobody.
             with stop_held_back():
                 self.status.sending_since = None
                 self.status.sending_written = self.status.sending_total = 0
                 if watched is not None:
                     self._stop_watching(watched)
-                self._stoppers.remove(worker.kill)
-                if worker.alive:
-                    held.let_go(worker.pid)
-                self._pool.checkin(worker, self.env)
+                if worker is not None:
+                    with contextlib.suppress(ValueError):
+                        self._stoppers.remove(worker.kill)
+                    if worker.alive:
+                        held.let_go(worker.pid)
+                    self._pool.checkin(worker, self.env)
         if outcome.sent_s is not None:
             self.status.sent_s = (self.status.sent_s or 0.0) + outcome.sent_s
             self.status.sent_bytes += outcome.sent_bytes

@@ -898,12 +898,13 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
 #: shared memory lent, and a cell that ran to its end (it leaves a file as its last
 #: act) must have its name bound.
 STOP_AT_EVERY_MOMENT_OF_A_CELL = """
-import glob, os, tempfile
+import glob, os, tempfile, time
 from pathlib import Path
-import numpy
+import numpy, psutil
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
 from fluksio_nb import accountant, transfer
+from fluksio_nb.worker.pool import kernel_pool
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "fluksio_nb")
@@ -926,12 +927,24 @@ def undo(made):
     # every moment of it is pressed, not a warm shelf's shorter one.
     transfer.clear_shelf()
 
+def workers_out_of_the_pool():
+    # An idle worker past its number is ended on a thread of its own, at once.
+    deadline = time.monotonic() + 5
+    while True:
+        idle = {entry.worker.pid for entry in kernel_pool()._idle}
+        running = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
+        if not running - idle or time.monotonic() > deadline:
+            return running - idle
+        time.sleep(0.01)
+
 def check():
     books = accountant().snapshot()
     if books["running"] or books["waiting"]:
         return "a_share_left_held"
     if last["lent"]:
         return "shared_memory_left_lent"
+    if workers_out_of_the_pool():
+        return "a_worker_left_running_out_of_the_pool"
     if last["ran"] and shell.user_ns.get("x") != last["n"]:
         return f"it_ran_and_x_is_{shell.user_ns.get('x')}_not_{last['n']}"
 

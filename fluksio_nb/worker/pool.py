@@ -127,44 +127,53 @@ class WorkerPool:
         to answer whether it takes this environment's thread count.
         """
         key = env_key(derived)
-        with self._lock:
-            # Drops the dead too: each is asked once, a system call each.
-            self._age_out(time.monotonic())
-            for index, entry in enumerate(self._idle):
-                if entry.key == key:
-                    del self._idle[index]
-                    return entry.worker
-            # The most recently used first: the likeliest to be in the cache.
-            others = [
-                entry
-                for entry in reversed(self._idle)
-                if entry.worker not in self._fixed
-                and differs_only_in_threads(dict(entry.key), derived)
-            ]
-            for entry in others:
-                self._idle.remove(entry)
-        deadline = time.monotonic() + timeout
-        taken = None
+        # Out of the pool and not yet the caller's: put back if stopped meanwhile.
+        taken: list[_Idle] = []
         try:
-            while others and taken is None:
-                entry = others.pop(0)
-                refused = entry.worker.reshape(derived, max(0.0, deadline - time.monotonic()))
-                if refused is None:
-                    taken = entry.worker
-                    self.reshaped += 1
-                else:
-                    self.last_refusal = refused
-                    self._fixed.add(entry.worker)
+            with self._lock:
+                # Drops the dead too: each is asked once, a system call each.
+                self._age_out(time.monotonic())
+                same = [entry for entry in self._idle if entry.key == key]
+                # Else the most recently used first: the likeliest to be in the cache.
+                taken = same[:1] or [
+                    entry
+                    for entry in reversed(self._idle)
+                    if entry.worker not in self._fixed
+                    and differs_only_in_threads(dict(entry.key), derived)
+                ]
+                self._idle = [entry for entry in self._idle if entry not in taken]
+        except BaseException:
+            for entry in taken:
+                if entry not in self._idle:
                     self._put_back(entry)
+            raise
+        if same:
+            return taken[0].worker
+        deadline = time.monotonic() + timeout
+        asked: _Idle | None = None
+        chosen: Worker | None = None
+        try:
+            for asked in taken:
+                refused = asked.worker.reshape(derived, max(0.0, deadline - time.monotonic()))
+                if refused is None:
+                    chosen = asked.worker
+                    self.reshaped += 1
+                    break
+                self.last_refusal = refused
+                self._fixed.add(asked.worker)
+            else:
+                asked = None
         except BaseException:
             # Stopped while a worker was asked: that one was ended by it.
-            entry.worker.close()
+            if asked is not None:
+                asked.worker.close()
             raise
         finally:
-            for entry in others:
-                self._put_back(entry)
-        if taken is not None:
-            return taken
+            for entry in taken:
+                if entry is not asked:
+                    self._put_back(entry)
+        if chosen is not None:
+            return chosen
         return self.fresh(derived)
 
     def fresh(self, derived: Mapping[str, str]) -> Worker:
