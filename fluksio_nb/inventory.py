@@ -23,6 +23,7 @@ machine that has none.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 from collections.abc import Iterable
@@ -422,25 +423,27 @@ class _OwnMemory:
             v1 = root / "memory"
             limits += [d / "memory.limit_in_bytes" for d in _walk_up(v1, paths["memory"])]
             used.append(v1 / paths["memory"].lstrip("/") / "memory.usage_in_bytes")
-        self._meminfo = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
-        self._limits = [fd for fd in map(_open_or_none, limits) if fd is not None]
-        self._used = [fd for fd in map(_open_or_none, used) if fd is not None]
+        # File objects, not bare descriptors: one the stop button lands on as
+        # it is opened is closed as it is dropped.
+        self._meminfo = open("/proc/meminfo", "rb", buffering=0)  # noqa: SIM115
+        self._limits = [file for file in map(_open_or_none, limits) if file is not None]
+        self._used = [file for file in map(_open_or_none, used) if file is not None]
 
     def read(self) -> tuple[int, int]:
-        info = os.pread(self._meminfo, 16384, 0)
+        info = os.pread(self._meminfo.fileno(), 16384, 0)
         total, available = _meminfo(info, b"MemTotal:"), _meminfo(info, b"MemAvailable:")
         if total is None or available is None:  # a kernel older than 3.14
             vm = psutil.virtual_memory()
             total, available = int(vm.total), int(vm.available)
         limit = None
-        for fd in self._limits:
-            text = _pread(fd)
+        for file in self._limits:
+            text = _pread(file)
             if text and text != b"max" and int(text) < _V1_UNLIMITED:
                 limit = int(text) if limit is None else min(limit, int(text))
         if limit is not None and limit < total:
             total = limit
-            for fd in self._used:
-                text = _pread(fd)
+            for file in self._used:
+                text = _pread(file)
                 if text:
                     available = min(available, max(0, limit - int(text)))
                     break
@@ -458,16 +461,16 @@ def _own_memory() -> _OwnMemory:
     return _own
 
 
-def _open_or_none(path: Path) -> int | None:
+def _open_or_none(path: Path) -> io.FileIO | None:
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return open(path, "rb", buffering=0)
     except OSError:
         return None
 
 
-def _pread(fd: int) -> bytes:
+def _pread(file: io.FileIO) -> bytes:
     try:
-        return os.pread(fd, 64, 0).strip()
+        return os.pread(file.fileno(), 64, 0).strip()
     except OSError:
         return b""
 

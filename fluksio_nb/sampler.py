@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import threading
 import time
@@ -267,10 +268,12 @@ class _ProcessFiles:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[int, int] = {}
-        # Held while a descriptor is used or closed: a claim that ends closes
-        # its sampler from its own thread, and a number closed twice may by
-        # then be another file's.
+        # File objects, not bare descriptors: one the stop button lands on as
+        # it is opened is closed as it is dropped, where a number would stay
+        # open with nothing holding it.
+        self._files: dict[int, io.FileIO] = {}
+        # Held while a file is used or closed: a claim that ends closes its
+        # sampler from its own thread.
         self._lock = threading.Lock()
 
     def read(self, pid: int) -> Reading | None:
@@ -281,11 +284,11 @@ class _ProcessFiles:
             return self._read(pid)
 
     def _read(self, pid: int) -> Reading | None:
-        fd = self._fds.get(pid)
+        file = self._files.get(pid)
         try:
-            if fd is None:
-                fd = self._fds[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-            data = os.pread(fd, 1024, 0)
+            if file is None:
+                file = self._files[pid] = open(f"/proc/{pid}/stat", "rb", buffering=0)  # noqa: SIM115
+            data = os.pread(file.fileno(), 1024, 0)
         except OSError:
             self._drop(pid)
             return None
@@ -306,18 +309,18 @@ class _ProcessFiles:
 
     def keep_only(self, pids: set[int]) -> None:
         with self._lock:
-            for pid in [pid for pid in self._fds if pid not in pids]:
+            for pid in [pid for pid in self._files if pid not in pids]:
                 self._drop(pid)
 
     def close(self) -> None:
         with self._lock:
-            for pid in list(self._fds):
+            for pid in list(self._files):
                 self._drop(pid)
 
     def _drop(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            os.close(fd)
+        file = self._files.pop(pid, None)
+        if file is not None:
+            file.close()
 
     def __del__(self) -> None:
         # At interpreter exit the modules this needs may be gone already.

@@ -16,6 +16,7 @@ import pytest
 from fluksio_nb.budget import Budget, HaltReason, halt_decision
 from fluksio_nb.gpu_usage import CardProcess, CardReading, CardsReading
 from fluksio_nb.sampler import Readings, Sampler
+from tests.stops import said_by
 
 MIB = 2**20
 
@@ -231,3 +232,45 @@ def test_readings_keep_the_peak_card_memory(processes):
         readings.add(sampler.sample(cards=card_reading({worker.pid: held})))
     assert readings.peak_gpu_bytes == 3 * 2**30
     assert readings.latest.gpu_bytes == 2**29
+
+
+#: A process sampled, the stop pressed at every moment of the sampler's code and
+#: the tree listing's, one moment a round; after each, the sampler made is
+#: closed and the stop forgotten, and no descriptor may be open that was not before.
+STOP_AT_EVERY_MOMENT_OF_A_READING = """
+import gc, os, subprocess, sys
+import fluksio_nb.inventory as inventory
+import fluksio_nb.sampler as sampler
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+sampler.Sampler(os.getpid()).sample()
+# The machine's memory figures, opened once a process: opened every round.
+inventory._own = None
+gc.collect()
+descriptors = len(os.listdir("/proc/self/fd"))
+
+def attempt(made):
+    made["sampler"] = sampler.Sampler(os.getpid())
+    made["sampler"].sample()
+
+def undo(made):
+    if "sampler" in made:
+        made["sampler"].close()
+    inventory._own = None
+
+def check():
+    if len(os.listdir("/proc/self/fd")) > descriptors:
+        return "a_descriptor_left_open"
+
+each_moment([sampler.__file__, inventory.__file__], attempt, undo, check, forgotten=True)
+child.kill()
+"""
+
+
+def test_a_stop_at_any_moment_of_a_reading_leaves_no_descriptor_open():
+    """Guards against a stop landing as a process's stat file, or the machine's memory
+    figures, were opened, which left the descriptor open for good with nothing holding its
+    number: a claimed cell makes a sampler each time, and each opens its worker's file."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_READING, timeout=60)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] >= 20, said
