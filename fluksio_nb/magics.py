@@ -117,31 +117,27 @@ class ClaimMagics(Magics):
                     view=new_view(),
                     show_after=None if parsed.background else SHOW_AFTER_S,
                 )
+                job = Job(
+                    claimed,
+                    cell,
+                    packed,
+                    outputs,
+                    by_hand=by_hand,
+                    if_changed=if_changed,
+                    # A background cell's names wait on its handle, for the
+                    # namespace it was started from; its output goes to its
+                    # cell, and it draws from random streams of its own.
+                    home=namespace if parsed.background else None,
+                    output=None if parsed.background else ForegroundOutput(),
+                    random_state=None if parsed.background else random_streams.capture(),
+                )
                 if parsed.background:
                     # In the queue, in order, and refused if it can never run,
                     # before the handle returns: a foreground cell does both as it
                     # waits, and shows a refusal as the claim's own error.
-                    return Job(
-                        claimed,
-                        cell,
-                        packed,
-                        outputs,
-                        by_hand=by_hand,
-                        if_changed=if_changed,
-                        home=namespace,
-                    ).start()
+                    return job.start()
             except BadClaim as error:
                 raise _refused(error) from None
-            job = Job(
-                claimed,
-                cell,
-                packed,
-                outputs,
-                by_hand=by_hand,
-                if_changed=if_changed,
-                output=ForegroundOutput(),
-                random_state=random_streams.capture(),
-            )
             # Arrays that go into the kernel's own rather than replace it: those a
             # call may have changed, and those the cell changed only through
             # themselves, as `data *= 2` does.
