@@ -991,8 +991,8 @@ last = {"n": 0}
 
 def open_descriptors():
     # The kernel's own threads open a file for a moment (the ledger's look):
-    # one left open for good is still open a second later.
-    deadline = time.monotonic() + 1
+    # one left open for good is still open seconds later.
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
         time.sleep(0.01)
     return len(os.listdir("/proc/self/fd"))
