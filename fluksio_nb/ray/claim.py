@@ -45,6 +45,7 @@ from fluksio_nb.errors import (
     ClaimCancelled,
     ClaimHalted,
     ClaimTimeout,
+    Interrupted,
     RemoteError,
     WorkerDied,
     unsendable,
@@ -132,6 +133,9 @@ class RayClaim(ClaimLifecycle):
         self._ray: Any = None
         #: Why the last task was stopped for running out of time, if it was.
         self._timed_out: str | None = None
+        #: Whether all the last task's output has been shown: a stop landing
+        #: after that shows none of it again.
+        self._all_shown = False
         #: Why the claim was cancelled from outside its thread, if it was.
         self._cancelled: str | None = None
         #: When the block's share was reserved, or else when the last task
@@ -175,17 +179,18 @@ class RayClaim(ClaimLifecycle):
         ray = ray_connection.connect(self.target)
         _check_fits(ray, _job_of(ray), self.wanted)
         self._ray = ray
-        ray_connection.add_claim(self)
-        self._remember_the_cell()
-        if self._show_after is None:
-            self._show()
-        if self._hold:
-            try:
+        try:
+            ray_connection.add_claim(self)
+            self._remember_the_cell()
+            if self._show_after is None:
+                self._show()
+            if self._hold:
                 self._hold_share(ray)
-            except BaseException as error:
-                # A `with` whose __enter__ raised never reaches __exit__.
-                self.release(error)
-                raise
+        except BaseException as error:
+            # A `with` whose __enter__ raised never reaches __exit__: given back
+            # here, or the kernel counts it among its live claims for good.
+            self.release(error)
+            raise
         return self
 
     def _hold_share(self, ray: Any) -> None:
@@ -333,12 +338,26 @@ class RayClaim(ClaimLifecycle):
         """Run the cell's task to its end, relaying its output; its result, or how it failed."""
         label = self.status.label
         running = task.remote(cell, *values)
+        self._all_shown = False
         try:
             result = self._follow(ray, mailboxes, cell.box, running, sink, deadline)
         except KeyboardInterrupt:
             mailboxes.forget.remote(cell.box)
-            stop_task(ray, running)
-            raise
+            ended = ray.wait([running], timeout=0)[0]
+            if not ended:
+                stop_task(ray, running)
+                raise
+            # Stopped as its end arrived: the cell is over all the same, and
+            # ends as one stopped on its last line does, its names kept. What
+            # it printed last and had not reached the kernel is lost with it.
+            the_cell_is_over()
+            try:
+                result = ray.get(running)
+            except ray.exceptions.RayError:
+                raise Interrupted() from None
+            if not self._all_shown:
+                self._take(result["unsent"], sink)
+            return {**result, "stopped": True}
         except ray.exceptions.RayTaskError as error:
             # Said by fluksio_nb itself on the node, not by the cell: shown as itself.
             if isinstance(getattr(error, "cause", None), ElsewhereThanTheKernel | BadClaim):
@@ -435,6 +454,11 @@ class RayClaim(ClaimLifecycle):
             # making the box again. A box never read was never made.
             mailboxes.forget.remote(box)
         self._take(result["unsent"], sink)
+        self._all_shown = True
+        # The cell's names are the kernel's now: a stop from here on lands once
+        # they are bound. One that landed since the task ended, as its result
+        # and last output came, is caught where the task was sent (_submit).
+        the_cell_is_over()
         return result
 
     def _take(self, mail: list[Mail], sink: Any) -> None:
@@ -467,8 +491,6 @@ class RayClaim(ClaimLifecycle):
         self._update_view()
 
     def _outcome(self, result: dict[str, Any]) -> Outcome:
-        # The cell's names are the kernel's now: a stop from here on lands once they are bound.
-        the_cell_is_over()
         parcel = result.get("parcel")
         readings = self.status.readings
         readings.peak_rss_bytes = max(readings.peak_rss_bytes, result.get("peak_bytes", 0))
@@ -501,6 +523,8 @@ class RayClaim(ClaimLifecycle):
         )
         if result["error"] is not None:
             raise cell_raised(*result["error"], outcome)
+        if result.get("stopped"):
+            raise Interrupted(outcome)
         return outcome
 
     # -- showing ---------------------------------------------------------------
