@@ -202,7 +202,10 @@ STOP_AT_EVERY_MOMENT_OF_LISTING_DESCENDANTS = """
 import os, subprocess, sys
 import fluksio_nb.inventory as inventory
 
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# Ends when this script does, however it ends: its input closes.
+child = subprocess.Popen(
+    [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+)
 descriptors = len(os.listdir("/proc/self/fd"))
 
 def attempt(made):

@@ -242,7 +242,10 @@ import gc, os, subprocess, sys
 import fluksio_nb.inventory as inventory
 import fluksio_nb.sampler as sampler
 
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# Ends when this script does, however it ends: its input closes.
+child = subprocess.Popen(
+    [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+)
 sampler.Sampler(os.getpid()).sample()
 # The machine's memory figures, opened once a process: opened every round.
 inventory._own = None
