@@ -186,8 +186,8 @@ class Parcel:
 
         Only for a parcel nobody will unpack: a receiver still holding a copy
         finds its big values gone. Once: whoever gives up on the parcel
-        discards it, and a second call finds nothing left, where it would put
-        a kept file back on the shelf twice, for two parcels to write at once.
+        discards it, and a second call does nothing, where it would put a
+        kept file back on the shelf twice, for two parcels to write at once.
         """
         # Marked before its files go: a stop landing in between leaves a file
         # lent, never one let go twice. The values stay, for whoever reads
@@ -448,7 +448,7 @@ def _write_segment(raw: memoryview, written: _Written | None = None) -> Segment:
     fd = None
     try:
         # Made and known as one step: a stop landing as the file is made
-        # would otherwise leave it there, nameless to this process.
+        # would otherwise leave it there, with nobody to remove it.
         with stop_held_back():
             fd = _create(path)
         _write_all(fd, raw, written)
