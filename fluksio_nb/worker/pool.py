@@ -67,7 +67,8 @@ def names_gpus(derived: Mapping[str, str]) -> bool:
     return bool(derived.get("CUDA_VISIBLE_DEVICES", "").strip())
 
 
-@dataclass
+# Told apart by identity: a checkout takes the very entries it found.
+@dataclass(eq=False)
 class _Idle:
     key: EnvKey
     since: float
