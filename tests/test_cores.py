@@ -333,14 +333,44 @@ def cpu_quota_place():
     return found
 
 
+# Appended to GREEDY, still inside the claim: what the kernel's scheduler says
+# of the cgroup the cell runs in, before the cgroup goes with the claim.
+OWN_CPU_CGROUP = """
+def own_cpu_cgroup(parent):
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, names, path = line.split(":", 2)
+        if "cpu" in names.split(",") or (names == "" and "fluksio_nb-" in path):
+            return os.path.join(parent, os.path.basename(path))
+own = own_cpu_cgroup(PARENT)
+quota = open(os.path.join(own, "cpu.cfs_quota_us" if os.path.exists(
+    os.path.join(own, "cpu.cfs_quota_us")) else "cpu.max")).read().split()[0]
+stat = dict(line.split() for line in open(os.path.join(own, "cpu.stat")))
+print(json.dumps({"cgroup": os.path.basename(own), "quota_us": int(quota),
+                  "nr_periods": int(stat["nr_periods"]),
+                  "nr_throttled": int(stat["nr_throttled"])}))
+"""
+
+
 def test_a_claim_that_cannot_have_cores_of_its_own_is_held_to_a_quota(tmp_path):
     """More cpus declared than there are cores: nothing to pin, so a cgroup quota holds it."""
+    from fluksio_nb.memory_cap import CPU_PERIOD_US
+
     place = cpu_quota_place()
     kernel = cores_kernel(tmp_path, FLUKSIO_CPUS=str(4 * len(HERE)))
     try:
-        ran = kernel.run(GREEDY, check=True)
-        got = ran.json()
-        assert got["processes"] >= 5 and got["cores_used"] <= 1.1, got
+        cell = GREEDY + OWN_CPU_CGROUP.replace("PARENT", repr(str(place.parent)))
+        ran = kernel.run(cell, check=True)
+        *_, greedy, scheduler = ran.stdout.strip().splitlines()
+        got, held_to = json.loads(greedy), json.loads(scheduler)
+        # The scheduler's own word: the cell ran in the claim's cgroup, with one
+        # core's time per period, and was held back at it.
+        assert held_to["cgroup"].startswith(f"fluksio_nb-{kernel.pid}-"), held_to
+        assert held_to["quota_us"] == CPU_PERIOD_US, held_to
+        assert held_to["nr_throttled"] > 0, held_to
+        # Measured from outside the scheduler, the quota overshoots a little at
+        # the window's edges (each CPU draws time in slices), but nowhere near
+        # the two cores the cell would take unheld.
+        assert got["processes"] >= 5 and got["cores_used"] <= 1.25, got
         assert any(f" · cpus=1 (quota of 1 core ({place.version})) " in t for t in ran.texts)
         held = kernel.books()["enforcement"]["cores"]
         assert held["label"] == f"a quota per claim ({place.version})", held
