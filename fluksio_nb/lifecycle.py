@@ -49,7 +49,7 @@ from fluksio_nb.relay import CellOutput, ForegroundOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
 from fluksio_nb.status import ClaimStatus, Ending, StatusView, TextView
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import held_once_the_cell_is_over, stop_held_back
 from fluksio_nb.worker.client import Outcome
 
 #: How long a claim waits before it is shown waiting. A running claim is shown
@@ -242,7 +242,13 @@ class ClaimLifecycle(ABC):
         self._refuse_once_ended()
         # Its error is raised here, to be caught or shown as any call's is:
         # sent to the cell as well, a caught one would still show in red.
-        return call_through(self.run_code, ForegroundOutput(), fn, args, kwargs, self.reached_as)
+        # A stop that lands once the call is over lands as it returns, after
+        # its worker is back in the pool and its arguments' memory given back:
+        # the result is lost then, as any call's is to a stop as it returns.
+        with held_once_the_cell_is_over():
+            return call_through(
+                self.run_code, ForegroundOutput(), fn, args, kwargs, self.reached_as
+            )
 
     def _refuse_once_ended(self) -> None:
         """Refuse work for a claim that has ended: its share is back in the books."""

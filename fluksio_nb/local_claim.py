@@ -447,8 +447,11 @@ class Claim(ClaimLifecycle):
             nonlocal watched
             # Once the worker has the cell, while it runs it: the first reading
             # is an interval away, and the kernel would only wait meanwhile
-            # (0.3 ms off a warm trivial claim, side by side).
-            watched = self._watch_process(worker.pid, family=family)
+            # (0.3 ms off a warm trivial claim, side by side). Held whole: a
+            # stop once the watch had it, and before this claim did, left the
+            # watch reading the worker, back idle in the pool, for good.
+            with stop_held_back():
+                watched = self._watch_process(worker.pid, family=family)
 
         try:
             worker = self._ready_worker(sink)

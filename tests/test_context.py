@@ -232,6 +232,86 @@ def test_a_stop_at_any_moment_of_a_block_gives_its_share_back():
     assert said["stopped_at"] > 100, said
 
 
+#: ``c.run(f, array)`` inside a ``with claim()`` block, stopped at every moment
+#: of fluksio_nb's code, one moment a round: as the block takes its share, as
+#: the array is written into shared memory, as the worker is handed over, runs
+#: the call and goes back to its pool, and as the block ends. After each: no
+#: share held, no shared memory lent, no worker running outside the pool, and no
+#: descriptor left open.
+STOP_AT_EVERY_MOMENT_OF_C_RUN = """
+import glob, os, time
+import numpy, psutil
+import fluksio_nb
+import fluksio_nb.lifecycle
+from fluksio_nb import accountant, claim, transfer
+from fluksio_nb.worker.pool import kernel_pool
+
+# Big enough to travel through shared memory, in a file its parcel must give back.
+blob = numpy.zeros(40_000)
+with claim(cpus=1, label="warm") as c:
+    assert c.run(len, blob) == 40_000
+transfer.clear_shelf()
+last = {}
+
+def attempt(made):
+    with claim(cpus=1, label="stopped") as c:
+        made["got"] = c.run(len, blob)
+
+def open_descriptors():
+    # The kernel's own threads open a file for a moment: one left open for
+    # good is still open seconds later.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/fd"))
+
+def workers_out_of_the_pool():
+    # An idle worker past its number is ended on a thread of its own, at once.
+    deadline = time.monotonic() + 5
+    while True:
+        idle = {entry.worker.pid for entry in kernel_pool()._idle}
+        running = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
+        if not running - idle or time.monotonic() > deadline:
+            return running - idle
+        time.sleep(0.01)
+
+def undo(made):
+    last["got"] = made.get("got")
+    last["lent"] = any(kept.lent for kept in transfer._shelf._files.values())
+    # Every round from an empty shelf, so that each takes the same path.
+    transfer.clear_shelf()
+
+def check():
+    books = accountant().snapshot()
+    if books["running"] or books["waiting"]:
+        return "a_share_left_held"
+    if last["lent"]:
+        return "shared_memory_left_lent"
+    if workers_out_of_the_pool():
+        return "a_worker_left_running_out_of_the_pool"
+    if open_descriptors() > descriptors:
+        return "a_descriptor_left_open"
+    if last["got"] not in (None, 40_000):
+        return f"c_run_returned_{last['got']!r}"
+
+descriptors = len(os.listdir("/proc/self/fd"))
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+beyond_reach = [(fluksio_nb.lifecycle.__file__, "__exit__")]
+each_moment(watched, attempt, undo, check, beyond_reach, forgotten=True)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_at_any_moment_of_c_run_in_a_block_leaves_nothing_behind():
+    """Guards against the stop button landing as ``c.run`` sends its arguments, hands
+    the call to a worker, or takes the worker back: the share, the shared memory, a
+    worker or a descriptor left held by nobody."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_C_RUN, timeout=900)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 500, said
+
+
 def test_what_a_process_started_as_it_ended_goes_with_the_claim(tmp_path):
     """Guards against ending only the process a claim started: what it left running in
     its group, or started in answer to SIGTERM, ran on after the claim."""

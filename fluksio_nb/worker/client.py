@@ -391,37 +391,40 @@ class Worker:
         """
         sink = sink if sink is not None else Sink()
         parcel = pack_inputs(inputs or {})
-        with self._run_lock:
-            cell = _Cell(sink, forward=forward_outputs, on_sending_back=on_sending_back)
-            self._cell = cell
-            try:
-                request = Run(
-                    code,
-                    inputs=parcel,
-                    outputs=outputs,
-                    keep_outputs=keep_outputs,
-                    # Mapped here in a moment, and held as long as the arrays are.
-                    lend_outputs=not keep_outputs and not forward_outputs,
-                    if_changed=list(if_changed),
-                    random_state=self._streams_to_send(cell, random_state),
-                    environ=self._environ_to_send(),
-                    path=list(sys.path),
-                    cwd=os.getcwd(),
-                    execution_count=kernels_cell_number(),
-                )
-                return self._run(cell, request, on_sent)
-            except KeyboardInterrupt:
-                self._stop_after_keyboard_interrupt(cell)
-                raise Interrupted(cell.outcome) from None
-            except BaseException:
-                self.kill()
-                raise
-            finally:
-                self._cell = None
-                cell.ended.set()
-                # Unpacking removed the files if the worker got that far; if it
-                # died first, nobody else will.
-                parcel.discard()
+        try:
+            with self._run_lock:
+                cell = _Cell(sink, forward=forward_outputs, on_sending_back=on_sending_back)
+                self._cell = cell
+                try:
+                    request = Run(
+                        code,
+                        inputs=parcel,
+                        outputs=outputs,
+                        keep_outputs=keep_outputs,
+                        # Mapped here in a moment, and held as long as the arrays are.
+                        lend_outputs=not keep_outputs and not forward_outputs,
+                        if_changed=list(if_changed),
+                        random_state=self._streams_to_send(cell, random_state),
+                        environ=self._environ_to_send(),
+                        path=list(sys.path),
+                        cwd=os.getcwd(),
+                        execution_count=kernels_cell_number(),
+                    )
+                    return self._run(cell, request, on_sent)
+                except KeyboardInterrupt:
+                    self._stop_after_keyboard_interrupt(cell)
+                    raise Interrupted(cell.outcome) from None
+                except BaseException:
+                    self.kill()
+                    raise
+                finally:
+                    self._cell = None
+                    cell.ended.set()
+        finally:
+            # From the moment it is packed, stopped even as the lock is taken:
+            # unpacking removed the files if the worker got that far; if it
+            # died first, or never had the cell, nobody else will.
+            parcel.discard()
 
     def wait_until_ready(self, timeout: float = 30.0, sink: Sink | None = None) -> bool:
         """Block until the worker has started; False if it died or took longer than ``timeout``.
