@@ -904,6 +904,7 @@ import numpy, psutil
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
 from fluksio_nb import accountant, transfer
+from fluksio_nb.watch import kernel_watch
 from fluksio_nb.worker.pool import kernel_pool
 
 shell = InteractiveShell.instance()
@@ -945,6 +946,8 @@ def check():
         return "shared_memory_left_lent"
     if workers_out_of_the_pool():
         return "a_worker_left_running_out_of_the_pool"
+    if kernel_watch()._watched:
+        return "the_watch_left_reading_a_worker"
     if last["ran"] and shell.user_ns.get("x") != last["n"]:
         return f"it_ran_and_x_is_{shell.user_ns.get('x')}_not_{last['n']}"
 

@@ -244,6 +244,7 @@ import numpy, psutil
 import fluksio_nb
 import fluksio_nb.lifecycle
 from fluksio_nb import accountant, claim, transfer
+from fluksio_nb.watch import kernel_watch
 from fluksio_nb.worker.pool import kernel_pool
 
 # Big enough to travel through shared memory, in a file its parcel must give back.
@@ -289,6 +290,8 @@ def check():
         return "shared_memory_left_lent"
     if workers_out_of_the_pool():
         return "a_worker_left_running_out_of_the_pool"
+    if kernel_watch()._watched:
+        return "the_watch_left_reading_a_worker"
     if open_descriptors() > descriptors:
         return "a_descriptor_left_open"
     if last["got"] not in (None, 40_000):
