@@ -249,3 +249,61 @@ def test_a_stop_at_any_moment_of_a_receive_leaves_the_frame_to_the_next():
     said = said_by(STOP_AT_EVERY_MOMENT_OF_A_RECEIVE, timeout=100)
     assert "stopped_at" in said, said
     assert said["stopped_at"] > 10, said
+
+
+#: Each round, a frame bigger than the socket's buffer is sent on a fresh pair
+#: of sockets while a thread reads the other end slowly, and the send is
+#: stopped at one moment. The channel must know what went: the whole frame
+#: (``frames_sent``), none of it (usable still), or part (broken). A stop that
+#: landed as a write returned left that unknown, and the kernel took a cell the
+#: worker was running for one it never had, and left it running for nobody.
+STOP_AT_EVERY_MOMENT_OF_A_SEND = """
+import socket, threading, time
+import fluksio_nb.stop_button
+import fluksio_nb.worker.protocol as protocol
+
+last = {}
+
+def read_all(sock, into):
+    while chunk := sock.recv(65536):
+        into.extend(chunk)
+        time.sleep(0.001)
+
+def attempt(made):
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    got = bytearray()
+    reader = threading.Thread(target=read_all, args=(theirs, got))
+    reader.start()
+    last.update(ours=ours, theirs=theirs, got=got, reader=reader, channel=None)
+    last["channel"] = channel = protocol.Channel(ours)
+    channel.send({"payload": b"x" * 200_000})
+
+def undo(made):
+    last["ours"].close()
+    last["reader"].join()
+    last["theirs"].close()
+
+def check():
+    channel, got = last["channel"], bytes(last["got"])
+    if channel is None:
+        return "sent_without_a_channel" if got else None
+    whole = len(got) > 200_000
+    if whole and (channel.broken or channel.frames_sent != 1):
+        return "a_whole_frame_taken_for_a_broken_one"
+    if not got and (channel.broken or channel.frames_sent):
+        return "nothing_sent_taken_for_something"
+    if got and not whole and not channel.broken:
+        return "half_a_frame_left_the_channel_usable"
+
+each_moment([protocol.__file__, fluksio_nb.stop_button.__file__], attempt, undo, check)
+"""
+
+
+def test_a_stop_at_any_moment_of_a_send_leaves_the_channel_knowing_what_went():
+    """Guards against the stop button landing as a write to the worker returned: nobody
+    knew whether the worker had the cell, so the kernel gave up on a cell that ran, and
+    marked the channel broken even when nothing, or everything, had gone."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_SEND, timeout=200)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 10, said

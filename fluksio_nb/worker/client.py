@@ -530,10 +530,16 @@ class Worker:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
         self._drain_streams(cell.show)
+        frames_before = self._channel.frames_sent
         try:
             self._channel.send(request)
         except ChannelClosed:
             return self._died(cell)
+        except KeyboardInterrupt:
+            # Landed as the last of the cell went: the worker has it, and it
+            # is stopped as a running cell is, its names kept.
+            cell.sent = self._channel.frames_sent > frames_before
+            raise
         cell.sent = True
         if on_sent is not None:
             on_sent()

@@ -69,6 +69,14 @@ class Channel:
         #: What a read waits on for more bytes: poll has no ceiling on descriptor numbers.
         self._more = select.poll()
         self._more.register(sock, select.POLLIN)
+        #: What a write waits on for room in the peer's socket buffer.
+        self._room = select.poll()
+        self._room.register(sock, select.POLLOUT)
+        #: Bytes of the frame being sent that have gone, and are still to go.
+        self._gone = self._to_go = 0
+        #: How many frames have gone whole: read before a send and after a
+        #: stop that landed in it, it says whether the peer has the message.
+        self.frames_sent = 0
 
     @classmethod
     def from_fd(cls, fd: int) -> Channel:
@@ -98,7 +106,10 @@ class Channel:
                 self._broken = f"sending failed: {error}"
                 raise ChannelClosed(f"the other end of the channel is gone ({error})") from error
             except BaseException:
-                self._broken = "a send was interrupted halfway through a frame"
+                # Stopped before the first byte went, or as the last one did,
+                # the stream is still whole frames.
+                if self._gone and self._to_go:
+                    self._broken = "a send was interrupted halfway through a frame"
                 raise
 
     def receive(self) -> Any:
@@ -171,9 +182,29 @@ class Channel:
 
     def _send_all(self, parts: list[memoryview]) -> None:
         pending = [part.cast("B") for part in parts if part.nbytes]
+        self._gone, self._to_go = 0, sum(part.nbytes for part in pending)
         first = 0
         while first < len(pending):
-            sent = self.sock.sendmsg(pending[first : first + _MOST_PARTS_PER_SEND])
+            # Each write and its count are one step the stop cannot split, as
+            # a read's are: landing as a write returned, it left nobody
+            # knowing how much of the frame went, so whether the peer has the
+            # message. Nothing in here waits, so the stop is late by a write.
+            with stop_held_back():
+                try:
+                    sent = self.sock.sendmsg(
+                        pending[first : first + _MOST_PARTS_PER_SEND], [], socket.MSG_DONTWAIT
+                    )
+                except BlockingIOError:
+                    sent = -1
+                else:
+                    self._gone += sent
+                    self._to_go -= sent
+                    if not self._to_go:
+                        self._gone = 0
+                        self.frames_sent += 1
+            if sent < 0:
+                self._room.poll()
+                continue
             # A partial send stops anywhere, including inside one part.
             while sent:
                 head = pending[first]
