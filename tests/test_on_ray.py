@@ -419,11 +419,27 @@ def test_the_stop_button_cancels_the_task(kernel):
     # Waited for 30 s at most, half the cell's sleep: only the stop can end it.
     ename = kernel.error_when_idle(msg_id, timeout=30)
     assert ename == "KeyboardInterrupt"
-    assert all(gone(pid, within=10) for pid in pids), (
-        "the cell's process, or its child, outlived the task"
-    )
+    # The stop ends the cell as a local claim's does: what the cell started
+    # goes, and its worker stays, warm for the next cell.
+    child = pids[1]
+    assert gone(child, within=10), "the cell's child outlived the task"
     assert_cluster_idle(kernel)
     assert kernel.facts("'still here'") == "still here"
+
+
+def test_a_cell_on_ray_stopped_as_it_runs_keeps_what_it_bound(kernel):
+    """Guards against the stop button losing what a cell on Ray had bound by then: a local
+    claimed cell keeps it, as a normal cell does, and the task failed with it."""
+    # It says so only once a step is done, so the stop always lands after one.
+    msg_id = kernel.client.execute(
+        "%%claim --on ray\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
+        "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)"
+    )
+    kernel.messages_of(msg_id, until=printed("training"), timeout=60)
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id, timeout=30) == "KeyboardInterrupt"
+    assert kernel.facts("steps") > 0
+    assert_cluster_idle(kernel)
 
 
 def test_a_claim_block_on_ray_holds_its_share_from_entry_to_exit(kernel):
@@ -495,11 +511,11 @@ def test_a_background_claim_on_ray_returns_at_once_with_its_names_on_the_handle(
 
 def test_a_background_claim_on_ray_can_be_cancelled_and_its_task_ends(kernel):
     started = kernel.start_job(
-        "%%claim --on ray --background --label doomed\nimport os, time\n"
-        "print(os.getpid(), flush=True)\ntime.sleep(60)",
+        "%%claim --on ray --background --label doomed\nimport subprocess, time\n"
+        "child = subprocess.Popen(['sleep', '60'])\nprint(child.pid, flush=True)\ntime.sleep(60)",
         "doomed",
     )
-    pid = int(stream_of(kernel, started.msg_id))
+    child = int(stream_of(kernel, started.msg_id))
     assert kernel.facts("doomed.cancel()") is True
     kernel.run(
         "try:\n    doomed.result(30)\nexcept Exception as error:\n"
@@ -509,7 +525,8 @@ def test_a_background_claim_on_ray_can_be_cancelled_and_its_task_ends(kernel):
     name, message = kernel.facts("ended")
     assert name == "ClaimCancelled" and "cancelled from its job handle" in message
     assert kernel.facts("[doomed.status, doomed.cancel()]") == ["cancelled", False]
-    assert gone(pid, within=10), "the cell's process outlived the cancelled task"
+    # Stopped as the stop button stops it: what the cell started goes with it.
+    assert gone(child, within=10), "the cell's child outlived the cancelled task"
     assert_cluster_idle(kernel)
 
 

@@ -21,8 +21,9 @@ What this module decides:
   nothing, and the cell goes again by the object store.
 - **The stop button cancels the task**, first as a local claim is stopped (the
   cell's whole process group, children included, ends), then by force if that
-  was not enough (:func:`stop_task`). A ``--background`` claim's handle
-  cancels it the same way.
+  was not enough (:func:`stop_task`). A cell stopped so keeps the names it had
+  bound, as a local one does: the task returns them, marked stopped. A
+  ``--background`` claim's handle cancels it the same way.
 - **How a task failed is said as a local claim's failure would be**: the
   cell's own error as the cell's, a worker or node that died as
   :class:`~fluksio_nb.context.WorkerDied`, a cancel from outside as
@@ -343,13 +344,14 @@ class RayClaim(ClaimLifecycle):
             result = self._follow(ray, mailboxes, cell.box, running, sink, deadline)
         except KeyboardInterrupt:
             mailboxes.forget.remote(cell.box)
-            ended = ray.wait([running], timeout=0)[0]
-            if not ended:
-                stop_task(ray, running)
+            # Stopped as it ran, the task ends as a local cell does, with the
+            # names it had bound (task_side), unless only Ray's forced cancel
+            # could end it. Stopped as its end arrived, the cell is over all
+            # the same. Either way it ends as a cell stopped there does, its
+            # names kept. What it printed last and had not reached the kernel
+            # is lost with it.
+            if not ray.wait([running], timeout=0)[0] and stop_task(ray, running) is None:
                 raise
-            # Stopped as its end arrived: the cell is over all the same, and
-            # ends as one stopped on its last line does, its names kept. What
-            # it printed last and had not reached the kernel is lost with it.
             the_cell_is_over()
             try:
                 result = ray.get(running)
@@ -420,7 +422,10 @@ class RayClaim(ClaimLifecycle):
                 )
             if self._timed_out is not None or self._cancelled is not None:
                 mailboxes.forget.remote(box)
-                stop_task(ray, running)
+                ended = stop_task(ray, running)
+                if ended is not None:
+                    # Finished just before it was stopped: outputs nobody will read.
+                    _discard_outputs(ended)
                 return None
             if taking is not None and taking in ready:
                 items = ray.get(taking)
@@ -496,6 +501,9 @@ class RayClaim(ClaimLifecycle):
         readings.peak_rss_bytes = max(readings.peak_rss_bytes, result.get("peak_bytes", 0))
         if result["halted"] is not None or result["died"] is not None:
             _discard_outputs(result)
+            if result.get("stopped"):
+                # The stop's ladder had to end the cell's worker: stopped all the same.
+                raise Interrupted()
         if result["halted"] is not None:
             raise ClaimHalted(result["halted"])
         if result["died"] is not None:
@@ -521,10 +529,11 @@ class RayClaim(ClaimLifecycle):
             tuple(result.get("absent", ())),
             random_state=result.get("random_state"),
         )
+        if result.get("stopped"):
+            # Before its error: a cell the stop ended raised the stop.
+            raise Interrupted(outcome)
         if result["error"] is not None:
             raise cell_raised(*result["error"], outcome)
-        if result.get("stopped"):
-            raise Interrupted(outcome)
         return outcome
 
     # -- showing ---------------------------------------------------------------
@@ -536,8 +545,8 @@ class RayClaim(ClaimLifecycle):
         return time.monotonic() - self.status.asked_at >= self._show_after
 
 
-def stop_task(ray: Any, running: Any) -> None:
-    """Stop a claim's task, and with it the cell's process group; return once it is over.
+def stop_task(ray: Any, running: Any) -> dict[str, Any] | None:
+    """Stop a claim's task, and with it the cell's process group; its result, if it gave one.
 
     First as the stop button stops a local claim: Ray raises
     ``KeyboardInterrupt`` in the task, where the worker's own ladder (SIGINT,
@@ -556,11 +565,13 @@ def stop_task(ray: Any, running: Any) -> None:
         ray.cancel(running, force=True)
         with contextlib.suppress(Exception):
             ray.wait([running], timeout=_GRACE_TO_STOP_S)
-    # A task that finished just before it was stopped left its outputs in
-    # shared memory on the kernel's machine, for a kernel that will not read them.
+    # One that finished just before it was stopped, or ended as a stopped
+    # cell does (task_side), gave a result: outputs in shared memory on the
+    # kernel's machine, for the caller to bind or discard.
     with contextlib.suppress(Exception):
         if ray.wait([running], timeout=0)[0]:
-            _discard_outputs(ray.get(running))
+            return ray.get(running)
+    return None
 
 
 def _discard_outputs(result: Mapping[str, Any]) -> None:

@@ -15,6 +15,11 @@ What this module decides:
   :func:`~fluksio_nb.budget.halt_decision`) holds it to its ``ram=``, which Ray
   itself uses for placement only. Ray's worker process keeps the worker warm
   for the next claim of the same shape, as the kernel's pool does.
+- **A stop from the kernel ends the cell, not the task.** ``ray.cancel``
+  raises ``KeyboardInterrupt`` in the task, which stops its worker's cell as
+  the stop button stops a local one, and returns what the cell had bound,
+  marked stopped: a task that failed would lose it. Ray's processes hold
+  SIGINT blocked, which their children inherit, so the worker unblocks it.
 - **The worker is told Ray's cards, and only those.** A claim that got no
   card has the cards hidden, as locally.
 - **On the kernel's machine, the values skip the object store**: the task's
@@ -34,12 +39,13 @@ from typing import Any
 from fluksio_nb import transfer
 from fluksio_nb.budget import HaltDecision, human
 from fluksio_nb.env import THREAD_VARS, card_memory_share
-from fluksio_nb.errors import BadClaim
+from fluksio_nb.errors import BadClaim, Interrupted
 from fluksio_nb.gpu_usage import kernel_cards
 from fluksio_nb.ray.connection import ElsewhereThanTheKernel, Machine, _machine_of
 from fluksio_nb.ray.mailbox import Sampled, Started, _Outbox, _OutboxSink, _Sender
 from fluksio_nb.ray.task import TaskCell
 from fluksio_nb.ray.values import Frozen, freeze, portable
+from fluksio_nb.stop_button import held_once_the_cell_is_over
 from fluksio_nb.worker.client import Outcome
 
 #: The variables the cell's worker is started with, as the task saw them.
@@ -159,30 +165,50 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
             "budget": budget,
         }
         outbox.put(Started(started))
+        # The kernel stops a task as its stop button stops a local claim, with
+        # ray.cancel, which raises KeyboardInterrupt here. The cell then ends
+        # as a local one does, with the names it had bound; and one stopped
+        # once it was over, as its names started back, keeps them all. Either
+        # way the task returns, marked stopped: failed, it would lose them.
+        result: dict[str, Any] | None = None
+        stopped = False
         try:
-            # On the kernel's machine, the outputs go to the kernel as the
-            # worker packed them, and the kernel maps them. Elsewhere, they are
-            # pickled into the object store as soon as they are here, so the
-            # worker may write the next cell's into the same warm files: 8 MB
-            # into a new one took 2.2 ms, into a warm one 1.0.
-            outcome = worker.run(
-                cell.code,
-                inputs=parcel,
-                outputs=cell.outputs,
-                sink=_OutboxSink(outbox),
-                keep_outputs=not here,
-                forward_outputs=here,
-                if_changed=cell.if_changed,
-                random_state=cell.random_state,
-            )
-        finally:
-            kernel_watch().discard(watched)
-            if not worker.alive:
-                # A halted or crashed worker cannot remove a parcel it was writing.
-                with contextlib.suppress(Exception):
-                    transfer.sweep_orphans(gone=worker.pid)
-            pool.checkin(worker, derived)
-        result = _task_result(outcome, halted[0] if halted else None, cell.through_client)
+            with held_once_the_cell_is_over():
+                try:
+                    # On the kernel's machine, the outputs go to the kernel as
+                    # the worker packed them, and the kernel maps them.
+                    # Elsewhere, they are pickled into the object store as soon
+                    # as they are here, so the worker may write the next cell's
+                    # into the same warm files: 8 MB into a new one took 2.2
+                    # ms, into a warm one 1.0.
+                    outcome = worker.run(
+                        cell.code,
+                        inputs=parcel,
+                        outputs=cell.outputs,
+                        sink=_OutboxSink(outbox),
+                        keep_outputs=not here,
+                        forward_outputs=here,
+                        if_changed=cell.if_changed,
+                        random_state=cell.random_state,
+                    )
+                except Interrupted as stop:
+                    if stop.outcome is None:
+                        raise
+                    outcome, stopped = stop.outcome, True
+                finally:
+                    kernel_watch().discard(watched)
+                    if not worker.alive:
+                        # A halted or crashed worker cannot remove a parcel it was writing.
+                        with contextlib.suppress(Exception):
+                            transfer.sweep_orphans(gone=worker.pid)
+                    pool.checkin(worker, derived)
+                result = _task_result(outcome, halted[0] if halted else None, cell.through_client)
+        except KeyboardInterrupt:
+            # Held since the cell's end reached this task, and landed now.
+            if result is None:
+                raise
+            stopped = True
+        result["stopped"] = stopped
     except BaseException:
         # The kernel reads the mailbox once more when the task fails, so
         # everything must be in it first.

@@ -87,6 +87,11 @@ class Interrupts:
         self._wakeup = -1
 
     def install(self) -> None:
+        # Inherited blocked, as from a Ray task's process, SIGINT would never
+        # arrive: every stop would end the worker with SIGTERM, and the cell's
+        # names with it. Unblocked first, so that the threads started here,
+        # and the processes the cell starts, take it too.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, NUDGE})
         signal.signal(signal.SIGINT, self._outside_user_code)
         signal.signal(NUDGE, _only_wake)
         taken, self._wakeup = os.pipe()
