@@ -1583,6 +1583,74 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
     assert_books_balanced(kernel)
 
 
+#: ``%claims`` in an IPython shell of its own, stopped at every moment of
+#: fluksio_nb's code, one moment a round. Before each, the machine's ledger is
+#: removed and the usage records touched, so that every round opens the ledger
+#: afresh and reads the records again, as a kernel does whose ledger someone
+#: removed while another kernel's claim ended. After each, no descriptor may
+#: be left open.
+STOP_AT_EVERY_MOMENT_OF_CLAIMS = """
+import contextlib, glob, os, tempfile, time
+# Books and records of its own: it removes the ledger, which a suite running
+# beside it must not find gone.
+os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
+os.environ["JUPYTER_DATA_DIR"] = tempfile.mkdtemp()
+from IPython.core.interactiveshell import InteractiveShell
+import fluksio_nb
+from fluksio_nb import accountant
+from fluksio_nb.usage.log import kernel_usage_log
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fluksio_nb")
+# One claim's usage record, for %claims to read.
+assert shell.run_cell("%%claim\\nwarm = 1").success
+assert shell.run_cell("%claims").success
+ledger = accountant().ledger
+records = list(kernel_usage_log().directory.iterdir())
+assert records, "the claim wrote no usage record"
+touched = {"ns": 10**18}
+
+def open_descriptors():
+    # The kernel's own threads open a file for a moment: one left open for
+    # good is still open seconds later.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/fd"))
+
+def attempt(made):
+    shell.run_line_magic("claims", "")
+
+def undo(made):
+    with contextlib.suppress(FileNotFoundError):
+        ledger.path.unlink()
+    touched["ns"] += 1
+    for record in records:
+        os.utime(record, ns=(touched["ns"], touched["ns"]))
+
+def check():
+    # Read once more, unstopped: the descriptor of the file just removed goes.
+    accountant().snapshot()
+    if open_descriptors() > descriptors:
+        return "a_descriptor_left_open"
+
+accountant().snapshot()
+descriptors = len(os.listdir("/proc/self/fd"))
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+each_moment(watched, attempt, undo, check, forgotten=True)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_stop_at_any_moment_of_claims_leaves_no_descriptor_open():
+    """Guards against the stop button landing as ``%claims`` opened the ledger's file:
+    its descriptor was left open, with nothing holding its number, for the kernel's life."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_CLAIMS, timeout=600)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 100, said
+
+
 def test_claims_with_arguments_says_it_takes_none(kernel):
     """Guards against `%claims gpus` silently showing everything, as if it had filtered."""
     ran = kernel.run("%claims gpus  # only the cards")

@@ -45,6 +45,7 @@ from pydantic import ValidationError
 
 from fluksio_nb.identity import user_name
 from fluksio_nb.records import SUFFIX, UsageRecord
+from fluksio_nb.stop_button import stop_held_back
 
 #: What is read of one records file at most. A kernel writes about 300 bytes
 #: per claim, so this is some 200,000 claims from one process: more than any
@@ -127,13 +128,17 @@ def each_usage(
     A directory that does not exist has no records. One that may not be
     listed raises :class:`PermissionError`, before the first record.
     """
-    try:
-        where = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
+    where: int | None = None
     names: dict[int, str] = {}
     read: set[tuple[int, int]] = set()
     try:
+        try:
+            # Made and known as one step: a stop landing as it is opened
+            # would leave it open with nothing holding its number.
+            with stop_held_back():
+                where = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
         found: Iterable[tuple[int, str]] = _records_files(where, counts, user, owner, names)
         if at_most is not None:
             # The newest first: what a budget leaves out is the oldest.
@@ -148,7 +153,8 @@ def each_usage(
             if left is not None:
                 left -= file.read
     finally:
-        os.close(where)
+        if where is not None:
+            os.close(where)
 
 
 #: The most the books service reads of its files for one user's killed kernels.
@@ -240,23 +246,26 @@ class _File:
 
     def records(self) -> Iterator[tuple[str, UsageRecord]]:
         counts = self.counts
+        fd: int | None = None
         try:
-            # O_NONBLOCK: a pipe swapped in since the stat must not hang the report.
-            fd = os.open(
-                self.name,
-                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                dir_fd=self.where,
-            )
-        except PermissionError:
-            counts.unreadable_files += 1
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            # ELOOP: swapped for a link since the stat; ENXIO: a socket.
-            counts.not_plain_files += 1
-            return
-        try:
+            try:
+                # O_NONBLOCK: a pipe swapped in since the stat must not hang the
+                # report. Held, as the directory is.
+                with stop_held_back():
+                    fd = os.open(
+                        self.name,
+                        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                        dir_fd=self.where,
+                    )
+            except PermissionError:
+                counts.unreadable_files += 1
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                # ELOOP: swapped for a link since the stat; ENXIO: a socket.
+                counts.not_plain_files += 1
+                return
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 counts.not_plain_files += 1
@@ -283,7 +292,8 @@ class _File:
                 if self.user is None or owner == self.user:
                     yield owner, record
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _lines(self, fd: int, size: int) -> Iterator[bytes]:
         """The file's lines, never one longer than :data:`LINE_AT_MOST` held."""
