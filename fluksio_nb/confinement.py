@@ -46,6 +46,7 @@ from fluksio_nb.enforcement import (
 from fluksio_nb.inventory import Inventory, confine_tree
 from fluksio_nb.memory_cap import CapNotMade, ClaimCgroup, cap_place, memory_enforcement, sampled
 from fluksio_nb.settings import Settings
+from fluksio_nb.stop_button import stop_held_back
 
 
 class Confinement:
@@ -89,7 +90,10 @@ class Confinement:
         if not enforcement.capped:
             return enforcement
         try:
-            self.cap = ClaimCgroup.make(cap_place(), budget.halt_bytes)
+            # Made and known as one step: a stop landing as the cgroup was made
+            # or limited would leave it there, and nothing to remove it.
+            with stop_held_back():
+                self.cap = ClaimCgroup.make(cap_place(), budget.halt_bytes)
         except CapNotMade as error:
             return sampled(str(error))
         return enforcement
@@ -110,7 +114,8 @@ class Confinement:
             if cap is not None and cap.version == place.version == CGROUP_V2:
                 cap.limit_cpus(allocation.cpus)
             else:
-                self.quota = ClaimCgroup.make_quota(place, allocation.cpus)
+                with stop_held_back():  # as the memory cgroup is
+                    self.quota = ClaimCgroup.make_quota(place, allocation.cpus)
         except OSError as error:
             return replace(pinning, why=f"{pinning.why}; the CPU quota was not set: {error}")
         return quota_enforcement(allocation.cpus, place.version, pinning.why)

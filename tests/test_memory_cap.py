@@ -37,6 +37,7 @@ from fluksio_nb.memory_cap import (
 from fluksio_nb.settings import Settings, load_settings
 from tests.kernels import Kernel
 from tests.machines import wait_until
+from tests.stops import said_by
 from tests.unix_users import (
     REPO_ROOT,
     USER_A,
@@ -565,3 +566,58 @@ def test_a_cgroup_other_users_may_write_is_no_place_for_a_cap(place):
         for below in sorted(shared.rglob("fluksio_nb*"), reverse=True):
             remove_cgroup(below)
         remove_cgroup(shared)
+
+
+#: A ``ram=`` claimed cell in an IPython shell of its own, stopped at every
+#: moment of fluksio_nb's code, one moment a round: as its memory cgroup is
+#: made and limited, as the warm worker is moved into it and back out, and as
+#: the cgroup is removed. After each, no cgroup of the shell's may be left, no
+#: share held, and no descriptor left open.
+STOP_AT_EVERY_MOMENT_OF_A_CAPPED_CELL = """
+import glob, os, tempfile, time
+os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
+from IPython.core.interactiveshell import InteractiveShell
+import fluksio_nb
+from fluksio_nb import accountant
+from fluksio_nb.memory_cap import cap_place
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fluksio_nb")
+assert shell.run_cell("%%claim ram=1G\\nwarm = 1").success
+parent = cap_place().parent
+mine = f"fluksio_nb-{os.getpid()}-"
+
+def open_descriptors():
+    # The kernel's own threads open a file for a moment: one left open for
+    # good is still open seconds later.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/fd"))
+
+def attempt(made):
+    shell.run_cell("%%claim ram=1G\\nx = 1")
+
+def check():
+    if [p for p in os.listdir(parent) if p.startswith(mine)]:
+        return "a_cgroup_left_behind"
+    books = accountant().snapshot()
+    if books["running"] or books["waiting"]:
+        return "a_share_left_held"
+    if open_descriptors() > descriptors:
+        return "a_descriptor_left_open"
+
+descriptors = len(os.listdir("/proc/self/fd"))
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+each_moment(watched, attempt, lambda made: None, check, forgotten=True)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_at_any_moment_of_a_capped_cell_leaves_no_cgroup_or_descriptor(place):
+    """Guards against the stop button landing as a claim's memory cgroup was made, limited,
+    entered or removed: a cgroup left behind for good, or a descriptor left open."""
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_CAPPED_CELL, timeout=900)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 800, said
