@@ -41,6 +41,7 @@ the handler in the main thread at its next bytecode, inside the stretch.
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -146,5 +147,9 @@ def _land(held: _Held) -> None:
         for signum in sorted(before, key=lambda signum: signum == signal.SIGINT):
             _signal.signal(signum, before[signum])
     finally:
+        # Sent to the process, as the kernel sent it. Linux hands a signal a
+        # process sends itself to the sending thread when that thread takes
+        # it, so it lands here and now; raised at this thread alone, it would
+        # stay pending for good in a main thread that blocks it.
         for signum in dict.fromkeys(arrived):
-            signal.raise_signal(signum)
+            os.kill(os.getpid(), signum)

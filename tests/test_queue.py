@@ -442,6 +442,40 @@ def test_a_stop_delivered_to_another_thread_lands_after_the_books_change():
     assert words_printed_by(HELD_BACK_FROM_ANOTHER_THREAD) == ["after", "the", "change"]
 
 
+HELD_BACK_FROM_A_MAIN_THREAD_THAT_BLOCKS_IT = """
+import os, select, signal, threading
+from fluksio_nb.stop_button import stop_held_back
+
+sleeper = threading.Thread(target=lambda: select.select([], [], [], 60), daemon=True)
+sleeper.start()
+read_end, write_end = os.pipe()
+os.set_blocking(write_end, False)
+signal.set_wakeup_fd(write_end)
+# A cell may block SIGINT in its main thread: the stop the kernel sends is
+# then taken by another thread, and still lands in the main one.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+try:
+    with stop_held_back():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.read(read_end, 1)  # the stop has arrived, and was written down
+    # Sent again as the hold ends: wait until some thread has taken it.
+    if select.select([read_end], [], [], 30)[0]:
+        os.read(read_end, 1)
+        sum(range(1000))  # bytecodes, each a moment the handler could run at
+    print("held for good")
+except KeyboardInterrupt:
+    print("landed")
+finally:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop still pending must not end this
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+"""
+
+
+def test_a_stop_held_back_lands_in_a_main_thread_that_blocks_sigint():
+    """Guards against a held-back stop raised at the main thread alone, pending there for good."""
+    assert words_printed_by(HELD_BACK_FROM_A_MAIN_THREAD_THAT_BLOCKS_IT) == ["landed"]
+
+
 HELD_BACK_ACROSS_A_NESTED_CHANGE = """
 import os, signal
 from fluksio_nb.stop_button import stop_held_back
