@@ -15,7 +15,9 @@ hold swapped included.
 process of its own (its signals are its own): it defines
 ``each_moment(watched, attempt, undo, check)``, which prints one JSON line,
 ``{"stopped_at": N}`` once every moment passed, or ``{problem: where}`` for
-the first round whose ``check`` found one.
+the first round whose ``check`` found one. It also defines the checks
+scripts of a kernel share: ``descriptors_left_open(before)`` and
+``workers_out_of_the_pool()``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 from typing import Any
 
 STOP_AT = '''
-import gc, json, signal, sys, threading
+import gc, json, os, signal, sys, threading, time
 
 where = None
 HANDLERS_PUT_BACK = (signal.SIGINT, signal.SIGALRM, signal.SIGTERM)
@@ -61,6 +63,35 @@ def finishes(target, *args):
     other.start()
     other.join(10)
     return not other.is_alive()
+
+
+def descriptors_left_open(before):
+    """Whether more descriptors than ``before`` are open, given 5 s to close.
+
+    The kernel's own threads open a file for a moment (the ledger's look):
+    one left open for good is still open seconds later.
+    """
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > before:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/fd")) > before
+
+
+def workers_out_of_the_pool():
+    """The kernel's worker processes that are not idle in its pool, given 5 s to end.
+
+    An idle worker past the pool's number is ended on a thread of its own, at once.
+    """
+    import psutil
+    from fluksio_nb.worker.pool import kernel_pool
+
+    deadline = time.monotonic() + 5
+    while True:
+        idle = {entry.worker.pid for entry in kernel_pool()._idle}
+        running = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
+        if not running - idle or time.monotonic() > deadline:
+            return running - idle
+        time.sleep(0.01)
 
 
 def each_moment(watched, attempt, undo, check, beyond_reach=(), forgotten=False, generators=True):

@@ -898,14 +898,13 @@ def test_what_a_cell_bound_before_it_raised_or_was_stopped_is_kept(kernel):
 #: shared memory lent, and a cell that ran to its end (it leaves a file as its last
 #: act) must have its name bound.
 STOP_AT_EVERY_MOMENT_OF_A_CELL = """
-import glob, os, tempfile, time
+import glob, os, tempfile
 from pathlib import Path
-import numpy, psutil
+import numpy
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
 from fluksio_nb import accountant, transfer
 from fluksio_nb.watch import kernel_watch
-from fluksio_nb.worker.pool import kernel_pool
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "fluksio_nb")
@@ -927,16 +926,6 @@ def undo(made):
     # Every round from an empty shelf, so that each takes the same path and
     # every moment of it is pressed, not a warm shelf's shorter one.
     transfer.clear_shelf()
-
-def workers_out_of_the_pool():
-    # An idle worker past its number is ended on a thread of its own, at once.
-    deadline = time.monotonic() + 5
-    while True:
-        idle = {entry.worker.pid for entry in kernel_pool()._idle}
-        running = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
-        if not running - idle or time.monotonic() > deadline:
-            return running - idle
-        time.sleep(0.01)
 
 def check():
     books = accountant().snapshot()
@@ -978,7 +967,7 @@ def test_a_stop_at_any_moment_of_a_claimed_cell_keeps_what_it_ran_and_gives_its_
 #: shared memory be lent and no descriptor be open that was not before, and a
 #: handle that came back must hold what its cell bound.
 STOP_AT_EVERY_MOMENT_OF_A_BACKGROUND_CELL = """
-import glob, os, threading, time
+import glob, os, threading
 import numpy
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
@@ -991,14 +980,6 @@ shell.user_ns["blob"] = numpy.zeros(40_000)
 assert shell.run_cell("%%claim --background\\nwarm = len(blob)").result.result(30)
 transfer.clear_shelf()
 last = {"n": 0}
-
-def open_descriptors():
-    # The kernel's own threads open a file for a moment (the ledger's look):
-    # one left open for good is still open seconds later.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
-        time.sleep(0.01)
-    return len(os.listdir("/proc/self/fd"))
 
 def attempt(made):
     last["n"] += 1
@@ -1021,7 +1002,7 @@ def undo(made):
     # Every round from an empty shelf, so that each takes the same path and
     # every moment of it is pressed, not a warm shelf's shorter one.
     transfer.clear_shelf()
-    last["descriptors"] = open_descriptors()
+    last["descriptors_left"] = descriptors_left_open(descriptors)
 
 def check():
     if last["job_left"]:
@@ -1031,7 +1012,7 @@ def check():
         return "a_share_left_held"
     if last["lent"]:
         return "shared_memory_left_lent"
-    if last["descriptors"] > descriptors:
+    if last["descriptors_left"]:
         return "a_descriptor_left_open"
     # Stopped only once its handle is back, as its result is waited for: it runs on.
     if last["x"] not in ("no handle", last["n"]):
@@ -1590,7 +1571,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
 #: removed while another kernel's claim ended. After each, no descriptor may
 #: be left open.
 STOP_AT_EVERY_MOMENT_OF_CLAIMS = """
-import contextlib, glob, os, tempfile, time
+import contextlib, glob, os, tempfile
 # Books and records of its own: it removes the ledger, which a suite running
 # beside it must not find gone.
 os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
@@ -1610,14 +1591,6 @@ records = list(kernel_usage_log().directory.iterdir())
 assert records, "the claim wrote no usage record"
 touched = {"ns": 10**18}
 
-def open_descriptors():
-    # The kernel's own threads open a file for a moment: one left open for
-    # good is still open seconds later.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
-        time.sleep(0.01)
-    return len(os.listdir("/proc/self/fd"))
-
 def attempt(made):
     shell.run_line_magic("claims", "")
 
@@ -1631,7 +1604,7 @@ def undo(made):
 def check():
     # Read once more, unstopped: the descriptor of the file just removed goes.
     accountant().snapshot()
-    if open_descriptors() > descriptors:
+    if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
 
 accountant().snapshot()

@@ -239,13 +239,12 @@ def test_a_stop_at_any_moment_of_a_block_gives_its_share_back():
 #: share held, no shared memory lent, no worker running outside the pool, and no
 #: descriptor left open.
 STOP_AT_EVERY_MOMENT_OF_C_RUN = """
-import glob, os, time
-import numpy, psutil
+import glob, os
+import numpy
 import fluksio_nb
 import fluksio_nb.lifecycle
 from fluksio_nb import accountant, claim, transfer
 from fluksio_nb.watch import kernel_watch
-from fluksio_nb.worker.pool import kernel_pool
 
 # Big enough to travel through shared memory, in a file its parcel must give back.
 blob = numpy.zeros(40_000)
@@ -257,24 +256,6 @@ last = {}
 def attempt(made):
     with claim(cpus=1, label="stopped") as c:
         made["got"] = c.run(len, blob)
-
-def open_descriptors():
-    # The kernel's own threads open a file for a moment: one left open for
-    # good is still open seconds later.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
-        time.sleep(0.01)
-    return len(os.listdir("/proc/self/fd"))
-
-def workers_out_of_the_pool():
-    # An idle worker past its number is ended on a thread of its own, at once.
-    deadline = time.monotonic() + 5
-    while True:
-        idle = {entry.worker.pid for entry in kernel_pool()._idle}
-        running = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
-        if not running - idle or time.monotonic() > deadline:
-            return running - idle
-        time.sleep(0.01)
 
 def undo(made):
     last["got"] = made.get("got")
@@ -292,7 +273,7 @@ def check():
         return "a_worker_left_running_out_of_the_pool"
     if kernel_watch()._watched:
         return "the_watch_left_reading_a_worker"
-    if open_descriptors() > descriptors:
+    if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
     if last["got"] not in (None, 40_000):
         return f"c_run_returned_{last['got']!r}"

@@ -574,7 +574,7 @@ def test_a_cgroup_other_users_may_write_is_no_place_for_a_cap(place):
 #: the cgroup is removed. After each, no cgroup of the shell's may be left, no
 #: share held, and no descriptor left open.
 STOP_AT_EVERY_MOMENT_OF_A_CAPPED_CELL = """
-import glob, os, tempfile, time
+import glob, os, tempfile
 os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
@@ -587,14 +587,6 @@ assert shell.run_cell("%%claim ram=1G\\nwarm = 1").success
 parent = cap_place().parent
 mine = f"fluksio_nb-{os.getpid()}-"
 
-def open_descriptors():
-    # The kernel's own threads open a file for a moment: one left open for
-    # good is still open seconds later.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(os.listdir("/proc/self/fd")) > descriptors:
-        time.sleep(0.01)
-    return len(os.listdir("/proc/self/fd"))
-
 def attempt(made):
     shell.run_cell("%%claim ram=1G\\nx = 1")
 
@@ -604,7 +596,7 @@ def check():
     books = accountant().snapshot()
     if books["running"] or books["waiting"]:
         return "a_share_left_held"
-    if open_descriptors() > descriptors:
+    if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
 
 descriptors = len(os.listdir("/proc/self/fd"))
