@@ -16,8 +16,8 @@ process of its own (its signals are its own): it defines
 ``each_moment(watched, attempt, undo, check)``, which prints one JSON line,
 ``{"stopped_at": N}`` once every moment passed, or ``{problem: where}`` for
 the first round whose ``check`` found one. It also defines the checks
-scripts of a kernel share: ``descriptors_left_open(before)`` and
-``workers_out_of_the_pool()``.
+scripts of a kernel share: ``descriptors_left_open(before)``,
+``workers_out_of_the_pool()`` and ``what_a_claim_left(lent)``.
 """
 
 from __future__ import annotations
@@ -92,6 +92,26 @@ def workers_out_of_the_pool():
         if not running - idle or time.monotonic() > deadline:
             return running - idle
         time.sleep(0.01)
+
+
+def what_a_claim_left(lent):
+    """The first thing a kernel's ended claim left behind, or None.
+
+    ``lent``: whether shared memory was still lent as the round ended.
+    """
+    from fluksio_nb import accountant
+    from fluksio_nb.watch import kernel_watch
+
+    books = accountant().snapshot()
+    if books["running"] or books["waiting"]:
+        return "a_share_left_held"
+    if lent:
+        return "shared_memory_left_lent"
+    if workers_out_of_the_pool():
+        return "a_worker_left_running_out_of_the_pool"
+    if kernel_watch()._watched:
+        return "the_watch_left_reading_a_worker"
+    return None
 
 
 def each_moment(watched, attempt, undo, check, beyond_reach=(), forgotten=False, generators=True):

@@ -903,8 +903,7 @@ from pathlib import Path
 import numpy
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
-from fluksio_nb import accountant, transfer
-from fluksio_nb.watch import kernel_watch
+from fluksio_nb import transfer
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "fluksio_nb")
@@ -928,15 +927,9 @@ def undo(made):
     transfer.clear_shelf()
 
 def check():
-    books = accountant().snapshot()
-    if books["running"] or books["waiting"]:
-        return "a_share_left_held"
-    if last["lent"]:
-        return "shared_memory_left_lent"
-    if workers_out_of_the_pool():
-        return "a_worker_left_running_out_of_the_pool"
-    if kernel_watch()._watched:
-        return "the_watch_left_reading_a_worker"
+    left = what_a_claim_left(last["lent"])
+    if left:
+        return left
     if last["ran"] and shell.user_ns.get("x") != last["n"]:
         return f"it_ran_and_x_is_{shell.user_ns.get('x')}_not_{last['n']}"
 

@@ -243,8 +243,7 @@ import glob, os
 import numpy
 import fluksio_nb
 import fluksio_nb.lifecycle
-from fluksio_nb import accountant, claim, transfer
-from fluksio_nb.watch import kernel_watch
+from fluksio_nb import claim, transfer
 
 # Big enough to travel through shared memory, in a file its parcel must give back.
 blob = numpy.zeros(40_000)
@@ -264,15 +263,9 @@ def undo(made):
     transfer.clear_shelf()
 
 def check():
-    books = accountant().snapshot()
-    if books["running"] or books["waiting"]:
-        return "a_share_left_held"
-    if last["lent"]:
-        return "shared_memory_left_lent"
-    if workers_out_of_the_pool():
-        return "a_worker_left_running_out_of_the_pool"
-    if kernel_watch()._watched:
-        return "the_watch_left_reading_a_worker"
+    left = what_a_claim_left(last["lent"])
+    if left:
+        return left
     if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
     if last["got"] not in (None, 40_000):
