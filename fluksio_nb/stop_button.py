@@ -35,12 +35,16 @@ Only the main thread takes Python's signals, so only it holds them. The
 handlers are swapped for one that writes the signal down, rather than the
 signals masked: a mask holds back only the main thread's share of them. A
 kernel has other threads, the signal goes to one of those, and Python runs
-the handler in the main thread at its next bytecode, inside the stretch.
+the handler in the main thread at its next bytecode, inside the stretch. For
+the same reason a stop held back arrives again as Python's own arrival, not
+as a signal: a mask would hold that back too, in a cell that blocks SIGINT or
+in a Ray task's process, whose every thread blocks it.
 """
 
 from __future__ import annotations
 
 import _signal
+import _thread
 import os
 import signal
 import threading
@@ -147,9 +151,19 @@ def _land(held: _Held) -> None:
         for signum in sorted(before, key=lambda signum: signum == signal.SIGINT):
             _signal.signal(signum, before[signum])
     finally:
-        # Sent to the process, as the kernel sent it. Linux hands a signal a
-        # process sends itself to the sending thread when that thread takes
-        # it, so it lands here and now; raised at this thread alone, it would
-        # stay pending for good in a main thread that blocks it.
         for signum in dict.fromkeys(arrived):
-            os.kill(os.getpid(), signum)
+            _arrive_again(signum)
+
+
+def _arrive_again(signum: int) -> None:
+    """Have a signal that arrived during a hold arrive now, to the handler put back."""
+    handler = _signal.getsignal(signum)
+    if callable(handler):
+        # As Python's own arrival, which no mask holds back: the process had
+        # taken the signal already. Sent again as a signal, it would wait for
+        # good in a main thread that blocks it, or in a Ray task's process,
+        # whose every thread does; Ray's cancel was never a signal at all.
+        _thread.interrupt_main(signum)
+    elif handler == signal.SIG_DFL:
+        # Only the OS can carry out the default action, such as ending the process.
+        os.kill(os.getpid(), signum)

@@ -442,6 +442,20 @@ def test_a_cell_on_ray_stopped_as_it_runs_keeps_what_it_bound(kernel):
     assert_cluster_idle(kernel)
 
 
+def test_a_cell_on_ray_stopped_as_it_prints_keeps_what_it_bound(kernel):
+    """Guards against the stop Ray raises in the task landing as the task read the cell's
+    output: held back there, it was sent again as a signal, which a Ray task's process
+    blocks in every thread. It never landed, and Ray's forced cancel lost the cell's names."""
+    msg_id = kernel.client.execute(
+        "%%claim --on ray\nsteps = 0\nwhile True:\n    steps += 1\n    print(steps, flush=True)"
+    )
+    kernel.messages_of(msg_id, until=printed("1"), timeout=60)
+    kernel.interrupt()
+    assert kernel.error_when_idle(msg_id, timeout=30) == "KeyboardInterrupt"
+    assert kernel.facts("steps") > 0
+    assert_cluster_idle(kernel)
+
+
 def test_a_claim_block_on_ray_holds_its_share_from_entry_to_exit(kernel):
     """Guards against another user taking the card between two runs of one block."""
     kernel.run(

@@ -476,6 +476,29 @@ def test_a_stop_held_back_lands_in_a_main_thread_that_blocks_sigint():
     assert words_printed_by(HELD_BACK_FROM_A_MAIN_THREAD_THAT_BLOCKS_IT) == ["landed"]
 
 
+HELD_BACK_IN_A_PROCESS_WHOSE_THREADS_ALL_BLOCK_IT = """
+import _thread, signal
+from fluksio_nb.stop_button import stop_held_back
+
+# As in a Ray task's process: SIGINT is blocked in every thread, and Ray's
+# cancel raises the stop by interrupt_main, which no mask holds back.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+try:
+    with stop_held_back():
+        _thread.interrupt_main()
+        sum(range(1000))  # bytecodes, each a moment the handler could run at
+    sum(range(1000))
+    print("pending" if signal.SIGINT in signal.sigpending() else "lost")
+except KeyboardInterrupt:
+    print("landed")
+"""
+
+
+def test_a_stop_held_back_lands_in_a_process_whose_threads_all_block_sigint():
+    """Guards the stop Ray raises in a task: re-sent as a signal, it waited in the mask for good."""
+    assert words_printed_by(HELD_BACK_IN_A_PROCESS_WHOSE_THREADS_ALL_BLOCK_IT) == ["landed"]
+
+
 HELD_BACK_ACROSS_A_NESTED_CHANGE = """
 import os, signal
 from fluksio_nb.stop_button import stop_held_back
