@@ -427,33 +427,37 @@ def test_the_stop_button_cancels_the_task(kernel):
     assert kernel.facts("'still here'") == "still here"
 
 
-def test_a_cell_on_ray_stopped_as_it_runs_keeps_what_it_bound(kernel):
-    """Guards against the stop button losing what a cell on Ray had bound by then: a local
-    claimed cell keeps it, as a normal cell does, and the task failed with it."""
-    # It says so only once a step is done, so the stop always lands after one.
-    msg_id = kernel.client.execute(
-        "%%claim --on ray\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
-        "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)"
-    )
-    kernel.messages_of(msg_id, until=printed("training"), timeout=60)
+def assert_stopped_keeping_steps(kernel: Kernel, cell: str, said: str) -> None:
+    """Stop ``cell`` once it has printed ``said``: it ends stopped, with ``steps`` bound."""
+    msg_id = kernel.client.execute(cell)
+    kernel.messages_of(msg_id, until=printed(said), timeout=60)
     kernel.interrupt()
     assert kernel.error_when_idle(msg_id, timeout=30) == "KeyboardInterrupt"
     assert kernel.facts("steps") > 0
     assert_cluster_idle(kernel)
+
+
+def test_a_cell_on_ray_stopped_as_it_runs_keeps_what_it_bound(kernel):
+    """Guards against the stop button losing what a cell on Ray had bound by then: a local
+    claimed cell keeps it, as a normal cell does, and the task failed with it."""
+    # It says so only once a step is done, so the stop always lands after one.
+    assert_stopped_keeping_steps(
+        kernel,
+        "%%claim --on ray\nimport time\nsteps = 0\nwhile True:\n    steps += 1\n"
+        "    if steps == 1:\n        print('training', flush=True)\n    time.sleep(0.01)",
+        said="training",
+    )
 
 
 def test_a_cell_on_ray_stopped_as_it_prints_keeps_what_it_bound(kernel):
     """Guards against the stop Ray raises in the task landing as the task read the cell's
     output: held back there, it was sent again as a signal, which a Ray task's process
     blocks in every thread. It never landed, and Ray's forced cancel lost the cell's names."""
-    msg_id = kernel.client.execute(
-        "%%claim --on ray\nsteps = 0\nwhile True:\n    steps += 1\n    print(steps, flush=True)"
+    assert_stopped_keeping_steps(
+        kernel,
+        "%%claim --on ray\nsteps = 0\nwhile True:\n    steps += 1\n    print(steps, flush=True)",
+        said="1",
     )
-    kernel.messages_of(msg_id, until=printed("1"), timeout=60)
-    kernel.interrupt()
-    assert kernel.error_when_idle(msg_id, timeout=30) == "KeyboardInterrupt"
-    assert kernel.facts("steps") > 0
-    assert_cluster_idle(kernel)
 
 
 def test_a_claim_block_on_ray_holds_its_share_from_entry_to_exit(kernel):
