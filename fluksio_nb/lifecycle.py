@@ -23,10 +23,17 @@ What this module decides:
   the function and its arguments travel as the cell's inputs and its result as
   the cell's one output, so it needs nothing a place to run does not already
   do for a cell.
+- **A block's share is given back even when the stop lands as its
+  ``__exit__`` starts** (:func:`give_back_what_a_stop_kept`): nothing can
+  hold the stop back at that one moment, and the block is left holding its
+  share with nothing to give it back. The stop's traceback still holds that
+  ``__exit__`` and its claim, so once the cell is over, the claim is ended as
+  the stop would have ended it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -222,6 +229,8 @@ class ClaimLifecycle(ABC):
 
     def __enter__(self) -> ClaimLifecycle:
         self._refuse_once_ended()
+        if self.held_by_a_block:
+            _catch_up_as_each_cell_ends()
         return self.acquire()
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -231,9 +240,9 @@ class ClaimLifecycle(ABC):
             if self.status.phase != "done":
                 # It landed before the release could hold it back (as the
                 # release started): the share is still held, and no `with`
-                # is left to give it back. Only a stop landing as this
-                # __exit__ itself starts is beyond reach: Python checks for
-                # it there, before any line of it runs.
+                # is left to give it back. A stop landing as this __exit__
+                # itself starts, before any line of it runs, is caught up
+                # with as the cell ends (give_back_what_a_stop_kept).
                 self.release(stop)
             raise
 
@@ -442,3 +451,54 @@ def _call_refused(
                 "Make it inside the function instead."
             )
     return f"c.run cannot send its arguments to {to} ({refused.reason})."
+
+
+def give_back_what_a_stop_kept(error: BaseException | None) -> list[ClaimLifecycle]:
+    """End every claim whose ``__exit__`` ``error`` came out of before it gave the share back.
+
+    Python checks for the stop as a function starts, before its first line:
+    landing as a block's ``__exit__`` starts, the stop leaves that claim
+    holding its share, and its ``with`` gone. The ``__exit__``'s frame is
+    still in the stop's traceback, with its claim. Returns the claims ended.
+    """
+    ended: list[ClaimLifecycle] = []
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        trace = error.__traceback__
+        while trace is not None:
+            frame = trace.tb_frame
+            if frame.f_code is _EXIT_CODE:
+                kept = frame.f_locals.get("self")
+                if isinstance(kept, ClaimLifecycle) and kept.status.phase != "done":
+                    kept.release(error)
+                    ended.append(kept)
+            trace = trace.tb_next
+        error = error.__cause__ or error.__context__
+    return ended
+
+
+_EXIT_CODE = ClaimLifecycle.__exit__.__code__
+
+#: The IPython shells already told to catch up after each cell.
+_catching_up: set[int] = set()
+
+
+def _catch_up_as_each_cell_ends() -> None:
+    """Have IPython call :func:`give_back_what_a_stop_kept` after every cell, from now on.
+
+    A block's stop lands in a cell, and only IPython knows when the cell is
+    over and what it raised. Outside IPython a stop like that ends the
+    program, and the books reclaim a share whose holder is gone.
+    """
+    if "IPython" not in sys.modules:
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is None or id(shell) in _catching_up:
+        return
+    _catching_up.add(id(shell))
+    shell.events.register("post_run_cell", _after_a_cell)
+
+
+def _after_a_cell(result: Any) -> None:
+    give_back_what_a_stop_kept(getattr(result, "error_in_exec", None))

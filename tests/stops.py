@@ -118,7 +118,8 @@ def each_moment(watched, attempt, undo, check, beyond_reach=(), forgotten=False,
     """attempt(made), stopped at each moment in turn; undo(made); then check() -> problem.
 
     ``beyond_reach``: (file, function) pairs whose start is not pressed on, the
-    one moment nothing can hold the stop back at: as an ``__exit__`` starts.
+    one moment nothing can hold the stop back at: as an ``__exit__`` starts (a
+    kernel catches up with it as the cell ends; a script has no cell).
     ``forgotten``: the stop's traceback is let go before the check, as a kernel
     lets it go at its next error, so that the check sees what is left for good.
     ``generators=False`` presses no moment in a generator: with Ray loaded,

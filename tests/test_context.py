@@ -22,6 +22,7 @@ from fluksio_nb.errors import BadClaim, ClaimTimeout, UnsendableInput, WorkerDie
 from fluksio_nb.local_claim import Claim
 from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
+from tests.kernels import started_kernel
 from tests.stops import said_by
 from tests.waiting import wait_until
 
@@ -196,9 +197,9 @@ def test_a_second_stop_while_a_stopped_claim_ends_still_gives_everything_back(tm
 
 #: A ``with claim()`` block entered and left, stopped at every moment in
 #: fluksio_nb's code, one moment a round: its share must be back after each.
-#: One moment is beyond reach, as the block's ``__exit__`` starts: Python checks
-#: for the stop there, before any line of it runs, and nothing is left to give
-#: the share back if it lands.
+#: One moment is beyond reach of plain Python, as the block's ``__exit__``
+#: starts: Python checks for the stop there, before any line of it runs. In a
+#: kernel the cell's end catches up with it (the test after this one).
 STOP_AT_EVERY_MOMENT_OF_A_BLOCK = """
 import glob, os
 import fluksio_nb
@@ -230,6 +231,40 @@ def test_a_stop_at_any_moment_of_a_block_gives_its_share_back():
     said = said_by(STOP_AT_EVERY_MOMENT_OF_A_BLOCK, timeout=300)
     assert "stopped_at" in said, said
     assert said["stopped_at"] > 100, said
+
+
+#: Pressed by the cell itself at the one moment no hold reaches: as the
+#: block's ``__exit__`` starts, before any line of it runs.
+STOPPED_AS_THE_BLOCK_ENDS = """
+import signal, sys
+from fluksio_nb import claim
+from fluksio_nb.lifecycle import ClaimLifecycle
+
+def press_as_exit_starts(frame, event, arg):
+    if event == "call" and frame.f_code is ClaimLifecycle.__exit__.__code__:
+        sys.setprofile(None)
+        signal.raise_signal(signal.SIGINT)
+
+sys.setprofile(press_as_exit_starts)
+with claim(cpus=1, label="unlucky"):
+    pass
+"""
+
+
+def test_a_stop_as_a_blocks_exit_starts_gives_its_share_back_as_the_cell_ends(tmp_path):
+    """Guards against the stop landing as a block's ``__exit__`` starts, where nothing
+    can hold it back: the block was gone and its share held for the rest of the
+    kernel's life, every later claim of the machine queued behind it."""
+    with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        ran = kernel.run(STOPPED_AS_THE_BLOCK_ENDS)
+        assert ran.error is not None and ran.error["ename"] == "KeyboardInterrupt", ran.so_far()
+        # Where the test meant to press: as the block's __exit__ started.
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ran.error["traceback"]))
+        assert "in ClaimLifecycle.__exit__" in shown, shown
+        books = kernel.books()
+        assert books["running"] == [] and books["cpus"]["free"] == 2, books
+        # The kernel claims on as before.
+        kernel.run("with claim(cpus=2):\n    pass", check=True)
 
 
 #: ``c.run(f, array)`` inside a ``with claim()`` block, stopped at every moment
