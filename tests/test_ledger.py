@@ -489,6 +489,55 @@ watched += [contextlib.__file__, threading.__file__]
 each_moment(watched, attempt, undo, check)
 '''
 
+#: A kernel's books found and opened for the first time, stopped at every
+#: moment, one a round: the machine's run directory looked for, the user's
+#: ledger directory made, its lock and its document opened and read, and a
+#: first transaction. After each round the ledger is closed, the stop's
+#: traceback let go and the ledger's directory removed: a descriptor still
+#: open then was left open by nobody, for the kernel's life.
+STOP_AT_EVERY_MOMENT_OF_FINDING_THE_BOOKS = """
+import shutil
+from pathlib import Path
+import fluksio_nb.ledger.directory, fluksio_nb.ledger.file, fluksio_nb.machine.run_dir
+from fluksio_nb.ledger.file import LedgerFile
+from fluksio_nb.machine.run_dir import socket_in
+
+HERE = Path(DIRECTORY)
+
+def attempt(made):
+    socket_in(HERE)
+    ledger = made["ledger"] = LedgerFile(HERE / "ledger", {"cpus": 1})
+    ledger.read()
+    with ledger.transaction():
+        pass
+
+def undo(made):
+    if "ledger" in made:
+        made.pop("ledger").close()
+    shutil.rmtree(HERE / "ledger", ignore_errors=True)
+
+def check():
+    if descriptors_left_open(descriptors):
+        return "a_descriptor_left_open"
+
+descriptors = len(os.listdir("/proc/self/fd"))
+watched = [fluksio_nb.ledger.directory.__file__, fluksio_nb.ledger.file.__file__,
+           fluksio_nb.machine.run_dir.__file__]
+each_moment(watched, attempt, undo, check, forgotten=True)
+"""
+
+
+def test_a_stop_at_any_moment_of_finding_the_books_leaves_no_descriptor_open(tmp_path):
+    """Guards against a stop landing as the ledger's directory, its lock or its document,
+    or the machine's run directory, was opened: the descriptor stayed open for the
+    kernel's life with nothing holding its number, one more at each unlucky stop."""
+    said = said_by(
+        f"DIRECTORY = {str(tmp_path)!r}\n{STOP_AT_EVERY_MOMENT_OF_FINDING_THE_BOOKS}", 100
+    )
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 20, said
+
+
 PRELUDE = """
 from fluksio_nb.gpus import Gpu
 from fluksio_nb.inventory import Inventory

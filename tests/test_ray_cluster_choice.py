@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from fluksio_nb.ray.connection import OthersRayCluster, address_to_join
+from tests.stops import said_by
 from tests.unix_users import USER_B, as_user, require_unix_users, unix_user, user_environ
 
 LISTEN = (
@@ -102,3 +103,36 @@ def test_ray_address_in_the_users_environment_is_left_to_ray(ray_dir, monkeypatc
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     (ray_dir / "ray_current_cluster").write_text("127.0.0.1:1")
     assert address_to_join() is None
+
+
+#: Plain ``--on ray`` looking for a cluster ``ray start`` named, stopped at
+#: every moment of it, one a round; the address file names a port nobody
+#: listens on, so that the whole look runs, the file opened and read.
+STOP_AT_EVERY_MOMENT_OF_THE_LOOK = """
+import warnings
+import fluksio_nb.ray.connection
+from fluksio_nb.ray.connection import address_to_join
+
+warnings.simplefilter("ignore")
+address_to_join()  # Ray's own module, imported once outside the rounds
+
+def attempt(made):
+    made["address"] = address_to_join()
+
+def check():
+    if descriptors_left_open(descriptors):
+        return "a_descriptor_left_open"
+
+descriptors = len(os.listdir("/proc/self/fd"))
+watched = [fluksio_nb.ray.connection.__file__]
+each_moment(watched, attempt, lambda made: made.clear(), check, forgotten=True, generators=False)
+"""
+
+
+def test_a_stop_at_any_moment_of_looking_for_rays_cluster_leaves_no_descriptor_open(ray_dir):
+    """Guards against a stop landing as Ray's address file was opened: the descriptor
+    stayed open for the kernel's life with nothing holding its number."""
+    (ray_dir / "ray_current_cluster").write_text("127.0.0.1:1\n")
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_THE_LOOK, timeout=100)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 5, said

@@ -198,7 +198,10 @@ class LedgerFile:
 
     def _locked(self, how: int) -> _Flocked:
         if self._lock_fd is None:
-            self._lock_fd = self._open(LOCK_FILE)
+            # Opened and kept as one step: a stop landing as it is opened
+            # would leave it open with nothing holding its number.
+            with stop_held_back():
+                self._lock_fd = self._open(LOCK_FILE)
         return _Flocked(self._lock_fd, how)
 
     def _open(self, name: str) -> int:
@@ -236,7 +239,8 @@ class LedgerFile:
                 pass
             self._data_fd = None
             os.close(fd)
-        self._data_fd = self._open(LEDGER_FILE)
+        with stop_held_back():  # as the lock file is
+            self._data_fd = self._open(LEDGER_FILE)
         return self._data_fd
 
     @staticmethod

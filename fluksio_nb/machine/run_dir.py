@@ -2,8 +2,9 @@
 
 Every kernel asks this once, before its first claim, on machines with books
 of their own as much as on machines set up for everyone, so it imports
-nothing beyond the standard library: the service's protocol and its pydantic
-models load only where there is a service to talk to.
+nothing beyond the standard library and the stop button: the service's
+protocol and its pydantic models load only where there is a service to talk
+to.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from fluksio_nb.stop_button import stop_held_back
 
 #: Where ``fluksio-nb machine init`` puts the books on a real machine.
 DEFAULT_RUN_DIR = Path("/run/fluksio_nb")
@@ -30,11 +33,12 @@ def socket_in(directory: Path) -> Path | None:
     machine's while the service restarts: a kernel then waits for it, rather
     than keeping books of its own that nobody else sees.
     """
+    fd: int | None = None
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
+        # Opened and known as one step: a stop landing as it is opened would
+        # leave it open with nothing holding its number.
+        with stop_held_back():
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         info = os.fstat(fd)
         if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return None
@@ -42,7 +46,8 @@ def socket_in(directory: Path) -> Path | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     if not stat.S_ISREG(marker.st_mode) or marker.st_uid != 0:
         return None
     return directory / SOCKET_NAME
