@@ -453,15 +453,14 @@ def _call_refused(
     return f"c.run cannot send its arguments to {to} ({refused.reason})."
 
 
-def give_back_what_a_stop_kept(error: BaseException | None) -> list[ClaimLifecycle]:
+def give_back_what_a_stop_kept(error: BaseException | None) -> None:
     """End every claim whose ``__exit__`` ``error`` came out of before it gave the share back.
 
     Python checks for the stop as a function starts, before its first line:
     landing as a block's ``__exit__`` starts, the stop leaves that claim
     holding its share, and its ``with`` gone. The ``__exit__``'s frame is
-    still in the stop's traceback, with its claim. Returns the claims ended.
+    still in the stop's traceback, with its claim.
     """
-    ended: list[ClaimLifecycle] = []
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -472,10 +471,8 @@ def give_back_what_a_stop_kept(error: BaseException | None) -> list[ClaimLifecyc
                 kept = frame.f_locals.get("self")
                 if isinstance(kept, ClaimLifecycle) and kept.status.phase != "done":
                     kept.release(error)
-                    ended.append(kept)
             trace = trace.tb_next
         error = error.__cause__ or error.__context__
-    return ended
 
 
 _EXIT_CODE = ClaimLifecycle.__exit__.__code__

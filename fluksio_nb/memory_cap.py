@@ -85,7 +85,7 @@ from fluksio_nb.enforcement import Enforcement
 from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S
 from fluksio_nb.settings import Settings
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import open_whole
 
 #: The directory every claim cgroup of this package is made in.
 PARENT_NAME = "fluksio_nb"
@@ -560,16 +560,11 @@ def leave_claim_cgroup(home: Path | None, controller: str = "memory") -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    fd = None
+    fd = open_whole(path, os.O_WRONLY)
     try:
-        # Opened and known as one step: a stop landing as it was opened
-        # would leave it open with nothing holding its number.
-        with stop_held_back():
-            fd = os.open(path, os.O_WRONLY)
         os.write(fd, text.encode())
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
 
 
 def _number(path: Path) -> int | None:

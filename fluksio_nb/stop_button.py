@@ -19,6 +19,7 @@ What it decides:
   file or a worker's process is made under a hold that ends inside the
   ``try`` whose cleanup closes it: landing as the call that made it
   returned, the stop would leave it open with nothing holding its number.
+  A bare descriptor is opened by :func:`open_whole`, which is that hold.
 - **A claimed cell that is over keeps what it bound**
   (:func:`held_once_the_cell_is_over`, :func:`the_cell_is_over`). Once the
   cell's end reaches the kernel, its names are bound in the worker, as a
@@ -85,6 +86,26 @@ def stop_held_back() -> Iterator[None]:
         yield
     finally:
         _land(held)
+
+
+def open_whole(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+    """``os.open``, whole: the descriptor reaches the caller, or the stop lands with none open.
+
+    A stop landing as ``os.open`` returned would leave the descriptor open
+    with nothing holding its number. Held back over the open, it lands after
+    it, once the descriptor is closed. Python checks for the stop as a call
+    into C returns, never as a Python function returns, so the caller's
+    ``fd = open_whole(...)`` is whole too: the ``try`` that closes it goes next.
+    """
+    fd = None
+    try:
+        with stop_held_back():
+            fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return fd
 
 
 @contextmanager

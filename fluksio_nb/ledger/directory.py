@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fluksio_nb.errors import BadSettings
 from fluksio_nb.identity import user_name
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import open_whole
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -65,25 +65,20 @@ def _who(uid: int) -> str:
 
 def open_directory(directory: Path) -> int:
     """The ledger's directory, opened and checked: made (0700) if missing, never changed."""
-    fd: int | None = None
     try:
+        fd = open_whole(directory, _OPEN_DIR)
+    except FileNotFoundError:
         try:
-            # Opened and known as one step: a stop landing as it is opened
-            # would leave it open with nothing holding its number.
-            with stop_held_back():
-                fd = os.open(directory, _OPEN_DIR)
-        except FileNotFoundError:
-            try:
-                os.makedirs(directory.parent, exist_ok=True)
-                # Made by someone else in the meantime: checked below like any other.
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(directory, 0o700)
-                with stop_held_back():
-                    fd = os.open(directory, _OPEN_DIR)
-            except OSError as error:
-                raise _unusable_directory(directory, error) from None
+            os.makedirs(directory.parent, exist_ok=True)
+            # Made by someone else in the meantime: checked below like any other.
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+            fd = open_whole(directory, _OPEN_DIR)
         except OSError as error:
             raise _unusable_directory(directory, error) from None
+    except OSError as error:
+        raise _unusable_directory(directory, error) from None
+    try:
         found = os.fstat(fd)
         if found.st_uid != os.geteuid():
             raise UnsafeLedgerDir(
@@ -94,8 +89,7 @@ def open_directory(directory: Path) -> int:
         if found.st_mode & 0o022:
             raise UnsafeLedgerDir(_writable_by_others(directory, found.st_mode))
     except BaseException:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
         raise
     return fd
 

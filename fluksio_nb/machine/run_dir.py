@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import open_whole
 
 #: Where ``fluksio-nb machine init`` puts the books on a real machine.
 DEFAULT_RUN_DIR = Path("/run/fluksio_nb")
@@ -33,12 +33,11 @@ def socket_in(directory: Path) -> Path | None:
     machine's while the service restarts: a kernel then waits for it, rather
     than keeping books of its own that nobody else sees.
     """
-    fd: int | None = None
     try:
-        # Opened and known as one step: a stop landing as it is opened would
-        # leave it open with nothing holding its number.
-        with stop_held_back():
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_whole(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
         info = os.fstat(fd)
         if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return None
@@ -46,8 +45,7 @@ def socket_in(directory: Path) -> Path | None:
     except OSError:
         return None
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
     if not stat.S_ISREG(marker.st_mode) or marker.st_uid != 0:
         return None
     return directory / SOCKET_NAME

@@ -49,7 +49,7 @@ from typing import Any
 import psutil
 
 from fluksio_nb.errors import BadClaim, RayMissing
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import open_whole
 
 INSTALL_HINT = (
     "--on ray needs Ray, which is not installed where this kernel runs: "
@@ -122,21 +122,17 @@ def _named_by_ray_start() -> tuple[str, str] | None:
         import tempfile
 
         path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
-    fd: int | None = None
     try:
         # Anyone may have put anything there: a link, a pipe that never ends.
-        # Opened and known as one step: a stop landing as it is opened would
-        # leave it open with nothing holding its number.
-        with stop_held_back():
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_whole(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         text = os.read(fd, 512).decode("ascii", "replace").strip()
-    except OSError:
-        return None
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
     return (path, text) if _RAY_ADDRESS.match(text) and "://" not in text else None
 
 

@@ -45,7 +45,7 @@ from pydantic import ValidationError
 
 from fluksio_nb.identity import user_name
 from fluksio_nb.records import SUFFIX, UsageRecord
-from fluksio_nb.stop_button import stop_held_back
+from fluksio_nb.stop_button import open_whole
 
 #: What is read of one records file at most. A kernel writes about 300 bytes
 #: per claim, so this is some 200,000 claims from one process: more than any
@@ -133,10 +133,7 @@ def each_usage(
     read: set[tuple[int, int]] = set()
     try:
         try:
-            # Made and known as one step: a stop landing as it is opened
-            # would leave it open with nothing holding its number.
-            with stop_held_back():
-                where = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            where = open_whole(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             return
         found: Iterable[tuple[int, str]] = _records_files(where, counts, user, owner, names)
@@ -249,14 +246,12 @@ class _File:
         fd: int | None = None
         try:
             try:
-                # O_NONBLOCK: a pipe swapped in since the stat must not hang the
-                # report. Held, as the directory is.
-                with stop_held_back():
-                    fd = os.open(
-                        self.name,
-                        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                        dir_fd=self.where,
-                    )
+                # O_NONBLOCK: a pipe swapped in since the stat must not hang the report.
+                fd = open_whole(
+                    self.name,
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                    dir_fd=self.where,
+                )
             except PermissionError:
                 counts.unreadable_files += 1
                 return
