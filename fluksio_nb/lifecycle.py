@@ -23,21 +23,27 @@ What this module decides:
   the function and its arguments travel as the cell's inputs and its result as
   the cell's one output, so it needs nothing a place to run does not already
   do for a cell.
-- **A block's share is given back even when the stop lands as its
-  ``__exit__`` starts** (:func:`give_back_what_a_stop_kept`): nothing can
-  hold the stop back at that one moment, and the block is left holding its
-  share with nothing to give it back. The stop's traceback still holds that
-  ``__exit__`` and its claim, so once the cell is over, the claim is ended as
-  the stop would have ended it.
+- **A block left without its ``__exit__`` gives its share back as the cell
+  ends** (:func:`_blocks_left_without_exit`). Python checks for the stop as
+  a function starts, before its first line, where no hold can reach: landing
+  as a block's ``__exit__`` starts, it leaves the block gone and its share
+  held, whether the cell raises the stop or catches it. Once the cell is
+  over, a block whose ``with`` statement is no longer running is over too,
+  and is ended as the stop would have ended it. A block entered by hand
+  (``c.__enter__()``) or in a generator may rightly outlive the cell, and
+  is left to its holder.
 """
 
 from __future__ import annotations
 
+import dis
+import inspect
 import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 from fluksio_nb.books import Allocation
@@ -230,8 +236,14 @@ class ClaimLifecycle(ABC):
     def __enter__(self) -> ClaimLifecycle:
         self._refuse_once_ended()
         if self.held_by_a_block:
-            _catch_up_as_each_cell_ends()
-        return self.acquire()
+            # Before the share is taken: a stop landing after it, as a call
+            # returns here, would leave the share held by a block never entered.
+            _note_the_block(self, sys._getframe(1))
+        try:
+            return self.acquire()
+        except BaseException:
+            _open_blocks.pop(id(self), None)
+            raise
 
     def __exit__(self, kind, error, traceback) -> None:
         try:
@@ -242,9 +254,11 @@ class ClaimLifecycle(ABC):
                 # release started): the share is still held, and no `with`
                 # is left to give it back. A stop landing as this __exit__
                 # itself starts, before any line of it runs, is caught up
-                # with as the cell ends (give_back_what_a_stop_kept).
+                # with as the cell ends (_blocks_left_without_exit).
                 self.release(stop)
             raise
+        finally:
+            _open_blocks.pop(id(self), None)
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` holding this share; return its result."""
@@ -453,49 +467,68 @@ def _call_refused(
     return f"c.run cannot send its arguments to {to} ({refused.reason})."
 
 
-def give_back_what_a_stop_kept(error: BaseException | None) -> None:
-    """End every claim whose ``__exit__`` ``error`` came out of before it gave the share back.
+#: The ``with`` statements a claim's block can be entered by, as their
+#: opcode: a block entered by a call to ``__enter__`` is its caller's to end.
+_WITH_STATEMENT = {dis.opmap[name] for name in ("BEFORE_WITH", "SETUP_WITH") if name in dis.opmap}
 
-    Python checks for the stop as a function starts, before its first line:
-    landing as a block's ``__exit__`` starts, the stop leaves that claim
-    holding its share, and its ``with`` gone. The ``__exit__``'s frame is
-    still in the stop's traceback, with its claim.
-    """
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        trace = error.__traceback__
-        while trace is not None:
-            frame = trace.tb_frame
-            if frame.f_code is _EXIT_CODE:
-                kept = frame.f_locals.get("self")
-                if isinstance(kept, ClaimLifecycle) and kept.status.phase != "done":
-                    kept.release(error)
-            trace = trace.tb_next
-        error = error.__cause__ or error.__context__
+#: A generator's or a coroutine's frame can be suspended with its block open.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+#: Blocks a ``with`` statement on the main thread entered and no ``__exit__``
+#: has left yet, by the claim's id: the claim, and the statement's frame.
+_open_blocks: dict[int, tuple[ClaimLifecycle, FrameType]] = {}
+
+#: The IPython shells already told to look for blocks left without ``__exit__``.
+_looking: set[int] = set()
 
 
-_EXIT_CODE = ClaimLifecycle.__exit__.__code__
-
-#: The IPython shells already told to catch up after each cell.
-_catching_up: set[int] = set()
-
-
-def _catch_up_as_each_cell_ends() -> None:
-    """Have IPython call :func:`give_back_what_a_stop_kept` after every cell, from now on.
-
-    A block's stop lands in a cell, and only IPython knows when the cell is
-    over and what it raised. Outside IPython a stop like that ends the
-    program, and the books reclaim a share whose holder is gone.
-    """
-    if "IPython" not in sys.modules:
+def _note_the_block(claim: ClaimLifecycle, frame: FrameType) -> None:
+    """Keep a block entered by a ``with`` statement on the main thread, until its ``__exit__``."""
+    if (
+        frame.f_code.co_code[frame.f_lasti] not in _WITH_STATEMENT
+        or frame.f_code.co_flags & _SUSPENDABLE
+        or threading.current_thread() is not threading.main_thread()
+        or not _looked_at_as_each_cell_ends()
+    ):
         return
-    shell = sys.modules["IPython"].get_ipython()
-    if shell is None or id(shell) in _catching_up:
+    # Last, and no call after it: noted means the caller's `try` is next.
+    _open_blocks[id(claim)] = (claim, frame)
+
+
+def _looked_at_as_each_cell_ends() -> bool:
+    """Have IPython call :func:`_blocks_left_without_exit` after every cell; False outside IPython.
+
+    Only IPython knows when a cell is over. Outside it, a stop landing as an
+    ``__exit__`` starts usually ends the program, and the books reclaim a
+    share whose holder is gone.
+    """
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    if shell is None:
+        return False
+    if id(shell) not in _looking:
+        _looking.add(id(shell))
+        shell.events.register("post_run_cell", _blocks_left_without_exit)
+    return True
+
+
+def _blocks_left_without_exit(result: Any) -> None:
+    """End each block whose ``with`` statement ended before ``__exit__`` gave its share back."""
+    if not _open_blocks:
         return
-    _catching_up.add(id(shell))
-    shell.events.register("post_run_cell", _after_a_cell)
-
-
-def _after_a_cell(result: Any) -> None:
-    give_back_what_a_stop_kept(getattr(result, "error_in_exec", None))
+    # A cell run from inside a block, by `get_ipython().run_cell`, ends
+    # with the block's statement still running below it.
+    running, below = set(), sys._getframe()
+    while below is not None:
+        running.add(id(below))
+        below = below.f_back
+    # The cell's own error, if it raised; if it caught what cut the block
+    # short, that was all but surely the stop, the one thing that lands there.
+    error = getattr(result, "error_in_exec", None) or KeyboardInterrupt()
+    for key, (claim, statement) in list(_open_blocks.items()):
+        if id(statement) in running:
+            continue
+        if claim.status.phase != "done":
+            claim.release(error)
+        # Only once it is back: a stop landing as the release starts leaves
+        # the block to the next cell's end.
+        del _open_blocks[key]

@@ -245,26 +245,90 @@ def press_as_exit_starts(frame, event, arg):
         sys.setprofile(None)
         signal.raise_signal(signal.SIGINT)
 
-sys.setprofile(press_as_exit_starts)
-with claim(cpus=1, label="unlucky"):
-    pass
+def unlucky():
+    sys.setprofile(press_as_exit_starts)
+    with claim(cpus=1, label="unlucky"):
+        pass
 """
 
 
-def test_a_stop_as_a_blocks_exit_starts_gives_its_share_back_as_the_cell_ends(tmp_path):
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param("unlucky()", id="the stop ends the cell"),
+        pytest.param(
+            "try:\n    unlucky()\nexcept KeyboardInterrupt as stop:\n    caught = stop",
+            id="the cell catches the stop",
+        ),
+    ],
+)
+def test_a_stop_as_a_blocks_exit_starts_gives_its_share_back_as_the_cell_ends(tmp_path, cell):
     """Guards against the stop landing as a block's ``__exit__`` starts, where nothing
     can hold it back: the block was gone and its share held for the rest of the
-    kernel's life, every later claim of the machine queued behind it."""
+    kernel's life, every later claim of the machine queued behind it; in a cell
+    that caught the stop, even once the kernel caught up with one that did not."""
     with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
-        ran = kernel.run(STOPPED_AS_THE_BLOCK_ENDS)
-        assert ran.error is not None and ran.error["ename"] == "KeyboardInterrupt", ran.so_far()
+        kernel.run(STOPPED_AS_THE_BLOCK_ENDS, check=True)
+        ran = kernel.run(cell)
+        if "caught" in cell:
+            assert ran.error is None, ran.so_far()
+            stop = kernel.facts(
+                "[repr(caught), ''.join(__import__('traceback').format_tb(caught.__traceback__))]"
+            )
+        else:
+            assert ran.error is not None, ran.so_far()
+            stop = [
+                ran.error["ename"],
+                re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ran.error["traceback"])),
+            ]
         # Where the test meant to press: as the block's __exit__ started.
-        shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ran.error["traceback"]))
-        assert "in ClaimLifecycle.__exit__" in shown, shown
+        assert "KeyboardInterrupt" in stop[0] and "__exit__" in stop[1], stop
         books = kernel.books()
         assert books["running"] == [] and books["cpus"]["free"] == 2, books
         # The kernel claims on as before.
         kernel.run("with claim(cpus=2):\n    pass", check=True)
+
+
+#: Blocks that rightly stay open once the cell that entered them is over.
+STILL_OPEN_AS_THE_CELL_ENDS = {
+    "entered by hand": (
+        "held = claim(cpus=1, label='kept')\nheld.__enter__()",
+        "held.__exit__(None, None, None)",
+    ),
+    "in a generator": (
+        "def holding():\n    with claim(cpus=1, label='kept'):\n        yield\n"
+        "held = holding()\nnext(held)",
+        "next(held, None)",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", STILL_OPEN_AS_THE_CELL_ENDS)
+def test_a_block_that_outlives_its_cell_keeps_its_share_until_it_is_left(tmp_path, how):
+    """Guards the catch-up as a cell ends against taking the share of a block that
+    is still open: entered by hand, or in a generator, to be left in a later cell."""
+    enter, leave = STILL_OPEN_AS_THE_CELL_ENDS[how]
+    with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        kernel.run(f"from fluksio_nb import claim\n{enter}", check=True)
+        kernel.run("x = 1", check=True)
+        assert [entry["label"] for entry in kernel.books()["running"]] == ["kept"]
+        kernel.run(leave, check=True)
+        assert kernel.books()["running"] == []
+
+
+def test_a_cell_run_from_inside_a_block_leaves_the_block_its_share(tmp_path):
+    """Guards the catch-up as a cell ends against a cell run inside a block (by
+    ``run_cell``): the block below it is still running, and keeps its share."""
+    with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        ran = kernel.run(
+            "from fluksio_nb import accountant, claim\n"
+            "with claim(cpus=1, label='outer'):\n"
+            "    get_ipython().run_cell('inner = 1')\n"
+            "    print([e['label'] for e in accountant().snapshot()['running']])",
+        )
+        assert ran.error is None, ran.so_far()
+        assert ran.stdout.strip() == "['outer']", ran.so_far()
+        assert kernel.books()["running"] == []
 
 
 #: ``c.run(f, array)`` inside a ``with claim()`` block, stopped at every moment
