@@ -128,9 +128,13 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
     try:
         # The module's globals let the warning quote the user's line.
         warnings.warn_explicit(*where, module=module, registry=None, module_globals=at.f_globals)
-    except ImportError:
-        # `python -c`: __main__'s loader is the built-in importer, which has
-        # no source to give and raises for it; the warning goes without the line.
+    except (ImportError, ValueError, AttributeError):
+        # Globals no loader can give the source for: `python -c`'s __main__,
+        # whose loader is the built-in importer and raises ImportError, and
+        # from Python 3.12 a namespace whose __spec__ is None, as a kernel's
+        # is, which `warnings` refuses with ValueError (AttributeError with no
+        # __spec__ at all). The warning goes without them: a cell's lines are
+        # in the line cache already, and it quotes them from there.
         warnings.warn_explicit(*where, module=module, registry=None)
 
 

@@ -335,6 +335,10 @@ def service_here(tmp_path, *, cpus=4, gpus=2, caps=None, restarting=False, read_
         ready.set()
         async with server:
             await stopping.wait()
+            # As the service's own end does: from Python 3.12 a server's
+            # close waits for every connection to end.
+            for connection in list(service.connections):
+                connection.close()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
