@@ -132,9 +132,9 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
         # Globals no loader can give the source for: `python -c`'s __main__,
         # whose loader is the built-in importer and raises ImportError, and
         # from Python 3.12 a namespace whose __spec__ is None, as a kernel's
-        # is, which `warnings` refuses with ValueError (AttributeError with no
-        # __spec__ at all). The warning goes without them: a cell's lines are
-        # in the line cache already, and it quotes them from there.
+        # is, which `warnings` refuses with ValueError (AttributeError for a
+        # __spec__ with no loader). The warning goes without them: a cell's
+        # lines are in the line cache already, and it quotes them from there.
         warnings.warn_explicit(*where, module=module, registry=None)
 
 
