@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             body = ran.stdout.strip() or ran.stderr.strip()[-2000:]
             sections.append(f"### {heading}\n\n```text\n{body}\n```\n")
             print(sections[-1], flush=True)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     when = (
         f"Run {now} on {machine()}"
         f"{' (smoke: toy sizes, numbers meaningless)' if options.smoke else ''}.\n"

@@ -33,7 +33,7 @@ the other hand, stays over budget until something frees it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pydantic import ByteSize
@@ -121,7 +121,7 @@ def budget_here(
     return replace(budget, gpu_bytes=gpu_bytes)
 
 
-class HaltReason(str, Enum):
+class HaltReason(StrEnum):
     """Why a running claim had to stop."""
 
     NONE = "none"

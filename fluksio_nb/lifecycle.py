@@ -469,9 +469,9 @@ def _call_refused(
 
 #: The ``with`` statements a claim's block can be entered by, as their
 #: opcode: a block entered by a call to ``__enter__`` is its caller's to end.
-#: Python 3.10 to 3.13 have one; 3.14 enters a block by a plain call, so
+#: Python 3.11 to 3.13 have one; 3.14 enters a block by a plain call, so
 #: there no block is noted, and one cut short keeps its share as before.
-_WITH_STATEMENT = {dis.opmap[name] for name in ("BEFORE_WITH", "SETUP_WITH") if name in dis.opmap}
+_WITH_STATEMENT = {dis.opmap[name] for name in ("BEFORE_WITH",) if name in dis.opmap}
 
 #: A generator's or a coroutine's frame can be suspended with its block open.
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
