@@ -265,8 +265,8 @@ def unlucky():
 def test_a_stop_as_a_blocks_exit_starts_gives_its_share_back_as_the_cell_ends(tmp_path, cell):
     """Guards against the stop landing as a block's ``__exit__`` starts, where nothing
     can hold it back: the block was gone and its share held for the rest of the
-    kernel's life, every later claim of the machine queued behind it; in a cell
-    that caught the stop, even once the kernel caught up with one that did not."""
+    kernel's life, every later claim of the machine queued behind it; and where
+    the cell caught the stop, even after the kernel caught up with one it raised."""
     with started_kernel(tmp_path, FLUKSIO_CPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
         kernel.run(STOPPED_AS_THE_BLOCK_ENDS, check=True)
         ran = kernel.run(cell)
