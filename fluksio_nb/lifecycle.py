@@ -467,11 +467,11 @@ def _call_refused(
     return f"c.run cannot send its arguments to {to} ({refused.reason})."
 
 
-#: The ``with`` statements a claim's block can be entered by, as their
-#: opcode: a block entered by a call to ``__enter__`` is its caller's to end.
-#: Python 3.11 to 3.13 have one; 3.14 enters a block by a plain call, so
-#: there no block is noted, and one cut short keeps its share as before.
-_WITH_STATEMENT = {dis.opmap[name] for name in ("BEFORE_WITH",) if name in dis.opmap}
+#: The opcode of a ``with`` statement entering its block: a block entered by
+#: a call to ``__enter__`` is its caller's to end. Python 3.14 enters a block
+#: by a plain call, so there no block is noted, and one cut short keeps its
+#: share as before.
+_BEFORE_WITH = dis.opmap.get("BEFORE_WITH")
 
 #: A generator's or a coroutine's frame can be suspended with its block open.
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -487,7 +487,7 @@ _looking: set[int] = set()
 def _note_the_block(claim: ClaimLifecycle, frame: FrameType) -> None:
     """Keep a block entered by a ``with`` statement on the main thread, until its ``__exit__``."""
     if (
-        frame.f_code.co_code[frame.f_lasti] not in _WITH_STATEMENT
+        frame.f_code.co_code[frame.f_lasti] != _BEFORE_WITH
         or frame.f_code.co_flags & _SUSPENDABLE
         or threading.current_thread() is not threading.main_thread()
         or not _looked_at_as_each_cell_ends()
