@@ -101,13 +101,22 @@ def end_leftovers(grace_s: float = GRACE_S) -> list[int]:
 def threads_left(namespace: dict[str, Any]) -> list[str]:
     """The names of the threads still running code of the cell whose names are ``namespace``."""
     frames = sys._current_frames()
+    # The main thread's entry is this very frame, and through it the cell's
+    # caller, whose locals hold the cell's inputs: kept in the dict, the two
+    # make a cycle that only a garbage collection breaks, and a warm worker
+    # that allocates little between cells held every cell's inputs (512 MB
+    # mapped a cell) until one came.
+    frames.pop(threading.main_thread().ident, None)
     left = []
-    for thread in threading.enumerate():
-        frame = frames.get(thread.ident) if thread is not threading.main_thread() else None
-        while frame is not None and frame.f_globals is not namespace:
-            frame = frame.f_back
-        if frame is not None:
-            left.append(thread.name)
+    try:
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident)
+            while frame is not None and frame.f_globals is not namespace:
+                frame = frame.f_back
+            if frame is not None:
+                left.append(thread.name)
+    finally:
+        frames.clear()
     return left
 
 

@@ -82,6 +82,7 @@ from fluksio_nb.worker.shell import (
     ask_the_notebook,
     default_to_inline_figures,
     flush_c_streams,
+    let_go_of_the_cells_values,
     make_shell,
     report_exception_only,
     start_fresh,
@@ -364,6 +365,12 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     outputs, failed, absent = pack_outputs(
         shell.user_ns, names, keep or lend, progress=telling_the_kernel(shell) if names else None
     )
+    # Everything that goes back is packed: the cell's values, and the inputs
+    # mapped under them, go before the kernel is told, so that by the time
+    # it has bound the names this worker holds nothing of the cell's, and the
+    # kernel's next parcel finds the files it sent free to write into.
+    inputs.clear()
+    let_go_of_the_cells_values(shell)
     flush_c_streams()
     shell.report(
         Done(
