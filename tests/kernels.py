@@ -143,6 +143,9 @@ class Kernel:
     user owns, no ``FLUKSIO_*`` from the test's own environment, the books
     kept by the kernel alone (``FLUKSIO_LEDGER=kernel``) and no config file,
     unless ``env`` says otherwise. ``env`` always goes on top, ``USER`` too.
+    Without ``user``, the kernel has the test's own environment: its usage
+    records, runtime files and temporary files go where the test's are, in
+    places of the run's own (``conftest.py`` at the top of the checkout).
 
     ``launched_by`` is a command the kernel's own is handed to, as its
     arguments, and which must end by running it (``exec "$@"``) so that the
@@ -175,21 +178,29 @@ class Kernel:
             self._start_as(user, env, launched_by)
         self.client = self.manager.client()
         self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
-        self.pid = self.manager.provisioner.process.pid
         #: Every IOPub message read so far, whichever cell it belongs to.
         self.seen: list[dict[str, Any]] = []
         #: When each of ``seen`` arrived.
         self.seen_at: list[float] = []
-        own = self.own_dir or Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
-        self._stacks = own / "stacks"
-        # One cell, so that the notebook's cell numbers are as a user's would be.
-        self.run(
-            "%load_ext fluksio_nb\n"
-            "__import__('faulthandler').register(__import__('signal').SIGUSR2, "
-            f"file=open({str(self._stacks)!r}, 'w'), all_threads=True)",
-            check=True,
-        )
+        # A kernel that never got ready is nobody's to shut down but ours:
+        # left, it would run on after the suite, its directory with it.
+        try:
+            self.client.wait_for_ready(timeout=60)
+            self.pid = self.manager.provisioner.process.pid
+            # In the run's TMPDIR (the root conftest.py), gone with it even if
+            # a test shuts the kernel down through its manager rather than here.
+            own = self.own_dir or Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
+            self._stacks = own / "stacks"
+            # One cell, so that the notebook's cell numbers are as a user's would be.
+            self.run(
+                "%load_ext fluksio_nb\n"
+                "__import__('faulthandler').register(__import__('signal').SIGUSR2, "
+                f"file=open({str(self._stacks)!r}, 'w'), all_threads=True)",
+                check=True,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start_as(self, user: UnixUser, env: dict[str, str], launched_by: Sequence[str]) -> None:
         own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
@@ -402,8 +413,9 @@ class Kernel:
         try:
             self.manager.shutdown_kernel(now=True)
         finally:
-            if self._stacks is not None:
-                shutil.rmtree(self.own_dir or self._stacks.parent, ignore_errors=True)
+            own = self.own_dir or (self._stacks.parent if self._stacks is not None else None)
+            if own is not None:
+                shutil.rmtree(own, ignore_errors=True)
 
 
 @contextmanager
@@ -434,8 +446,8 @@ def started_kernel(
             "FLUKSIO_CONFIG": str(place / "fluksio_nb.json"),
             "FLUKSIO_LEDGER": str(place / "ledger"),
             # A module's kernel starts before the test's own settings are in
-            # place; without this its records went to the developer's, and
-            # its expected waits were read from them.
+            # place; without this its records went with every other module's,
+            # and its expected waits were read from theirs.
             "JUPYTER_DATA_DIR": str(place / "jupyter-data"),
             **env,
         }
