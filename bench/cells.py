@@ -346,6 +346,56 @@ def _bind(kernel: Kernel, code: str):
     return lambda: kernel.run(code, check=True)
 
 
+def reading_an_input(
+    kernel: Kernel, cells: int = 20, mib: int = 512, rounds: int = 3
+) -> tuple[str, dict[str, float]]:
+    """A notebook's big input read by cell after cell, against as many trivial claimed cells.
+
+    ``cells`` cells that read a ``mib`` MiB array the kernel made (one
+    element of it: what is timed is getting it there, not summing it) beside
+    as many that read nothing, in alternating blocks; and what the kernel and
+    its worker hold in memory after the first cell and after the last.
+    """
+    kernel.run(f"import numpy as np\ndata = np.ones({mib} * 2**20 // 8)", check=True)
+    reading = "%%claim\nm = float(data[0])"
+    trivial = "%%claim\nm = 1.0"
+    kernel.run(reading, check=True)  # the worker started, the input sent once
+
+    def block(code: str):
+        return lambda: [kernel.run(code, check=True) for _ in range(cells)]
+
+    worker = next(
+        child
+        for child in psutil.Process(kernel.pid).children(recursive=True)
+        if "fluksio_nb.worker" in " ".join(child.cmdline())
+    )
+    rss_before, shmem_before = worker.memory_info().rss, _shmem()
+    samples = interleaved({"reading": block(reading), "trivial": block(trivial)}, rounds)
+    grew_rss = worker.memory_info().rss - rss_before
+    grew_shmem = _shmem() - shmem_before
+    ratio = median(samples["reading"]) / median(samples["trivial"])
+    rows = [
+        [f"{cells} cells reading a {mib} MiB input", ms(median(samples["reading"]))],
+        [f"{cells} trivial claimed cells", ms(median(samples["trivial"]))],
+    ]
+    text = table([f"{cells} cells, median of {rounds} blocks", "time"], rows)
+    text += (
+        f"\n\n- reading / trivial (target ≤ 1.2): {ratio:.2f}"
+        f"\n- the worker's RSS grew {grew_rss / 2**20:.1f} MiB over "
+        f"{rounds * cells * 2} cells, the machine's shared memory {grew_shmem / 2**20:.1f} MiB"
+        " (target ≤ 16 MiB each; the machine's is everyone's, and moves with them)"
+    )
+    return text, {"reading / trivial": ratio}
+
+
+def _shmem() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(
     rounds: int = 20,
     mib: int = 256,
@@ -367,6 +417,7 @@ def main(
             trips, _ = round_trips(kernel, rounds, others)
             moved, _ = transfer(kernel, max(3, rounds // 4), mib, others)
             made, _ = outputs(kernel, rounds, scale=mib / 256)
+            read, _ = reading_an_input(kernel, cells=rounds, mib=2 * mib, rounds=3)
         finally:
             kernel.shutdown()
     first, _ = first_claims(first_rounds, idle_s)
@@ -374,7 +425,8 @@ def main(
         f"### Running a cell elsewhere\n\n{trips}\n\n"
         f"### The first claim of a notebook, and of a new shape\n\n{first}\n\n"
         f"### Moving data\n\n{moved}\n\n"
-        f"### Big values a claimed cell made\n\n{made}\n"
+        f"### Big values a claimed cell made\n\n{made}\n\n"
+        f"### A big input read cell after cell\n\n{read}\n"
     )
 
 

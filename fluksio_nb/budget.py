@@ -24,7 +24,10 @@ half second, and, where a cgroup could be made, the kernel's own memory cap
 place, :func:`over_budget`, and says which of the two acted: the numbers mean
 different things (a reading taken up to half a second late, or the most the
 kernel let the claim have), and so does the advice about how far over a fast
-allocation can get. CPU is never a reason to halt. A thread-hungry cell is held
+allocation can get. A stop while the results were being copied back, after
+the cell's code had run, says so and names what was being copied
+(:func:`in_the_copy_back`): the cell's code did not cross the line, and
+sending less is the fix. CPU is never a reason to halt. A thread-hungry cell is held
 to its share by the thread variables, and a busy half-second between two
 samples is a cell running slowly, not a cell to kill. Memory over budget, on
 the other hand, stays over budget until something frees it.
@@ -32,6 +35,7 @@ the other hand, stays over budget until something frees it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -150,11 +154,18 @@ class HaltDecision:
 _CONTINUE = HaltDecision(should_halt=False)
 
 
-def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> HaltDecision:
+def over_budget(
+    used_bytes: int,
+    budget: Budget,
+    enforced_by: str = SAMPLER,
+    sending: Mapping[str, int] | None = None,
+) -> HaltDecision:
     """The stop of a claim over its own budget, in the one paragraph the user reads.
 
     ``used_bytes`` is the sampler's reading that crossed the line, or, for the
     kernel's cap, the most the claim's processes held (the cgroup's peak).
+    ``sending`` is what was being copied back when it was stopped, if it
+    was: each name, and about how many bytes it holds.
     """
     limit = budget.halt_bytes
     assert budget.applied_bytes is not None and limit is not None, "no budget, nothing to be over"
@@ -164,7 +175,22 @@ def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> 
         else ""
     )
     stage = f", stopped at {budget.halt_at:.0%} of it" if budget.halt_at < 1 else ""
-    if enforced_by == SAMPLER:
+    if sending is not None:
+        by = (
+            f"the sampler, which reads memory every {SAMPLE_INTERVAL_S:g} s"
+            if enforced_by == SAMPLER
+            else f"the kernel's memory cap ({enforced_by})"
+        )
+        message = (
+            f"halted while its results were copied back to the kernel, after the cell's "
+            f"code had run: copying {_names_and_sizes(sending)} took the worker to "
+            f"{human(used_bytes)}, over its memory budget of {human(budget.applied_bytes)}"
+            f"{why}{stage}, and it was stopped by {by}. Bytes, bytearrays and numpy arrays "
+            "go back without a copy; text and other objects are copied as they are "
+            "pickled, and that copy counts. Bring back only what the kernel needs "
+            "(--out NAMES), del the rest before the cell ends, or ask for more with ram=."
+        )
+    elif enforced_by == SAMPLER:
         message = (
             f"halted: the worker used {human(used_bytes)}, over its memory budget of "
             f"{human(budget.applied_bytes)}{why}{stage}. It was halted by the sampler, which "
@@ -178,13 +204,48 @@ def over_budget(used_bytes: int, budget: Budget, enforced_by: str = SAMPLER) -> 
             f"the kernel's memory cap ({enforced_by}), which no allocation gets past. "
             "Ask for more with ram=, or use less."
         )
+    detail: dict[str, Any] = {"rss_bytes": used_bytes, "limit_bytes": limit}
+    if sending is not None:
+        detail["sending"] = dict(sending)
     return HaltDecision(
         should_halt=True,
         reason=HaltReason.OVER_BUDGET,
         message=message,
-        detail={"rss_bytes": used_bytes, "limit_bytes": limit},
+        detail=detail,
         enforced_by=enforced_by,
     )
+
+
+def in_the_copy_back(
+    decision: HaltDecision, budget: Budget, sending: Mapping[str, int], code_peak_bytes: int = 0
+) -> HaltDecision:
+    """``decision`` as the stop of a claim whose results were being copied back as it came.
+
+    Only a stop over the claim's own budget changes, and only if the cell's
+    code kept within it (``code_peak_bytes``, the worker's own peak while the
+    code ran): a code that went past it between two readings is seen only
+    once it is over, and is still to blame. The host running short, or a
+    card over its budget, is no more the copy's doing than the cell's.
+    """
+    over = budget.halt_bytes is not None and code_peak_bytes > budget.halt_bytes
+    if decision.reason != HaltReason.OVER_BUDGET or "sending" in decision.detail or over:
+        return decision
+    return over_budget(decision.detail["rss_bytes"], budget, decision.enforced_by, sending)
+
+
+#: Names listed by size in a stop during the copy back; the rest are counted.
+_NAMES_LISTED = 5
+
+
+def _names_and_sizes(sending: Mapping[str, int]) -> str:
+    """``chunks (about 320.0MB) and total (about 28B)``: the biggest first."""
+    by_size = sorted(sending.items(), key=lambda item: -item[1])
+    listed = [f"{name} (about {human(size)})" for name, size in by_size[:_NAMES_LISTED]]
+    if len(by_size) > _NAMES_LISTED:
+        listed.append(f"{len(by_size) - _NAMES_LISTED} more")
+    if not listed:
+        return "its results"
+    return listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
 
 
 def over_budget_before_it_ran(held_bytes: int, budget: Budget, enforced_by: str) -> HaltDecision:

@@ -48,7 +48,7 @@ import psutil
 
 from fluksio_nb import transfer
 from fluksio_nb.books import Allocation
-from fluksio_nb.budget import HaltDecision, budget_here, memory_warning
+from fluksio_nb.budget import HaltDecision, budget_here, in_the_copy_back, memory_warning
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.errors import (
@@ -76,6 +76,7 @@ from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
 from fluksio_nb.usage.recent import process_recent_usage
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
+from fluksio_nb.worker.messages import SendingBack
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
 #: How long the status may lag the queue while a claim waits.
@@ -130,6 +131,11 @@ class Claim(ClaimLifecycle):
         self._warning_due: Sample | None = None
         #: Its cores and cgroups, once granted.
         self._confinement: Confinement | None = None
+        #: While the running work's results are copied back, until its end is
+        #: told, the worker's word of it: each name being sent and about how
+        #: much it holds. A stop for memory in that time names them, not the
+        #: cell's code, unless the code itself went past the budget.
+        self._sending: SendingBack | None = None
         #: When its wait was last guessed: the first guess comes a second into the wait.
         self._guessed_at = time.monotonic() - GUESS_EVERY_S + 1.0
 
@@ -147,7 +153,7 @@ class Claim(ClaimLifecycle):
 
     @staticmethod
     def pack_inputs(values: Mapping[str, object]) -> Parcel:
-        return transfer.pack(values, reuse=True)
+        return transfer.pack(values, reuse=True, in_place=True)
 
     # -- the share --------------------------------------------------------------
 
@@ -440,6 +446,7 @@ class Claim(ClaimLifecycle):
         if self.allocation is None or held is None:
             raise RuntimeError("the claim has no share yet; use it inside its `with` block")
         self._refuse_if_out_of_time()
+        self._sending = None
         worker: Worker | None = None
         watched: Watched | None = None
 
@@ -491,10 +498,15 @@ class Claim(ClaimLifecycle):
         if outcome.sent_s is not None:
             self.status.sent_s = (self.status.sent_s or 0.0) + outcome.sent_s
             self.status.sent_bytes += outcome.sent_bytes
+        self.status.sent_in_bytes += outcome.sent_in_bytes
         # A peak between two readings, which the readings would have missed.
         readings = self.status.readings
         readings.peak_rss_bytes = max(readings.peak_rss_bytes, outcome.peak_bytes)
-        self._raise_for(outcome)
+        try:
+            self._raise_for(outcome)
+        finally:
+            # A process of the claim's the cap kills later was not copying results.
+            self._sending = None
         return outcome
 
     def _stop_watching(self, watched: Watched) -> None:
@@ -529,7 +541,8 @@ class Claim(ClaimLifecycle):
         left = None if self._deadline is None else self._deadline - time.monotonic()
         return 30.0 if left is None else max(left, 0.0)
 
-    def _sending_back(self, written: int, total: int) -> None:
+    def _sending_back(self, written: int, total: int, announced: SendingBack) -> None:
+        self._sending = announced
         status = self.status
         if status.sending_since is None:
             status.sending_since = time.monotonic()
@@ -657,6 +670,7 @@ class Claim(ClaimLifecycle):
                 None,
             )
         else:
+            decision = self._in_the_copy_back(decision)
             self._stop("halted", decision.message, decision)
 
     def _cancelled(self, reason: str) -> None:
@@ -702,8 +716,16 @@ class Claim(ClaimLifecycle):
             return None
         capped = held.halt_by_the_cap(self.budget, self.status.readings.peak_rss_bytes)
         if capped is not None:
+            capped = self._in_the_copy_back(capped)
             self._stop("halted", capped.message, capped)
         return capped
+
+    def _in_the_copy_back(self, decision: HaltDecision) -> HaltDecision:
+        """The stop as the copy back's, if the results were being copied back as it came."""
+        sending, budget = self._sending, self.budget
+        if sending is None or budget is None:
+            return decision
+        return in_the_copy_back(decision, budget, sending.sizes, sending.peak_bytes)
 
     # -- ending ------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from fluksio_nb import random_streams, transfer, warm_start
+from fluksio_nb import kernel_room, random_streams, transfer, warm_start
 from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
 from fluksio_nb.context import place_to_run
 from fluksio_nb.errors import (
@@ -156,11 +156,17 @@ class ClaimMagics(Magics):
             # After the rest are bound, and as the cell's error: "Run All"
             # stops here, not at a later cell that reads a name not there.
             said = "; ".join(f"{name} ({why})" for name, why in sorted(missing.items()))
+            if any(why.startswith(kernel_room.TOO_BIG) for why in missing.values()):
+                what_to_do = kernel_room.WHAT_TO_DO
+            else:
+                what_to_do = (
+                    "A name only the cell needs can be deleted at its end "
+                    "(del), or --out can name the ones to bring back."
+                )
             raise NotBroughtBack(
                 f"the cell ran, but {'this name' if len(missing) == 1 else 'these names'} "
                 f"did not come back to the kernel: {said}. Everything else it bound is "
-                "in the kernel. A name only the cell needs can be deleted at its end "
-                "(del), or --out can name the ones to bring back."
+                f"in the kernel. {what_to_do}"
             )
         return None
 

@@ -60,11 +60,20 @@ What it decides:
   controller) is set only when the books could hand out no core ids: more
   cpus declared than there are cores. On v2 it goes in the claim's one
   cgroup beside its memory limit; on v1 in the cpu hierarchy.
+- **The copy back is not the claim's.** The shared memory a worker writes
+  its results into is charged to the cgroup it writes from, and is the
+  kernel's from then on: the worker writes it from its kernel's
+  (:func:`copy_back_outside_the_cap`).
 
 Making, filling and removing one claim's cgroup costs about a millisecond
 (measured on cgroup v1: mkdir, four writes, a move in and out, rmdir), paid
 only by claims with a ``ram=``. Every path is a parameter, so the detection
 can be tried on a tree of real files laid out as the kernel lays them out.
+
+It is long because a claim's cgroups are one set of promises kept from both
+sides: where they may go, how they are made, filled and removed by the
+kernel, and how a worker leaves one, for a while or for good, must agree on
+the same directories.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -552,6 +562,45 @@ def leave_claim_cgroup(home: Path | None, controller: str = "memory") -> None:
     with contextlib.suppress(OSError):
         _write(home / "cgroup.procs", str(os.getpid()))
         remove_cgroup(here)
+
+
+@contextlib.contextmanager
+def copy_back_outside_the_cap() -> Iterator[Callable[[], None]]:
+    """A step out of the claim's memory cgroup for writing its results, and back in after.
+
+    Pages written in ``/dev/shm`` stay charged to the cgroup of whoever wrote
+    them: a cell keeping 320 MB under ``ram=500M`` was killed by its cap
+    writing the second 320 MB, which is the kernel's memory from then on. So
+    they are written from the kernel's own cgroup, where
+    :meth:`ClaimCgroup.let_go` puts the worker after the cell anyway. The
+    step is taken (call what this gives) once every value is pickled: a value
+    whose pickling copies it (text, objects) is still held to the budget, and
+    only ``write()`` of buffers, which allocates nothing in the worker, is
+    outside. A worker in no claim cgroup, or that may not move, stays, and
+    the cap counts the copy.
+    """
+    left: Path | None = None
+
+    def step_out() -> None:
+        nonlocal left
+        claim = own_memory_cgroup()
+        if left is not None or claim is None or not CLAIM_NAME.match(claim.name):
+            return
+        # The kernel started the worker, and is never in a claim's cgroup itself.
+        home = own_memory_cgroup(proc_cgroup=Path(f"/proc/{os.getppid()}/cgroup"))
+        if home is None or home == claim:
+            return
+        with contextlib.suppress(OSError):
+            _write(home / "cgroup.procs", str(os.getpid()))
+            left = claim
+
+    try:
+        yield step_out
+    finally:
+        if left is not None:
+            # Gone if the claim ended meanwhile: the worker then stays home.
+            with contextlib.suppress(OSError):
+                _write(left / "cgroup.procs", str(os.getpid()))
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,26 @@ as a dict of attributes the kernel's real class has no room for, and failed
 to arrive. A class's own ``__slots__`` now go into the class as it is made,
 so it is the same class on both sides.
 
+**A big bytes object's copy.** Protocol 5 hands a buffer out of band only
+if the object reduces to a ``PickleBuffer``, as numpy arrays do. ``bytes``
+does not: the C pickler writes it into the stream without ever asking
+``reducer_override``. A cell that kept a 320 MB list of bytes then built a
+320 MB stream beside it, and was halted at ``ram=500M`` for a copy it never
+made. The pickler hands a payload of 64 KiB or more to its file by itself,
+the original object, right after its header: so the file the stream is
+written to (:class:`_Stream`) offers such a bytes object to
+``buffer_callback`` as a buffer, and, where it goes out of band, writes in
+place of the header and payload a call rebuilding it from the next buffer.
+It arrives as ``bytes``, equal, with one copy on the receiving side, which
+``bytes`` owning its memory makes the least there is.
+
+Two others keep their copy in the stream. A ``str`` has no buffer to hand
+out, and encoding it is the same copy. A ``bytearray`` could go the same way,
+but arrives as a copy off its file, so a cell's input that it only read
+would look changed (:func:`fluksio_nb.transfer.unchanged` compares the
+stream, or the pages of the file it arrived on) and go back, replacing the
+kernel's own object and cutting it from its views.
+
 A pickle stays the same on both sides, as :func:`fluksio_nb.transfer.unchanged`
 needs: a cell's lines arrive as they left, under the same number, and a
 class is rebuilt as it was.
@@ -58,10 +78,71 @@ _cells: dict[tuple[str, int | None], Cell] = {}
 
 
 def dumps(value: object, protocol: int, buffer_callback: Any = None) -> bytes:
-    """``value``'s pickle as cloudpickle makes it, code keeping its cell and classes their slots."""
-    with io.BytesIO() as file:
+    """``value``'s pickle as cloudpickle makes it, code keeping its cell and classes their slots.
+
+    With a ``buffer_callback``, big ``bytes`` are offered to it as buffers
+    too, as numpy arrays are.
+    """
+    file = io.BytesIO() if buffer_callback is None else _Stream(buffer_callback)
+    with file:
         _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
         return file.getvalue()
+
+
+#: ``bytes(<the next out-of-band buffer>)`` in pickle's opcodes: what a big
+#: bytes object's header and payload become when it travels out of band. No
+#: opcode here memoizes, so the memo's numbering is as the pickler counts it,
+#: and its own MEMOIZE after the payload remembers the rebuilt object.
+_BYTES_FROM_NEXT_BUFFER = (
+    pickle.SHORT_BINUNICODE
+    + b"\x08builtins"
+    + pickle.SHORT_BINUNICODE
+    + b"\x05bytes"
+    + pickle.STACK_GLOBAL
+    + pickle.NEXT_BUFFER
+    + pickle.TUPLE1
+    + pickle.REDUCE
+)
+
+#: The C pickler's own threshold (``FRAME_SIZE_TARGET``): a payload this big
+#: goes to the file in a ``write()`` of its own, straight after its header,
+#: which is written outside any frame.
+_WRITTEN_ON_ITS_OWN = 64 * 1024
+
+
+class _Stream(io.BytesIO):
+    """A pickle stream that offers the big bytes objects written to it to a buffer callback.
+
+    Only a payload whose header, just written, says ``bytes`` and its
+    length is taken out: a ``str``'s encoded copy comes with a header of its
+    own, and anything this does not recognise is written as it comes, which
+    is the stream the pickler meant.
+    """
+
+    def __init__(self, buffer_callback: Any) -> None:
+        super().__init__()
+        self._buffer_callback = buffer_callback
+        self._tail = b""
+
+    def write(self, data: Any) -> int:
+        size = len(data)
+        if type(data) is bytes and size >= _WRITTEN_ON_ITS_OWN:
+            header = _bytes_header(size)
+            if self._tail.endswith(header) and not self._buffer_callback(pickle.PickleBuffer(data)):
+                self.seek(self.tell() - len(header))
+                self.truncate()
+                super().write(_BYTES_FROM_NEXT_BUFFER)
+                self._tail = b""
+                return size
+        self._tail = bytes(data[-9:])
+        return super().write(data)
+
+
+def _bytes_header(size: int) -> bytes:
+    """The opcode and length protocol 4 and later write before a bytes payload of ``size``."""
+    if size <= 0xFFFFFFFF:
+        return pickle.BINBYTES + size.to_bytes(4, "little")
+    return pickle.BINBYTES8 + size.to_bytes(8, "little")
 
 
 def why_it_cannot_travel(value: object) -> str | None:

@@ -90,9 +90,11 @@ class ClaimStatus:
     sending_since: float | None = None
     sending_written: int = 0
     sending_total: int = 0
-    #: How long results took to come back, and how big they were, all told.
+    #: How long results took to come back, and the bytes copied to bring
+    #: them, all told; and the bytes copied to send the inputs.
     sent_s: float | None = None
     sent_bytes: int = 0
+    sent_in_bytes: int = 0
     #: Names the cell bound that could not come back to the kernel.
     not_back: list[str] = field(default_factory=list)
     #: While waiting: when it may start, in words, or why nobody can tell
@@ -117,7 +119,7 @@ class ClaimStatus:
         return (self.started_at or self.ended_at or time.monotonic()) - self.asked_at
 
 
-#: Results smaller than this come back in no time worth a word of their own.
+#: Values smaller than this move in no time worth a word of their own.
 SENT_BACK_SAID_FROM_BYTES = 1_000_000
 
 
@@ -151,6 +153,8 @@ def describe(status: ClaimStatus) -> str:
     if status.not_back:
         ending += ", but not every name came back"
     times = f"waited {status.waited_s:.1f} s"
+    if status.sent_in_bytes >= SENT_BACK_SAID_FROM_BYTES:
+        times += f", sent {human(status.sent_in_bytes)} in"
     if status.starting_s:
         times += f", started a worker in {status.starting_s:.1f} s"
     times += f", ran {status.ran_s:.1f} s"

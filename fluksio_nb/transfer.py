@@ -32,9 +32,14 @@ unpacking 0.1 ms, plus 11 ms of page faults the first time the array is
 touched. Most of a new file's cost is the kernel finding and clearing 65,536
 fresh pages, not the copy.
 
-Two things take that cost away for a notebook that sends the same arrays to
+What takes that cost away for a notebook that sends the same arrays to
 cell after cell, which is what notebooks do:
 
+- **A big array of the kernel's moves onto its file** the first time it is
+  sent (``pack(..., in_place=True)``, :mod:`fluksio_nb.shared_in_place`): its
+  memory becomes the file's, at the same address, so sending it again costs
+  only the pages the kernel changed since, usually none, and the machine
+  holds it once.
 - **The kernel keeps the files it sends** (``pack(..., reuse=True)``), on a
   shelf of its own, and writes the next parcel of the same size into one of
   them, whose pages are already there: a copy at memory speed. A receiver
@@ -45,11 +50,18 @@ cell after cell, which is what notebooks do:
   (:data:`SHELF_BYTES`, :data:`SHELF_IDLE_S`). They are memfd files, which
   receivers open through ``/proc/<pid>/fd/<n>``: with no name anywhere, they
   go with the last process holding them, however it ends.
+- **What was sent is mapped copy-on-write** (``unpack(..., remember=True)``
+  in the worker): a page the cell writes becomes its own, and which ones it
+  wrote is the OS's to tell. An input the cell did not change is then known
+  unchanged for the price of reading its page table (:func:`unchanged`), and
+  does not go back at all.
 - **A value that comes back on the memory it was sent on goes back as a
   reference** (``pack(..., refer_back=True)`` in the worker): ``b = a``, or
-  ``a *= 2`` then sending ``a`` back, costs no copy at all, and the kernel maps
-  the file it wrote. Only whole buffers, or most of one, go back this way: a
-  small slice would keep a big file alive.
+  ``a *= 2`` then sending ``a`` back, costs only the pages the cell changed,
+  written into the kernel's file, and the kernel reads them there: on its
+  own array, where it was moved onto the file, or on a mapping of the file.
+  Only whole buffers, or most of one, go back this way: a small slice would
+  keep a big file alive.
 
 - **A worker keeps the files it sends back** (``pack(..., reuse=True,
   unmapped=True, room_in_segment_dir=True)``), lent to the kernel, which
@@ -85,6 +97,7 @@ import os
 import pickle
 import re
 import secrets
+import sys
 import tempfile
 import threading
 import time
@@ -96,7 +109,8 @@ from typing import Any
 
 import psutil
 
-from fluksio_nb import pickling
+from fluksio_nb import pickling, shared_in_place
+from fluksio_nb.shared_in_place import changed_runs
 from fluksio_nb.stop_button import stop_held_back
 
 #: Buffers at least this big travel through shared memory rather than inline.
@@ -128,8 +142,11 @@ SHELF_BYTES = 1 << 30
 SHELF_FILES = 256
 
 #: An idle kept file goes after this long: a notebook sending the same array
-#: again does so within seconds; one that stopped should get its memory back.
-SHELF_IDLE_S = 60.0
+#: again does so within seconds (Run All, a loop of claimed cells); one that
+#: stopped gives the machine its memory back while a person is still reading
+#: the result. Shared memory is everyone's: 3 kernels each keeping 1.2 GB
+#: idle for a minute, as they did with a minute here, was 3.6 GB nobody used.
+SHELF_IDLE_S = 5.0
 
 #: A buffer goes back as a reference only if it covers at least this share of
 #: the file it lies in; a smaller slice is cheaper to copy than to pin the file.
@@ -152,6 +169,13 @@ class Segment:
     nbytes: int
     offset: int = 0
     kept: bool = False
+    #: The bytes written to put the buffer there, where that is not all of it:
+    #: a buffer sent back on the file it came on was written only where the
+    #: cell changed it (:func:`_where_received`), often nowhere.
+    written: int | None = None
+    #: The file is the sender's own array's memory
+    #: (:mod:`~fluksio_nb.shared_in_place`), lent to this parcel alone.
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,22 @@ class Parcel:
         """How much the values take in transit, pickles and shared memory together."""
         return sum(
             len(value.pickle) + sum(segment.nbytes for segment in value.segments)
+            for value in self.values.values()
+        )
+
+    @property
+    def moved_bytes(self) -> int:
+        """How much was copied to send the values: what a person is told moved.
+
+        Less than :attr:`nbytes` where a buffer went back on the file it came
+        on, which costs only what the cell changed in it.
+        """
+        return sum(
+            len(value.pickle)
+            + sum(
+                segment.nbytes if segment.written is None else segment.written
+                for segment in value.segments
+            )
             for value in self.values.values()
         )
 
@@ -211,6 +251,7 @@ def pack(
     *,
     reuse: bool = False,
     refer_back: bool = False,
+    in_place: bool = False,
     unmapped: bool = False,
     room_in_segment_dir: bool = False,
     progress: Callable[[int, int], None] | None = None,
@@ -221,7 +262,10 @@ def pack(
     earlier parcels, and keeps them for later ones; the parcel's
     :meth:`~Parcel.discard` puts them back. ``refer_back`` sends a buffer that
     lies in a kept file this process was sent, unpacked with ``remember=True``,
-    as a reference to that file instead of a copy. ``unmapped`` writes kept
+    as a reference to that file instead of a copy. ``in_place`` sends a big
+    array of this process's own as a reference to the file its memory was
+    moved onto (:mod:`fluksio_nb.shared_in_place`), moving it the first time.
+    ``unmapped`` writes kept
     files without mapping them here, so they stay out of this process's
     resident memory, which a sampler may be holding to a budget.
     ``room_in_segment_dir`` makes new kept files in :data:`SEGMENT_DIR`, nameless
@@ -236,7 +280,7 @@ def pack(
     failures: dict[str, str] = {}
     for name, value in values.items():
         try:
-            planned[name] = _plan_one(value, refer_back)
+            planned[name] = _plan_one(value, refer_back, in_place)
         except Exception as error:
             failures[name] = _reason(error)
     total = sum(
@@ -315,29 +359,39 @@ def pack_pickled(data: bytes, buffers: Sequence[Any], *, reuse: bool = False) ->
 
 
 def unchanged(value: object, sent: PackedValue) -> bool:
-    """Whether ``value`` still pickles to exactly what was sent for it.
+    """Whether ``value`` is still exactly what was sent for it: nothing need go back.
 
-    Said only of a value sent without big buffers: those lie in shared memory
-    the receiver may have written to in place, with no copy left to compare
-    against, so such a value is never taken as unchanged. Pickling again
-    costs what sending the value did. A value that no longer pickles, or
-    pickles differently for any reason, counts as changed: taking a changed
-    value for unchanged loses the change, the other way round only costs a copy.
+    Its pickle must be the same bytes, and each big buffer must still lie
+    where it arrived, on its own received file, with not one page of it
+    written since: the files a receiver remembers are mapped copy-on-write,
+    so a page the cell wrote is a page of its own, which the OS tells apart
+    (:func:`~fluksio_nb.shared_in_place.changed_runs`). Finding that out costs a pickle of the value
+    without its buffers and a read of 8 bytes a page (1.5 ms for 512 MiB),
+    where sending it back would cost a copy or a comparison of every byte.
+
+    A value that no longer pickles, pickles differently for any reason, or
+    whose pages cannot be read, counts as changed: taking a changed value for
+    unchanged loses the change, the other way round only costs a copy.
     """
-    if sent.segments:
-        return False
-    grew = False
+    buffers: list[memoryview] = []
 
     def spill(buffer: pickle.PickleBuffer) -> bool:
-        nonlocal grew
-        grew = grew or out_of_band(buffer) is not None
-        return True
+        raw = out_of_band(buffer)
+        if raw is None:
+            return True
+        buffers.append(raw)
+        return False
 
     try:
         again = dumps(value, spill)
     except Exception:
         return False
-    return not grew and again == sent.pickle
+    if again != sent.pickle or len(buffers) != len(sent.segments):
+        return False
+    return all(
+        _lies_unwritten_on(raw, segment)
+        for raw, segment in zip(buffers, sent.segments, strict=True)
+    )
 
 
 def unpack(parcel: Parcel, *, remember: bool = False) -> tuple[dict[str, object], dict[str, str]]:
@@ -420,14 +474,64 @@ def dumps(value: object, buffer_callback: Any = None) -> bytes:
     other. A claimed cell pays this for every name it sends back.
 
     The notebook's functions keep their cells' lines on the way
-    (:mod:`fluksio_nb.pickling`), so that a traceback through one shows them.
+    (:mod:`fluksio_nb.pickling`), so that a traceback through one shows them,
+    and big ``bytes`` are offered to ``buffer_callback``, as arrays are.
     """
-    if type(value) in _PLAIN_TYPES:
+    if type(value) in _PLAIN_TYPES and not (
+        buffer_callback is not None and type(value) is bytes and len(value) >= INLINE_LIMIT
+    ):
         return pickle.dumps(value, protocol=_PROTOCOL)
     return pickling.dumps(value, _PROTOCOL, buffer_callback)
 
 
-def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | memoryview]]:
+#: Items of one value looked at to guess its size: a list of ten million
+#: numbers is guessed from a sample, in microseconds, rather than walked.
+_ITEMS_LOOKED_AT = 2000
+
+
+def size_held(value: object) -> int:
+    """About how many bytes ``value`` holds: what a person is told is being sent.
+
+    A buffer (bytes, arrays) counts its bytes; a list, tuple, set or dict
+    its own size and its items', from a sample of them; anything else what
+    it says of itself (``nbytes``, or ``sys.getsizeof``). A guess, but one
+    of the right order, made before the value is pickled.
+    """
+    return _size_of(value, [_ITEMS_LOOKED_AT])
+
+
+def _size_of(value: Any, left: list[int]) -> int:
+    try:
+        return memoryview(value).nbytes
+    except Exception:
+        pass
+    try:
+        own = sys.getsizeof(value)
+        if isinstance(value, dict):
+            items: Any = [*value.keys(), *value.values()] if len(value) <= left[0] else None
+        elif isinstance(value, list | tuple | set | frozenset):
+            items = value
+        else:
+            nbytes = getattr(value, "nbytes", None)
+            return nbytes if isinstance(nbytes, int) else own
+        if not items or left[0] <= 0:
+            return own
+        looked, held = 0, 0
+        for item in items:
+            if left[0] <= 0:
+                break
+            left[0] -= 1
+            looked += 1
+            held += _size_of(item, left)
+        return own + held * len(items) // looked
+    except Exception:
+        # A value whose own answers raise is still sent; only its size goes unsaid.
+        return 0
+
+
+def _plan_one(
+    value: object, refer_back: bool, in_place: bool = False
+) -> tuple[bytes, list[Segment | memoryview]]:
     """``value``'s pickle, and its big buffers in order: each to write, or a file to refer to."""
     parts: list[Segment | memoryview] = []
 
@@ -436,11 +540,33 @@ def _plan_one(value: object, refer_back: bool) -> tuple[bytes, list[Segment | me
         raw = out_of_band(buffer)
         if raw is None:
             return True
-        back = _where_received(raw) if refer_back else None
-        parts.append(back or raw)
+        parts.append(_referred(raw, refer_back, in_place) or raw)
         return False
 
-    return dumps(value, spill), parts
+    try:
+        return dumps(value, spill), parts
+    except BaseException:
+        # A file lent to a part already planned goes back to its lender.
+        _let_go([part for part in parts if isinstance(part, Segment) and part.in_place])
+        raise
+
+
+def _referred(raw: memoryview, refer_back: bool, in_place: bool) -> Segment | None:
+    """A file ``raw`` lies in, to send instead of a copy of it, if there is one."""
+    if refer_back:
+        return _where_received(raw)
+    if in_place and (address := _address(raw)) is not None:
+        shared = shared_in_place.share(raw, address)
+        if shared is not None:
+            return Segment(
+                shared.path,
+                raw.nbytes,
+                shared.offset,
+                kept=True,
+                written=shared.written,
+                in_place=True,
+            )
+    return None
 
 
 def _write_segment(raw: memoryview, written: _Written | None = None) -> Segment:
@@ -467,14 +593,14 @@ def _create(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
-def _write_all(fd: int, raw: memoryview, written: _Written | None = None) -> None:
+def _write_all(fd: int, raw: memoryview, written: _Written | None = None, at: int = 0) -> None:
     # write() rather than filling a mapping: a full /dev/shm is then an
     # ENOSPC here instead of a SIGBUS at some later page, and it is faster
     # (256 MiB: 91 ms, against 199 ms copying into a fresh mapping).
     try:
         done = 0
         while done < raw.nbytes:
-            n = os.pwrite(fd, raw[done : done + _WRITE_PIECE], done)
+            n = os.pwrite(fd, raw[done : done + _WRITE_PIECE], at + done)
             done += n
             if written is not None:
                 written.add(n)
@@ -514,6 +640,9 @@ def _size(nbytes: int) -> str:
 
 
 def _map(segment: Segment, remember: bool = False) -> memoryview:
+    own = None if remember else shared_in_place.view_of(*_bytes_of(segment))
+    if own is not None:
+        return own
     try:
         fd = os.open(segment.path, os.O_RDWR)
     except FileNotFoundError:
@@ -534,31 +663,60 @@ def _map(segment: Segment, remember: bool = False) -> memoryview:
                 f"its shared memory {segment.path} holds {size} bytes, not the "
                 f"{segment.nbytes} that were sent — something else wrote there; run the cell again"
             )
-        # MAP_SHARED and writable, so arrays on it are writable without a copy
-        # on write; a file that is not kept is unlinked next, so nobody else
-        # sees the writes, and a kept one is only written again once every
-        # mapping of it has gone.
+        # Writable either way, so arrays on it are writable. A remembered file
+        # (a cell's inputs) is mapped copy-on-write: a page the cell writes
+        # becomes its own, the sender's file keeps what was sent, and which
+        # pages the cell changed is the OS's to tell (:func:`unchanged`).
+        # Otherwise shared: a file that is not kept is unlinked next, so
+        # nobody else sees the writes, and a kept one is only written again
+        # once every mapping of it has gone.
         # Mapped lazily: for 256 MiB, faulting every page in on first touch
         # took 11 ms, against 13 ms for MAP_POPULATE up front.
-        mapping = mmap.mmap(fd, end, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flags = mmap.MAP_PRIVATE if remember else mmap.MAP_SHARED
+        mapping = mmap.mmap(fd, end, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
         if not segment.kept:
             with suppress(FileNotFoundError):
                 os.unlink(segment.path)
-    if remember and segment.kept:
-        _received.append((weakref.ref(mapping), _address(memoryview(mapping)), segment))
+    if remember:
+        _received.append(_Received(weakref.ref(mapping), _address(memoryview(mapping)), segment))
     view = memoryview(mapping)
     return view[segment.offset : end] if segment.offset else view
+
+
+def _bytes_of(segment: Segment) -> tuple[str, int, int]:
+    return segment.path, segment.offset, segment.nbytes
 
 
 # -----------------------------------------------------------------------------
 # Sending back what was sent
 # -----------------------------------------------------------------------------
 
-#: The kept files of the parcel last unpacked with ``remember``: the mapping,
-#: where it starts in memory, and the segment it came from.
-_received: list[tuple[weakref.ref, int | None, Segment]] = []
+
+@dataclass(frozen=True)
+class _Received:
+    """A file of the parcel last unpacked with ``remember``, mapped copy-on-write here."""
+
+    mapping: weakref.ref
+    #: Where the mapping starts in this process's memory; ``None`` if unknown.
+    base: int | None
+    segment: Segment
+
+    @property
+    def length(self) -> int:
+        """The mapping's length: from the file's start to the buffer's end."""
+        return self.segment.offset + self.segment.nbytes
+
+    def holds(self, start: int, nbytes: int) -> bool:
+        """Whether the bytes from ``start`` lie wholly on this mapping, while it lasts."""
+        if self.base is None or self.mapping() is None:
+            return False
+        return self.base <= start and start + nbytes <= self.base + self.length
+
+
+#: The files of the parcel last unpacked with ``remember``.
+_received: list[_Received] = []
 
 
 def _address(view: memoryview) -> int | None:
@@ -569,19 +727,76 @@ def _address(view: memoryview) -> int | None:
         return None
 
 
+def _lies_unwritten_on(raw: memoryview, segment: Segment) -> bool:
+    """Whether ``raw`` is where ``segment`` arrived, whole, with no page of it written since."""
+    start = _address(raw)
+    if start is None or raw.nbytes != segment.nbytes:
+        return False
+    for received in _received:
+        if received.segment.path == segment.path:
+            offset = received.segment.offset
+            return (
+                received.holds(start, raw.nbytes)
+                and start - received.base == offset  # type: ignore[operator]
+                and changed_runs(start, raw.nbytes) == []
+            )
+    return False
+
+
 def _where_received(raw: memoryview) -> Segment | None:
-    """The kept file ``raw`` lies in, as a reference to send back, if it does."""
+    """The kept file ``raw`` lies in, as a reference to send back, if it does.
+
+    The file is brought up to date first: the pages the cell wrote on its
+    copy-on-write mapping are written into it, and only those, then given
+    back, so the mapping reads the file again and nothing is written twice.
+    Where that cannot be done (the pages cannot be read, the sender has gone)
+    the buffer is copied as any other.
+    """
     start = _address(raw) if _received else None
     if start is None:
         return None
-    for mapping, base, segment in _received:
-        if mapping() is None or base is None:
+    for received in _received:
+        segment = received.segment
+        if not (segment.kept and received.holds(start, raw.nbytes)):
             continue
-        offset = start - base
-        fits = offset >= 0 and offset + raw.nbytes <= segment.nbytes
-        if fits and raw.nbytes >= REFER_BACK_SHARE * segment.nbytes:
-            return Segment(segment.path, raw.nbytes, offset, kept=True)
+        if raw.nbytes < REFER_BACK_SHARE * segment.nbytes:
+            return None
+        written = _write_changes_into_the_file(received)
+        if written is None:
+            return None
+        offset = start - received.base  # type: ignore[operator]
+        return Segment(segment.path, raw.nbytes, offset, kept=True, written=written)
     return None
+
+
+def _write_changes_into_the_file(received: _Received) -> int | None:
+    """Write the pages changed on ``received``'s mapping into its file; the bytes written."""
+    mapping, base = received.mapping(), received.base
+    if mapping is None or base is None:
+        return None
+    runs = changed_runs(base, received.length)
+    if runs is None:
+        return None
+    if not runs:
+        return 0
+    try:
+        fd = os.open(received.segment.path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    written = 0
+    try:
+        view = memoryview(mapping)
+        for address, length in runs:
+            offset = address - base
+            _write_all(fd, view[offset : offset + length], at=offset)
+            written += length
+            # The mapping's own copies go: it reads the file again, which now
+            # says the same, and the next look finds nothing changed.
+            mapping.madvise(mmap.MADV_DONTNEED, offset, length)
+        view.release()
+    finally:
+        os.close(fd)
+    return written
 
 
 # -----------------------------------------------------------------------------
@@ -701,10 +916,8 @@ class _Shelf:
                 return
             kept.lent, kept.since = False, time.monotonic()
             self._trim(time.monotonic())
-            if self._timer is None and self._files:
-                self._timer = threading.Timer(SHELF_IDLE_S, self._expire)
-                self._timer.daemon = True
-                self._timer.start()
+            if self._timer is None:
+                self._expire_in_time()
 
     def clear(self) -> None:
         """Remove every kept file; mappings of them stay valid until they go."""
@@ -764,10 +977,21 @@ class _Shelf:
         with self._lock:
             self._timer = None
             self._trim(time.monotonic())
-            if any(not kept.lent for kept in self._files.values()):
-                self._timer = threading.Timer(SHELF_IDLE_S, self._expire)
-                self._timer.daemon = True
-                self._timer.start()
+            self._expire_in_time()
+
+    def _expire_in_time(self) -> None:
+        """Look again when the first idle file is due to go, not a whole idle time later.
+
+        With the lock held. A file a receiver still holds is looked at again
+        then too: nothing says when the receiver lets go.
+        """
+        idle = [kept.since for kept in self._files.values() if not kept.lent]
+        if not idle:
+            return
+        due = max(0.05, min(idle) + SHELF_IDLE_S - time.monotonic())
+        self._timer = threading.Timer(due, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
 
 
 def _held(fd: int) -> bool:
@@ -836,6 +1060,9 @@ def clear_shelf() -> None:
 def _let_go(segments: list[Segment] | tuple[Segment, ...]) -> None:
     """Remove the files of ``segments``, or put them back on the shelf if kept."""
     for segment in segments:
+        if segment.in_place:
+            shared_in_place.give_back(segment.path)
+            continue
         if segment.kept:
             _shelf.give_back(segment.path)
             continue

@@ -11,6 +11,7 @@ from fluksio_nb.budget import (
     Budget,
     HaltReason,
     halt_decision,
+    in_the_copy_back,
     memory_warning,
     over_budget,
     resolve_budget,
@@ -97,6 +98,47 @@ def test_the_halt_says_which_one_acted():
     for decision in (sampled, capped):
         assert decision.reason is HaltReason.OVER_BUDGET
         assert "memory budget of 2.1GB" in decision.message
+
+
+def test_a_stop_during_the_copy_back_says_so_and_names_what_was_copied_and_how_big():
+    """Guards against blaming the cell's code for the copy of its results: the user must read
+    that the copy back crossed the line, which names were being copied, their sizes, and how
+    to send less."""
+    budget = Budget(500 * 10**6, 500 * 10**6)
+    sending = {f"small{i}": 28 for i in range(5)} | {"text": 300 * 10**6}
+    for stopped in (over_budget(600 * 10**6, budget), over_budget(500 * 10**6, budget, CGROUP_V1)):
+        decision = in_the_copy_back(stopped, budget, sending)
+        assert decision.reason is HaltReason.OVER_BUDGET
+        assert decision.enforced_by == stopped.enforced_by
+        assert decision.detail["sending"] == sending
+        message = decision.message
+        assert message.startswith("halted while its results were copied back to the kernel")
+        assert "copying text (about 300.0MB), small0 (about 28B), " in message
+        assert "small3 (about 28B) and 1 more took the worker to" in message
+        assert "over its memory budget of 500.0MB" in message
+        assert "--out NAMES" in message and "del " in message and "ram=" in message
+    assert (
+        "the sampler, which reads memory every 0.5 s"
+        in in_the_copy_back(over_budget(600 * 10**6, budget), budget, sending).message
+    )
+
+
+def test_code_that_went_past_the_budget_between_readings_is_still_blamed_during_the_copy():
+    """Guards against putting on the copy back a stop the cell's code earned: 2 GB made in
+    less than the sampler's half second is first seen while the results go back."""
+    budget = Budget(300 * 10**6, 300 * 10**6)
+    seen_late = over_budget(2 * GIB, budget)
+    assert in_the_copy_back(seen_late, budget, {"block": 2 * GIB}, 2 * GIB) == seen_late
+    assert (
+        "copied back"
+        in in_the_copy_back(seen_late, budget, {"block": 2 * GIB}, 200 * 10**6).message
+    )
+
+
+def test_a_host_short_of_memory_during_the_copy_back_is_still_the_hosts_doing():
+    """Guards against a stop for the host's memory being put on the copy back, or the cell."""
+    short = halt_decision(sample(rss=GIB, available=GIB // 4), Budget(2 * GIB, 2 * GIB))
+    assert in_the_copy_back(short, Budget(2 * GIB, 2 * GIB), {"text": GIB}) == short
 
 
 def test_under_the_kernels_cap_the_sampler_leaves_the_budget_to_it_but_watches_the_host():

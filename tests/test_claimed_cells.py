@@ -1105,6 +1105,24 @@ def test_a_cell_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     assert_books_balanced(kernel)
 
 
+def test_a_cell_that_keeps_to_its_budget_keeps_what_it_made_however_big_the_copy_back(kernel):
+    """Guards against the copy back halting a cell whose code kept under its ram=: a 320 MB
+    list of bytes was pickled into a 320 MB stream beside it, and the shared memory it went
+    back in was charged to the claim's cap, so `ram=500M` ended in ClaimHalted blaming the
+    cell, and `chunks` was lost."""
+    ran = kernel.run(
+        "%%claim cpus=1 ram=500M\nchunks = []\nfor i in range(16):\n"
+        "    chunks.append(b'x' * 20_000_000)\n    print(i)\ntotal = len(chunks)"
+    )
+    assert ran.status == "ok", ran.so_far()
+    assert any(": ok · " in text for text in ran.texts), ran.texts
+    assert kernel.facts(
+        "[total, len(chunks), all(type(c) is bytes and c == b'x' * 20_000_000 for c in chunks)]"
+    ) == [16, 16, True]
+    kernel.run("del chunks", check=True)
+    assert_books_balanced(kernel)
+
+
 def test_a_big_array_a_cell_reads_or_changes_through_a_call_stays_the_kernels_own(kernel):
     """Guards against `data.sum()` replacing the kernel's array and cutting it from its views:
     past 256 KiB an array travels in shared memory, and always came back."""
@@ -1120,6 +1138,16 @@ def test_a_big_array_a_cell_reads_or_changes_through_a_call_stays_the_kernels_ow
         1.0,
         100_000.0,
     ]
+
+
+def test_a_big_bytes_input_a_cell_calls_a_method_of_stays_the_kernels_own(kernel):
+    """Guards against an input going back unchanged because it travelled out of band: big
+    bytes arrive in the worker as a copy off their shared memory, which looked like a change,
+    so `data.hex()` sent a megabyte back and replaced the kernel's object with an equal one."""
+    kernel.run("data = b'x' * 1_000_000\nfirst = id(data)", check=True)
+    ran = kernel.run("%%claim\nn = len(data.hex())", check=True)
+    assert not any("back in" in text for text in ran.texts), ran.texts
+    assert kernel.facts("[id(data) == first, n]") == [True, 2_000_000]
 
 
 def test_an_array_a_cell_changes_through_itself_stays_the_kernels_own(kernel):

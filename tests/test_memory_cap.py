@@ -305,6 +305,35 @@ def test_a_fast_allocation_is_stopped_at_its_budget_by_the_kernel(kernels, place
     assert claim_cgroups_of(place, kernel.pid) == []
 
 
+def test_the_shared_memory_results_go_back_in_is_not_charged_to_the_claim(kernels, place):
+    """Guards against the cap counting the copy the kernel receives: pages written in /dev/shm
+    are charged to the cgroup of whoever writes them, so a cell keeping a 320 MB array under
+    ram=500M was killed writing a second 320 MB that is the kernel's from then on."""
+    kernel = kernels()
+    ran = kernel.run("%%claim ram=500M\nimport numpy\nblock = numpy.ones(40_000_000)")
+    assert ran.status == "ok", ran.so_far()
+    assert any(f"(capped, {place.version})" in text for text in ran.texts), ran.texts
+    assert kernel.facts("[float(block.sum()), block.nbytes]") == [40_000_000.0, 320_000_000]
+
+
+def test_a_copy_back_that_crosses_the_cap_says_so_naming_what_was_copied(kernels, place):
+    """Guards against blaming the cell's code for the copy back: text has no buffer to travel
+    in, so pickling 300 MB of it copies it inside the claim, past ram=500M. The stop must say
+    the copy back did it, name what was copied and how big, and say how to send less."""
+    kernel = kernels()
+    ran = kernel.run("%%claim ram=500M\ntext = 'x' * 300_000_000\nsmall = 1")
+    assert ran.error["ename"] == "ClaimHalted", ran.so_far()
+    message = "".join(ran.error["traceback"])
+    assert (
+        "halted while its results were copied back to the kernel, after the cell's code had run"
+        in message
+    )
+    assert "copying text (about 300.0MB) and small (about 28B) took the worker to" in message
+    assert f"stopped by the kernel's memory cap ({place.version})" in message
+    assert "(--out NAMES)" in message
+    assert kernel.facts("'text' in dir()") is False
+
+
 def test_a_budget_below_what_the_worker_already_holds_is_halted_before_the_cell_runs(
     kernels, place
 ):

@@ -3,6 +3,7 @@
 import gc
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import signal
@@ -374,11 +375,44 @@ def test_a_value_that_pickles_as_it_was_sent_is_unchanged_and_any_change_shows()
     assert not unchanged(threading.Lock(), sent.values["rows"]), "unpicklable now: changed"
 
 
-def test_a_value_sent_with_big_buffers_is_never_taken_for_unchanged():
-    """Its buffers were shared memory the cell could write in place, with nothing to compare."""
+def test_a_big_input_only_read_is_unchanged_and_one_written_element_shows():
+    """Guards against a read input sent back, and against a change in place taken for none."""
+    sent = pack({"big": np.arange(BIG, dtype=np.float64)}, reuse=True)
+    big = unpack(sent, remember=True)[0]["big"]
+    assert float(big.sum()) == BIG * (BIG - 1) / 2  # every page read
+    assert unchanged(big, sent.values["big"])
+    assert not unchanged(big.copy(), sent.values["big"]), "equal, but not what was sent"
+    assert not unchanged(big[1:], sent.values["big"])
+    big[BIG // 2] = big[BIG // 2]  # written, with the same value: still a write
+    assert not unchanged(big, sent.values["big"])
+    del big
+    sent.discard()
+
+
+def test_a_big_value_not_unpacked_to_be_remembered_is_never_taken_for_unchanged():
+    """Nothing tells what was written on a shared mapping: such a value always goes back."""
     big = np.zeros(BIG)
     sent = pack({"big": big})
     assert not unchanged(big, sent.values["big"])
+    sent.discard()
+
+
+def test_a_changed_input_goes_back_by_writing_only_the_pages_the_cell_changed():
+    """Guards against one element changed in a big input copying all of it back."""
+    original = np.arange(BIG, dtype=np.float64)
+    sent = pack({"a": original}, reuse=True)
+    a = unpack(sent, remember=True)[0]["a"]
+    a[10] = -1
+    back = pack({"a": a}, refer_back=True)
+    (reference,) = back.values["a"].segments
+    assert reference.path == kept_path(sent, "a")
+    assert reference.written == mmap.PAGESIZE and back.moved_bytes < 2 * mmap.PAGESIZE
+    assert unchanged(a, sent.values["a"]), "its pages are the file's again, which has the change"
+    del a
+    values, failures = unpack(back)
+    assert failures == {}
+    assert (values["a"][10], values["a"][11]) == (-1.0, 11.0)
+    assert original[10] == 10.0, "the sender's own array is its own"
     sent.discard()
 
 
@@ -415,6 +449,36 @@ def test_the_parcel_stays_small_whatever_it_carries():
         assert parcel.nbytes > 2 * BIG * 8
     finally:
         parcel.discard()
+
+
+def test_big_bytes_travel_beside_their_pickle_and_arrive_as_the_same_bytes():
+    """Guards against a list of big bytes being copied whole into its pickle: only arrays
+    went out of band, so a cell keeping a 320 MB list of bytes built a 320 MB stream beside
+    it to send it back. They must arrive as bytes, equal, shared as they were."""
+    blob = os.urandom(transfer.INLINE_LIMIT)
+    buffer = bytearray(os.urandom(transfer.INLINE_LIMIT))
+    value = [blob, blob, "text", buffer, (blob, {"again": buffer}), b"small"]
+    parcel = pack({"value": value, "alone": blob})
+    try:
+        sent = parcel.values
+        assert [len(sent["value"].segments), len(sent["alone"].segments)] == [1, 1]
+        # The bytearray stays in the stream: see fluksio_nb.pickling on why.
+        assert len(sent["value"].pickle) < len(buffer) + 1024 and len(sent["alone"].pickle) < 1024
+    finally:
+        arrived, failed = unpack(parcel)
+    assert failed == {}
+    got = arrived["value"]
+    assert got == value and arrived["alone"] == blob
+    assert [type(got[0]), type(got[3]), type(arrived["alone"])] == [bytes, bytearray, bytes]
+    assert got[0] is got[1] is got[4][0] and got[3] is got[4][1]["again"]
+
+
+def test_big_bytes_pickled_without_a_buffer_callback_are_the_standard_pickle():
+    """Guards the pickle a value is compared by, or loaded from anywhere: with nowhere to put
+    big bytes out of band, or where the callback keeps them in, the stream is the usual one."""
+    value = [os.urandom(transfer.INLINE_LIMIT), bytearray(transfer.INLINE_LIMIT)]
+    assert transfer.dumps(value) == pickle.dumps(value, protocol=5)
+    assert transfer.dumps(value, lambda buffer: True) == pickle.dumps(value, protocol=5)
 
 
 # -- nothing left behind ---------------------------------------------------------------

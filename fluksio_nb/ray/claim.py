@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fluksio_nb import transfer
 from fluksio_nb.books import Allocation
 from fluksio_nb.errors import (
     BadClaim,
@@ -71,6 +70,7 @@ from fluksio_nb.worker.client import (
     GRACE_AFTER_SIGKILL,
     GRACE_AFTER_SIGTERM,
     Outcome,
+    unpack_outputs,
 )
 from fluksio_nb.worker.messages import forwarder
 
@@ -512,8 +512,8 @@ class RayClaim(ClaimLifecycle):
         failed = dict(result["failed"])
         if parcel is not None:
             # On the kernel's machine: mapped where the worker wrote them,
-            # writable, with no copy.
-            unpacked, unreadable = transfer.unpack(parcel)
+            # writable, with no copy; refused by name where the kernel has no room.
+            unpacked, unreadable = unpack_outputs(parcel)
             values.update(unpacked)
             failed.update(unreadable)
         for name, frozen in result["outputs"].items():

@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fluksio_nb import transfer
+from fluksio_nb import kernel_room, transfer
 from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
 from fluksio_nb.errors import Interrupted, unsendable
 from fluksio_nb.inventory import confine
@@ -158,7 +158,7 @@ def pack_inputs(values: Mapping[str, Any]) -> Any:
     """What the worker is sent for ``values``; refuses before the cell runs if one won't go."""
     if isinstance(values, transfer.Parcel):
         return values  # packed by the caller, before it waited for a share
-    parcel = transfer.pack(values, reuse=True)
+    parcel = transfer.pack(values, reuse=True, in_place=True)
     if parcel.failures:
         parcel.discard()
         raise unsendable(*next(iter(parcel.failures.items())), "the worker")
@@ -171,10 +171,27 @@ def _lends_files(parcel: Any) -> bool:
 
 
 def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """The cell's outputs by name, and why each one that could not be rebuilt wasn't."""
+    """The cell's outputs by name, and why each one that could not be rebuilt wasn't.
+
+    A name the kernel has no room for is refused before it is rebuilt
+    (:mod:`fluksio_nb.kernel_room`), its shared memory removed with it.
+    """
     if parcel is None:
         return {}, {}
-    return transfer.unpack(parcel)
+    weighed = kernel_room.weigh(parcel)
+    refused = weighed.refused
+    if refused:
+        transfer.Parcel({name: parcel.values[name] for name in refused}).discard()
+        parcel = transfer.Parcel(
+            {name: value for name, value in parcel.values.items() if name not in refused},
+            parcel.failures,
+        )
+    with kernel_room.rebuilding_within(weighed.room) as why:
+        values, failures = transfer.unpack(parcel)
+    # Only a value rebuilt here can have run out of room here; the worker's
+    # own failures keep their words.
+    failed = {name: why(said) if name in parcel.values else said for name, said in failures.items()}
+    return values, {**failed, **refused}
 
 
 @dataclass
@@ -199,10 +216,16 @@ class _Cell:
     #: Whether its outputs are left packed, for another process to unpack.
     forward: bool = False
     #: Called as the cell's code ends and its results start back, and as they
-    #: go, with the bytes written and to write (0 and 0 until known).
-    on_sending_back: Callable[[int, int], None] | None = None
+    #: go, with the bytes written and to write (0 and 0 until known), and
+    #: the worker's word that they started back.
+    on_sending_back: Callable[[int, int, SendingBack], None] | None = None
+    #: That word: the names being sent back, about how much each holds, and
+    #: the most the worker held while the code ran.
+    sending_back: SendingBack | None = None
     #: When that was (monotonic), if it was.
     sending_since: float | None = None
+    #: The bytes copied to send the cell its inputs.
+    sent_in_bytes: int = 0
     #: The worker's answer to a :class:`Reshape`, once it has come.
     reshaped: Reshaped | None = None
     #: Where each output message goes: the sink's ``forward``, or relayed to it.
@@ -360,7 +383,7 @@ class Worker:
         forward_outputs: bool = False,
         if_changed: Sequence[str] = (),
         random_state: dict[str, Any] | None = None,
-        on_sending_back: Callable[[int, int], None] | None = None,
+        on_sending_back: Callable[[int, int, SendingBack], None] | None = None,
         on_sent: Callable[[], None] | None = None,
     ) -> Outcome:
         """Run ``code`` in the worker with ``inputs`` bound, and say how it went.
@@ -382,10 +405,12 @@ class Worker:
         before the cell (only where the worker's differ), and those the cell
         drew from are in the outcome. A variable the kernel set or dropped
         since the worker started is set or dropped in the worker too, as a
-        normal cell would see it. ``on_sending_back(written, total)`` is
-        called as the cell's code ends and its results start back, if it has
-        any, with ``0, 0``; then, for results with big buffers, with their
-        size in bytes and how much of it is written, as the writing goes.
+        normal cell would see it. ``on_sending_back(written, total, announced)``
+        is called as the cell's code ends and its results start back, if it
+        has any, with ``0, 0``; then, for results with big buffers, with their
+        size in bytes and how much of it is written, as the writing goes;
+        ``announced`` is the worker's :class:`SendingBack`: what is being
+        sent and how big.
         ``on_sent()`` is called once the worker has the cell, from this thread,
         while the worker runs it.
         """
@@ -394,6 +419,7 @@ class Worker:
         try:
             with self._run_lock:
                 cell = _Cell(sink, forward=forward_outputs, on_sending_back=on_sending_back)
+                cell.sent_in_bytes = parcel.moved_bytes
                 self._cell = cell
                 try:
                     request = Run(
@@ -623,11 +649,12 @@ class Worker:
                 cell.reshaped = message
             case SendingBack():
                 cell.sending_since = time.monotonic()
+                cell.sending_back = message
                 if cell.on_sending_back is not None:
-                    cell.on_sending_back(0, 0)
+                    cell.on_sending_back(0, 0, message)
             case Sending(written=written, total=total):
-                if cell.on_sending_back is not None:
-                    cell.on_sending_back(written, total)
+                if cell.on_sending_back is not None and cell.sending_back is not None:
+                    cell.on_sending_back(written, total, cell.sending_back)
             case Done():
                 # The cell's names are the kernel's now: in a claimed cell, a
                 # stop from here on lands once they are bound.
@@ -685,7 +712,8 @@ class Worker:
             random_state=streams,
             parcel=parcel if cell.forward else None,
             sent_s=sent_s,
-            sent_bytes=0 if parcel is None else parcel.nbytes,
+            sent_bytes=0 if parcel is None else parcel.moved_bytes,
+            sent_in_bytes=cell.sent_in_bytes,
             peak_bytes=done.peak_bytes,
         )
 

@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 from IPython.core.interactiveshell import InteractiveShell
 
-from fluksio_nb import namespaces, random_streams, transfer
+from fluksio_nb import memory_cap, namespaces, random_streams, transfer
 from fluksio_nb.env import GPU_FRACTION_VAR, EnvironMark
 from fluksio_nb.variables import EVERY_NAME_BOUND
 from fluksio_nb.worker.lifetime import (
@@ -171,6 +171,10 @@ def pack_outputs(
     resident memory, and in ``/dev/shm``, so a value with no room there fails
     by name. Otherwise each goes into a new file of its own for the kernel
     to take over. ``progress(written, total)`` is told how the writing goes.
+
+    The writing happens outside the claim's memory cgroup, once every value
+    is pickled (:func:`~fluksio_nb.memory_cap.copy_back_outside_the_cap`):
+    the pages written are the kernel's, not the cell's.
     """
     # A file the cell closed has nothing in it to bring back: as good as absent.
     present = {
@@ -179,14 +183,23 @@ def pack_outputs(
         if name in namespace and not _closed_file(namespace[name])
     }
     absent = [name for name in names if name not in present]
-    parcel = transfer.pack(
-        present,
-        refer_back=True,
-        reuse=keep,
-        unmapped=keep,
-        room_in_segment_dir=keep,
-        progress=progress,
-    )
+    with memory_cap.copy_back_outside_the_cap() as step_out:
+
+        def writing(written: int, total: int) -> None:
+            # Told the size once every value is pickled, before a byte is written.
+            if total:
+                step_out()
+            if progress is not None:
+                progress(written, total)
+
+        parcel = transfer.pack(
+            present,
+            refer_back=True,
+            reuse=keep,
+            unmapped=keep,
+            room_in_segment_dir=keep,
+            progress=writing,
+        )
     return parcel, dict(parcel.failures), absent
 
 
@@ -204,6 +217,11 @@ def packs_at_once(namespace: dict[str, Any], names: list[str]) -> bool:
         type(value) in _AT_ONCE and not (isinstance(value, str | bytes) and len(value) > 1 << 16)
         for value in (namespace.get(name) for name in names)
     )
+
+
+def sizes_held(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, int]:
+    """About how many bytes each value named holds, for a stop during the copy back to name."""
+    return {name: transfer.size_held(namespace[name]) for name in names if name in namespace}
 
 
 def telling_the_kernel(shell: WorkerShell) -> Callable[[int, int], None]:
@@ -305,7 +323,9 @@ def changed_in_place(
         # function or class is rebuilt on arrival, so it pickles differently
         # unchanged, and a copy sent back would replace the kernel's own:
         # the kernel's instances would stop being instances of its class.
-        if isinstance(value, (ModuleType, FunctionType, type)):
+        # Bytes cannot change in place, and a big one arrives as a copy off
+        # its file, which would be taken for a change.
+        if isinstance(value, (ModuleType, FunctionType, type)) or type(value) is bytes:
             continue
         if not transfer.unchanged(value, sent[name]):
             changed.append(name)
@@ -361,7 +381,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     # kernel had mapped them.
     lend = request.lend_outputs and not shell.exit_now
     if names and not packs_at_once(shell.user_ns, names):
-        shell.report(SendingBack(len(names)))
+        shell.report(SendingBack(len(names), sizes_held(shell.user_ns, names), _peak.bytes()))
     outputs, failed, absent = pack_outputs(
         shell.user_ns, names, keep or lend, progress=telling_the_kernel(shell) if names else None
     )

@@ -231,6 +231,14 @@ class SendingBack(_Message):
     """
 
     names: int
+    #: About how many bytes each name being sent holds
+    #: (:func:`fluksio_nb.worker.main.sizes_held`): for a stop during the copy
+    #: to name what was being copied.
+    sizes: dict[str, int] = field(default_factory=dict)
+    #: The worker's own resident peak while the cell's code ran: a stop during
+    #: the copy that finds the code itself went past the budget (between two
+    #: of the sampler's readings) is still the code's.
+    peak_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,9 +67,12 @@ class Outcome:
     #: unpacks it or discards it.
     parcel: Any = None
     #: How long the results took from the end of the cell's code to being
-    #: rebuilt here, and their size as they travelled; None with no results.
+    #: rebuilt here, and the bytes copied to bring them, which is less than
+    #: their size where one went back on the file it came on; None with no results.
     sent_s: float | None = None
     sent_bytes: int = 0
+    #: The bytes copied to send the cell its inputs.
+    sent_in_bytes: int = 0
     #: The most the worker itself held in memory while the cell ran, exact
     #: however short the cell (:mod:`fluksio_nb.worker.peak`); 0 if unknown.
     peak_bytes: int = 0
