@@ -2,8 +2,10 @@
 
 Much of the code on a shared machine ignores ``OMP_NUM_THREADS``. So a claim
 on this machine is also held by the kernel: its processes run on its own
-cores (affinity), its memory is capped by a cgroup of its own, and where the
-books could pin no cores, a CPU quota holds it to its cpus' worth of time.
+cores (affinity, and a cpuset a cell cannot re-pin itself out of:
+:mod:`fluksio_nb.cpuset`), its memory is capped by a cgroup of its own, and
+where the books could pin no cores, a CPU quota holds it to its cpus' worth
+of time.
 Each of those is made where the OS allows it; where it does not, the claim
 says what holds it instead, and the sampler and the thread variables do what
 they can (:mod:`fluksio_nb.enforcement`).
@@ -23,6 +25,7 @@ What this module decides:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,6 +40,7 @@ from fluksio_nb.budget import (
     over_budget,
     over_budget_before_it_ran,
 )
+from fluksio_nb.cpuset import by_affinity, cores_held_here, cpuset_place, hold_cores
 from fluksio_nb.enforcement import (
     THREAD_VARIABLES,
     Enforcement,
@@ -50,7 +54,7 @@ from fluksio_nb.stop_button import stop_held_back
 
 
 class Confinement:
-    """One claim's cores, memory cgroup and CPU quota, from its grant to its end."""
+    """One claim's cores, cpuset, memory cgroup and CPU quota, from its grant to its end."""
 
     def __init__(self, cores: frozenset[int]) -> None:
         #: The cores the claim's processes run on: its own, or every claimable one.
@@ -61,6 +65,9 @@ class Confinement:
         #: its cpus' worth of time (cgroup v1's cpu hierarchy; on v2 the quota
         #: goes in :attr:`cap` when there is one).
         self.quota: ClaimCgroup | None = None
+        #: Where the claim has cores of its own: the cgroup that holds it to
+        #: them (on v2 it may be :attr:`cap`, a process being in one v2 cgroup).
+        self.cpuset: ClaimCgroup | None = None
         #: What holds the claim's memory and its cores, as its status says.
         self.memory: Enforcement | None = None
         self.cpus: Enforcement | None = None
@@ -103,7 +110,9 @@ class Confinement:
     ) -> Enforcement:
         """Own cores where the books pinned some; a CPU quota where they could not."""
         pinning = cores_enforcement(allocation.cores, settings.pin_cores, inventory.cpus)
-        if pinning.capped or not settings.pin_cores:
+        if pinning.capped:
+            return self._hold_in_a_cpuset()
+        if not settings.pin_cores:
             return pinning
         place = cap_place(controller="cpu")
         if not place.available:
@@ -120,8 +129,25 @@ class Confinement:
             return replace(pinning, why=f"{pinning.why}; the CPU quota was not set: {error}")
         return quota_enforcement(allocation.cpus, place.version, pinning.why)
 
+    def _hold_in_a_cpuset(self) -> Enforcement:
+        """A cpuset of the claim's cores where one can be made; else affinity, and why."""
+        place = cpuset_place()
+        if not place.available:
+            return by_affinity(place.why_not)
+        try:
+            with stop_held_back():  # as the memory cgroup is
+                self.cpuset = hold_cores(place, self.cores, self.cap)
+        except CapNotMade as error:
+            return by_affinity(str(error))
+        return cores_held_here(place)
+
     def cgroups(self) -> list[ClaimCgroup]:
-        return [cgroup for cgroup in (self.cap, self.quota) if cgroup is not None]
+        """Each cgroup the claim holds, once: on v2 its cpuset may be its memory cgroup."""
+        found: list[ClaimCgroup] = []
+        for cgroup in (self.cap, self.quota, self.cpuset):
+            if cgroup is not None and not any(cgroup is seen for seen in found):
+                found.append(cgroup)
+        return found
 
     def admit(self, pid: int) -> list[int]:
         """Move a running worker, every thread of it, onto the claim's cores and into its cgroups.
@@ -131,6 +157,16 @@ class Confinement:
         processes as they were found: it and what it had started.
         """
         family = confine_tree(pid, self.cores)
+        cpuset = self.cpuset
+        if cpuset is not None and cpuset is not self.cap:
+            try:
+                cpuset.admit(pid)
+            except OSError as error:
+                self.cpuset = None
+                cpuset.remove()
+                self.cpus = by_affinity(
+                    f"the worker could not be moved into {cpuset.path}: {error}"
+                )
         quota = self.quota
         if quota is not None:
             try:
@@ -153,12 +189,23 @@ class Confinement:
             self.cap = None
             cap.remove()
             self.memory = sampled(f"the worker could not be moved into {cap.path}: {error}")
+            if self.cpuset is cap:
+                self.cpuset = None
+                self.cpus = by_affinity(f"the worker could not be moved into {cap.path}: {error}")
         return family
 
     def let_go(self, pid: int) -> None:
-        """A warm worker goes back to the pool as it came: outside any claim."""
+        """A warm worker goes back to the pool as it came: outside any claim.
+
+        Out of a cpuset, the kernel widens its threads to every core of the
+        kernel's own, the reserve included; they go back to the claim's,
+        where an idle worker stayed before cpusets, until its next claim.
+        """
         for cgroup in self.cgroups():
             cgroup.let_go(pid)
+        if self.cpuset is not None:
+            with contextlib.suppress(OSError):
+                confine_tree(pid, self.cores)
 
     def into_the_share(self, then: Callable[[], None] | None = None) -> Callable[[], None]:
         """What a new process runs between fork and exec to start inside the share."""
@@ -203,4 +250,4 @@ class Confinement:
     def remove(self) -> None:
         for cgroup in self.cgroups():
             cgroup.remove()
-        self.cap = self.quota = None
+        self.cap = self.quota = self.cpuset = None

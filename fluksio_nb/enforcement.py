@@ -8,7 +8,8 @@ widget and text, ``%claims``, ``fluksio-nb``, the panel) never show a share
 without saying which of the two holds it.
 
 Memory is decided in :mod:`fluksio_nb.memory_cap`; cores here, because the
-answer is only which cores the books handed out and whether pinning is on.
+answer is only which cores the books handed out and whether pinning is on,
+and in :mod:`fluksio_nb.cpuset` whether a cpuset holds them or affinity only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from fluksio_nb.budget import SAMPLER
 
 #: What holds a claim to its cores when the OS does.
 AFFINITY = "affinity"
+#: What holds it when a cpuset of its own does, which a cell cannot re-pin itself out of.
+CPUSET = "cpuset"
 #: What holds it when only the thread variables do.
 THREAD_VARIABLES = "thread variables"
 
@@ -30,7 +33,8 @@ class Enforcement:
 
     #: What a person reads: ``"enforced (cgroup v1)"``, ``"own cores (affinity)"``.
     label: str
-    #: What acts: ``"cgroup v1"``, ``"affinity"``, ``"sampler"``, ``"thread variables"``.
+    #: What acts: ``"cgroup v1"``, ``"cpuset"``, ``"affinity"``, ``"sampler"``,
+    #: ``"thread variables"``.
     by: str
     #: Why the OS does not enforce it, when it does not: for a tooltip.
     why: str = ""
@@ -64,4 +68,13 @@ def cores_enforcement(
         if cpus is not None:
             why = f"{cpus} cpus are declared for claims, more than the cores there are to pin"
         return Enforcement(THREAD_VARIABLES, THREAD_VARIABLES, why)
-    return Enforcement(f"own cores ({AFFINITY})", AFFINITY)
+    return own_cores()
+
+
+def own_cores(by: str = AFFINITY, why: str = "") -> Enforcement:
+    """A claim on cores of its own, held there by ``by``: its affinity, or a cpuset.
+
+    ``why`` says, for affinity, why no cpuset holds it: affinity is the
+    process's own to change, so a cell may move itself onto another claim's core.
+    """
+    return Enforcement(f"own cores ({by})", by, why)

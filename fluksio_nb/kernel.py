@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fluksio_nb.books import ResourceAccountant
+from fluksio_nb.cpuset import cores_held_here
 from fluksio_nb.enforcement import Enforcement, cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
 from fluksio_nb.ledger.directory import default_ledger_dir
@@ -99,7 +100,9 @@ def enforcement_in_force(
 ) -> dict[str, dict[str, str]]:
     """What holds claims made here to their cores and their memory, for a snapshot."""
     cores = cores_enforcement(core_ids, settings.pin_cores, cpus)
-    if not cores.capped and settings.pin_cores:
+    if cores.capped:
+        cores = cores_held_here()
+    elif settings.pin_cores:
         place = cap_place(controller="cpu")
         if place.available:
             assert place.version is not None

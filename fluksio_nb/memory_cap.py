@@ -136,7 +136,11 @@ class CapPlace:
 
 
 #: The file a controller's cgroup v1 directory always has: how to know it is one.
-_V1_MARK = {"memory": "memory.limit_in_bytes", "cpu": "cpu.cfs_quota_us"}
+_V1_MARK = {
+    "memory": "memory.limit_in_bytes",
+    "cpu": "cpu.cfs_quota_us",
+    "cpuset": "cpuset.cpus",
+}
 
 #: The scheduler period a CPU quota is a share of, in microseconds: the default.
 CPU_PERIOD_US = 100_000

@@ -106,7 +106,8 @@ class Settings(BaseModel):
     #: holds (:mod:`fluksio_nb.provisioner`). ``false`` starts them as Jupyter
     #: would without fluksio_nb: no thread variables, every core.
     fair_share: bool = True
-    #: Each claim runs on cores of its own (affinity). ``false`` leaves claims
+    #: Each claim runs on cores of its own (affinity, and a cpuset where one
+    #: can be made: :mod:`fluksio_nb.cpuset`). ``false`` leaves claims
     #: sharing every claimable core, held only by their thread variables.
     pin_cores: bool = True
     flavors: dict[str, Flavor] = Field(default_factory=dict)

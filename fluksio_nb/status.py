@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import Budget, human
-from fluksio_nb.enforcement import Enforcement
+from fluksio_nb.enforcement import CPUSET, Enforcement
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.queue import cards_words
 from fluksio_nb.relay import new_display_id
@@ -74,8 +74,9 @@ class ClaimStatus:
     #: ``"watched every 0.5 s"``, and ``.why`` says why the kernel does not
     #: enforce it, when it does not. ``None`` until the claim runs.
     memory_enforcement: Enforcement | None = None
-    #: What holds it to its cores: ``"own cores (affinity)"``, or ``"thread
-    #: variables"`` with ``.why``. ``None`` until the claim runs.
+    #: What holds it to its cores: ``"own cores (cpuset)"``, ``"own cores
+    #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
+    #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
@@ -252,7 +253,9 @@ def _share(status: ClaimStatus) -> str:
     words = [f"cpus={allocation.cpus}"]
     cores = status.cores_enforcement
     if cores is not None and cores.capped and allocation.cores:
-        words[0] += f" (cores {format_cpu_list(allocation.cores)})"
+        # Named only where a cell cannot re-pin itself off them: affinity it can.
+        held = f", {CPUSET}" if cores.by == CPUSET else ""
+        words[0] += f" (cores {format_cpu_list(allocation.cores)}{held})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
     words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")

@@ -3,12 +3,15 @@
 The failures guarded against: two running claims handed the same core by
 any of the three books (the kernel's, the user's ledger, the machine's
 service); a claim whose worker, or a thread or process the worker starts,
-runs off its cores; a warm worker that keeps an earlier claim's cores; and a
-claim spread over two NUMA nodes when one had room.
+runs off its cores; a cell that re-pins itself onto another claim's core
+where a cpuset could have held it; a claim's cpuset left behind; a warm
+worker that keeps an earlier claim's cores or cpuset; and a claim spread over
+two NUMA nodes when one had room.
 """
 
 import json
 import os
+import signal
 import textwrap
 
 import psutil
@@ -20,6 +23,8 @@ from fluksio_nb.ledger import MachineQueue
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.resources import Resources
 from tests.kernels import Kernel
+from tests.machines import wait_until
+from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,6 +33,13 @@ HERE = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(
     len(HERE) < 2, reason=f"needs two cores to pin two claims apart; this process has {HERE}"
 )
+
+
+def held_there(core: int) -> str:
+    """A one-core claim's share as its status says it here: with ", cpuset" where one holds it."""
+    from fluksio_nb.cpuset import cores_held_here
+
+    return f"cpus=1 (cores {core}{', cpuset' if cores_held_here().by == 'cpuset' else ''})"
 
 
 # -----------------------------------------------------------------------------
@@ -184,11 +196,13 @@ def test_two_one_core_claims_have_disjoint_cores_in_one_kernel_and_across_two(tm
             core for claim in snapshot["running"] for core in claim["allocation"]["cores"]
         )
         assert held == sorted(a["cores"] + c["cores"])
+        from fluksio_nb.cpuset import cores_held_here
         from fluksio_nb.overview import describe_snapshot
 
         said = describe_snapshot(snapshot)
-        assert snapshot["enforcement"]["cores"]["by"] == "affinity"
-        assert "held by  cores: own cores (affinity) · memory: " in said
+        by = cores_held_here().by  # a cpuset where one can be made here, else affinity
+        assert snapshot["enforcement"]["cores"]["by"] == by
+        assert f"held by  cores: own cores ({by}) · memory: " in said
         # As a claim's record says its share.
         assert f"cpus=1 (cores {a['cores'][0]}) " in said
         assert f"cpus=1 (cores {c['cores'][0]}) " in said
@@ -255,7 +269,7 @@ def test_a_greedy_one_core_cell_uses_one_core_whatever_it_starts(tmp_path):
         assert len(got["affinities"]) == 1 and len(got["affinities"][0]) == 1, got
         assert got["cores_used"] <= 1.1, got
         (core,) = got["affinities"][0]
-        assert any(f" · cpus=1 (cores {core}) " in text for text in ran.texts), ran.texts
+        assert any(f" · {held_there(core)} " in text for text in ran.texts), ran.texts
         assert kernel.books()["running"] == []
     finally:
         kernel.shutdown()
@@ -287,6 +301,163 @@ def test_a_warm_worker_moves_every_thread_to_its_next_claims_core(tmp_path):
         assert psutil.Process(first["pid"]).num_threads() > 1
     finally:
         kernel.shutdown()
+
+
+# -----------------------------------------------------------------------------
+# A cell cannot re-pin itself off its cores: a cpuset, where one can be made
+# -----------------------------------------------------------------------------
+
+
+def test_a_cpuset_place_is_found_in_v1s_cpuset_hierarchy_and_in_delegated_v2(tmp_path):
+    """Guards against cpusets offered where none can be made, or refused where one can."""
+    from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
+    from fluksio_nb.cpuset import cores_held_here
+    from fluksio_nb.memory_cap import CapPlace, find_cap_place
+
+    root, proc = tmp_path / "v1", tmp_path / "v1-cgroup"
+    proc.write_text("4:memory:/pod\n3:cpuset:/\n")
+    for name in ("cpuset.cpus", "cgroup.procs"):
+        (root / "cpuset").mkdir(parents=True, exist_ok=True)
+        (root / "cpuset" / name).write_text("")
+    own = root / "cpuset"
+    assert find_cap_place(root, proc, "cpuset") == CapPlace(CGROUP_V1, own / "fluksio_nb", own)
+
+    root, proc = tmp_path / "v2", tmp_path / "v2-cgroup"
+    proc.write_text("0::/app.slice/k.scope\n")
+    app = root / "app.slice"
+    (app / "k.scope").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu cpuset memory\n")
+    (app / "cgroup.subtree_control").write_text("cpu memory\n")
+    (app / "cgroup.procs").write_text("")
+    place = find_cap_place(root, proc, "cpuset")
+    assert not place.available and "does not hand the cpuset controller down" in place.why_not
+    # Where none can be made, the claim says affinity holds its cores, and why not a cpuset.
+    held = cores_held_here(place)
+    assert (held.label, held.by) == ("own cores (affinity)", "affinity")
+    assert "a cell may move itself onto other cores" in held.why and place.why_not in held.why
+    (app / "cgroup.subtree_control").write_text("cpu cpuset memory\n")
+    assert find_cap_place(root, proc, "cpuset") == CapPlace(
+        CGROUP_V2, app / "fluksio_nb", app / "k.scope"
+    )
+
+
+def cpuset_place_here():
+    from fluksio_nb.memory_cap import find_cap_place
+
+    found = find_cap_place(controller="cpuset")
+    if not found.available:
+        pytest.skip(f"needs a cpuset cgroup, which cannot be made here: {found.why_not}")
+    return found
+
+
+def made_by(parent, pid):
+    """The claim cgroups process ``pid`` has under ``parent``, by their names."""
+    if not parent.is_dir():
+        return []
+    return [p.name for p in parent.iterdir() if p.name.startswith(f"fluksio_nb-{pid}-")]
+
+
+# The cell, and a process it starts, each ask for every core; what each was
+# left with, and the cpuset cgroup the cell ran in, by name.
+RE_PIN = """
+%%claim cpus=1
+import json, os, subprocess, sys
+os.sched_setaffinity(0, range(os.cpu_count()))
+child = subprocess.run([sys.executable, "-c", "import os; "
+                        "os.sched_setaffinity(0, range(os.cpu_count())); "
+                        "print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True, check=True).stdout
+status = dict(line.split(":", 1) for line in open(f"/proc/{os.getpid()}/status"))
+groups = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+cpuset = ([path for _, names, path in groups if "cpuset" in names.split(",")]
+          or [path for _, names, path in groups if names == ""])[0]
+print(json.dumps({"pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0)),
+                  "allowed": status["Cpus_allowed_list"].strip(),
+                  "child": json.loads(child), "cpuset": os.path.basename(cpuset)}))
+"""
+
+
+@needs_two_cores
+def test_a_cell_that_re_pins_itself_onto_every_core_stays_on_its_claims_core(tmp_path):
+    """Guards against a claimed cell moving itself onto another claim's core.
+
+    Affinity is the process's own to change; a cpuset is the kernel's. The
+    claim's status and the books say the cpuset holds it, and the cpuset goes
+    with the claim.
+    """
+    place = cpuset_place_here()
+    kernel = cores_kernel(tmp_path)
+    try:
+        ran = kernel.run(RE_PIN, check=True)
+        got = ran.json()
+        assert len(got["affinity"]) == 1, f"the cell re-pinned itself onto other cores: {got}"
+        (core,) = got["affinity"]
+        assert got["allowed"] == str(core) and got["child"] == [core], got
+        assert any(f" · cpus=1 (cores {core}, cpuset) " in text for text in ran.texts), ran.texts
+        assert got["cpuset"].startswith(f"fluksio_nb-{kernel.pid}-"), got
+        assert not (place.parent / got["cpuset"]).exists(), "the claim's cpuset outlived it"
+        held = kernel.books()["enforcement"]["cores"]
+        assert (held["label"], held["by"]) == ("own cores (cpuset)", "cpuset"), held
+    finally:
+        kernel.shutdown()
+    assert not made_by(place.parent, kernel.pid)
+
+
+@needs_two_cores
+def test_a_warm_worker_given_another_claims_core_moves_into_that_claims_cpuset(tmp_path):
+    """Guards against a warm worker held by an earlier claim's cpuset, or by none, in the next."""
+    place = cpuset_place_here()
+    kernel = cores_kernel(tmp_path)
+    try:
+        first = kernel.run(RE_PIN, check=True).json()
+        held = kernel.run(
+            "from fluksio_nb import claim\n"
+            "b = claim(cpus=1, label='blocker').__enter__()\n"
+            "print(list(b.allocation.cores))",
+            check=True,
+        ).json()
+        assert held == first["affinity"], "the blocker should be given the core just freed"
+        second = kernel.run(RE_PIN, check=True).json()
+        assert first["pid"] == second["pid"], "the second claim should reuse the warm worker"
+        assert len(second["affinity"]) == 1 and second["affinity"] != held, second
+        assert second["allowed"] == str(second["affinity"][0]), second
+        assert second["cpuset"] != first["cpuset"], "the worker stayed in the first claim's cpuset"
+        assert second["cpuset"].startswith(f"fluksio_nb-{kernel.pid}-"), second
+        kernel.run("b.__exit__(None, None, None)", check=True)
+        assert not made_by(place.parent, kernel.pid), "a claim's cpuset outlived it"
+    finally:
+        kernel.shutdown()
+
+
+@needs_two_cores
+def test_a_killed_kernels_worker_removes_its_claims_cpuset(tmp_path):
+    """Guards against a cpuset left for good by a kernel killed while its claim ran."""
+    place = cpuset_place_here()
+    kernel = cores_kernel(tmp_path)
+    try:
+        msg_id = kernel.client.execute(
+            "%%claim cpus=1\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"
+        )
+        kernel.wait_for_output(msg_id, "\n")
+        (made,) = made_by(place.parent, kernel.pid)
+        worker = int((place.parent / made / "cgroup.procs").read_text().split()[0])
+        os.kill(kernel.pid, signal.SIGKILL)
+        assert gone(worker, within=30)
+        wait_until(lambda: not (place.parent / made).exists(), what=f"{made} removed by its worker")
+    finally:
+        kernel.shutdown()
+
+
+def test_a_cpuset_that_cannot_be_given_its_cores_is_not_left_behind():
+    """Guards against a half-made cpuset left in the hierarchy when a step of making it fails."""
+    from fluksio_nb.cpuset import hold_cores
+    from fluksio_nb.memory_cap import CapNotMade
+
+    place = cpuset_place_here()
+    missing = frozenset({max(HERE) + 64})  # a core this machine does not have
+    with pytest.raises(CapNotMade, match="could not be held to its cores"):
+        hold_cores(place, missing, None)
+    assert not made_by(place.parent, os.getpid())
 
 
 # -----------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
 
     # Read now, while the worker is where its kernel started it: moved into a
     # claim's cgroup later, that is where it goes back to.
-    born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu")}
+    born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu", "cpuset")}
 
     kernel_gone = kernels_death(kernel_pid)
 

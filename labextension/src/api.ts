@@ -143,9 +143,9 @@ export function waitingCount(snapshot: Snapshot): number {
 }
 
 export interface Enforcement {
-  /** What a person reads: `own cores (affinity)`, `enforced (cgroup v1)`. */
+  /** What a person reads: `own cores (cpuset)`, `enforced (cgroup v1)`. */
   label: string;
-  /** What acts: `affinity`, `cgroup v1`, `sampler`, `thread variables`. */
+  /** What acts: `cpuset`, `affinity`, `cgroup v1`, `sampler`, `thread variables`. */
   by: string;
   /** Why the OS does not enforce it, where it does not. */
   why: string;
