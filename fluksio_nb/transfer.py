@@ -316,6 +316,10 @@ def pack(
             _let_go(segments)
             for done in packed.values():
                 _let_go(done.segments)
+            # Files lent while planning values not reached yet go back too:
+            # lent for good, an array would be copied at every send after.
+            for _, later in planned.values():
+                _let_go([part for part in later if isinstance(part, Segment) and part.in_place])
             raise
         packed[name] = PackedValue(data, tuple(segments))
     return Parcel(packed, failures)
