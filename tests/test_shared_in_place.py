@@ -45,9 +45,10 @@ def private_pages(array: np.ndarray) -> int:
 
 
 def rss_anon() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
     raise AssertionError("no RssAnon in /proc/self/status")
 
 
@@ -159,7 +160,7 @@ def test_the_file_goes_with_the_array():
 
 
 def test_a_fork_of_the_kernel_keeps_its_writes_to_a_moved_array_its_own(big):
-    """Guards against the move making a forked child's writes the parent's, as shared memory would."""
+    """Guards against the move making a forked child's writes the parent's, as sharing would."""
     assert send(big) is not None
     child = os.fork()
     if child == 0:
