@@ -589,6 +589,11 @@ class Claim(ClaimLifecycle):
     def _watch_process(self, pid: int, family: Sequence[int] | None = None) -> Watched:
         """Read the process and what it starts, and halt the claim on what the readings say."""
         assert self.budget is not None and self._confinement is not None
+        # Told to a machine's books service, which kills it if an admin's
+        # cancel is not carried out here (a kernel stopped, or hung).
+        tell = getattr(self._queue, "processes", None)
+        if tell is not None and self._ticket is not None:
+            tell(self._ticket, [pid])
         return self._watch.add(
             Watched(
                 sampler=Sampler(
@@ -693,6 +698,13 @@ class Claim(ClaimLifecycle):
                 raise ClaimTimeout(message)
             raise ClaimCancelled(message)
         if outcome.died is not None:
+            # Killed by a machine's books service carrying out an admin's
+            # cancel, maybe: the stop it sent first says who, once heard.
+            hear = getattr(self._queue, "hear_all_sent", None)
+            if hear is not None:
+                hear()
+            if self._stop_reason is not None:
+                self._raise_for(outcome)
             capped = self._halt_if_the_cap_killed()
             if capped is not None:
                 raise ClaimHalted(capped)

@@ -33,6 +33,7 @@ from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.queue import asked_words, share_words
 from fluksio_nb.settings import load_settings
+from fluksio_nb.shown import shown
 from fluksio_nb.status import describe_gpu, ordinal, stopped_text
 
 
@@ -77,7 +78,24 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     )
     # Kernel-only books show no claims: nobody here can say whose memory is whose.
     snapshot["sees_every_claim"] = books.mode != "kernel"
+    with_trusted_readings(snapshot)
     return with_history_facts(with_cards(snapshot, every_claim_known=books.mode != "kernel"))
+
+
+def with_trusted_readings(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Each running claim's readings as every view may show them, whoever reported them.
+
+    The service refuses figures out of range, but books it does not keep (a
+    user's own ledger) and services of earlier versions pass them on as
+    their kernels said them: a figure no view could show is dropped here,
+    with the readings it came in, rather than fail every view that reads it.
+    """
+    from fluksio_nb.machine.protocol import trusted_readings
+
+    for claim in snapshot.get("running", []):
+        if claim.get("readings") is not None:
+            claim["readings"] = trusted_readings(claim["readings"])
+    return snapshot
 
 
 def kernel_snapshot() -> dict[str, Any]:
@@ -106,6 +124,7 @@ def kernel_snapshot() -> dict[str, Any]:
         }
     # A kernel's own queue sees no other kernel's claims: it names no squatters.
     snapshot["sees_every_claim"] = not isinstance(queue, ClaimQueue)
+    with_trusted_readings(snapshot)
     return with_history_facts(with_cards(snapshot, every_claim_known=snapshot["sees_every_claim"]))
 
 
@@ -160,11 +179,16 @@ def with_cards(
     assert reading is None or isinstance(reading, CardsReading)
     running = snapshot.get("running", [])
     holders: dict[int, list[int]] = {}
+    #: Per card, the users of its claims whose kernel's pid is not shown (another
+    #: user's): their processes there are theirs to have, not squatters.
+    users_holding: dict[int, set[str]] = {}
     tickets: dict[int, list[int]] = {}
     for claim in running:
         for card in claim["allocation"]["gpus"]:
             if claim.get("pid") is not None:
                 holders.setdefault(card, []).append(claim["pid"])
+            elif claim.get("user"):
+                users_holding.setdefault(card, set()).add(claim["user"])
             tickets.setdefault(card, []).append(claim["ticket"])
         gpu = claim["gpu"] = _claim_gpu(claim, reading)
         if gpu is not None:
@@ -200,6 +224,7 @@ def with_cards(
                 "text": found.describe(),
             }
             for found in squatters(reading, holders)
+            if found.process.user not in users_holding.get(found.card, ())
         ]
     )
     return snapshot
@@ -285,7 +310,8 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
     if unlisted := snapshot.get("waiting_unlisted"):
         lines.append(f"waiting  and {unlisted} more of other users' claims, not listed")
     for squatter in snapshot.get("squatters") or ():
-        lines.append(f"squatter {squatter['text']}")
+        # A process's name is its owner's to choose.
+        lines.append(f"squatter {shown(squatter['text'])}")
     if finished:
         lines.append(f"finished (last {len(finished)}, newest first)")
         lines += [f"  {describe_finished(claim)}" for claim in finished]
@@ -294,11 +320,10 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
 
 def describe_finished(claim: Mapping[str, Any]) -> str:
     """One finished claim (``GET fluksio/api/finished``'s entry) in a line."""
-    import time
 
-    ended = time.strftime("%H:%M:%S", time.localtime(claim["ended_at"]))
-    whose = f"{claim['label']} ({claim['user']})"
-    where = f" in {claim['notebook']}" if claim.get("notebook") else ""
+    ended = _clock(claim["ended_at"])
+    whose = f"{shown(claim['label'])} ({shown(claim['user'])})"
+    where = f" in {shown(claim['notebook'])}" if claim.get("notebook") else ""
     words = [f"waited {_seconds(claim['waited_s'])}"]
     if claim.get("ran_s") is not None:
         words.append(f"ran {_seconds(claim['ran_s'])}")
@@ -308,7 +333,17 @@ def describe_finished(claim: Mapping[str, Any]) -> str:
         words.append(f"peak RSS {human(claim['peak_rss_bytes'])}")
     if claim.get("peak_gpu_bytes") is not None:
         words.append(f"peak GPU {human(claim['peak_gpu_bytes'])}")
-    return f"{ended} {claim['ending']}: {whose}{where}, " + ", ".join(words)
+    return f"{ended} {shown(claim['ending'])}: {whose}{where}, " + ", ".join(words)
+
+
+def _clock(at: Any) -> str:
+    """``14:02:11``, or ``--:--:--`` for a time no clock can show (a forged record's)."""
+    import time
+
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(at))
+    except (OverflowError, ValueError, OSError, TypeError):
+        return "--:--:--"
 
 
 def _seconds(seconds: float) -> str:
@@ -320,7 +355,7 @@ def _seconds(seconds: float) -> str:
 
 
 def _in_notebook(claim: Mapping[str, Any]) -> str:
-    return f" in {claim['notebook']}" if claim.get("notebook") else ""
+    return f" in {shown(claim['notebook'])}" if claim.get("notebook") else ""
 
 
 def _card_use(card: Mapping[str, Any]) -> str:
@@ -356,14 +391,17 @@ def describe_claim_gpu(gpu: Mapping[str, Any] | None, gpus: list[int]) -> str:
 
 def _whose(claim: dict) -> str:
     """The label, marked as the reader's; another user's name where it is theirs."""
-    label = claim.get("label")
+    # Escaped: another user's label with a newline could print a line of its own.
+    label = shown(claim.get("label"))
+    user = shown(claim.get("user"))
     if claim.get("mine", True):
-        return f"{label} (yours)" if "mine" in claim else str(label)
-    return f"{label} ({claim.get('user')})" if label else f"a claim of {claim.get('user')}"
+        return f"{label} (yours)" if "mine" in claim else label
+    return f"{label} ({user})" if claim.get("label") else f"a claim of {user}"
 
 
 def _where(claim: dict) -> str:
-    return f"pid {claim['pid']}"
+    # Another user's kernel's pid is shown to admins only (machine.books).
+    return "another user's kernel" if claim.get("pid") is None else f"pid {claim['pid']}"
 
 
 def ray_now() -> dict | None:

@@ -58,8 +58,9 @@ import stat
 import threading
 import warnings
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from fluksio_nb.identity import user_name
 
@@ -72,6 +73,21 @@ SUFFIX = ".jsonl"
 #: kernel saw and recorded, is ``"died"``.
 KERNEL_DIED = "kernel died"
 
+#: The latest wall-clock time a record (or a reading) may name: the year 2242.
+#: A later one, or 1e300, is no time anyone's clock or report can show.
+LATEST_TIME = float(1 << 33)
+#: The most bytes a figure may say: 4 EiB, more than any machine has.
+MOST_BYTES = 1 << 62
+#: The most cores or cards a claim may have held: the books service's own limits.
+MOST_CPUS = 1 << 20
+MOST_GPUS = 1 << 12
+
+# Each figure in range, so that what a report adds up from any number of
+# records stays finite: a record is a user's word, and 10**400 cores, or a
+# claim that ran since 1e300, is a line to skip, not a report to crash.
+_Time = Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)]
+_Bytes = Annotated[int, Field(ge=0, le=MOST_BYTES)]
+
 
 class UsageRecord(BaseModel):
     """One claim, as it ended: what it held, and when it asked, got and gave back its share."""
@@ -82,27 +98,33 @@ class UsageRecord(BaseModel):
     notebook: str | None = None
     #: The claim's number in the books it queued in; ``None`` in records written
     #: before it was kept. Numbers restart with new books: an id, not a key.
-    ticket: NonNegativeInt | None = None
+    ticket: Annotated[int, Field(ge=0, le=1 << 62)] | None = None
     #: Granted, not asked: 0 for a claim that never got its share.
-    cpus: NonNegativeInt = 0
+    cpus: Annotated[int, Field(ge=0, le=MOST_CPUS)] = 0
     #: The card ids granted.
-    gpus: list[NonNegativeInt] = Field(default_factory=list)
-    ram_bytes: NonNegativeInt = 0
+    gpus: list[Annotated[int, Field(ge=0, le=MOST_GPUS)]] = Field(
+        default_factory=list, max_length=MOST_GPUS
+    )
+    ram_bytes: _Bytes = 0
     #: ``time.time()`` when the claim joined the queue.
-    asked_at: FiniteFloat
-    granted_at: FiniteFloat | None = None
-    ended_at: FiniteFloat
+    asked_at: _Time
+    granted_at: _Time | None = None
+    ended_at: _Time
     ending: str
     #: The most memory its processes held; ``None`` where nobody alive knew it
     #: (:data:`KERNEL_DIED`), which is not zero.
-    peak_rss_bytes: NonNegativeInt | None = None
+    peak_rss_bytes: _Bytes | None = None
     #: The most card memory its processes held, on all its cards; ``None`` where
     #: the cards were not read (or it had none), which is not zero.
-    peak_gpu_bytes: NonNegativeInt | None = None
+    peak_gpu_bytes: _Bytes | None = None
     #: Whose claim it was, by uid, as the machine's books service knew it
     #: (``SO_PEERCRED``). Written only by the service, which writes for every
     #: user into a file of root's; believed only in a file root owns.
-    uid: NonNegativeInt | None = None
+    uid: Annotated[int, Field(ge=0, le=(1 << 32) - 1)] | None = None
+    #: Written by the books service, which saw the claim itself: who, what it
+    #: granted, and when (:mod:`fluksio_nb.machine.accounts`). Believed only
+    #: in a file root owns; root's report counts claims from these.
+    by_service: bool | None = None
 
     # Never below zero: the wall clock may be stepped back between two readings.
     @property
@@ -198,6 +220,11 @@ def _open_directory(directory: Path, create: bool) -> int:
         os.close(fd)
         raise UsageDirRefused(f"usage records directory {directory} {why}")
     return fd
+
+
+def open_records_directory(directory: Path) -> int:
+    """A descriptor of the machine's records directory, refused as :class:`UsageLog` refuses it."""
+    return _open_directory(directory, create=False)
 
 
 class UsageLog:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from typing import Any
 
@@ -88,6 +89,18 @@ class _LedgerHandler(APIHandler):
             kwargs["exc_info"] = (web.HTTPError, refusal, None)
         super().send_error(status_code, **kwargs)
 
+    def finish_json(self, value: Any) -> None:
+        """Answer ``value`` as strict JSON, whatever another user's kernel reported in it.
+
+        Tornado writes ``NaN`` and ``Infinity`` for floats that are not finite,
+        which ``JSON.parse`` in the panel refuses: one user's reading would
+        blank every other user's panel. Such a figure is said as ``null``.
+        """
+        from fluksio_nb.shown import json_safe
+
+        self.set_header("Content-Type", "application/json; charset=UTF-8")
+        self.finish(json.dumps(json_safe(value), allow_nan=False))
+
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         if status_code == 401:
             self.set_header("WWW-Authenticate", "token")
@@ -116,7 +129,7 @@ class SnapshotHandler(_LedgerHandler):
             # open; a kernel started elsewhere still shows its own notebook name.
             claim["path"] = paths.get(claim["kernel_id"]) if claim["mine"] else None
             claim["can_cancel"] = claim["mine"] or snapshot.get("can_cancel_any", False)
-        self.finish(snapshot)
+        self.finish_json(snapshot)
 
 
 class HistoryHandler(_LedgerHandler):
@@ -127,7 +140,7 @@ class HistoryHandler(_LedgerHandler):
     async def get(self) -> None:
         from fluksio_nb.machine_history import process_history
 
-        self.finish(process_history().as_json())
+        self.finish_json(process_history().as_json())
 
 
 class FinishedHandler(_LedgerHandler):
@@ -138,7 +151,7 @@ class FinishedHandler(_LedgerHandler):
     async def get(self) -> None:
         from fluksio_nb.usage.recent import process_recent_usage
 
-        self.finish(await _off_the_loop(process_recent_usage().finished))
+        self.finish_json(await _off_the_loop(process_recent_usage().finished))
 
 
 class HistoryFeeder:

@@ -194,7 +194,11 @@ def stopped_text(since: float | None) -> str:
     """``stopped by a signal since 14:02:11`` for a worker stopped (SIGSTOP) then; else ``""``."""
     if since is None:
         return ""
-    return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
+    try:
+        return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
+    except (OverflowError, ValueError, OSError, TypeError):
+        # Another user's kernel said when; a time no clock can show is not the view's end.
+        return "stopped by a signal"
 
 
 def _reading(status: ClaimStatus) -> str:

@@ -408,10 +408,17 @@ def test_a_killed_kernels_claims_are_recorded_by_the_service_against_its_user_on
         )
         assert roots["rows"] == []
 
-        # In a file of the service's, root's, private like every records file.
-        (mine,) = [p for p in layout.records.iterdir() if p.stat().st_uid == 0]
+        # In the service's account of her claims: a file of root's for her alone,
+        # private like every records file, holding every claim of hers it saw end.
+        (mine,) = [
+            p
+            for p in layout.records.iterdir()
+            if p.stat().st_uid == 0 and p.name.startswith(f"0-books-{alice.uid}-")
+        ]
         assert mine.stat().st_mode & 0o077 == 0
-        died_records = [json.loads(line) for line in mine.read_text().splitlines()]
+        seen = [json.loads(line) for line in mine.read_text().splitlines()]
+        assert all(r["uid"] == alice.uid and r["by_service"] for r in seen)
+        died_records = [r for r in seen if r["ending"] == "kernel died"]
         assert sorted(r["label"] for r in died_records) == ["held", "queued"]
         held = next(r for r in died_records if r["label"] == "held")
         assert (held["uid"], held["gpus"], held["ending"]) == (alice.uid, [0], "kernel died")

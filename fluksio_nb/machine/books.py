@@ -17,10 +17,17 @@ waiting claims are ordered between people first, then by arrival:
   on one NUMA node where one has room.
 - **An admin's cap is a user's own ceiling.** A claim its user's cap holds
   back sets nothing aside: one capped user never holds up anyone else.
-- **What a reader is shown is bounded.** A snapshot lists the reader's own
-  claims, the first :data:`OTHERS_WAITING_LISTED` of the queue and how many
-  more wait, and other users' words cut short: no user can make it longer
-  than a reader will take.
+- **What a reader is shown is bounded.** A snapshot lists the first
+  :data:`OTHERS_WAITING_LISTED` of the queue, the first
+  :data:`MINE_WAITING_LISTED` of the reader's own claims behind them, and
+  counts the rest; other users' words are cut short. No user can make it
+  longer than a reader will take, nor make it cost the service time in
+  proportion to what they queued.
+- **No request walks the whole queue.** The waiting claims are kept by
+  user, in order, and the running ones apart, so counting a user's waiting
+  claims costs nothing, and a grant walks the fair order only until the
+  cores run out (every claim asks for at least one): one user's thousands
+  of waiting claims do not make everyone's claim slower.
 
 Everything here is plain data and runs in the service's one thread, so
 there is no lock: the order the service reads its sockets in is the order
@@ -32,7 +39,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -62,6 +70,12 @@ class Entry:
     granted_at: float | None = None
     cancel: str | None = None
     readings: dict[str, Any] | None = None
+    #: The digest of the secret its owner's kernel was given with the grant,
+    #: which a restore after a restart must match (:mod:`.state`).
+    secret_sha256: str | None = None
+    #: The processes its kernel said it started for it: what an admin's cancel
+    #: kills if the kernel does not end the claim (:mod:`.revoke`). Never shown.
+    pids: tuple[int, ...] = ()
 
     @property
     def held(self) -> Need:
@@ -75,6 +89,14 @@ class Entry:
 OTHERS_WAITING_LISTED = 100
 OTHERS_LABEL_CHARS = 120
 OTHERS_NOTEBOOK_CHARS = 240
+#: How many of the reader's own waiting claims behind the head a snapshot
+#: lists; the rest are counted (``mine_unlisted``). Far more than a person's
+#: notebooks queue; a client that queues thousands is shown a number.
+MINE_WAITING_LISTED = 100
+#: How many claims of one capped user a grant looks at past their cap before
+#: it passes over that user's others until the next grant: a capped user's
+#: thousands of waiting claims do not make every grant walk them all.
+CAPPED_LOOKED_AT = 64
 
 
 def _fits(need: Iterable[float], room: Iterable[float]) -> bool:
@@ -93,31 +115,64 @@ class MachineBooks:
         *,
         core_ids: Sequence[int] = (),
         core_nodes: Mapping[int, int] | None = None,
+        numbers: Iterator[int] | None = None,
     ) -> None:
         self.cpus, self.gpu_ids, self.ram_bytes = cpus, tuple(sorted(gpu_ids)), ram_bytes
         self.core_ids, self.core_nodes = tuple(sorted(core_ids)), dict(core_nodes or {})
         self.entries: dict[int, Entry] = {}
         self.caps: dict[int, Cap] = {}
-        self._numbers = itertools.count(1)
+        #: Never one a service before this one gave out, given ``numbers`` from
+        #: its state (:meth:`~.state.ServiceState.ticket_numbers`).
+        self._numbers = numbers if numbers is not None else itertools.count(1)
         #: When each user's last claim was granted: who goes first in a round.
         self._last_granted: dict[int, float] = {}
+        self._running: dict[int, Entry] = {}
+        #: Each user's waiting claims, in the order they were added (by number).
+        self._waiting: dict[int, dict[int, Entry]] = {}
+        #: Counts every change a snapshot would show, for the service's cache.
+        self.version = 0
 
     def next_number(self) -> int:
         return next(self._numbers)
 
     def add(self, entry: Entry) -> None:
+        """A claim in the books: waiting, or running if it was put back after a restart."""
         self.entries[entry.number] = entry
+        if entry.state == "running":
+            self._running[entry.number] = entry
+        else:
+            self._waiting.setdefault(entry.uid, {})[entry.number] = entry
+        self.version += 1
 
     def remove(self, number: int) -> Entry | None:
-        return self.entries.pop(number, None)
+        entry = self.entries.pop(number, None)
+        if entry is not None:
+            self._running.pop(number, None)
+            mine = self._waiting.get(entry.uid)
+            if mine is not None and mine.pop(number, None) is not None and not mine:
+                del self._waiting[entry.uid]
+            self.version += 1
+        return entry
+
+    def changed(self) -> None:
+        """Something a snapshot shows changed outside these books (readings, a cancel)."""
+        self.version += 1
+
+    def waiting_count(self, uid: int | None = None) -> int:
+        """How many claims wait: user ``uid``'s, or everyone's."""
+        if uid is not None:
+            return len(self._waiting.get(uid, ()))
+        return sum(map(len, self._waiting.values()))
 
     @property
     def running(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.state == "running"]
+        return list(self._running.values())
 
     @property
     def waiting(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.state == "waiting"]
+        return sorted(
+            (e for mine in self._waiting.values() for e in mine.values()), key=lambda e: e.number
+        )
 
     def free(self) -> tuple[int, list[int], int]:
         running = self.running
@@ -158,28 +213,47 @@ class MachineBooks:
 
     def fair_order(self) -> list[Entry]:
         """The waiting claims in the order they are considered: one per user per round."""
-        by_user: dict[int, list[Entry]] = {}
-        for entry in sorted(self.waiting, key=lambda e: e.number):
-            by_user.setdefault(entry.uid, []).append(entry)
-        users = sorted(
-            by_user,
-            key=lambda uid: (self._last_granted.get(uid, -math.inf), by_user[uid][0].number),
-        )
-        rounds = itertools.zip_longest(*(by_user[uid] for uid in users))
-        return [entry for one_round in rounds for entry in one_round if entry is not None]
+        return list(self._fair_walk())
+
+    def _fair_walk(self, passed_over: set[int] | None = None) -> Iterator[Entry]:
+        """:meth:`fair_order`, one claim at a time: a walk that stops early costs only
+        what it walked. Users in ``passed_over`` (which may grow meanwhile) are skipped."""
+
+        def first_turn(uid: int) -> tuple[float, int]:
+            return self._last_granted.get(uid, -math.inf), next(iter(self._waiting[uid]))
+
+        users = sorted(self._waiting, key=first_turn)
+        turns = deque((uid, iter(self._waiting[uid].values())) for uid in users)
+        while turns:
+            uid, theirs = turns.popleft()
+            if passed_over and uid in passed_over:
+                continue
+            entry = next(theirs, None)
+            if entry is not None:
+                yield entry
+                turns.append((uid, theirs))
 
     def dispatch(self) -> list[Entry]:
         """Grant whatever may go now, fairly; returns the claims just granted."""
-        if not any(e.state == "waiting" for e in self.entries.values()):
+        if not self._waiting:
             return []
         free_cpus, free_gpus, free_ram = self.free()
         free_cores = self.free_cores()
         spare: list[float] = [free_cpus, len(free_gpus), free_ram]
         room = {uid: cap.room(self.held_by(uid)) for uid, cap in self.caps.items()}
-        granted = []
-        for entry in self.fair_order():
+        granted: list[Entry] = []
+        capped: dict[int, int] = {}
+        passed_over: set[int] = set()
+        for entry in self._fair_walk(passed_over):
+            if spare[0] < 1:
+                # Every claim asks for a core (the protocol's Need), and every
+                # one walked sets aside what it needs: none behind can go now.
+                break
             mine = room.get(entry.uid)
             if mine is not None and not _fits(entry.need, mine):
+                capped[entry.uid] = looked = capped.get(entry.uid, 0) + 1
+                if mine[0] < 1 or looked >= CAPPED_LOOKED_AT:
+                    passed_over.add(entry.uid)
                 continue
             if _fits(entry.need, spare):
                 cards, free_gpus = free_gpus[: entry.need[1]], free_gpus[entry.need[1] :]
@@ -193,10 +267,23 @@ class MachineBooks:
             # Granted or not, what it needs is spoken for: a claim behind it
             # may overtake it only with what it does not need.
             spare = [s - n for s, n in zip(spare, entry.need, strict=True)]
+        for entry in granted:
+            # Moved only now: the walk reads these dicts as it goes.
+            self._waiting[entry.uid].pop(entry.number)
+            if not self._waiting[entry.uid]:
+                del self._waiting[entry.uid]
+            self._running[entry.number] = entry
+        if granted:
+            self.version += 1
         return granted
 
-    def snapshot(self, uid: int, *, admin: bool = False) -> dict[str, Any]:
-        """The machine as user ``uid`` may see it: everyone's shares, their own labels."""
+    def snapshot(self, uid: int, *, admin: bool = False, sees_pids: bool = False) -> dict[str, Any]:
+        """The machine as user ``uid`` may see it: everyone's shares, their own labels.
+
+        Another user's kernel's pid only to an admin (or, with ``sees_pids``,
+        root): ``/proc/<pid>/cmdline`` names the kernel's id, which is theirs
+        to share (``share_labels``), and any user may read it.
+        """
         free_cpus, free_gpus, free_ram = self.free()
 
         def who(entry: Entry) -> dict[str, Any]:
@@ -214,7 +301,7 @@ class MachineBooks:
                 "ticket": entry.number,
                 "label": said(entry.label, OTHERS_LABEL_CHARS),
                 "since": entry.since,
-                "pid": entry.pid,
+                "pid": entry.pid if mine or admin or sees_pids else None,
                 "kernel_id": said(entry.kernel_id, OTHERS_LABEL_CHARS),
                 "notebook": said(entry.notebook, OTHERS_NOTEBOOK_CHARS),
                 "user": entry.user,
@@ -223,14 +310,25 @@ class MachineBooks:
                 "cancel": entry.cancel,
             }
 
-        order = self.fair_order()
-        # Every claim of the reader's own, and the first of everyone else's:
-        # one user's thousands of waiting claims are not every reader's to carry.
-        listed = [
-            (position, e)
-            for position, e in enumerate(order, start=1)
-            if e.uid == uid or position <= OTHERS_WAITING_LISTED
-        ]
+        # The head of the queue, and the first of the reader's own behind it:
+        # one user's thousands of waiting claims are not every reader's to
+        # carry, nor theirs to make the service walk.
+        waiting, mine_waiting = self.waiting_count(), self.waiting_count(uid)
+        listed: list[tuple[int, Entry]] = []
+        mine_listed = mine_behind = 0
+        for position, e in enumerate(self._fair_walk(), start=1):
+            if position <= OTHERS_WAITING_LISTED or (
+                e.uid == uid and mine_behind < MINE_WAITING_LISTED
+            ):
+                listed.append((position, e))
+                if e.uid == uid:
+                    mine_listed += 1
+                    mine_behind += position > OTHERS_WAITING_LISTED
+            if position >= OTHERS_WAITING_LISTED and (
+                mine_behind >= MINE_WAITING_LISTED or mine_listed >= mine_waiting
+            ):
+                break
+        mine_unlisted = mine_waiting - mine_listed
         return {
             "cpus": {"total": self.cpus, "free": max(free_cpus, 0), "free_ids": self.free_cores()},
             "gpus": {"total": len(self.gpu_ids), "free": len(free_gpus), "free_ids": free_gpus},
@@ -243,7 +341,9 @@ class MachineBooks:
                 }
                 for position, e in listed
             ],
-            "waiting_unlisted": len(order) - len(listed),
+            # Other users' claims not listed, and the reader's own.
+            "waiting_unlisted": waiting - len(listed) - mine_unlisted,
+            "mine_unlisted": mine_unlisted,
             "running": [
                 {
                     **who(e),

@@ -21,8 +21,9 @@ What it decides:
   machine. The reader thread watches the connection only while this
   kernel has something to hear of, and steps aside for askers.
 - **A service that restarts loses nothing.** The reader reconnects, writes
-  this kernel's running claims back (taken only if still free: one that is
-  not is stopped, with the reason), and queues its waiting claims again.
+  this kernel's running claims back, each with the secret its grant came
+  with, which only this kernel was told (:mod:`.ownership`; one not taken
+  back is stopped, with the reason), and queues its waiting claims again.
 - **The lifeline carries only this kernel's claims.** A snapshot of the
   machine, whose size other users' claims decide, is asked for on a
   connection of its own: whatever comes back, it cannot break the one
@@ -63,6 +64,7 @@ from fluksio_nb.machine.connection import (
     hello,
     not_answering,
 )
+from fluksio_nb.machine.ownership import Ownership
 from fluksio_nb.queue import (
     Ticket,
     fit_to_capacity,
@@ -94,7 +96,7 @@ SPIN_S = 150e-6
 _FORGET_ABANDONED_S = 60.0
 
 
-class ServiceQueue:
+class ServiceQueue(Ownership):
     """The kernel's accountant, keeping its books in the machine's service."""
 
     def __init__(self, path: Path, share_labels: bool = False) -> None:
@@ -118,6 +120,7 @@ class ServiceQueue:
         #: to put back: kept apart from ``_mine``, where claims made on the
         #: new connection go, so that none is put back twice.
         self._held_over: list[Ticket] = []
+        self._init_ownership()
         #: News of a ticket that came before the answer that named it was read.
         self._early: dict[int, dict[str, Any]] = {}
         #: Requests whose asker gave up (the stop button, mostly): a ticket
@@ -348,6 +351,7 @@ class ServiceQueue:
     def _let_go_of_ticket(self, number: int) -> None:
         with self._lock:
             self._mine.pop(number, None)
+            self._forget_secret(number)
             self._give_back_unasked(number)
 
     def _own(self, request: int) -> None:
@@ -490,6 +494,7 @@ class ServiceQueue:
                 self._early[message["ticket"]] = message
             elif op == "granted":
                 ticket = self._mine[message["ticket"]]
+                self._keep_secret(message)
                 if ticket.allocation is None:
                     r = ticket.resources
                     ticket.allocation = Allocation(
@@ -514,60 +519,6 @@ class ServiceQueue:
         self._early.pop(number, None)
         with contextlib.suppress(ServiceUnavailable, OSError):
             self._send({"op": "release", "ticket": number})
-
-    def _put_back(self) -> None:
-        """After a restart: running claims written back if still free, waiting ones queued again."""
-        with self._lock:
-            mine, self._held_over = self._held_over, []
-        for put, ticket in enumerate(mine):
-            if ticket.state == "running" and ticket.allocation is not None:
-                held = ticket.allocation
-                request: dict[str, Any] = {
-                    "op": "restore",
-                    "label": ticket.label,
-                    "cpus": held.cpus,
-                    "gpus": list(held.gpus),
-                    "ram_bytes": held.ram_bytes,
-                    "cores": list(held.cores),
-                }
-            elif ticket.state == "waiting":
-                r = ticket.resources
-                need = {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
-                request = {"op": "claim", "label": ticket.label, "need": need}
-            else:
-                continue
-            asked = next(self._ids)
-            try:
-                answer = self._ask(request, asked)
-            except ServiceUnavailable:
-                # Gone again: the next connection puts these back.
-                with self._lock:
-                    self._held_over.extend(mine[put:])
-                return
-            self._own(asked)
-            if answer["op"] != "ticket":
-                reason = (
-                    "this kernel's connection to the machine's books service broke (the "
-                    "service restarted, or the kernel stopped answering it), and what this "
-                    "claim held is taken"
-                )
-                with self._lock:
-                    ticket.cancelled = reason
-                    self._cond.notify_all()
-                if ticket.state == "running" and ticket.on_cancel is not None:
-                    ticket.on_cancel(reason)
-                continue
-            with self._lock:
-                if ticket.state == "done":
-                    # Released while the service was away: nothing to hold.
-                    self._give_back_unasked(answer["ticket"])
-                    continue
-                ticket.number = answer["ticket"]
-                self._mine[ticket.number] = ticket
-                if request["op"] == "claim" and "gpus" in answer:
-                    self._heard({**answer, "op": "granted"})
-                self._heard_early(ticket)
-                self._reader_wakes.notify()
 
     def close(self) -> None:
         with self._lock:
@@ -642,6 +593,7 @@ class ServiceQueue:
     def release(self, ticket: Ticket) -> None:
         with self._lock:
             known = self._mine.pop(ticket.number, None)
+            self._forget_secret(ticket.number)
             # Under the lock: a restart's put-back checks it there, and a
             # claim released while it looked would be held for ever.
             ticket.state = "done"

@@ -18,10 +18,23 @@ import socket
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-#: The longest line either side reads. A snapshot of a busy machine is a few
+# The same bounds as a usage record's: a time no clock can show, or more bytes
+# than any machine has, is only ever an attacker's.
+from fluksio_nb.records import LATEST_TIME, MOST_BYTES
+
+#: The longest line a client reads. A snapshot of a busy machine is a few
 #: kilobytes; anything near this is an attack or a bug, and ends the connection.
+#: The service reads far shorter lines: no request is longer than
+#: :data:`~fluksio_nb.machine.turns.MAX_REQUEST_BYTES`.
 MAX_LINE_BYTES = 1 << 20
 
 
@@ -80,15 +93,66 @@ class Cancel(_Message):
     reason: str = Field(max_length=1024)
 
 
+#: The most a percentage may say: a claim's CPU is summed over its cores.
+MOST_PERCENT = 100.0 * (1 << 14)
+
+_Bytes = Annotated[int, Field(ge=0, le=MOST_BYTES)]
+_Percent = Annotated[float, Field(ge=0, le=MOST_PERCENT, allow_inf_nan=False)]
+_Time = Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)]
+
+
+class Readings(BaseModel):
+    """What a running claim's kernel last read of it, shown to every user in each snapshot.
+
+    Each figure is the reporting user's word, read by every other user's
+    views: so each is of its type, finite and in range, or the report is
+    refused. A figure this version does not know is dropped, never passed
+    on unchecked; one that is not known is ``None``.
+    """
+
+    # Not strict: an int where a float is wanted is the same figure.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rss_bytes: _Bytes | None = None
+    peak_rss_bytes: _Bytes | None = None
+    cpu_percent: _Percent | None = None
+    processes: Annotated[int, Field(ge=0, le=1 << 22)] | None = None
+    gpu_bytes: _Bytes | None = None
+    peak_gpu_bytes: _Bytes | None = None
+    gpu_percent: _Percent | None = None
+    stopped_since: _Time | None = None
+    at: _Time | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_handful(cls, said: Any) -> Any:
+        # Unknown figures are dropped, but not read without end: a handful at most.
+        if isinstance(said, dict) and len(said) > 32:
+            raise ValueError("more than 32 readings")
+        return said
+
+
+def trusted_readings(said: Any) -> dict[str, Any] | None:
+    """A claim's readings as a view may show them, whoever wrote them; ``None`` if they are not.
+
+    For readers of books that did not validate them (an older service, a
+    user's own ledger): a view shows no figure rather than fail on one.
+    """
+    if not isinstance(said, dict):
+        return None
+    try:
+        return Readings.model_validate(said).model_dump()
+    except ValidationError:
+        return None
+
+
 class Report(_Message):
     """A running claim's latest readings; no reply."""
 
     op: Literal["report"]
     ticket: int
-    # Shown to every user in each snapshot: a handful of short figures.
-    readings: dict[Annotated[str, StringConstraints(max_length=32)], float | int | None] = Field(
-        max_length=32
-    )
+    # Shown to every user in each snapshot: a handful of short figures, each checked.
+    readings: Readings
 
 
 class Snapshot(_Message):
@@ -107,7 +171,13 @@ class KernelDeaths(_Message):
 
 
 class Restore(_Message):
-    """A claim this kernel was running when its connection to the service broke."""
+    """A claim this kernel was running when its connection to the service broke.
+
+    Put back only if the service that granted it wrote down this very share
+    as this user's claim ``ticket``, granted with ``secret``: whoever else
+    read the share from a snapshot knows neither. Optional only so that an
+    older kernel is told why, rather than cut off.
+    """
 
     op: Literal["restore"]
     id: int
@@ -116,10 +186,36 @@ class Restore(_Message):
     gpus: list[int] = Field(max_length=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
     cores: list[int] = Field(default_factory=list, max_length=1 << 20)
+    ticket: int | None = None
+    secret: str | None = Field(default=None, max_length=128)
+
+
+class Processes(_Message):
+    """Processes a running claim's kernel started for it; no reply.
+
+    What the service kills when an admin's cancel is not carried out by the
+    kernel, and only those of them it finds are the owner's, below the
+    kernel (:mod:`.revoke`). Never shown to anyone.
+    """
+
+    op: Literal["processes"]
+    ticket: int
+    pids: list[Annotated[int, Field(ge=2, le=1 << 22)]] = Field(max_length=64)
+
+
+class News(_Message):
+    """Answered once everything the service sent this connection before it is sent.
+
+    A kernel whose worker died asks it, to have heard a stop the service may
+    have sent before it killed the worker, and so say who stopped it.
+    """
+
+    op: Literal["news"]
+    id: int
 
 
 Request = Annotated[
-    Claim | Release | Cancel | Report | Snapshot | KernelDeaths | Restore,
+    Claim | Release | Cancel | Report | Snapshot | KernelDeaths | Restore | Processes | News,
     Field(discriminator="op"),
 ]
 read_hello = TypeAdapter(Hello).validate_json

@@ -8,26 +8,43 @@ socket, without anybody having to notice.
 
 What it decides:
 
-- **It never waits for a client.** One asyncio loop; every write is
-  buffered, and a client that stops reading past :data:`MAX_BACKLOG_BYTES`
-  is disconnected (which frees only its own claims). A client stopped with
-  ``SIGSTOP`` stalls nobody but itself.
+- **It never waits for a client, and shares its time.** One asyncio loop;
+  every write is buffered, and a client that stops reading is answered no
+  more, then disconnected (which frees only its own claims). Lines are
+  answered in turns between people, in bounded buffers, with connections
+  limited per user and in all (:mod:`~fluksio_nb.machine.turns`). A client
+  stopped with ``SIGSTOP`` stalls nobody but itself.
+- **No request costs time in proportion to what one user queued.** A
+  snapshot is made once per change of the books for each reader who asks
+  (:meth:`BooksService.snapshot_line`), and lists a bounded part of the
+  queue; counting and granting never walk a user's whole queue
+  (:mod:`~fluksio_nb.machine.books`).
 - **A line that does not parse ends its connection**, and nothing else.
   Every request is validated (:mod:`~fluksio_nb.machine.protocol`) before
   anything reads it.
 - **Only the owner cancels**, or a member of the admin group the machine's
-  config names; the owner's kernel is told who stopped it.
-- **Limits per user**: connections and waiting claims, so one user cannot
-  grow the service's memory for everyone.
-- **A kernel that died still leaves its claims' records.** A connection the
-  kernel closed with claims still held or waiting (it gave none of them
-  back: it was killed) has a usage record written for each, ending
-  :data:`~fluksio_nb.records.KERNEL_DIED`, into the machine's records
-  directory, in a file of root's that says whose each one is. What only
-  the kernel knew (peak memory) stays unknown. A connection the service
-  closed (a client that stopped reading, a bad line, the service stopping
-  for a restart) leaves none: its kernel lives, and ends and records its
-  claims itself.
+  config names; the owner's kernel is told who stopped it. A running claim
+  still held :data:`~fluksio_nb.machine.revoke.STOP_GRACE_S` later is ended
+  by the service: it kills the claim's processes it can verify are the
+  owner's, and frees the share whatever the kernel does (:mod:`.revoke`).
+- **Only the owner puts a share back after a restart**: each grant comes
+  with a secret for the owner's kernel alone, and the service writes down
+  in root's private state whose each running claim is and what it holds;
+  a restore that does not match one in every part is refused. Ticket
+  numbers are never given out twice, across restarts (:mod:`.state`).
+- **Limits per user**: connections, unfinished lines and waiting claims,
+  so one user cannot grow the service's memory for everyone; and what it
+  refused is said in the log every few seconds, never line by line.
+- **Every claim it saw end is written down**, as it saw it: who, what it
+  granted, when it was asked for, granted and given back, into a file of
+  root's per user (:mod:`~fluksio_nb.machine.accounts`), which root's
+  usage report counts claims from. A connection the kernel closed with
+  claims still held or waiting (it gave none of them back: it was killed)
+  has each recorded ending :data:`~fluksio_nb.records.KERNEL_DIED`; what
+  only the kernel knew (peak memory) stays unknown. A connection the
+  service closed (a client that stopped reading, a bad line, the service
+  stopping for a restart) leaves none: its kernel lives, and ends and
+  records its claims itself.
 - **Each user may read the records of their own killed kernels**, and no
   one else's: root's file is private, so the service reads it for them
   (``kernel_deaths``), the newest :data:`DEATHS_ANSWERED` at most. Reading
@@ -54,26 +71,28 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fluksio_nb.identity import user_name
-from fluksio_nb.machine import protocol
+from fluksio_nb.machine import protocol, turns
+from fluksio_nb.machine.accounts import BooksAccounts
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.machine.caps import Cap
-from fluksio_nb.records import KERNEL_DIED, UsageRecord, process_log
+from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
+from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
+from fluksio_nb.machine.state import HeldClaim, ServiceState
+from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
+from fluksio_nb.records import KERNEL_DIED, UsageRecord
+
+__all__ = ["MAX_CONNECTIONS_PER_USER", "BooksService", "Connection", "serve"]
 
 log = logging.getLogger("fluksio_nb.machine")
 
-#: How long a service that just started grants nothing, so that kernels whose
-#: claims ran across a restart put them back before anything waiting is
-#: granted what they still hold.
-RESTORE_GRACE_S = 3.0
+#: How a claim ended, as the service saw it: its kernel gave it back, or it
+#: was cancelled while it waited. How the cell ended is the kernel's to say.
+RELEASED = "released"
+CANCELLED = "cancelled"
 #: Left in the run directory by a service that stopped while claims were held.
 CLAIMS_HELD_NAME = "claims-held"
-#: How much unread output a client may leave in the service's buffers before
-#: it is taken to be stuck and disconnected.
-MAX_BACKLOG_BYTES = 4 << 20
-#: The most connections and waiting claims one user may have. Far above what a
-#: person's notebooks make, and low enough that the service's memory is bounded.
-MAX_CONNECTIONS_PER_USER = 512
+#: The most waiting claims one user may have. Far above what a person's
+#: notebooks make, and low enough that the service's memory is bounded.
 MAX_WAITING_PER_USER = 4096
 #: The most records of a user's killed kernels one answer holds: some 300 KB,
 #: well inside a line.
@@ -99,74 +118,7 @@ def in_group(uid: int, group: str | None) -> bool:
     return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
 
 
-class Connection(asyncio.Protocol):
-    """One kernel (or server, or terminal) talking to the service.
-
-    A protocol rather than a stream reader and a task: each line is answered
-    as it is read, with no task to wake in between, which was a third of
-    what the service spent on a claim.
-    """
-
-    def __init__(self, service: BooksService) -> None:
-        self.service = service
-        self.transport: asyncio.Transport | None = None
-        self.pid = self.uid = -1
-        self.user = ""
-        self.hello: protocol.Hello | None = None
-        self.entries: dict[int, Entry] = {}
-        self.closed = False
-        #: Closed by the service, not by its kernel: the kernel lives on.
-        self.dropped = False
-        self._buffer = b""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.pid, self.uid, _ = protocol.peer_credentials(transport.get_extra_info("socket"))
-        self.user = user_name(self.uid)
-        self.service.arrived(self)
-
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        while not self.closed and b"\n" in self._buffer:
-            line, self._buffer = self._buffer.split(b"\n", 1)
-            self.service.heard(self, line)
-        if len(self._buffer) > protocol.MAX_LINE_BYTES:
-            self.refuse("a line longer than the protocol allows")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.service.left(self)
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.send_line(protocol.line(message))
-
-    def send_line(self, line: bytes) -> None:
-        """A message already made into its line."""
-        if self.closed or self.transport is None:
-            return
-        if self.transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
-            log.warning("dropping pid %s (%s): it stopped reading", self.pid, self.user)
-            self.close()
-            return
-        self.transport.write(line)
-
-    def refuse(self, why: str) -> None:
-        """Say why, and end this connection, and only this one."""
-        log.warning("pid %s (%s) refused: %s", self.pid, self.user, why)
-        self.send({"op": "refused", "message": why[:2000]})
-        if not self.closed and self.transport is not None:
-            self.closed = self.dropped = True
-            # close(), not abort(): the refusal is flushed before the end.
-            self.transport.close()
-
-    def close(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.closed = self.dropped = True
-            self.transport.abort()
-
-
-class BooksService:
+class BooksService(AcrossRestarts):
     """The books plus the connections that hold claims in them."""
 
     def __init__(
@@ -177,13 +129,32 @@ class BooksService:
         admin_group: str | None = None,
         records: str | None = None,
         read_deaths: DeathsReader | None = None,
+        accounts: BooksAccounts | None = None,
+        state: ServiceState | None = None,
     ) -> None:
         self.books = books
+        #: Where the running claims are written down for the next service, if anywhere.
+        self.state = state
+        #: What the service before this one wrote down: the only restores taken.
+        self.held_before: dict[int, HeldClaim] = {}
+        self._state_due = self._state_frozen = False
+        #: Where each claim that ends is written down, a file per user.
+        self.accounts = accounts or (BooksAccounts(Path(records)) if records else None)
         self.cap_by_name = caps or {}
         self.admin_group = admin_group
         self.records = records
         self.read_deaths = read_deaths
         self.connections: set[Connection] = set()
+        #: Who may connect: each user's connections, and everyone's, counted.
+        self.admission = turns.Admission(self.connections)
+        #: Each user's bytes of lines not ended yet, over their connections.
+        self.unfinished: dict[int, int] = {}
+        self.turns = turns.Turns()
+        self.refusals = turns.RefusalLog()
+        #: Each reader's snapshot line, for the books as they were at ``_snapshots_of``.
+        self._snapshots: dict[tuple[int, bool], bytes] = {}
+        self._snapshots_of = -1
+        self._giving_back = False
         self._granting_from = 0.0
         #: When, on the loop's clock, the next read of killed kernels' records may start.
         self._deaths_free_at = 0.0
@@ -194,16 +165,16 @@ class BooksService:
     # -- a connection's life ----------------------------------------------------
 
     def arrived(self, connection: Connection) -> None:
-        if sum(c.uid == connection.uid for c in self.connections) >= MAX_CONNECTIONS_PER_USER:
-            connection.refuse("too many connections from this user")
-            return
-        self.connections.add(connection)
+        """A new connection, counted, or refused in a line that says why and what to do."""
+        if self.admission.admits(connection):
+            self.connections.add(connection)
 
     def heard(self, connection: Connection, line: bytes) -> None:
         """One line from a connection: its hello first, then requests."""
         try:
             if connection.hello is None:
                 connection.hello = protocol.read_hello(line)
+                connection.admin = in_group(connection.uid, self.admin_group)
                 cap = self.cap_for(connection.user)
                 if cap is not None:
                     self.books.caps[connection.uid] = cap
@@ -211,11 +182,18 @@ class BooksService:
             else:
                 self.answer(connection, protocol.read_request(line))
         except ValidationError as error:
-            connection.refuse(f"bad request: {error}")
+            connection.refuse(f"bad request: {error}", "a request that does not parse")
 
     def left(self, connection: Connection) -> None:
         """A connection closed: whatever it held or waited for is free for everyone."""
+        if connection.turned_away:
+            return
         self.connections.discard(connection)
+        self.admission.left(connection)
+        if not self._giving_back:
+            # Once for however many go together: a flood's end, mostly.
+            self._giving_back = True
+            asyncio.get_running_loop().call_later(turns.GIVE_BACK_AFTER_S, self._give_back)
         ended_at = time.time()
         for number in list(connection.entries):
             entry = self.books.remove(number)
@@ -223,13 +201,18 @@ class BooksService:
             # the lines before its end are read before the end is. What is
             # left, it never will.
             if entry is not None and not connection.dropped:
-                self.record_death(entry, ended_at)
+                self.record_end(entry, ended_at, KERNEL_DIED)
         connection.entries.clear()
+        self.note_held()
         self.dispatch()
 
-    def record_death(self, entry: Entry, ended_at: float) -> None:
-        """The usage record a killed kernel could not write, of whoever the OS said it was."""
-        if not self.records:
+    def _give_back(self) -> None:
+        self._giving_back = False
+        turns.give_memory_back()
+
+    def record_end(self, entry: Entry, ended_at: float, ending: str) -> None:
+        """The claim as the service saw it end, of whoever the OS said it was."""
+        if self.accounts is None:
             return
         running = entry.state == "running"
         try:
@@ -243,14 +226,15 @@ class BooksService:
                 asked_at=entry.since,
                 granted_at=entry.granted_at if running else None,
                 ended_at=ended_at,
-                ending=KERNEL_DIED,
+                ending=ending,
                 uid=entry.uid,
+                by_service=True,
             )
         except ValueError as error:
             log.warning("claim %s of %s not recorded: %s", entry.number, entry.user, error)
             return
         # Never raises: a record that cannot be written is a warning, here in the log.
-        process_log(Path(self.records), create=False).write(record)
+        self.accounts.write(record)
 
     def welcome(self, connection: Connection) -> dict[str, Any]:
         cap = self.books.caps.get(connection.uid)
@@ -266,7 +250,7 @@ class BooksService:
                 "core_nodes": {str(c): n for c, n in self.books.core_nodes.items()},
             },
             "cap": None if cap is None else cap.__dict__,
-            "admin": in_group(connection.uid, self.admin_group),
+            "admin": connection.admin,
             "records": self.records,
         }
 
@@ -282,10 +266,9 @@ class BooksService:
         if too_big:
             connection.send({"op": "error", "id": request.id, "message": too_big})
             return
-        waiting = sum(
-            e.state == "waiting" for e in self.books.entries.values() if e.uid == connection.uid
-        )
+        waiting = self.books.waiting_count(connection.uid)
         if waiting >= MAX_WAITING_PER_USER:
+            self.refusals.refused(connection, "claims past the most one user may queue")
             connection.send(
                 {
                     "op": "error",
@@ -307,17 +290,32 @@ class BooksService:
             # which saves the kernel a second wake-up.
             granted.remove(entry)
             answer.update(
-                gpus=list(entry.gpus), cores=list(entry.cores), granted_at=entry.granted_at
+                gpus=list(entry.gpus),
+                cores=list(entry.cores),
+                granted_at=entry.granted_at,
+                secret=self._grant_secret(entry),
             )
+            self.note_held()
         connection.send(answer)
         self.tell_granted(granted)
 
-    def _new_entry(self, connection: Connection, need: tuple[int, int, int], label: str) -> Entry:
-        """A claim in the books, owned by whoever the OS says is at the other end."""
+    def _new_entry(
+        self,
+        connection: Connection,
+        need: tuple[int, int, int],
+        label: str,
+        number: int | None = None,
+        **running: Any,
+    ) -> Entry:
+        """A claim in the books, owned by whoever the OS says is at the other end.
+
+        Waiting, unless ``running`` says what it runs with (a claim put back,
+        under the ``number`` it had).
+        """
         hello = connection.hello
         assert hello is not None
         entry = Entry(
-            number=self.books.next_number(),
+            number=self.books.next_number() if number is None else number,
             uid=connection.uid,
             user=connection.user,
             pid=connection.pid,
@@ -327,6 +325,7 @@ class BooksService:
             kernel_id=hello.kernel_id,
             notebook=hello.notebook,
             share_labels=hello.share_labels,
+            **running,
         )
         self.books.add(entry)
         connection.entries[entry.number] = entry
@@ -349,6 +348,8 @@ class BooksService:
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
+            self.record_end(entry, time.time(), RELEASED)
+            self.note_held()
             self.dispatch()
 
     def _on_cancel(self, connection: Connection, request: protocol.Cancel) -> None:
@@ -369,6 +370,7 @@ class BooksService:
             )
             return
         reason = request.reason
+        self.books.changed()
         if entry.uid != connection.uid:
             reason = f"stopped by {connection.user}, an admin of this machine ({reason})"
         entry.cancel = reason
@@ -377,24 +379,59 @@ class BooksService:
             # Gone from the queue at once; the owner learns why when told.
             self.books.remove(entry.number)
             owner.entries.pop(entry.number, None)
+            self.record_end(entry, time.time(), CANCELLED)
         owner.send({"op": "stop", "ticket": entry.number, "reason": reason})
         connection.send({"op": "ok", "id": request.id, "found": True})
+        if entry.state == "running":
+            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry)
         self.dispatch()
+
+    def _carry_out(self, entry: Entry) -> None:
+        """End a cancelled claim its kernel did not give back: its processes, and its share.
+
+        The kernel may be stopped, hung or ignoring the stop; the share is
+        free now whatever it does, and it hears the stop when it next reads.
+        """
+        if self.books.entries.get(entry.number) is not entry:
+            return  # given back by its kernel, as it should be
+        killed = stop_claims_processes(entry.pids, entry.uid, entry.pid)
+        log.info(
+            "claim %s of %s was not given back %g s after it was cancelled (%s): the service "
+            "freed it, and killed its processes %s",
+            entry.number,
+            entry.user,
+            STOP_GRACE_S,
+            entry.cancel,
+            killed or "(none it could verify)",
+        )
+        self.books.remove(entry.number)
+        owner: Connection = entry.owner
+        owner.entries.pop(entry.number, None)
+        self.record_end(entry, time.time(), CANCELLED)
+        self.note_held()
+        self.dispatch()
+
+    def _on_processes(self, connection: Connection, request: protocol.Processes) -> None:
+        entry = connection.entries.get(request.ticket)
+        if entry is not None:
+            # The latest, bounded: a worker reused by claim after claim is one pid.
+            known = dict.fromkeys((*entry.pids, *request.pids))
+            entry.pids = tuple(known)[-MOST_PIDS:]
+
+    def _on_news(self, connection: Connection, request: protocol.News) -> None:
+        connection.send({"op": "ok", "id": request.id})
 
     def _on_report(self, connection: Connection, request: protocol.Report) -> None:
         entry = connection.entries.get(request.ticket)
         if entry is not None:
-            entry.readings = dict(request.readings)
+            entry.readings = request.readings.model_dump()
+            self.books.changed()
 
     def _on_snapshot(self, connection: Connection, request: protocol.Snapshot) -> None:
-        snapshot = self.books.snapshot(
-            connection.uid, admin=in_group(connection.uid, self.admin_group)
+        line = b'{"op":"snapshot","id":%d,"snapshot":%s}\n' % (
+            request.id,
+            self.snapshot_line(connection),
         )
-        if self._holding():
-            # Said, so that a claim waiting with the machine free says why.
-            left = self._granting_from - asyncio.get_running_loop().time()
-            snapshot["grants_resume_at"] = time.time() + left
-        line = protocol.line({"op": "snapshot", "id": request.id, "snapshot": snapshot})
         if len(line) > protocol.MAX_LINE_BYTES:
             # Only the reader's own claims can make it this long now; a line
             # the reader would refuse to read is never sent.
@@ -407,6 +444,35 @@ class BooksService:
                 }
             )
         connection.send_line(line)
+
+    def snapshot_line(self, connection: Connection) -> bytes:
+        """The machine as ``connection``'s user may see it, as JSON.
+
+        Made once per change of the books for each reader (and admin or
+        not) who asks: a client asking again and again costs the service a
+        lookup, and a change costs one snapshot per reader, bounded in size.
+        """
+        if self.books.version != self._snapshots_of:
+            self._snapshots.clear()
+            self._snapshots_of = self.books.version
+        key = (connection.uid, connection.admin)
+        if self._holding():
+            # Not kept: it says until when, which changes by the moment.
+            return self._snapshot_json(connection)
+        made = self._snapshots.get(key)
+        if made is None:
+            made = self._snapshots[key] = self._snapshot_json(connection)
+        return made
+
+    def _snapshot_json(self, connection: Connection) -> bytes:
+        snapshot = self.books.snapshot(
+            connection.uid, admin=connection.admin, sees_pids=connection.uid == 0
+        )
+        if self._holding():
+            # Said, so that a claim waiting with the machine free says why.
+            left = self._granting_from - asyncio.get_running_loop().time()
+            snapshot["grants_resume_at"] = time.time() + left
+        return protocol.line(snapshot)[:-1]
 
     def _on_kernel_deaths(self, connection: Connection, request: protocol.KernelDeaths) -> None:
         """The asker's own killed kernels' records, read from root's files on a thread."""
@@ -454,49 +520,6 @@ class BooksService:
 
         reading.add_done_callback(answer)
 
-    def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
-        """A kernel's running claim from before the service restarted, back in the books.
-
-        Taken only in the grace after a restart, while nothing is granted, and
-        only if what it names is free, and within its user's cap beside what
-        they hold: at any other time a restore would be a way past the queue
-        and the cap.
-        """
-        need = (request.cpus, len(request.gpus), request.ram_bytes)
-        why = None
-        if not self._holding():
-            why = "a claim is put back only while the service restarts"
-        elif (
-            len(set(request.gpus)) != len(request.gpus)
-            or len(set(request.cores)) != len(request.cores)
-            or (request.cores and len(request.cores) != request.cpus)
-            or not set(request.gpus) <= set(self.books.gpu_ids)
-            or self._too_big(connection, need)
-            or not self.books.within_cap(connection.uid, need)
-            or not self.books.fits_free(
-                request.cpus, request.gpus, request.ram_bytes, request.cores
-            )
-        ):
-            why = "no longer free"
-        if why is not None:
-            connection.send({"op": "error", "id": request.id, "message": why})
-            return
-        entry = self._new_entry(connection, need, request.label)
-        entry.state, entry.gpus, entry.granted_at = "running", tuple(request.gpus), entry.since
-        entry.cores = tuple(request.cores)
-        connection.send(
-            {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}
-        )
-
-    def _holding(self) -> bool:
-        return bool(self._granting_from) and asyncio.get_running_loop().time() < self._granting_from
-
-    def hold_grants(self, seconds: float) -> None:
-        """Grant nothing for ``seconds``, then everything that fits: a restart's grace."""
-        loop = asyncio.get_running_loop()
-        self._granting_from = loop.time() + seconds
-        loop.call_later(seconds, self.dispatch)
-
     def dispatch(self) -> None:
         if self._holding():
             return
@@ -512,8 +535,11 @@ class BooksService:
                     "gpus": list(entry.gpus),
                     "cores": list(entry.cores),
                     "granted_at": entry.granted_at,
+                    "secret": self._grant_secret(entry),
                 }
             )
+        if granted:
+            self.note_held()
 
 
 async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
@@ -530,8 +556,11 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
     with contextlib.suppress(FileNotFoundError):
         held.unlink()
     loop = asyncio.get_running_loop()
+    # Asked now: whoever runs this raised the descriptor limit first.
+    service.admission.per_user, service.admission.in_all = connection_limits()
     server = await loop.create_unix_server(lambda: Connection(service), path=str(socket_path))
     if follows_claims:
+        service.take_over()
         service.hold_grants(RESTORE_GRACE_S)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -546,6 +575,7 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         with contextlib.suppress(FileNotFoundError):
             socket_path.unlink()
         server.close()
+        service.freeze_held()
         if any(c.entries for c in service.connections):
             held.touch(mode=0o644)
         for connection in list(service.connections):

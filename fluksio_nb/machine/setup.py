@@ -17,15 +17,15 @@ a temporary one):
   and the inventory where detection is not wanted.
 - ``var/lib/fluksio_nb/usage``: sticky and writable by the users of the
   books, so each writes records that only they own (:mod:`fluksio_nb.usage`).
+- ``var/lib/fluksio_nb/state``: root's alone (0700): the ticket numbers the
+  service gave out, which must outlive a reboot (:mod:`.state`). Whose each
+  running claim is goes in ``run/fluksio_nb/claims.json``, root's alone
+  (0600): a reboot ends those claims with their kernels.
 
-Root writes, renames and changes modes here, so every directory on the way
-must be one nobody else can change: from ``/`` to the prefix, each is root's
-and writable by nobody else unless sticky, and from the prefix down each is
-root's alone, made one level at a time (:func:`_root_dir`). A prefix another
-user made first is refused, not adopted: whoever owns a directory on the way
-can swap what root writes for a link to ``/etc/shadow``. The service is
-started from ``/``, isolated from the environment (``python -I``), and
-stopped only if the pid its file names is this prefix's service.
+Root writes, renames and changes modes here, so nothing on the way is
+trusted that another user could have made or could change, and ``remove``
+removes only what ``init`` wrote down that it made (:mod:`.prefix`).
+The service is started from ``/``, isolated from the environment (``python -I``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import os
 import resource
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -45,9 +44,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from fluksio_nb.errors import BadClaim
 from fluksio_nb.machine.books import MachineBooks
 from fluksio_nb.machine.caps import Cap
+from fluksio_nb.machine.prefix import (
+    MachineSetupError,
+    identity,
+    read_made,
+    root_dir,
+    trusted_prefix,
+    write_made,
+)
 from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, MARKER_NAME, SOCKET_NAME
 from fluksio_nb.resources import explain
 
@@ -55,10 +61,8 @@ if TYPE_CHECKING:
     from fluksio_nb.machine.service import DeathsReader
 
 UNIT_NAME = "fluksio-nb.service"
-
-
-class MachineSetupError(BadClaim):
-    """The machine's books cannot be set up, or removed, as asked."""
+#: Beside machine.json: what ``init`` made, for ``remove`` to remove and nothing else.
+MADE_NAME = "made.json"
 
 
 class UserCap(BaseModel):
@@ -87,6 +91,10 @@ class MachineConfig(BaseModel):
     gpus: int | None = Field(default=None, ge=0)
     ram: ByteSize | None = None
     reserve_cpus: int = Field(default=1, ge=0)
+    #: The service's account of each user's claims (:mod:`.accounts`): a file is
+    #: closed past this size, and this many closed ones kept, per user.
+    records_rotate_bytes: ByteSize | None = None
+    records_kept: int | None = Field(default=None, ge=1)
 
 
 class Layout:
@@ -97,10 +105,14 @@ class Layout:
         self.run_dir = self.prefix / DEFAULT_RUN_DIR.relative_to("/")
         self.config = self.prefix / "etc" / "fluksio_nb" / "machine.json"
         self.records = self.prefix / "var" / "lib" / "fluksio_nb" / "usage"
+        self.state = self.prefix / "var" / "lib" / "fluksio_nb" / "state"
+        self.claims = self.run_dir / "claims.json"
+        self.tickets = self.state / "tickets.json"
         self.socket = self.run_dir / SOCKET_NAME
         self.marker = self.run_dir / MARKER_NAME
         self.pidfile = self.run_dir / "service.pid"
         self.log = self.run_dir / "service.log"
+        self.made = self.config.parent / MADE_NAME
 
     @property
     def systemd_unit(self) -> Path | None:
@@ -139,57 +151,8 @@ def _must_be_root(what: str) -> None:
         )
 
 
-def _nobody_else_can_change(path: Path, info: os.stat_result, sticky_ok: bool) -> None:
-    """Refuse a directory on root's way that another user owns or may write in."""
-    if not stat.S_ISDIR(info.st_mode):
-        raise MachineSetupError(
-            f"{path} is not a directory (a link, or a file); move it away and run init again"
-        )
-    if info.st_uid != 0:
-        raise MachineSetupError(
-            f"{path} belongs to uid {info.st_uid}, not root: whoever owns a directory on the "
-            "way can swap what root writes there for a link to any file. Move it away (or "
-            "choose another --prefix) and run init again"
-        )
-    writable = stat.S_IMODE(info.st_mode) & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable and not (sticky_ok and info.st_mode & stat.S_ISVTX):
-        raise MachineSetupError(
-            f"{path} may be written by others (mode {stat.S_IMODE(info.st_mode):o}), who could "
-            "swap what root writes there; chmod go-w it, or choose another --prefix"
-        )
-
-
-def _trusted_prefix(prefix: Path) -> None:
-    """The prefix's own directories, from ``/`` down, are root's, written by nobody else.
-
-    One writable by others must be sticky (``/tmp``), so that nobody may rename
-    what root made in it.
-    """
-    for ancestor in reversed(prefix.resolve().parents):
-        _nobody_else_can_change(ancestor, os.stat(ancestor), sticky_ok=True)
-
-
-def _root_dir(path: Path, mode: int, group: int = 0, *, prefix: Path) -> None:
-    """A directory root owns with exactly ``mode``, every one from ``prefix`` down root's alone.
-
-    Made one level at a time and each checked, never ``mkdir -p``: a level
-    another user made first is refused, not adopted.
-    """
-    _trusted_prefix(prefix)
-    level = prefix
-    for part in (Path(), *path.relative_to(prefix).parts):
-        level = level / part
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(level, 0o755)
-        # The records directory is itself sticky and everyone's: root writes
-        # nothing in it, only sets its owner and mode, through its parent.
-        _nobody_else_can_change(level, os.lstat(level), sticky_ok=level == path)
-    os.chown(path, 0, group, follow_symlinks=False)
-    os.chmod(path, mode)
-
-
 def _mark(layout: Layout) -> None:
-    _root_dir(layout.run_dir, 0o755, prefix=layout.prefix)
+    root_dir(layout.run_dir, 0o755, prefix=layout.prefix)
     staged = layout.run_dir / f".{MARKER_NAME}.new"
     staged.write_text(f"{layout.prefix}\n")
     os.chmod(staged, 0o644)
@@ -229,15 +192,17 @@ def init(
                     "or name another"
                 ) from None
     gid = gids[config.group] if config.group else 0
-    _root_dir(layout.config.parent, 0o755, prefix=layout.prefix)
+    root_dir(layout.config.parent, 0o755, prefix=layout.prefix)
     staged = layout.config.with_suffix(".json.new")
     staged.write_text(config.model_dump_json(indent=2, exclude_defaults=True) + "\n")
     os.chmod(staged, 0o644)
     os.replace(staged, layout.config)
     # Sticky: every user creates their own records, and nobody may remove or
     # rename anyone else's.
-    _root_dir(layout.records, 0o1770 if config.group else 0o1777, gid, prefix=layout.prefix)
+    root_dir(layout.records, 0o1770 if config.group else 0o1777, gid, prefix=layout.prefix)
+    root_dir(layout.state, 0o700, prefix=layout.prefix)
     _mark(layout)
+    write_made(layout, service=read_made(layout).get("service"))
     said = [f"config: {layout.config}", f"usage records: {layout.records}"]
     if start:
         said.append(start_service(layout))
@@ -285,7 +250,7 @@ def start_service(layout: Layout) -> str:
         with open(descriptor, "ab") as log:
             # From /, isolated: `-m` puts the directory it starts in first on
             # the path, and a fluksio_nb/ another user left there would run as root.
-            subprocess.Popen(
+            started = subprocess.Popen(
                 [sys.executable, "-I", "-m", "fluksio_nb", *_serve_args(layout)],
                 cwd="/",
                 stdin=subprocess.DEVNULL,
@@ -294,6 +259,10 @@ def start_service(layout: Layout) -> str:
                 start_new_session=True,
                 close_fds=True,
             )
+        from fluksio_nb.ledger.owner import process_started
+
+        # By pid and start time: a pid alone may be anyone's by the time of `remove`.
+        write_made(layout, service={"pid": started.pid, "started": process_started(started.pid)})
         how = f"service: started in the background (no systemd here), log in {layout.log}"
     deadline = time.monotonic() + 15
     while not answering(layout):
@@ -359,7 +328,10 @@ def stop_service(layout: Layout) -> None:
 
 
 def _service_pid(layout: Layout) -> int | None:
-    """This prefix's service: the process answering at its socket, else the pidfile's.
+    """This prefix's service: the one ``init`` started, as it wrote down.
+
+    Where ``init`` wrote none down (an earlier version's), the process answering
+    at its socket, else the pidfile's.
 
     The socket comes first, and its pid from the kernel (``SO_PEERCRED``): a
     pidfile can be stale, left by a service killed outright, while the service
@@ -371,6 +343,14 @@ def _service_pid(layout: Layout) -> int | None:
     from fluksio_nb.machine.protocol import peer_credentials
     from fluksio_nb.machine.run_dir import socket_in
 
+    recorded = read_made(layout).get("service")
+    if isinstance(recorded, dict) and isinstance(recorded.get("pid"), int):
+        from fluksio_nb.ledger.owner import process_started
+
+        pid = recorded["pid"]
+        # The same process as started, not one that has its pid since.
+        same = process_started(pid) == recorded.get("started")
+        return pid if same and _is_the_service(pid, layout) else None
     candidates = []
     if (path := socket_in(layout.run_dir)) is not None:
         with contextlib.suppress(ServiceUnavailable, OSError), connect(path, within=0) as sock:
@@ -397,12 +377,38 @@ def _is_the_service(pid: int, layout: Layout) -> bool:
 
 
 def remove(layout: Layout) -> str:
-    """Undo :func:`init`. Usage records stay: they are the accounting, the admin's to keep."""
+    """Undo :func:`init`. Usage records stay: they are the accounting, the admin's to keep.
+
+    Only what ``init`` wrote down it made is removed, and only the service it
+    started is stopped; every directory on the way is checked as ``init``
+    checks it first, so a link another user points elsewhere leads nowhere.
+    """
     _must_be_root("remove")
+    for level in (layout.run_dir, layout.config.parent):
+        # The directory itself too: its parents, and the file it would hold.
+        trusted_prefix(level / MADE_NAME, missing_ok=True)
+    made = read_made(layout)
+    if made.get("prefix") != str(layout.prefix):
+        raise MachineSetupError(
+            f"{layout.made} does not say that `fluksio-nb machine init --prefix {layout.prefix}` "
+            "made these books, so nothing was removed. Run that init first (it writes down "
+            "what it makes), then remove"
+        )
+    mismatched = [
+        str(path)
+        for path, key in ((layout.run_dir, "run_dir"), (layout.config.parent, "config_dir"))
+        if path.exists() and identity(path) != made.get(key)
+    ]
+    if mismatched:
+        raise MachineSetupError(
+            f"{', '.join(mismatched)} is not the directory init made there, so nothing was "
+            "removed; look at what it is, and remove it by hand if it is yours to remove"
+        )
     stop_service(layout)
     shutil.rmtree(layout.run_dir, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        layout.config.unlink()
+    for made_file in (layout.config, layout.made):
+        with contextlib.suppress(FileNotFoundError):
+            made_file.unlink()
     with contextlib.suppress(OSError):
         layout.config.parent.rmdir()
     return (
@@ -428,8 +434,10 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
     import logging
 
     from fluksio_nb.inventory import take_inventory
+    from fluksio_nb.machine.accounts import BooksAccounts
     from fluksio_nb.machine.service import BooksService
     from fluksio_nb.machine.service import serve as serve_on
+    from fluksio_nb.machine.state import ServiceState
     from fluksio_nb.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -439,6 +447,11 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
             cpus=config.cpus, gpus=config.gpus, ram=config.ram, reserve_cpus=config.reserve_cpus
         )
     )
+    # After a reboot /run is empty again: the service marks it as it starts. And
+    # the state directory is made here too, for books an earlier init set up.
+    _mark(layout)
+    root_dir(layout.state, 0o700, prefix=layout.prefix)
+    state = ServiceState(layout.claims, layout.tickets)
     service = BooksService(
         MachineBooks(
             found.cpus,
@@ -446,14 +459,23 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
             found.ram_bytes,
             core_ids=found.core_ids,
             core_nodes=found.core_nodes,
+            numbers=state.ticket_numbers(),
         ),
+        state=state,
         caps={name: cap.as_cap() for name, cap in config.caps.items()},
         admin_group=config.admin_group,
         records=str(layout.records),
         read_deaths=read_deaths,
+        accounts=BooksAccounts(
+            layout.records,
+            **(
+                {}
+                if config.records_rotate_bytes is None
+                else {"rotate_bytes": int(config.records_rotate_bytes)}
+            ),
+            **({} if config.records_kept is None else {"kept": config.records_kept}),
+        ),
     )
-    # After a reboot /run is empty again: the service marks it as it starts.
-    _mark(layout)
     gid = grp.getgrnam(config.group).gr_gid if config.group else 0
 
     def ready(_: Any) -> None:

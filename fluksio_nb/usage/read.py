@@ -18,9 +18,12 @@ What it decides:
   user's file would count their claims twice.
 - **Reading trusts nothing in the directory.** Links are not followed,
   pipes and devices not opened, lines that are not records skipped and
-  counted, and what is read from one file is capped, so a hostile file can
+  counted by why (:attr:`UsageRows.bad_reasons`), so a hostile file can
   neither hang the report nor exhaust its memory. Another user's records
   are private to them (and root): they are counted as unreadable, not shown.
+- **No line is left unread unless the reader asked for a budget.** A whole
+  file is read however long, a piece at a time: a limit that silently
+  dropped a file's end let one user's volume hide another's later records.
 - **Records are handed on as they are read, never all held at once**
   (:func:`each_usage`): a file is read a piece at a time, and a line longer
   than any record is a bad line, so what is held while reading does not
@@ -44,13 +47,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from fluksio_nb.identity import user_name
-from fluksio_nb.records import SUFFIX, UsageRecord
+from fluksio_nb.records import KERNEL_DIED, SUFFIX, UsageRecord
 from fluksio_nb.stop_button import open_whole
-
-#: What is read of one records file at most. A kernel writes about 300 bytes
-#: per claim, so this is some 200,000 claims from one process: more than any
-#: real one makes, and little enough memory that a hostile file costs nothing.
-READ_AT_MOST = 64 * 2**20
 
 #: The longest line read as a record. A real one is some 300 bytes, a few
 #: KiB with the longest notebook path; a longer line is a bad one, never held.
@@ -73,8 +71,19 @@ class UsageRows(list):
         self.not_plain_files = 0
         #: Lines that are not records: cut short by a crash, or written by hand.
         self.bad_lines = 0
+        #: Those lines by why they are not records (:func:`why_not_a_record`).
+        self.bad_reasons: dict[str, int] = {}
         #: Files left unread, or read only in part, for a reader's byte budget.
         self.files_cut = 0
+        #: Records of claims the books service kept no account of, though it kept
+        #: them then: edited or made up by their owner (:func:`witnessed`).
+        self.not_seen_by_service = 0
+        #: Records from before the service's oldest account, counted on their owner's word.
+        self.before_service = 0
+
+    def bad_line(self, why: str) -> None:
+        self.bad_lines += 1
+        self.bad_reasons[why] = self.bad_reasons.get(why, 0) + 1
 
     @property
     def skipped_files(self) -> int:
@@ -89,8 +98,12 @@ class UsageRows(list):
         self.unreadable_files += other.unreadable_files
         self.not_plain_files += other.not_plain_files
         self.bad_lines += other.bad_lines
+        for why, count in other.bad_reasons.items():
+            self.bad_reasons[why] = self.bad_reasons.get(why, 0) + count
         self.others_files += other.others_files
         self.files_cut += other.files_cut
+        self.not_seen_by_service += other.not_seen_by_service
+        self.before_service += other.before_service
 
 
 def read_usage(directory: Path, since: float | None = None, user: str | None = None) -> UsageRows:
@@ -154,6 +167,56 @@ def each_usage(
             os.close(where)
 
 
+#: ``written_for``: root's files' records of every user, not only root's own.
+EVERY_UID = -1
+
+
+def witnessed(
+    directory: Path, counts: UsageRows, *, since: float | None = None, user: str | None = None
+) -> Iterator[tuple[str, UsageRecord]]:
+    """Each claim in ``directory``, counted as the books service saw it, where it kept an account.
+
+    The service's account (root's files, :mod:`fluksio_nb.machine.accounts`)
+    says who held what and when; a kernel's own record of the same claim
+    (the same user, ticket and time asked) adds its label, notebook, peaks
+    and how its cell ended, and nothing else. So a user who deletes or edits
+    their records changes at most those: a record of theirs the service has
+    no account of, from the time it kept accounts, is not counted
+    (``not_seen_by_service``); one from before is counted on their word, and
+    said (``before_service``). A reader who may not read root's files (any
+    user but root) reads every record as :func:`each_usage` does.
+
+    Reads the directory twice, and holds the service's accounts (bounded per
+    user by their rotation) while it does.
+    """
+    seen: dict[tuple[str, int | None, float], UsageRecord] = {}
+    covered_from = float("inf")
+    for name, record in each_usage(
+        directory, UsageRows(), since=since, user=user, owner=0, written_for=EVERY_UID
+    ):
+        if record.by_service:
+            seen[(name, record.ticket, record.asked_at)] = record
+            covered_from = min(covered_from, record.asked_at)
+    for name, record in each_usage(directory, counts, since=since, user=user):
+        if record.by_service:
+            continue
+        account = seen.pop((name, record.ticket, record.asked_at), None)
+        if account is not None:
+            said = {"label": record.label, "ending": record.ending}
+            said.update(peak_rss_bytes=record.peak_rss_bytes, peak_gpu_bytes=record.peak_gpu_bytes)
+            if record.notebook is not None:
+                said["notebook"] = record.notebook
+            yield name, account.model_copy(update=said)
+        elif record.asked_at >= covered_from:
+            counts.not_seen_by_service += 1
+        else:
+            if seen or covered_from != float("inf"):
+                counts.before_service += 1
+            yield name, record
+    for (name, _, _), record in seen.items():
+        yield name, record
+
+
 #: The most the books service reads of its files for one user's killed kernels.
 DEATHS_READ_AT_MOST = 16 * 2**20
 
@@ -171,6 +234,7 @@ def kernel_deaths(
     rows = UsageRows()
     found = [
         record
+        # Root's files hold every claim the service saw end; the killed are asked for.
         for _, record in each_usage(
             directory,
             rows,
@@ -179,6 +243,7 @@ def kernel_deaths(
             at_most=DEATHS_READ_AT_MOST,
             written_for=uid,
         )
+        if record.ending == KERNEL_DIED
     ]
     found.sort(key=lambda record: record.ended_at, reverse=True)
     return found[:most], max(0, len(found) - most)
@@ -279,8 +344,14 @@ class _File:
                 record = _parsed(line, counts)
                 if record is None or (self.since is not None and record.ended_at < self.since):
                     continue
+                if bool(record.by_service) != (info.st_uid == 0 and record.uid is not None):
+                    # Only the service writes root's records of users' claims, and
+                    # nobody else's word that the service saw a claim is believed.
+                    record = record.model_copy(update={"by_service": not record.by_service})
                 whose = _whose(record, info.st_uid)
                 wanted = self.owner if self.written_for is None else self.written_for
+                if self.written_for == EVERY_UID:
+                    wanted = None
                 if info.st_uid == 0 and wanted is not None and whose != wanted:
                     continue
                 owner = _named(whose, self.names)
@@ -292,13 +363,14 @@ class _File:
 
     def _lines(self, fd: int, size: int) -> Iterator[bytes]:
         """The file's lines, never one longer than :data:`LINE_AT_MOST` held."""
-        budget = READ_AT_MOST if self.left is None else min(READ_AT_MOST, self.left)
+        # No budget, no limit: read a piece at a time, a file of any length
+        # costs no more memory than a short one. To its length when opened: a
+        # file its owner keeps appending to cannot keep the report reading.
+        budget = size if self.left is None else self.left
         offset = 0
-        if self.left is not None and size > budget:
+        if size > budget:
             # More than the budget leaves: its end, where the newest records are.
             offset = size - budget
-            self.counts.files_cut += 1
-        elif size > budget:
             self.counts.files_cut += 1
         partial = b""
         # Begun mid-line, the first line is the end of one not read: not a record.
@@ -315,13 +387,13 @@ class _File:
                     skipping = False
                     continue
                 if len(line) > LINE_AT_MOST:
-                    self.counts.bad_lines += 1
+                    self.counts.bad_line(TOO_LONG)
                 elif line.strip():
                     yield line
             if len(partial) > LINE_AT_MOST:
                 # Too long to be a record: dropped, and the rest of it with it.
                 if not skipping:
-                    self.counts.bad_lines += 1
+                    self.counts.bad_line(TOO_LONG)
                 skipping = True
                 partial = b""
         if partial.strip() and not skipping:
@@ -335,9 +407,29 @@ def _whose(record: UsageRecord, file_owner: int) -> int:
     return file_owner
 
 
+#: Why a line is not a record, as the report says it.
+TOO_LONG = "longer than any record"
+NOT_JSON = "not a JSON object (cut short by a crash, or not written by fluksio_nb)"
+OUT_OF_RANGE = "a figure out of range (a time no clock shows, more than a machine has)"
+MISSING = "a field a record must have is missing"
+WRONG_TYPE = "a field of the wrong type"
+
+
+def why_not_a_record(error: ValidationError) -> str:
+    """The first thing wrong with a line, in the report's words."""
+    kind = error.errors(include_url=False)[0]["type"]
+    if kind.startswith("json") or kind == "model_type":
+        return NOT_JSON
+    if kind == "missing":
+        return MISSING
+    if kind in ("less_than_equal", "greater_than_equal", "finite_number", "too_long"):
+        return OUT_OF_RANGE
+    return WRONG_TYPE
+
+
 def _parsed(line: bytes, counts: UsageRows) -> UsageRecord | None:
     try:
         return UsageRecord.model_validate_json(line)
-    except ValidationError:
-        counts.bad_lines += 1
+    except ValidationError as error:
+        counts.bad_line(why_not_a_record(error))
         return None

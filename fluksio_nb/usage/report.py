@@ -47,7 +47,8 @@ from pydantic import ValidationError
 from fluksio_nb.budget import human
 from fluksio_nb.identity import user_name
 from fluksio_nb.records import UsageRecord, default_usage_dir
-from fluksio_nb.usage.read import UsageRows, each_usage
+from fluksio_nb.shown import json_safe, shown
+from fluksio_nb.usage.read import UsageRows, witnessed
 
 #: The most notebooks one user's rows are told apart by. A real user has
 #: tens; the claims of any more are added up in one row, :data:`OTHER_NOTEBOOKS`.
@@ -191,7 +192,7 @@ def _span(seconds: float) -> str:
 
 
 def _endings(endings: dict[str, int]) -> str:
-    return ", ".join(f"{count} {ending}" for ending, count in sorted(endings.items()))
+    return ", ".join(f"{count} {shown(ending)}" for ending, count in sorted(endings.items()))
 
 
 def _plural(n: int, one: str, many: str) -> str:
@@ -199,11 +200,23 @@ def _plural(n: int, one: str, many: str) -> str:
 
 
 def describe_usage(
-    summary: list[dict[str, Any]], skipped: int = 0, *, not_plain: int = 0, bad_lines: int = 0
+    summary: list[dict[str, Any]],
+    skipped: int = 0,
+    *,
+    not_plain: int = 0,
+    bad_lines: int = 0,
+    bad_reasons: dict[str, int] | None = None,
+    files_cut: int = 0,
+    not_seen_by_service: int = 0,
+    before_service: int = 0,
 ) -> str:
     """The summary as a table, a total for each user with several notebooks, and what was not read.
 
-    ``skipped`` counts other users' files that could not be read.
+    ``skipped`` counts other users' files that could not be read; ``bad_reasons``
+    says why the ``bad_lines`` were skipped, ``files_cut`` how many files were
+    read only in part. Names and endings are their records' owners' words,
+    shown escaped (:func:`~fluksio_nb.shown.shown`): a newline in a notebook's
+    name would otherwise print a row of its own.
     """
     lines: list[str] = []
     if summary:
@@ -247,18 +260,41 @@ def describe_usage(
             f"{'was' if not_plain == 1 else 'were'} not read."
         )
     if bad_lines:
+        why = "; ".join(
+            f"{count} {reason}"
+            for reason, count in sorted((bad_reasons or {}).items(), key=lambda item: -item[1])
+        )
         lines.append(
             f"{_plural(bad_lines, 'line', 'lines')} that {'is' if bad_lines == 1 else 'are'} "
-            "not a usage record (cut short by a crash, or not written by fluksio_nb) "
-            f"{'was' if bad_lines == 1 else 'were'} skipped."
+            f"not a usage record {'was' if bad_lines == 1 else 'were'} skipped"
+            + (f": {why}." if why else " (cut short by a crash, or not written by fluksio_nb).")
+        )
+    if files_cut:
+        lines.append(
+            f"{_plural(files_cut, 'file was', 'files were')} read only in part, or not at all, "
+            "for a limit on how much is read: their oldest records are not counted."
+        )
+    if not_seen_by_service:
+        lines.append(
+            f"{_plural(not_seen_by_service, 'record', 'records')} of claims the books service "
+            "never saw, though it kept its account then, "
+            f"{'was' if not_seen_by_service == 1 else 'were'} not counted: edited or made up "
+            "by their owner."
+        )
+    if before_service:
+        lines.append(
+            f"{_plural(before_service, 'claim', 'claims')} from before the books service's oldest "
+            "account kept "
+            + ("is" if before_service == 1 else "are")
+            + " counted on their owner's word."
         )
     return "\n".join(lines)
 
 
 def _cells(row: dict[str, Any], user: str, notebook: str) -> list[str]:
     return [
-        user,
-        notebook,
+        shown(user),
+        shown(notebook),
         str(row["claims"]),
         f"{row['core_hours']:.2f}",
         f"{row['card_hours']:.2f}",
@@ -443,7 +479,7 @@ def usage_main(argv: list[str]) -> int:
         print(f"fluksio-nb usage: {warning.message}", file=sys.stderr)
     for directory in directories:
         try:
-            adding.add(each_usage(directory, rows, since=since, user=options.user))
+            adding.add(witnessed(directory, rows, since=since, user=options.user))
         except OSError as error:
             print(
                 f"fluksio-nb usage: cannot read the records in {directory}: "
@@ -466,8 +502,13 @@ def usage_main(argv: list[str]) -> int:
             "unreadable_files": rows.unreadable_files,
             "not_plain_files": rows.not_plain_files,
             "bad_lines": rows.bad_lines,
+            "bad_reasons": rows.bad_reasons,
+            "files_cut": rows.files_cut,
+            "not_seen_by_service": rows.not_seen_by_service,
+            "before_service": rows.before_service,
         }
-        print(json.dumps(report, indent=1))
+        # Strict: a reader's JSON parser takes no NaN or Infinity.
+        print(json.dumps(json_safe(report), indent=1, allow_nan=False))
     else:
         print(
             describe_usage(
@@ -475,6 +516,10 @@ def usage_main(argv: list[str]) -> int:
                 rows.unreadable_files,
                 not_plain=rows.not_plain_files,
                 bad_lines=rows.bad_lines,
+                bad_reasons=rows.bad_reasons,
+                files_cut=rows.files_cut,
+                not_seen_by_service=rows.not_seen_by_service,
+                before_service=rows.before_service,
             )
         )
     return 0
