@@ -48,7 +48,7 @@ from pathlib import Path
 
 import psutil
 
-from fluksio_nb.memory_cap import own_memory_cgroup
+from fluksio_nb.memory_cap import key_values, own_memory_cgroup
 from fluksio_nb.transfer import PackedValue, Parcel
 
 #: Every reason a name was refused for starts so: how the notebook knows to
@@ -253,22 +253,9 @@ def _limit_and_use(directory: Path) -> tuple[int, int] | None:
             limit = _NO_LIMIT if limit_text == "max" else int(limit_text)
         except (OSError, ValueError):
             continue
-        stat = _stat(directory / "memory.stat")
+        stat = key_values(directory / "memory.stat")
         return limit, max(0, usage - sum(stat.get(key, 0) for key in file_cache))
     return None
-
-
-def _stat(path: Path) -> dict[str, int]:
-    found = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            found[key] = int(value)
-    return found
 
 
 def _size(nbytes: int) -> str:

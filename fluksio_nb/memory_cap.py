@@ -425,7 +425,7 @@ class ClaimCgroup:
     def oom_kills(self) -> int:
         """How many processes the kernel's out-of-memory killer ended in this cgroup."""
         name = "memory.oom_control" if self.version == CGROUP_V1 else "memory.events"
-        return _key_value(self.path / name).get("oom_kill", 0)
+        return key_values(self.path / name).get("oom_kill", 0)
 
     def peak_bytes(self) -> int | None:
         """The most the claim's processes held: the cgroup's peak and what came in uncharged."""
@@ -628,7 +628,8 @@ def _number(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _key_value(path: Path) -> dict[str, int]:
+def key_values(path: Path) -> dict[str, int]:
+    """A cgroup file of ``key value`` lines (``memory.stat``), as numbers; ``{}`` if unreadable."""
     found = {}
     try:
         lines = path.read_text().splitlines()
