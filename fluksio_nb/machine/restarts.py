@@ -28,6 +28,11 @@ from fluksio_nb.machine.turns import Connection
 if TYPE_CHECKING:
     from fluksio_nb.machine.books import MachineBooks
 
+#: How soon a change of the running claims is written down for the next
+#: service: often enough that a crash loses little, rarely enough that
+#: writing costs the claims nothing.
+HELD_WRITTEN_WITHIN_S = 0.25
+
 #: How long a service that just started grants nothing, so that kernels whose
 #: claims ran across a restart put them back before anything waiting is
 #: granted what they still hold.
@@ -138,11 +143,18 @@ class AcrossRestarts:
             self.held_before = self.state.held_before()
 
     def note_held(self) -> None:
-        """The running claims changed: written down once, as this turn of the loop ends."""
+        """The running claims changed: written down within :data:`HELD_WRITTEN_WITHIN_S`.
+
+        Not at every change: rewriting the file at every grant took the
+        median claim with 16 processes contending from 0.2 to 4-8 ms. A
+        service that crashes in between loses the newest grants' put-back
+        (their kernels are told why); one stopped by its admin writes what
+        it holds as it stops (:meth:`freeze_held`).
+        """
         if self.state is None or self._state_due or self._state_frozen:
             return
         self._state_due = True
-        asyncio.get_running_loop().call_soon(self._write_held)
+        asyncio.get_running_loop().call_later(HELD_WRITTEN_WITHIN_S, self._write_held)
 
     def _write_held(self) -> None:
         self._state_due = False
