@@ -334,9 +334,9 @@ def outputs(kernel: Kernel, rounds: int, scale: float = 1.0) -> tuple[str, dict[
             [f"{what}, made in a claimed cell", ms(median(there)), ms(percentile(there, 0.9))]
         )
         ratios[f"{what}: claimed / kernel, p50"] = median(there) / median(here)
-        ratios[f"{what}: claimed / kernel, p90 (target ≤ 1.5)"] = percentile(there, 0.9) / percentile(
-            here, 0.9
-        )
+        ratios[f"{what}: claimed / kernel, p90 (target ≤ 1.5)"] = percentile(
+            there, 0.9
+        ) / percentile(here, 0.9)
     text = table([f"bound in the kernel ({rounds} runs)", "p50", "p90"], rows)
     text += "\n\n" + "\n".join(f"- {name}: {value:.2f}" for name, value in ratios.items())
     return text, ratios
