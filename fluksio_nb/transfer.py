@@ -644,7 +644,9 @@ def _size(nbytes: int) -> str:
 
 
 def _map(segment: Segment, remember: bool = False) -> memoryview:
-    own = None if remember else shared_in_place.view_of(*_bytes_of(segment))
+    own = (
+        None if remember else shared_in_place.view_of(segment.path, segment.offset, segment.nbytes)
+    )
     if own is not None:
         return own
     try:
@@ -687,10 +689,6 @@ def _map(segment: Segment, remember: bool = False) -> memoryview:
         _received.append(_Received(weakref.ref(mapping), _address(memoryview(mapping)), segment))
     view = memoryview(mapping)
     return view[segment.offset : end] if segment.offset else view
-
-
-def _bytes_of(segment: Segment) -> tuple[str, int, int]:
-    return segment.path, segment.offset, segment.nbytes
 
 
 # -----------------------------------------------------------------------------

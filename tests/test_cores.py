@@ -341,13 +341,18 @@ def test_a_cpuset_place_is_found_in_v1s_cpuset_hierarchy_and_in_delegated_v2(tmp
     )
 
 
-def cpuset_place_here():
+def child_cgroup_place(controller: str, what: str):
+    """Where claim cgroups of ``controller`` go here; the test skips, saying why, where none can."""
     from fluksio_nb.memory_cap import find_cap_place
 
-    found = find_cap_place(controller="cpuset")
+    found = find_cap_place(controller=controller)
     if not found.available:
-        pytest.skip(f"needs a cpuset cgroup, which cannot be made here: {found.why_not}")
+        pytest.skip(f"needs {what}, which cannot be made here: {found.why_not}")
     return found
+
+
+def cpuset_place_here():
+    return child_cgroup_place("cpuset", "a cpuset cgroup")
 
 
 def made_by(parent, pid):
@@ -496,12 +501,7 @@ def test_a_cpu_quota_place_is_found_in_v1s_cpu_hierarchy_and_in_delegated_v2(tmp
 
 
 def cpu_quota_place():
-    from fluksio_nb.memory_cap import find_cap_place
-
-    found = find_cap_place(controller="cpu")
-    if not found.available:
-        pytest.skip(f"needs a child cpu cgroup, which cannot be made here: {found.why_not}")
-    return found
+    return child_cgroup_place("cpu", "a child cpu cgroup")
 
 
 # Appended to GREEDY, still inside the claim: what the kernel's scheduler says

@@ -103,16 +103,21 @@ def users():
     return ready_user(USER_A), ready_user(USER_B)
 
 
-def poison(layout, bob, readings: str) -> subprocess.Popen:
+def raw_client(user, script: str, *args: str) -> subprocess.Popen:
+    """``script`` run as ``user``, talking to the service on its own socket, in pipes."""
     return subprocess.Popen(
-        [*as_user(bob), sys.executable, "-c", POISON, str(layout.socket), FORGED, readings],
+        [*as_user(user), sys.executable, "-c", script, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=user_environ(bob),
+        env=user_environ(user),
         cwd="/",
     )
+
+
+def poison(layout, bob, readings: str) -> subprocess.Popen:
+    return raw_client(bob, POISON, str(layout.socket), FORGED, readings)
 
 
 VIEWS = r"""
@@ -479,15 +484,7 @@ def test_after_a_restart_only_the_owners_kernel_puts_a_share_back(users):
         hers = process(layout, HOLD_A_CARD, user=alice)
         held = heard(hers)
         assert held["gpus"] == [0]
-        thief = subprocess.Popen(
-            [*as_user(bob), sys.executable, "-c", STEAL_AT_THE_RESTART, str(layout.socket)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=user_environ(bob),
-            cwd="/",
-        )
+        thief = raw_client(bob, STEAL_AT_THE_RESTART, str(layout.socket))
         try:
             assert heard(thief) == {"ready": held["ticket"]}
             # Her kernel stopped through the restart: the thief is surely first.
@@ -634,16 +631,7 @@ def gone(pid: int) -> bool:
 
 
 def ignoring_the_stop(layout, alice, others: list[int] | None) -> subprocess.Popen:
-    said = json.dumps(others)
-    return subprocess.Popen(
-        [*as_user(alice), sys.executable, "-c", IGNORE_THE_STOP, str(layout.socket), said],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=user_environ(alice),
-        cwd="/",
-    )
+    return raw_client(alice, IGNORE_THE_STOP, str(layout.socket), json.dumps(others))
 
 
 def test_an_admins_cancel_frees_a_card_whose_holder_ignores_the_stop_within_5_s(
