@@ -7,7 +7,9 @@ a notebook, how much of the machine is free and which sizes they may ask for.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from fluksio_nb.errors import BadClaim
 from fluksio_nb.flavors import describe_flavors
@@ -67,6 +69,11 @@ def machine_main(argv: list[str]) -> int:
     parser.add_argument("--cpus", type=int, help="init: declare the cores instead of detecting")
     parser.add_argument("--gpus", type=int, help="init: declare N cards instead of detecting")
     parser.add_argument("--ram", help="init: declare the memory claims may take, e.g. 64G")
+    # How a kernel starts its user's own books service; not for people to type.
+    parser.add_argument("--books", help=argparse.SUPPRESS)
+    parser.add_argument("--linger", type=float, default=60.0, help=argparse.SUPPRESS)
+    parser.add_argument("--described", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     layout = Layout(options.prefix)
     try:
@@ -86,6 +93,15 @@ def machine_main(argv: list[str]) -> int:
             )
         elif options.action == "remove":
             print(remove(layout))
+        elif options.action == "serve" and options.books:
+            from fluksio_nb.machine.user_service import serve as serve_user
+
+            serve_user(
+                Path(options.books),
+                json.loads(options.described),
+                options.linger,
+                options.ready_fd,
+            )
         elif options.action == "serve":
             from fluksio_nb.usage.read import kernel_deaths
 
@@ -94,7 +110,11 @@ def machine_main(argv: list[str]) -> int:
             # Which books this user's kernels use, and why.
             books = books_in_force(layout)
             print(books.describe())
-            down = None if books.socket is None else why_silent(books.socket)
+            if books.mode == "user":
+                from fluksio_nb.machine.user_service import running
+
+                print(running(books.socket))
+            down = None if books.mode != "machine" else why_silent(books.socket)
             if down is not None:
                 print(
                     f"but the books service does not answer at {books.socket} ({down}): every "

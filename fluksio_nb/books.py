@@ -8,8 +8,8 @@ The books never block. Waiting belongs to :mod:`fluksio_nb.queue`, which asks
 :meth:`ResourceAccountant.try_take` again when something comes free. Keeping the two
 apart is what lets the queue decide *who* goes next (first come, first served,
 with the overtaking rule) while the books only decide *whether* something fits.
-It is also what lets the machine-wide ledger replace the books without
-touching the queue's rules.
+It is also what lets a books service replace the books without touching
+the queue's rules.
 
 A card is held by one claim at a time and handed out whole. Which card a
 claim gets is the lowest free index, so a quiet machine hands out card 0
@@ -48,7 +48,7 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, held: Mapping[str, Any]) -> Allocation:
-        """What :meth:`as_dict` wrote, as the ledger and the service keep it."""
+        """What :meth:`as_dict` wrote, as a books service keeps it."""
         return cls(
             cpus=held["cpus"],
             gpus=tuple(held["gpus"]),

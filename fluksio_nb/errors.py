@@ -69,6 +69,10 @@ class ServiceUnavailable(BadClaim):
     """The machine's books are set up but their service does not answer."""
 
 
+class BooksDisagree(ServiceUnavailable):
+    """A kernel declares another machine than the books its user's other kernels keep."""
+
+
 class RayMissing(BadClaim):
     """``--on ray`` was asked for where Ray is not installed."""
 

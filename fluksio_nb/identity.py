@@ -23,3 +23,36 @@ def user_name(uid: int) -> str:
 def my_user() -> str:
     """The name of the user this process runs as."""
     return user_name(os.geteuid())
+
+
+def process_started(pid: int) -> float | None:
+    """When a process started, or ``None`` if there is no such process.
+
+    A pid alone names whichever process has it now; with its start time it
+    names one process for good. A zombie is no such process: it holds
+    nothing and runs nothing, and a kernel killed under a server that has not
+    reaped it yet is one.
+    """
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.create_time()
+    except psutil.Error:
+        return None
+
+
+def this_kernel() -> dict[str, str | None]:
+    """Which kernel this process is, as its user's views name it: its id and its notebook."""
+    import contextlib
+    from pathlib import Path
+
+    kernel_id = None
+    with contextlib.suppress(Exception):
+        from ipykernel.connect import get_connection_file
+
+        kernel_id = Path(get_connection_file()).stem.removeprefix("kernel-")
+    # jupyter_server tells the kernels it starts which notebook they serve.
+    return {"kernel_id": kernel_id, "notebook": os.environ.get("JPY_SESSION_NAME")}

@@ -81,7 +81,7 @@ class Inventory:
         return tuple(gpu.index for gpu in self.gpus)
 
     def for_books(self) -> dict[str, Any]:
-        """What the books are kept over, as a ledger document and a snapshot carry it."""
+        """What the books are kept over, as a books service and a snapshot carry it."""
         return {
             "cpus": self.cpus,
             "gpu_ids": list(self.gpu_ids),

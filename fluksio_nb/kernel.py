@@ -13,8 +13,9 @@ Which books it keeps (:func:`books_in_force`) is decided here, once:
 - **the machine's**, when an admin ran ``fluksio-nb machine init``: every
   user's kernels share them through a service run by root
   (:mod:`fluksio_nb.machine`);
-- **the user's own**, otherwise: a ledger file every kernel of this user
-  shares (:mod:`fluksio_nb.ledger`);
+- **the user's own**, otherwise: the same service, run as the user and
+  shared by every kernel of theirs; the first kernel that needs it starts it
+  (:mod:`fluksio_nb.machine.user_service`);
 - **the kernel's alone**, with ``FLUKSIO_LEDGER=kernel``.
 
 ``FLUKSIO_LEDGER`` naming a directory wins over what the machine has.
@@ -22,6 +23,7 @@ Which books it keeps (:func:`books_in_force`) is decided here, once:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +34,6 @@ from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.cpuset import cores_held_here
 from fluksio_nb.enforcement import Enforcement, cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
-from fluksio_nb.ledger.directory import default_ledger_dir
-from fluksio_nb.ledger.queue import MachineQueue
 from fluksio_nb.memory_cap import cap_place, memory_enforcement
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.settings import Settings, load_settings
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from fluksio_nb.machine.client import ServiceQueue
 
 _lock = threading.Lock()
-_instance: ClaimQueue | MachineQueue | ServiceQueue | None = None
+_instance: ClaimQueue | ServiceQueue | None = None
 _inventory: Inventory | None = None
 _settings: Settings | None = None
 
@@ -54,13 +54,19 @@ class Books:
     mode: Literal["machine", "user", "kernel"]
     where: Path | None
     why: str
-    #: The service's socket, for the machine's books.
+    #: The service's socket, for the machine's books and the user's own.
     socket: Path | None = None
+
+    @property
+    def owner(self) -> int:
+        """Whose the service must be: root's for the machine's, this user's for their own."""
+        return 0 if self.mode == "machine" else os.geteuid()
 
     def describe(self) -> str:
         said = {
             "machine": f"books shared by every user of this machine, served at {self.where}",
-            "user": f"books of this user's own kernels, in {self.where}",
+            "user": f"books of this user's own kernels, served by a service of theirs in "
+            f"{self.where}",
             "kernel": "books each kernel keeps to itself",
         }[self.mode]
         return f"{said}: {self.why}"
@@ -68,7 +74,8 @@ class Books:
 
 def books_in_force(layout: Any = None, settings: Settings | None = None) -> Books:
     """The books this process's claims use. ``layout`` is the machine's (tests name another)."""
-    from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, socket_in
+    from fluksio_nb.machine.run_dir import DEFAULT_RUN_DIR, SOCKET_NAME, socket_in
+    from fluksio_nb.machine.user_dir import default_books_dir
 
     settings = settings or load_settings()
     if settings.ledger == "kernel":
@@ -78,7 +85,12 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
         found = socket_in(named)
         if found is not None:
             return Books("machine", named, "FLUKSIO_LEDGER names the machine's books", found)
-        return Books("user", named, "FLUKSIO_LEDGER (or the config's 'ledger') names it")
+        return Books(
+            "user",
+            named,
+            "FLUKSIO_LEDGER (or the config's 'ledger') names it",
+            named / SOCKET_NAME,
+        )
     run_dir = DEFAULT_RUN_DIR if layout is None else layout.run_dir
     found = socket_in(run_dir)
     if found is not None:
@@ -88,10 +100,12 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
             "an admin set this machine up with `fluksio-nb machine init`",
             found,
         )
+    where = default_books_dir()
     return Books(
         "user",
-        default_ledger_dir(),
+        where,
         "nobody set up books for every user here; `fluksio-nb machine init`, run as root, does",
+        where / SOCKET_NAME,
     )
 
 
@@ -119,25 +133,21 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
     Raises ``NotYours`` (a ``PermissionError``) for a claim this user may not cancel.
     """
     books = books or books_in_force()
-    if books.mode == "machine":
-        from fluksio_nb.machine.connection import cancel_claim
+    if books.socket is None:
+        return False
+    from fluksio_nb.errors import ServiceUnavailable
+    from fluksio_nb.machine.connection import cancel_claim
 
-        assert books.socket is not None
-        return cancel_claim(books.socket, number, reason)
-    if books.mode == "user":
-        from fluksio_nb.ledger.file import LedgerFile
-        from fluksio_nb.ledger.owner import identity
-        from fluksio_nb.ledger.rules import cancel_claim
-
-        assert books.where is not None
-        ledger = LedgerFile(books.where)
-        if not ledger.path.exists():
-            return False
-        return cancel_claim(ledger, number, reason, user=identity()["user"])
-    return False
+    try:
+        return cancel_claim(books.socket, number, reason, owner=books.owner)
+    except ServiceUnavailable:
+        if books.mode == "machine":
+            raise
+        # No service of the user's runs: none of their kernels holds a claim.
+        return False
 
 
-def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
+def accountant() -> ClaimQueue | ServiceQueue:
     """The kernel's accountant. ``.snapshot()`` shows totals, free, waiting and running."""
     global _instance, _inventory, _settings
     with _lock:
@@ -153,8 +163,17 @@ def accountant() -> ClaimQueue | MachineQueue | ServiceQueue:
                 assert books.socket is not None
                 _instance = ServiceQueue(books.socket, share_labels=settings.share_labels)
             else:
-                assert books.where is not None
-                _instance = MachineQueue(books.where, found)
+                from fluksio_nb.machine.client import ServiceQueue
+                from fluksio_nb.machine.user_service import UserServiceAt, described
+
+                assert books.socket is not None
+                at = UserServiceAt(
+                    books.socket,
+                    books.owner,
+                    machine=described(found, settings),
+                    linger=settings.books_linger,
+                )
+                _instance = ServiceQueue(at)
             _settings, _inventory = settings, found
             _instance.enforcement = enforcement_in_force(
                 settings, _instance.books.core_ids, _instance.books.cpus
@@ -181,8 +200,13 @@ def forget_accountant() -> None:
 
     For tests, and for a user who changed ``FLUKSIO_*`` in a running kernel
     and means it. Claims still running keep the share they hold in the old
-    books; nothing new is granted from those.
+    books; nothing new is granted from those. A connection to a books
+    service that holds nothing is closed: a user's own service ends once no
+    kernel is connected.
     """
     global _instance, _inventory, _settings
     with _lock:
-        _instance = _inventory = _settings = None
+        left, _instance = _instance, None
+        _inventory = _settings = None
+    if left is not None and not isinstance(left, ClaimQueue) and left.holds_nothing():
+        left.close()

@@ -32,7 +32,7 @@ from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatte
 from fluksio_nb.inventory import format_cpu_list
 from fluksio_nb.kernel import Books, books_in_force, enforcement_in_force
 from fluksio_nb.queue import asked_words, share_words
-from fluksio_nb.settings import load_settings
+from fluksio_nb.settings import Settings, load_settings
 from fluksio_nb.shown import shown
 from fluksio_nb.status import describe_gpu, ordinal, stopped_text
 
@@ -47,27 +47,24 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     # Read once: the server asks for this every second or so.
     settings = load_settings()
     books = books or books_in_force(settings=settings)
-    if books.mode == "machine":
-        from fluksio_nb.machine.connection import read_snapshot
+    snapshot = None
+    if books.socket is not None:
+        from fluksio_nb.errors import ServiceUnavailable
+        from fluksio_nb.machine.connection import REACH_WITHIN_S, read_snapshot
 
-        assert books.socket is not None
-        snapshot = read_snapshot(books.socket)
-    elif books.mode == "user":
-        from fluksio_nb.ledger.owner import identity
-        from fluksio_nb.ledger.snapshot import read_snapshot
-
-        assert books.where is not None
-        snapshot, me = read_snapshot(books.where, settings=settings), identity()["user"]
-        for claim in snapshot["running"] + snapshot["waiting"]:
-            claim["mine"] = claim.get("user") == me
-        snapshot["user"] = me
-    else:
-        # Kernel-only books live inside each kernel, where no reader can see
-        # them: the machine is shown, and nothing more can be known.
-        from fluksio_nb.ledger.owner import identity
-        from fluksio_nb.ledger.snapshot import machine_as_found
-
-        snapshot = {**machine_as_found(settings), "user": identity()["user"]}
+        try:
+            snapshot = read_snapshot(
+                books.socket, books.owner, within=REACH_WITHIN_S if books.mode == "machine" else 0
+            )
+        except ServiceUnavailable:
+            if books.mode == "machine":
+                raise
+            # No service of the user's runs: none of their kernels holds a
+            # claim. A view never starts one, or the server would keep it alive.
+    if snapshot is None:
+        snapshot = machine_as_found(settings)
+    for claim in snapshot["running"] + snapshot["waiting"]:
+        claim.setdefault("mine", claim.get("user") == snapshot["user"])
     snapshot["books"] = books.mode
     snapshot["ledger"] = None if books.where is None else str(books.where)
     # The books' own core ids: free or held, they are every one they hand out.
@@ -82,11 +79,22 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     return with_history_facts(with_cards(snapshot, every_claim_known=books.mode != "kernel"))
 
 
+def machine_as_found(settings: Settings) -> dict[str, Any]:
+    """Books nobody has claimed from: the machine as this process finds it."""
+    from fluksio_nb.books import ResourceAccountant
+    from fluksio_nb.identity import my_user
+    from fluksio_nb.inventory import take_inventory
+    from fluksio_nb.queue import ClaimQueue
+
+    queue = ClaimQueue(ResourceAccountant.from_inventory(take_inventory(settings)))
+    return {**queue.snapshot(), "user": my_user()}
+
+
 def with_trusted_readings(snapshot: dict[str, Any]) -> dict[str, Any]:
     """Each running claim's readings as every view may show them, whoever reported them.
 
-    The service refuses figures out of range, but books it does not keep (a
-    user's own ledger) and services of earlier versions pass them on as
+    The service refuses figures out of range, but services of earlier
+    versions pass them on as
     their kernels said them: a figure no view could show is dropped here,
     with the readings it came in, rather than fail every view that reads it.
     """

@@ -3,9 +3,8 @@
 Every claim, however it ends, leaves one record (:mod:`fluksio_nb.usage`
 reads them back and adds them up). Most are written by the claim's own
 kernel; a claim whose kernel was killed outright (SIGKILL, the OOM killer)
-is written by whoever learns of the death: the machine's books service,
-when the kernel's connection closes, or another process of the same user
-that reaps it from their ledger. So the record and its file sit below the
+is written by the books service that saw its connection close: the
+machine's, or the user's own. So the record and its file sit below the
 books, which import them, rather than in :mod:`fluksio_nb.usage`, whose
 report asks the books where the records are.
 
@@ -68,8 +67,7 @@ from fluksio_nb.identity import user_name
 SUFFIX = ".jsonl"
 
 #: How a claim ended whose kernel was killed before it could say: written by
-#: whoever learnt of the death (the books service, or a kernel of the same
-#: user reaping it from their ledger). The claim's own worker dying, which its
+#: the books service that saw its connection close. The claim's own worker dying, which its
 #: kernel saw and recorded, is ``"died"``.
 KERNEL_DIED = "kernel died"
 

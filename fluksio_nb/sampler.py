@@ -403,7 +403,7 @@ class Chances:
 #: three digits), one point of the machine's CPU (shown as a whole percent),
 #: or a process more or less. The halt decision sees every reading; only the
 #: telling is spared: an unchanged reading pushed to a widget cost the kernel
-#: 150 µs, and one written to the machine's ledger a rewrite of the file.
+#: 150 µs, and one sent to a books service a line every view re-reads.
 RSS_STEP = 0.005
 CPU_STEP = 1.0
 

@@ -1,6 +1,6 @@
-"""The machine's ledger over HTTP, for JupyterLab's status bar and panel.
+"""The machine's books over HTTP, for JupyterLab's status bar and panel.
 
-A kernel knows only its own claims, and the ledger knows every claim but not
+A kernel knows only its own claims, and the books know every claim but not
 which notebook a kernel serves. The Jupyter server knows that, because it
 started the kernels. This extension puts the two together, so the panel can
 say that ``train.ipynb`` holds GPU 1 and a second notebook waits for it.
@@ -10,8 +10,8 @@ What it decides:
 - **It reads and never claims.** The snapshot is the machine's books read as
   ``fluksio-nb`` reads them (:func:`~fluksio_nb.overview.read_books`). The
   server makes no claim of its own, however often a browser polls.
-- **Nothing slow runs on the event loop.** Reading the file, and taking the
-  inventory when there is no ledger yet (NVML, or ``nvidia-smi`` if NVML is
+- **Nothing slow runs on the event loop.** Asking the books service, and
+  taking the inventory when no service runs yet (NVML, or ``nvidia-smi`` if NVML is
   missing), run in a worker thread. One slow disk must not freeze every
   notebook served here. The session manager is asked on the loop, because
   it is made for the loop.
@@ -215,7 +215,7 @@ class CancelHandler(_LedgerHandler):
         if not found:
             raise web.HTTPError(
                 404,
-                f"there is no claim {number} in this machine's ledger: it has ended, "
+                f"there is no claim {number} in this machine's books: it has ended, "
                 "or it was never made. GET fluksio/api/snapshot lists the claims there are.",
             )
         self.finish({"ticket": int(number), "cancelled": True})
@@ -244,7 +244,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app.settings["fluksio_history_feeder"] = periodic
     serverapp.io_loop.add_callback(periodic.start)
     serverapp.log.info(
-        "fluksio_nb: the machine's ledger is served at %s",
+        "fluksio_nb: the machine's books are served at %s",
         url_path_join(base_url, "fluksio/api/snapshot"),
     )
     from fluksio_nb.provisioner import PROVISIONER_NAME, make_it_the_default

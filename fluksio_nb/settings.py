@@ -53,6 +53,7 @@ ENV_VARS = {
     "memory_warn_at": "FLUKSIO_MEMORY_WARN_AT",
     "memory_halt_at": "FLUKSIO_MEMORY_HALT_AT",
     "warm_start": "FLUKSIO_WARM_START",
+    "books_linger": "FLUKSIO_BOOKS_LINGER",
 }
 
 #: Cores kept back for the kernel and the Jupyter server when nobody said.
@@ -96,9 +97,14 @@ class Settings(BaseModel):
     gpus: int | None = Field(default=None, ge=0)
     ram: ByteSize | None = None
     reserve_cpus: int = Field(default=DEFAULT_RESERVE_CPUS, ge=0)
-    #: Where the machine-wide ledger lives, or ``"kernel"`` for books that only
-    #: this kernel keeps. ``None`` is the default location.
+    #: Where the books are: the directory of a user's own books service, a
+    #: machine's run directory, or ``"kernel"`` for books that only this
+    #: kernel keeps. ``None``: the machine's if an admin set them up, else
+    #: the user's own in Jupyter's runtime directory.
     ledger: str | None = None
+    #: How many seconds a user's own books service stays after their last
+    #: kernel left, for the next to find it answering.
+    books_linger: float = Field(default=60.0, ge=0, le=86400, allow_inf_nan=False)
     #: On books shared by several users, show this user's labels, notebook
     #: paths and kernel ids to the others too. Their share and user always show.
     share_labels: bool = False

@@ -58,8 +58,8 @@ from typing import Any
 #: button's, and what a test or a timer uses in its place.
 _HELD_BACK = (int(signal.SIGINT), int(signal.SIGALRM), int(signal.SIGTERM))
 
-#: How deep the main thread is in a hold: a ledger transaction inside a
-#: claim's own change holds the signals once, not twice.
+#: How deep the main thread is in a hold: a hold inside a claim's own
+#: change holds the signals once, not twice.
 _holding_depth = 0
 
 #: The handlers a hold swapped out, and the signals that arrived since.
@@ -74,7 +74,7 @@ _CELL_END: ContextVar[list[_Held] | None] = ContextVar("fluksio_nb_cell_end", de
 def stop_held_back() -> Iterator[None]:
     """Hold the stop button back over what must be whole; it lands as that ends.
 
-    A change to the books takes microseconds, or a ledger transaction; a
+    A change to the books takes microseconds, or a line to their service; a
     claim's end gives the claim's processes half a second to go. The stop is
     late by that much at most. Never hold it over a wait with no end.
     """
@@ -147,7 +147,7 @@ def _hold() -> _Held:
     # Every claim and give-back holds a few times, so the swap goes through
     # ``_signal``, the C functions under :mod:`signal`: the module's wrappers
     # turn every number into an enum and back, which cost more than the rest
-    # of a ledger transaction together.
+    # of a claim's round trip to its books service together.
     arrived: list[int] = []
 
     def write_down(signum: int, _frame: Any) -> None:

@@ -26,8 +26,10 @@ def isolated_settings(monkeypatch, tmp_path):
     for var in ENV_VARS.values():
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLUKSIO_CONFIG", str(tmp_path / "fluksio_nb.json"))
-    # Tests never touch the machine's real ledger; each gets one of its own.
+    # Tests never touch the user's real books; each gets a service of its own,
+    # which ends soon after the test's kernels do.
     monkeypatch.setenv("FLUKSIO_LEDGER", str(tmp_path / "ledger"))
+    monkeypatch.setenv("FLUKSIO_BOOKS_LINGER", "2")
     # Nor add usage records to the developer's own (`fluksio-nb usage`).
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
     forget_accountant()

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fluksio_nb.ledger import read_snapshot
 from tests import small_shm
 from tests.kernels import (
     LEAVES_THREE_RUNNING,
@@ -28,6 +27,7 @@ from tests.kernels import (
 )
 from tests.small_shm import require_small_shm
 from tests.stops import said_by
+from tests.user_books import users_books
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -1569,7 +1569,7 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
         msg_id = kernel.client.execute(impatient)
         ledger = Path(kernel.env["FLUKSIO_LEDGER"])
         deadline = time.monotonic() + 20
-        while not any(w["label"] == "impatient" for w in read_snapshot(ledger)["waiting"]):
+        while not any(w["label"] == "impatient" for w in users_books(ledger)["waiting"]):
             assert time.monotonic() < deadline, "the claim never joined the queue"
             time.sleep(0.05)
         kernel.interrupt()
@@ -1586,15 +1586,13 @@ def test_the_stop_button_while_waiting_leaves_the_queue(kernel, tmp_path, impati
 
 
 #: ``%claims`` in an IPython shell of its own, stopped at every moment of
-#: fluksio_nb's code, one moment a round. Before each, the machine's ledger is
-#: removed and the usage records touched, so that every round opens the ledger
-#: afresh and reads the records again, as a kernel does whose ledger someone
-#: removed while another kernel's claim ended. After each, no descriptor may
-#: be left open.
+#: fluksio_nb's code, one moment a round. Before each, the usage records are
+#: touched, so that every round reads them again, as a kernel does after
+#: another kernel's claim ended; every round asks the books service anew.
+#: After each, no descriptor may be left open.
 STOP_AT_EVERY_MOMENT_OF_CLAIMS = """
-import contextlib, glob, os, tempfile
-# Books and records of its own: it removes the ledger, which a suite running
-# beside it must not find gone.
+import glob, os, tempfile
+# Books and records of its own, which a suite running beside it never reads.
 os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
 os.environ["JUPYTER_DATA_DIR"] = tempfile.mkdtemp()
 from IPython.core.interactiveshell import InteractiveShell
@@ -1607,7 +1605,6 @@ shell.run_line_magic("load_ext", "fluksio_nb")
 # One claim's usage record, for %claims to read.
 assert shell.run_cell("%%claim\\nwarm = 1").success
 assert shell.run_cell("%claims").success
-ledger = accountant().ledger
 records = list(kernel_usage_log().directory.iterdir())
 assert records, "the claim wrote no usage record"
 touched = {"ns": 10**18}
@@ -1616,14 +1613,11 @@ def attempt(made):
     shell.run_line_magic("claims", "")
 
 def undo(made):
-    with contextlib.suppress(FileNotFoundError):
-        ledger.path.unlink()
     touched["ns"] += 1
     for record in records:
         os.utime(record, ns=(touched["ns"], touched["ns"]))
 
 def check():
-    # Read once more, unstopped: the descriptor of the file just removed goes.
     accountant().snapshot()
     if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
@@ -1638,7 +1632,7 @@ each_moment(watched, attempt, undo, check, forgotten=True)
 
 @pytest.mark.timeout(600)
 def test_a_stop_at_any_moment_of_claims_leaves_no_descriptor_open():
-    """Guards against the stop button landing as ``%claims`` opened the ledger's file:
+    """Guards against the stop button landing as ``%claims`` opened a file or a socket:
     its descriptor was left open, with nothing holding its number, for the kernel's life."""
     said = said_by(STOP_AT_EVERY_MOMENT_OF_CLAIMS, timeout=600)
     assert "stopped_at" in said, said

@@ -1,8 +1,8 @@
 """Each claim runs on cores of its own, which the OS holds it to.
 
 The failures guarded against: two running claims handed the same core by
-any of the three books (the kernel's, the user's ledger, the machine's
-service); a claim whose worker, or a thread or process the worker starts,
+any of the books (the kernel's own, or a books service: the user's own
+or the machine's); a claim whose worker, or a thread or process the worker starts,
 runs off its cores; a cell that re-pins itself onto another claim's core
 where a cpuset could have held it; a claim's cpuset left behind; a warm
 worker that keeps an earlier claim's cores or cpuset; and a claim spread over
@@ -13,17 +13,19 @@ import json
 import os
 import signal
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
 
 from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
 from fluksio_nb.inventory import claimable_core_ids, numa_nodes, parse_cpu_list
-from fluksio_nb.ledger import MachineQueue
+from fluksio_nb.kernel import accountant
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.resources import Resources
 from tests.kernels import Kernel
 from tests.machines import wait_until
+from tests.user_books import heard, other_process
 from tests.waiting import gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,43 +101,36 @@ def test_the_kernels_books_hand_out_disjoint_cores_and_take_them_back():
     assert books.snapshot()["cpus"]["free_ids"] == [2, 3, 4, 5]
 
 
-def test_the_ledger_hands_two_kernels_disjoint_cores(tmp_path):
-    from fluksio_nb.inventory import Inventory
-
-    inventory = Inventory(
-        cpus=3, machine_cpus=3, ram_bytes=0, machine_ram_bytes=0, core_ids=(0, 1, 2)
+def test_the_users_books_hand_two_kernels_disjoint_cores(tmp_path, monkeypatch):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("this machine gives the suite one core: no two claims can have their own")
+    for name, value in {"FLUKSIO_CPUS": "2", "FLUKSIO_RESERVE_CPUS": "0"}.items():
+        monkeypatch.setenv(name, value)
+    directory = Path(os.environ["FLUKSIO_LEDGER"])
+    other = other_process(
+        directory,
+        "t = q.enqueue(Resources(cpus=1)); say(cores=list(t.allocation.cores))\n"
+        "sys.stdin.readline()\n"
+        "w = q.enqueue(Resources(cpus=1)); say(waiting=w.allocation is None)\n"
+        "q.wait(w, timeout=30); say(cores=list(w.allocation.cores))\n"
+        "q.release(t); q.release(w)\n",
+        cpus="2",
+        reserve_cpus="0",
     )
-    mine, other = MachineQueue(tmp_path, inventory), MachineQueue(tmp_path, inventory)
-    a = mine.enqueue(Resources(cpus=2))
-    b = other.enqueue(Resources(cpus=1))
-    c = other.enqueue(Resources(cpus=1))
-    assert a.allocation is not None and b.allocation is not None
-    assert sorted(a.allocation.cores + b.allocation.cores) == [0, 1, 2]
-    assert c.allocation is None, "three cores were handed out already"
-    mine.release(a)
-    other.look()
-    assert c.allocation is not None and c.allocation.cores[0] in a.allocation.cores
+    theirs = heard(other)["cores"]
+    mine = accountant()
+    a = mine.enqueue(Resources(cpus=1))
+    assert a.allocation is not None
+    assert sorted(theirs + list(a.allocation.cores)) == sorted(mine.books.core_ids)
+    other.stdin.write("\n")
+    other.stdin.flush()
+    assert heard(other) == {"waiting": True}, "two cores were handed out already"
     shown = {claim["ticket"]: claim["allocation"]["cores"] for claim in mine.snapshot()["running"]}
-    assert shown == {b.number: list(b.allocation.cores), c.number: list(c.allocation.cores)}
-    other.release(b)
-    other.release(c)
-
-
-def test_a_ledger_entry_that_holds_a_held_core_is_left_out(tmp_path):
-    from fluksio_nb.inventory import Inventory
-
-    inventory = Inventory(cpus=2, machine_cpus=2, ram_bytes=0, machine_ram_bytes=0, core_ids=(0, 1))
-    queue = MachineQueue(tmp_path, inventory)
-    held = queue.enqueue(Resources(cpus=1))
-    with queue.ledger.transaction() as state:
-        forged = json.loads(json.dumps(state["tickets"][0]))
-        forged["number"] = 99
-        state["tickets"].append(forged)
-    with pytest.warns(UserWarning, match="core"):
-        shown = queue.snapshot()
-        # Given back inside: the ledger is read once more as it goes.
-        queue.release(held)
-    assert [c["ticket"] for c in shown["running"]] == [held.number]
+    assert sorted(shown.values()) == sorted([theirs, list(a.allocation.cores)])
+    mine.release(a)
+    # The waiter in the other process is given the core this one gave back.
+    assert heard(other) == {"cores": list(a.allocation.cores)}
+    assert other.wait(timeout=30) == 0
 
 
 def test_the_machine_service_books_hand_out_disjoint_cores():

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from fluksio_nb.ledger import read_snapshot
 from tests.gpu_standins import StandInSmi, card
 from tests.kernels import started_kernel
+from tests.user_books import users_books
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,11 +85,11 @@ def test_a_claims_card_memory_is_read_and_a_claim_over_its_gpu_ram_is_halted(
 
         # The machine's books carry them, for every other kernel and the server.
         def reported():
-            running = read_snapshot(tmp_path / "ledger")["running"]
+            running = users_books(tmp_path / "ledger")["running"]
             readings = (running[0].get("readings") or {}) if running else {}
             return readings.get("gpu_bytes") == 1000 * MIB
 
-        assert wait_until(reported, timeout=30), read_snapshot(tmp_path / "ledger")["running"]
+        assert wait_until(reported, timeout=30), users_books(tmp_path / "ledger")["running"]
 
         # Over its gpu_ram=: halted, in one paragraph naming the card and the numbers.
         two_cards.set_apps([{"uuid": mine["uuid"], "pid": held["pid"], "used_mib": 3000}])

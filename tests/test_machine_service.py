@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from fluksio_nb.ledger import process_started
+from fluksio_nb.identity import process_started
 from fluksio_nb.machine import protocol
 from tests.machines import fluksio_nb, heard, machine, process, wait_until
 from tests.stops import STOP_AT

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fluksio_nb.ledger import process_started
+from fluksio_nb.identity import process_started
 from tests.kernels import Kernel, until_it_exists
 from tests.machines import fluksio_nb, kernels_on_books, machine, machine_env, wait_until
 from tests.unix_users import (

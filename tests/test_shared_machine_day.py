@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from fluksio_nb.ledger import process_started
+from fluksio_nb.identity import process_started
 from fluksio_nb.machine.setup import Layout
 from tests.kernels import Kernel
 from tests.machines import fluksio_nb, kernels_on_books, machine, machine_env, wait_until

@@ -123,7 +123,7 @@ class MachineBooks:
         self.caps: dict[int, Cap] = {}
         #: Never one a service before this one gave out, given ``numbers`` from
         #: its state (:meth:`~.state.ServiceState.ticket_numbers`).
-        self._numbers = numbers if numbers is not None else itertools.count(1)
+        self.numbers = numbers if numbers is not None else itertools.count(1)
         #: When each user's last claim was granted: who goes first in a round.
         self._last_granted: dict[int, float] = {}
         self._running: dict[int, Entry] = {}
@@ -133,7 +133,7 @@ class MachineBooks:
         self.version = 0
 
     def next_number(self) -> int:
-        return next(self._numbers)
+        return next(self.numbers)
 
     def add(self, entry: Entry) -> None:
         """A claim in the books: waiting, or running if it was put back after a restart."""

@@ -48,27 +48,20 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.books import Allocation, ResourceAccountant
-from fluksio_nb.errors import (
-    ClaimTooLarge,
-    NotYours,
-    ServiceUnavailable,
-)
+from fluksio_nb.errors import BooksDisagree, ClaimTooLarge, NotYours, ServiceUnavailable
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.caps import Cap, fit_to_cap
 from fluksio_nb.machine.connection import (
     ANSWER_WITHIN_S,
     REACH_WITHIN_S,
     Lines,
-    ask_once,
-    connect,
-    hello,
-    not_answering,
+    ServiceAt,
 )
 from fluksio_nb.machine.ownership import Ownership
+from fluksio_nb.machine.seen import Seen
 from fluksio_nb.queue import (
     Ticket,
     fit_to_capacity,
-    timeout_message,
     wait_for_grant,
     wait_on,
 )
@@ -96,11 +89,13 @@ SPIN_S = 150e-6
 _FORGET_ABANDONED_S = 60.0
 
 
-class ServiceQueue(Ownership):
+class ServiceQueue(Ownership, Seen):
     """The kernel's accountant, keeping its books in the machine's service."""
 
-    def __init__(self, path: Path, share_labels: bool = False) -> None:
-        self.path = path
+    def __init__(self, at: ServiceAt | Path, share_labels: bool = False) -> None:
+        #: The service, and how it is reached: the machine's, or the user's own.
+        self.at = at if isinstance(at, ServiceAt) else ServiceAt(at)
+        self.path = self.at.socket
         self._share_labels = share_labels
         #: Taken with ``with self._lock``, never ``with self._cond``: a stop
         #: landing as ``Condition.__enter__``, which is Python, returns leaves
@@ -164,12 +159,14 @@ class ServiceQueue(Ownership):
     # -- the connection -----------------------------------------------------------
 
     def _attach(self) -> None:
-        sock = connect(self.path)
-        sock.sendall(protocol.line(hello(self._share_labels)))
+        sock = self.at.reach()
+        sock.sendall(protocol.line(self.at.hello(self._share_labels)))
         lines = Lines(sock)
         welcome = lines.next()
         if welcome is None or welcome.get("op") != "welcome":
             sock.close()
+            if welcome is not None and welcome.get("about") == "machine":
+                raise BooksDisagree(str(welcome.get("message")))
             raise ServiceUnavailable(f"the books service at {self.path} refused: {welcome}")
         sock.settimeout(None)
         inventory = welcome["inventory"]
@@ -195,7 +192,7 @@ class ServiceQueue(Ownership):
         with self._send_lock:
             sock = self._sock
             if sock is None:
-                raise ServiceUnavailable(not_answering(self.path, "its connection closed"))
+                raise ServiceUnavailable(self.at.not_answering("its connection closed"))
             try:
                 sock.sendall(protocol.line(message))
                 return sock
@@ -205,7 +202,7 @@ class ServiceQueue(Ownership):
         # nobody was watching the connection: dropped here, or every request
         # after this one would fail on it too, for as long as the kernel lives.
         self._drop(sock)
-        raise ServiceUnavailable(not_answering(self.path, why))
+        raise ServiceUnavailable(self.at.not_answering(why))
 
     def _send_once_connected(self, message: dict[str, Any]) -> socket.socket:
         """Send ``message``, waiting out a service that restarts as a new connection would."""
@@ -267,7 +264,7 @@ class ServiceQueue(Ownership):
                     if went_away and anew:
                         sent_on = send({**message, "id": number})
                     elif went_away:
-                        raise ServiceUnavailable(not_answering(self.path, "its connection closed"))
+                        raise ServiceUnavailable(self.at.not_answering("its connection closed"))
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ServiceUnavailable(
@@ -520,6 +517,11 @@ class ServiceQueue(Ownership):
         with contextlib.suppress(ServiceUnavailable, OSError):
             self._send({"op": "release", "ticket": number})
 
+    def holds_nothing(self) -> bool:
+        """Whether no claim of this kernel's, running or waiting, is in these books."""
+        with self._lock:
+            return not self._mine and not self._held_over
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -528,11 +530,12 @@ class ServiceQueue(Ownership):
             if self._watching:
                 self._nudge()
         with self._send_lock:
-            if self._sock is not None:
+            # Taken once: the reader thread may be dropping it at this moment.
+            sock, self._sock = self._sock, None
+            if sock is not None:
                 with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
-                self._sock.close()
-                self._sock = None
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
     # -- asking ---------------------------------------------------------------------
 
@@ -642,52 +645,6 @@ class ServiceQueue(Ownership):
 
     def look(self) -> None:
         """Nothing to look for: the service says what changes as it changes."""
-
-    # -- what is going on -------------------------------------------------------------
-
-    def snapshot(self) -> dict[str, Any]:
-        try:
-            answer = ask_once(self.path, {"op": "snapshot"})
-        except ServiceUnavailable:
-            raise  # says what is wrong already
-        except (OSError, ValueError) as error:
-            raise ServiceUnavailable(
-                f"the books service at {self.path} did not give the machine: {error}"
-            ) from None
-        if answer["op"] != "snapshot":
-            raise ServiceUnavailable(answer.get("message") or f"the books service said {answer}")
-        return {
-            **answer["snapshot"],
-            "user": self.user,
-            "books": "machine",
-            "enforcement": self.enforcement,
-        }
-
-    def position(self, ticket: Ticket) -> int | None:
-        for claim in self.snapshot()["waiting"]:
-            if claim["ticket"] == ticket.number:
-                return claim["position"]
-        return None
-
-    def holders(self) -> list[Ticket]:
-        holders = []
-        for claim in self.snapshot()["running"]:
-            held = claim["allocation"]
-            holders.append(
-                Ticket(
-                    number=claim["ticket"],
-                    resources=Resources(cpus=max(1, held["cpus"]), gpus=len(held["gpus"])),
-                    label=claim["label"] or f"a claim of {claim['user']}",
-                    since=claim["since"],
-                    pid=claim["pid"],
-                    state="running",
-                    allocation=Allocation.from_dict(held),
-                )
-            )
-        return holders
-
-    def timeout_message(self, ticket: Ticket, timeout: float | None) -> str:
-        return timeout_message(ticket, timeout, self.holders())
 
 
 def _latest_to_come(deadlines: dict[Any, float], forget_after: float) -> float | None:

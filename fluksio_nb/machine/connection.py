@@ -14,13 +14,16 @@ a socket that collects this kernel's claims.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fluksio_nb.errors import NotYours, ServiceUnavailable
 from fluksio_nb.machine import protocol
+from fluksio_nb.stop_button import open_whole
 
 #: How long a request waits for the service's answer before it is an error.
 ANSWER_WITHIN_S = 10.0
@@ -29,19 +32,41 @@ ANSWER_WITHIN_S = 10.0
 REACH_WITHIN_S = 3.0
 
 
-def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
-    """A connection to the service at ``path``, checked to be root's."""
+@dataclass(frozen=True)
+class ServiceAt:
+    """A books service a kernel keeps its claims in: where it answers, and whose it must be.
+
+    The machine's, root's; a user's own is reached as
+    :class:`~fluksio_nb.machine.user_service.UserServiceAt`, which starts it.
+    """
+
+    socket: Path
+    owner: int = 0
+
+    def reach(self) -> socket.socket:
+        return connect(self.socket, REACH_WITHIN_S, self.owner)
+
+    def hello(self, share_labels: bool) -> dict[str, Any]:
+        return hello(share_labels, lifeline=True)
+
+    def not_answering(self, why: str) -> str:
+        return not_answering(self.socket, why)
+
+
+def connect(path: Path | str, within: float = REACH_WITHIN_S, owner: int = 0) -> socket.socket:
+    """A connection to the service at ``path``, checked to run as ``owner`` (root's, by default)."""
     deadline = time.monotonic() + within
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(ANSWER_WITHIN_S)
-            sock.connect(str(path))
+            connect_at(sock, path)
             _, uid, _ = protocol.peer_credentials(sock)
-            if uid != 0:
+            if uid != owner:
+                whose = "root" if owner == 0 else f"this user (uid {owner})"
                 raise ServiceUnavailable(
-                    f"the process answering at {path} runs as uid {uid}, not root; "
-                    "fluksio_nb trusts only a books service run by root"
+                    f"the process answering at {path} runs as uid {uid}, not {whose}; "
+                    f"fluksio_nb trusts only a books service run by {whose}"
                 )
             return sock
         except OSError as error:
@@ -54,6 +79,21 @@ def connect(path: Path, within: float = REACH_WITHIN_S) -> socket.socket:
         except BaseException:
             sock.close()
             raise
+
+
+def connect_at(sock: socket.socket, path: Path | str) -> None:
+    """Connect ``sock`` to the socket at ``path``, however long the path is.
+
+    A socket's address holds 107 bytes at most, and a user's runtime
+    directory, or a test's, can be deeper than that: the directory is opened
+    (never through a link) and the socket reached through its descriptor.
+    """
+    path = Path(path)
+    fd = open_whole(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
 
 
 def not_answering(path: Path, why: str) -> str:
@@ -78,16 +118,15 @@ def not_answering(path: Path, why: str) -> str:
     )
 
 
-def hello(share_labels: bool) -> dict[str, Any]:
-    from fluksio_nb.ledger.owner import identity
+def hello(
+    share_labels: bool, *, lifeline: bool = False, machine: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    from fluksio_nb.identity import this_kernel
 
-    me = identity()
-    return {
-        "op": "hello",
-        "kernel_id": me.get("kernel_id"),
-        "notebook": me.get("notebook"),
-        "share_labels": share_labels,
-    }
+    said = {"op": "hello", **this_kernel(), "share_labels": share_labels, "lifeline": lifeline}
+    if machine is not None:
+        said["machine"] = machine
+    return said
 
 
 class Lines:
@@ -122,9 +161,11 @@ class Lines:
         return [json.loads(raw) for raw in whole]
 
 
-def ask_once(path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S) -> dict[str, Any]:
+def ask_once(
+    path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S, owner: int = 0
+) -> dict[str, Any]:
     """One request on a connection of its own: for the server and the terminal."""
-    with connect(path, within) as sock:
+    with connect(path, within, owner) as sock:
         sock.sendall(protocol.line(hello(False)) + protocol.line({**request, "id": 1}))
         lines = Lines(sock)
         welcome = lines.next()
@@ -138,13 +179,13 @@ def ask_once(path: Path, request: dict[str, Any], within: float = REACH_WITHIN_S
                 return {**message, "welcome": welcome}
 
 
-def read_snapshot(path: Path) -> dict[str, Any]:
-    answer = ask_once(path, {"op": "snapshot"})
-    return {**answer["snapshot"], "user": answer["welcome"]["user"], "books": "machine"}
+def read_snapshot(path: Path, owner: int = 0, within: float = REACH_WITHIN_S) -> dict[str, Any]:
+    answer = ask_once(path, {"op": "snapshot"}, within, owner)
+    return {**answer["snapshot"], "user": answer["welcome"]["user"]}
 
 
-def cancel_claim(path: Path, number: int, reason: str) -> bool:
-    answer = ask_once(path, {"op": "cancel", "ticket": number, "reason": reason})
+def cancel_claim(path: Path, number: int, reason: str, owner: int = 0) -> bool:
+    answer = ask_once(path, {"op": "cancel", "ticket": number, "reason": reason}, owner=owner)
     if answer["op"] == "error":
         raise NotYours(answer["message"])
     return bool(answer.get("found"))

@@ -58,6 +58,18 @@ class Need(_Message):
     ram_bytes: int = Field(ge=0, le=1 << 62)
 
 
+class Described(_Message):
+    """The machine a kernel keeps its books over, and the settings that said so."""
+
+    cpus: int = Field(ge=1, le=1 << 20)
+    gpu_ids: list[int] = Field(max_length=1 << 12)
+    ram_bytes: int = Field(ge=0, le=1 << 62)
+    core_ids: list[int] = Field(max_length=1 << 16)
+    core_nodes: dict[str, int] = Field(max_length=1 << 16)
+    #: ``FLUKSIO_*`` variable to the value it had; a setting left unset is absent.
+    settings: dict[str, str] = Field(max_length=32)
+
+
 class Hello(_Message):
     """The first line of every connection: what the kernel says of itself.
 
@@ -70,6 +82,14 @@ class Hello(_Message):
     kernel_id: str | None = Field(default=None, max_length=256)
     notebook: str | None = Field(default=None, max_length=4096)
     share_labels: bool = False
+    #: A kernel's connection, which holds its claims; not a view's or a
+    #: terminal's, which ask once and go. A user's own service lives while
+    #: one is open (:mod:`.user_service`).
+    lifeline: bool = False
+    #: The machine as this kernel declares it: a user's own service keeps
+    #: one description for all their kernels. The machine's service, whose
+    #: inventory is its admin's, never reads it.
+    machine: Described | None = None
 
 
 class Claim(_Message):
@@ -136,7 +156,7 @@ def trusted_readings(said: Any) -> dict[str, Any] | None:
     """A claim's readings as a view may show them, whoever wrote them; ``None`` if they are not.
 
     For readers of books that did not validate them (an older service, a
-    user's own ledger): a view shows no figure rather than fail on one.
+    a copy written by hand): a view shows no figure rather than fail on one.
     """
     if not isinstance(said, dict):
         return None

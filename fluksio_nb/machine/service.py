@@ -158,6 +158,8 @@ class BooksService(AcrossRestarts):
         self._granting_from = 0.0
         #: When, on the loop's clock, the next read of killed kernels' records may start.
         self._deaths_free_at = 0.0
+        #: Set to end :func:`serve`: by a signal, or by the service itself.
+        self.stop: asyncio.Event | None = None
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -175,6 +177,10 @@ class BooksService(AcrossRestarts):
             if connection.hello is None:
                 connection.hello = protocol.read_hello(line)
                 connection.admin = in_group(connection.uid, self.admin_group)
+                refused = self.refuses(connection)
+                if refused is not None:
+                    connection.refuse(refused, "another machine described", about="machine")
+                    return
                 cap = self.cap_for(connection.user)
                 if cap is not None:
                     self.books.caps[connection.uid] = cap
@@ -183,6 +189,15 @@ class BooksService(AcrossRestarts):
                 self.answer(connection, protocol.read_request(line))
         except ValidationError as error:
             connection.refuse(f"bad request: {error}", "a request that does not parse")
+
+    def refuses(self, connection: Connection) -> str | None:
+        """Why the service will not take this connection, given its hello; ``None`` if it will.
+
+        The machine's takes every user its socket lets in; a user's own
+        service refuses a kernel that describes another machine (``machine``,
+        the refusal says).
+        """
+        return None
 
     def left(self, connection: Connection) -> None:
         """A connection closed: whatever it held or waited for is free for everyone."""
@@ -562,7 +577,7 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
     if follows_claims:
         service.take_over()
         service.hold_grants(RESTORE_GRACE_S)
-    stop = asyncio.Event()
+    stop = service.stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if ready is not None:

@@ -259,7 +259,7 @@ def start_service(layout: Layout) -> str:
                 start_new_session=True,
                 close_fds=True,
             )
-        from fluksio_nb.ledger.owner import process_started
+        from fluksio_nb.identity import process_started
 
         # By pid and start time: a pid alone may be anyone's by the time of `remove`.
         write_made(layout, service={"pid": started.pid, "started": process_started(started.pid)})
@@ -313,7 +313,7 @@ def stop_service(layout: Layout) -> None:
     pid = _service_pid(layout)
     if pid is None:
         return
-    from fluksio_nb.ledger.owner import process_started
+    from fluksio_nb.identity import process_started
 
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -345,7 +345,7 @@ def _service_pid(layout: Layout) -> int | None:
 
     recorded = read_made(layout).get("service")
     if isinstance(recorded, dict) and isinstance(recorded.get("pid"), int):
-        from fluksio_nb.ledger.owner import process_started
+        from fluksio_nb.identity import process_started
 
         pid = recorded["pid"]
         # The same process as started, not one that has its pid since.

@@ -15,7 +15,9 @@ else's claim after it: the numbers given out are reserved ahead, in blocks,
 in a file that outlives the service (and a reboot), so a new service starts
 past every number any earlier one may have used.
 
-Both files are root's alone (mode 0600) in directories root's alone: each
+Both files are the service's user's alone (mode 0600), in directories of
+theirs alone: root's for the machine's service, the user's for their own
+(:mod:`.user_service`). Each
 is written to a new file and renamed into place, so a crash leaves the old
 one or the new one whole, and neither is ever opened through a link. What
 is read back is validated as strictly as a request from a stranger: a file
@@ -111,7 +113,7 @@ class ServiceState:
 
     def held_before(self) -> dict[int, HeldClaim]:
         """The claims the service that ran before this one wrote down, by ticket."""
-        text = _read_root_only(self.claims_path)
+        text = _read_own_only(self.claims_path)
         if text is None:
             return {}
         try:
@@ -143,7 +145,7 @@ class ServiceState:
             if e.secret_sha256 is not None
         ]
         try:
-            _write_root_only(self.claims_path, HeldClaims(claims=claims).model_dump_json())
+            _write_own_only(self.claims_path, HeldClaims(claims=claims).model_dump_json())
         except OSError as error:
             log.warning("the claims held were not written to %s: %s", self.claims_path, error)
 
@@ -155,7 +157,7 @@ class ServiceState:
         while True:
             reserved = number + TICKETS_RESERVED
             try:
-                _write_root_only(
+                _write_own_only(
                     self.tickets_path, Tickets(next=reserved).model_dump_json(), flush=True
                 )
             except OSError as error:
@@ -173,7 +175,7 @@ class ServiceState:
                 number += 1
 
     def _first_number(self) -> int:
-        text = _read_root_only(self.tickets_path)
+        text = _read_own_only(self.tickets_path)
         if text is None and not self.tickets_path.exists():
             return 1
         try:
@@ -191,23 +193,32 @@ class ServiceState:
             return floor
 
 
-def _open_root_dir(directory: Path) -> int:
-    """``directory``, opened without following a link, if root's and nobody else's."""
+def _open_own_dir(directory: Path) -> int:
+    """``directory``, opened without following a link, if the service's user's and nobody else's.
+
+    Root's, for the machine's service; a user's own service keeps its state
+    in that user's books directory.
+    """
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     info = os.fstat(fd)
-    if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         os.close(fd)
+        fix = (
+            "run `fluksio-nb machine init` again to make it so"
+            if os.geteuid() == 0
+            else f"`chmod go-w {directory}` makes it so"
+        )
         raise PermissionError(
-            f"{directory} is not root's alone (uid {info.st_uid}, mode "
-            f"{stat.S_IMODE(info.st_mode):o}); run `fluksio-nb machine init` again to make it so"
+            f"{directory} is not uid {os.geteuid()}'s alone (uid {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):o}); {fix}"
         )
     return fd
 
 
-def _read_root_only(path: Path) -> str | None:
-    """The text of root's private file ``path``; ``None`` if it is absent or not that."""
+def _read_own_only(path: Path) -> str | None:
+    """The text of the service's private file ``path``; ``None`` if absent or not that."""
     try:
-        directory = _open_root_dir(path.parent)
+        directory = _open_own_dir(path.parent)
     except OSError:
         return None
     try:
@@ -218,15 +229,15 @@ def _read_root_only(path: Path) -> str | None:
         os.close(directory)
     with open(fd, "rb") as file:
         info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
-            log.warning("%s is not root's private file; it is not read", path)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            log.warning("%s is not the service's private file; it is not read", path)
             return None
         return file.read(MOST_STATE_BYTES).decode(errors="replace")
 
 
-def _write_root_only(path: Path, text: str, *, flush: bool = False) -> None:
+def _write_own_only(path: Path, text: str, *, flush: bool = False) -> None:
     """Replace ``path`` with ``text`` whole, mode 0600, never through a link."""
-    directory = _open_root_dir(path.parent)
+    directory = _open_own_dir(path.parent)
     staged = f".{path.name}.{os.getpid()}.new"
     try:
         with contextlib.suppress(FileNotFoundError):

@@ -396,10 +396,17 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.transport.write(line)
 
-    def refuse(self, why: str, kind: str | None = None) -> None:
-        """Say why, and end this connection, and only this one."""
+    def refuse(self, why: str, kind: str | None = None, *, about: str | None = None) -> None:
+        """Say why, and end this connection, and only this one.
+
+        ``about`` names, for the client, what it is refused for, where it can
+        tell its user more than the words.
+        """
         self.service.refusals.refused(self, kind or why, why if kind else "")
-        self.send({"op": "refused", "message": why[:2000]})
+        said = {"op": "refused", "message": why[:2000]}
+        if about is not None:
+            said["about"] = about
+        self.send(said)
         if not self.closed and self.transport is not None:
             self.closed = self.dropped = True
             self._forget_pending()

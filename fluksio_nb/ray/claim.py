@@ -116,7 +116,7 @@ class RayClaim(ClaimLifecycle):
         self.target = on
         parse_target(on)
         # The settings alone, for the flavors: the kernel's accountant, and the
-        # machine's ledger behind it, have no say over a cluster's share. Read
+        # machine's books behind it, have no say over a cluster's share. Read
         # only for a claim that names a flavor: finding and reading the file
         # was a twentieth of an empty cell's time.
         if wanted.flavor is not None:

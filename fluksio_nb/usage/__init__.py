@@ -6,9 +6,8 @@ peaked at, and how long people waited for their share. The books only know
 what is held now, so every claim, however it ends (ok, an error, the stop
 button, halted, timed out, a dead worker, cancelled, even while still
 waiting), leaves one record behind when it ends. A claim whose kernel was
-killed outright is recorded by whoever learns of the death: the machine's
-books service, or another process of the same user that reaps it from
-their ledger.
+killed outright is recorded by the books service that saw its connection
+close: the machine's, or the user's own.
 
 The record and the file it is appended to are :mod:`fluksio_nb.records`'s,
 below the books that write records for the dead. The modules here, from the

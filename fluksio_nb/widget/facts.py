@@ -18,8 +18,8 @@ Decisions made here:
   12 s" would change the facts every second and defeat the rule above.
 - **A running claim's readings come from the claim itself when it is this
   kernel's** (:func:`fluksio_nb.status.running_statuses`: the latest reading,
-  the peak and the budget), and otherwise from whatever the machine-wide
-  ledger recorded for it.
+  the peak and the budget), and otherwise from whatever the books service
+  recorded for it.
 - **The cards come with the snapshot** (:func:`fluksio_nb.overview.with_cards`),
   read as every other view reads them: NVML or ``nvidia-smi``. A card nobody
   could read is shown held or free, without figures; a claim's card memory

@@ -256,7 +256,7 @@ class MonitorWatch:
         try:
             facts = self.read()
         except Exception:
-            # A broken read (a ledger mid-rebuild, say) skips one tick; the next
+            # A broken read (a books service restarting, say) skips one tick; the next
             # may well work, and the monitors keep showing the last good one.
             log.exception("fluksio_nb: reading the machine for the monitor failed")
             return True

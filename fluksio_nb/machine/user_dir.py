@@ -1,17 +1,17 @@
-"""Where a user's ledger lives, and the checks that it is theirs alone.
+"""Where a user's own books service lives, and the checks that it is theirs alone.
 
-The books are only as good as the guarantee that nobody else can write them.
-A directory another user can write, or a link planted in it, would let them
-rewrite the claims of every kernel kept there, or make a kernel write its
-books wherever the link points. So every file of the ledger is reached only
-through a directory checked here, and checked itself before it is used.
+A user's own service (:mod:`.user_service`) answers on a socket in this
+directory, and keeps its state and its log there. Whoever can write the
+directory could plant a socket that collects this user's claims, or rewrite
+the state a restarted service puts claims back from. So the directory is
+checked here before anything in it is used.
 
 What it trusts, and what it refuses:
 
 - **Only a directory its owner alone can write.** The directory is opened
   once, without following a symlink, and checked on the open descriptor: it
   must belong to this process's user and be writable by nobody else. A
-  directory that fails is refused with :class:`UnsafeLedgerDir`, saying how
+  directory that fails is refused with :class:`UnsafeBooksDir`, saying how
   to fix it, and never chmod-ed into shape: the directory somebody chose
   (``FLUKSIO_LEDGER``) may be theirs to share, like ``/tmp``, and quietly
   taking its sticky bit away is worse than refusing. Only a directory it
@@ -21,7 +21,7 @@ What it trusts, and what it refuses:
   only if it is a regular file of this user's that nobody else can write and
   that has no other name (:func:`untrusted_file` says what is wrong with one).
   Swapping the directory or planting a link after the check therefore
-  changes nothing the ledger touches. Its files are 0600.
+  changes nothing the service touches. Its files are 0600.
 """
 
 from __future__ import annotations
@@ -38,22 +38,23 @@ from fluksio_nb.stop_button import open_whole
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-#: How to fix a ledger directory that is not this user's alone.
+#: How to fix a books directory that is not this user's alone.
 _WAY_OUT = (
     "point FLUKSIO_LEDGER at a directory of your own; books shared by several users "
     "are set up with `fluksio-nb machine init`"
 )
 
 
-class UnsafeLedgerDir(BadSettings):
-    """The ledger's directory, or a file in it, is not this user's alone.
+class UnsafeBooksDir(BadSettings):
+    """The books' directory, or a file in it, is not this user's alone.
 
     Raised rather than repaired: the books are only as good as the guarantee
     that nobody else can write them, and the directory may be someone's to share.
     """
 
 
-def default_ledger_dir() -> Path:
+def default_books_dir() -> Path:
+    """Where a user's books service lives when ``FLUKSIO_LEDGER`` says nothing."""
     from jupyter_core.paths import jupyter_runtime_dir
 
     return Path(jupyter_runtime_dir()) / "fluksio"
@@ -64,7 +65,7 @@ def _who(uid: int) -> str:
 
 
 def open_directory(directory: Path) -> int:
-    """The ledger's directory, opened and checked: made (0700) if missing, never changed."""
+    """The books' directory, opened and checked: made (0700) if missing, never changed."""
     try:
         fd = open_whole(directory, _OPEN_DIR)
     except FileNotFoundError:
@@ -81,13 +82,13 @@ def open_directory(directory: Path) -> int:
     try:
         found = os.fstat(fd)
         if found.st_uid != os.geteuid():
-            raise UnsafeLedgerDir(
-                f"fluksio_nb's ledger directory {directory} belongs to {_who(found.st_uid)}, "
+            raise UnsafeBooksDir(
+                f"fluksio_nb's books directory {directory} belongs to {_who(found.st_uid)}, "
                 f"not to this user ({_who(os.geteuid())}): whoever owns it can rewrite the "
                 f"books of every kernel kept there. To fix it, {_WAY_OUT}."
             )
         if found.st_mode & 0o022:
-            raise UnsafeLedgerDir(_writable_by_others(directory, found.st_mode))
+            raise UnsafeBooksDir(_writable_by_others(directory, found.st_mode))
     except BaseException:
         os.close(fd)
         raise
@@ -96,7 +97,7 @@ def open_directory(directory: Path) -> int:
 
 def _writable_by_others(directory: Path, mode: int) -> str:
     said = (
-        f"fluksio_nb's ledger directory {directory} can be written by other users "
+        f"fluksio_nb's books directory {directory} can be written by other users "
         f"(mode {stat.S_IMODE(mode):o}): any of them could rewrite these books, or leave "
         "links in it for this user's kernels to follow."
     )
@@ -115,20 +116,20 @@ def _writable_by_others(directory: Path, mode: int) -> str:
 def _unusable_directory(directory: Path, error: OSError) -> BadSettings:
     if error.errno in (errno.ELOOP, errno.ENOTDIR) and directory.is_symlink():
         # O_NOFOLLOW on a symlink fails with ELOOP, or ENOTDIR with O_DIRECTORY.
-        return UnsafeLedgerDir(
-            f"fluksio_nb's ledger directory {directory} is a symbolic link, which is "
+        return UnsafeBooksDir(
+            f"fluksio_nb's books directory {directory} is a symbolic link, which is "
             "not followed: whoever can change the link decides where the books go. "
             "Point FLUKSIO_LEDGER at the directory itself, or at another of your own; "
             "books shared by several users are set up with `fluksio-nb machine init`."
         )
     return BadSettings(
-        f"fluksio_nb's ledger directory {directory} cannot be used: "
+        f"fluksio_nb's books directory {directory} cannot be used: "
         f"{error.strerror or error}. To fix it, {_WAY_OUT}."
     )
 
 
 def untrusted_file(path: Path, found: os.stat_result) -> str | None:
-    """What is wrong with a file in the ledger's directory, and its fix; None if nothing."""
+    """What is wrong with a file in the books' directory, and its fix; None if nothing."""
     remove = f"remove it (`rm {path}`)"
     if not stat.S_ISREG(found.st_mode):
         return f"is not a regular file. Fix it: {remove}"
