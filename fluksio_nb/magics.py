@@ -23,7 +23,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from fluksio_nb import kernel_room, random_streams, transfer, warm_start
+from fluksio_nb import kernel_room, random_streams, segments, warm_start
 from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
 from fluksio_nb.context import place_to_run
 from fluksio_nb.errors import (
@@ -322,7 +322,7 @@ def _unsent_name_hint(error: RemoteError, namespace: dict[str, Any]) -> list[str
 def load_ipython_extension(shell) -> None:
     # Shared-memory files of kernels that died mid-transfer would otherwise
     # hold their memory until the machine reboots.
-    transfer.sweep_orphans()
+    segments.sweep_orphans()
     shell.register_magics(ClaimMagics)
     shell.set_custom_exc((RemoteError, Interrupted, *PLAIN_ERRORS), _show_claim_error)
     warm_start.begin(_prepare_the_view)
