@@ -43,7 +43,7 @@ from fluksio_nb.jobs import Job
 from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.pickling import global_to_blame
-from fluksio_nb.relay import ForegroundOutput
+from fluksio_nb.relay import ForegroundOutput, kernels_cell_number
 from fluksio_nb.status import StatusView, TextView, can_show_widgets
 from fluksio_nb.stop_button import held_once_the_cell_is_over
 from fluksio_nb.variables import (
@@ -53,7 +53,7 @@ from fluksio_nb.variables import (
     names_deleted,
     names_never_rebound,
 )
-from fluksio_nb.worker.client import Outcome, kernels_cell_number
+from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
