@@ -3,8 +3,9 @@
 :class:`Claim` is what a ``%%claim`` cell, a ``--background`` job and a
 ``with claim(...)`` block take on this machine. Its life (waiting visibly,
 the live view, the record, the ``with`` block) is
-:class:`~fluksio_nb.lifecycle.ClaimLifecycle`'s; what is its own is how it
-acquires and runs: wait in the kernel's queue, derive the environment from
+:class:`~fluksio_nb.lifecycle.ClaimLifecycle`'s, and its wait in the
+kernel's queue :class:`~fluksio_nb.queued_claim.QueuedClaim`'s; what is its
+own is how it starts and runs once granted: derive the environment from
 what was granted, hold its processes to the share
 (:mod:`fluksio_nb.confinement`), run the work in a worker or a subprocess
 born with that environment, sample it, and give the share back however it
@@ -27,9 +28,9 @@ magic and background jobs do not do this, because their work is not in the
 kernel, and a background job limiting the kernel's pools would slow every
 other cell the user runs meanwhile.
 
-It is long because a claim's steps (queued, started, running, stopped,
-ended) share one lock, one status and one record: a stop can land between
-any two of them, and each step has to see what the others left.
+It is long because a claim's steps once granted (started, running,
+stopped, ended) share one lock, one status and one record: a stop can land
+between any two of them, and each step has to see what the others left.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -52,19 +52,18 @@ from fluksio_nb.budget import HaltDecision, budget_here, in_the_copy_back, memor
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.errors import (
-    BadClaim,
     ClaimCancelled,
     ClaimHalted,
     ClaimTimeout,
     Interrupted,
     WorkerDied,
 )
-from fluksio_nb.expected_wait import describe_wait, expected_waits
 from fluksio_nb.flavors import resolve_flavor
 from fluksio_nb.gpu_usage import kernel_cards
-from fluksio_nb.kernel import accountant, inventory, settings
-from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised, ending_of
-from fluksio_nb.queue import ClaimQueue, Ticket, held_words
+from fluksio_nb.kernel import inventory, settings
+from fluksio_nb.lifecycle import SHOW_AFTER_S, cell_raised, ending_of
+from fluksio_nb.queue import ClaimQueue, Ticket
+from fluksio_nb.queued_claim import QueuedClaim, held_in_this_thread
 from fluksio_nb.records import UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
@@ -73,32 +72,13 @@ from fluksio_nb.status import Ending, StatusView, note_ended, note_running
 from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
-from fluksio_nb.usage.recent import process_recent_usage
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
 from fluksio_nb.worker.messages import SendingBack
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
 
-#: How long the status may lag the queue while a claim waits.
-_STATUS_EVERY_S = 0.5
 
-#: How often a waiting claim guesses again when it may start: each guess reads
-#: the queue and the usage records, and the answer moves in minutes.
-GUESS_EVERY_S = 5.0
-
-#: The claims each thread holds now: one made inside another's ``with`` block,
-#: in the same thread, cannot wait for what the outer one holds.
-_held_in_this_thread = threading.local()
-
-
-def _held_here() -> list[Claim]:
-    held = getattr(_held_in_this_thread, "claims", None)
-    if held is None:
-        held = _held_in_this_thread.claims = []
-    return held
-
-
-class Claim(ClaimLifecycle):
+class Claim(QueuedClaim):
     """A share of this machine, held from :meth:`acquire` until :meth:`release`."""
 
     def __init__(
@@ -113,15 +93,16 @@ class Claim(ClaimLifecycle):
         show_after: float | None = SHOW_AFTER_S,
     ) -> None:
         super().__init__(
-            resolve_flavor(wanted, settings()), label="claim", view=view, show_after=show_after
+            resolve_flavor(wanted, settings()),
+            label="claim",
+            view=view,
+            show_after=show_after,
+            queue=queue,
         )
-        self._queue = queue or accountant()
         self._pool = pool or kernel_pool()
         self._watch = watch or kernel_watch()
         self._limit_kernel_threads = limit_kernel_threads
         self._thread_limits: Any = None
-        self._ticket: Ticket | None = None
-        self._deadline: float | None = None
         self._stoppers: list[Callable[[], None]] = []
         #: What :meth:`popen` started, each with whether it leads a group of its own.
         self._processes: list[tuple[subprocess.Popen, bool]] = []
@@ -136,8 +117,6 @@ class Claim(ClaimLifecycle):
         #: much it holds. A stop for memory in that time names them, not the
         #: cell's code, unless the code itself went past the budget.
         self._sending: SendingBack | None = None
-        #: When its wait was last guessed: the first guess comes a second into the wait.
-        self._guessed_at = time.monotonic() - GUESS_EVERY_S + 1.0
 
     @classmethod
     def for_block(cls, wanted: Resources, on: str | None, *, view: StatusView | None) -> Claim:
@@ -156,42 +135,6 @@ class Claim(ClaimLifecycle):
         return transfer.pack(values, reuse=True, in_place=True)
 
     # -- the share --------------------------------------------------------------
-
-    def take_place(self) -> None:
-        self.enqueue()
-
-    def enqueue(self) -> Ticket:
-        """Take a place in the queue and show it; does not wait. Idempotent."""
-        if self._ticket is not None:
-            return self._ticket
-        if self.wanted.timeout is not None:
-            self._deadline = time.monotonic() + self.wanted.timeout
-        if self.wanted.gpu_ram is not None and self.wanted.gpus:
-            # Refused now, not after a wait in the queue for a card it could not use.
-            self._cards_read_for_gpu_ram(self.wanted)
-        ticket = self._queue.enqueue(self.wanted)
-        self._ticket = ticket
-        self._remember_the_cell()
-        self.status.label, self.status.ticket = ticket.label, ticket.number
-        self.status.asked = ticket.resources
-        # A claim granted on the spot has no place in the queue to show, and
-        # reading the ledger for one cost a warm trivial cell two more reads.
-        if ticket.allocation is None:
-            self._refresh_queue_position()
-        if self._show_after is None:
-            self._show()
-        return ticket
-
-    @property
-    def granted_at(self) -> float | None:
-        """When the queue granted the share (``time.time()``), if it has."""
-        return None if self._ticket is None else self._ticket.granted_at
-
-    def cancel(self, reason: str) -> bool:
-        """Leave the queue, or stop the work if it is running. False if it never queued."""
-        if self._ticket is None:
-            return False
-        return self._queue.cancel(self._ticket.number, reason)
 
     def acquire(self) -> Claim:
         """Wait for the share, showing where the claim stands while it waits."""
@@ -220,37 +163,13 @@ class Claim(ClaimLifecycle):
             self._start(ticket, allocation)
             # In here: a stop landing as it is called would leave the claim
             # started and its block never entered, holding its share for good.
-            _held_here().append(self)
+            held_in_this_thread().append(self)
         except BaseException as error:
             # Granted, but not started: the cgroups made so far, the share and
             # the place all go, as they would at the block's end.
             self.release(error)
             raise
         return self
-
-    def _refuse_to_wait_on_this_thread(self, ticket: Ticket) -> None:
-        """Refuse a wait that could never end: for what claims around it, here, hold."""
-        around = [
-            claim.allocation
-            for claim in _held_here()
-            if claim.allocation is not None and claim.status.phase != "done"
-        ]
-        if not around:
-            return
-        wanted, books = ticket.resources, self._queue.books
-        if books.fits(
-            wanted.cpus + sum(held.cpus for held in around),
-            wanted.gpus + sum(len(held.gpus) for held in around),
-            wanted.ram_bytes + sum(held.ram_bytes for held in around),
-        ):
-            return
-        holding = " and ".join(held_words(held) for held in around)
-        raise BadClaim(
-            f"{ticket.label} would wait for ever: it asks for {wanted.describe()} inside a "
-            f"claim of this same thread that holds {holding} until its `with` block ends, "
-            "and the machine has not that much beside it. Ask for less, or claim it all "
-            "in the outer block and use that."
-        )
 
     def _start(self, ticket: Ticket, allocation: Allocation) -> None:
         """From a share granted to a claim running: its env, budget, cgroups and status."""
@@ -290,69 +209,9 @@ class Claim(ClaimLifecycle):
             card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
         }
 
-    def _cards_read_for_gpu_ram(self, wanted: Resources) -> Any:
-        """The cards' reading, for a claim with ``gpu_ram=``; refused if nothing reads them."""
-        reading = kernel_cards().read()
-        if reading is None:
-            asked = wanted.gpu_ram.human_readable(decimal=True) if wanted.gpu_ram else "?"
-            raise BadClaim(
-                f"{self.status.label} asks for gpu_ram={asked}, "
-                "and nothing here reads the cards' memory to hold it to that: NVML's "
-                "library (libnvidia-ml, with the driver) could not be loaded and nvidia-smi "
-                "is not on PATH. Drop gpu_ram=, or run where the driver is installed"
-            )
-        return reading
-
-    def _wait(self, ticket: Ticket) -> Allocation:
-        # The first look comes sooner: a claim still waiting then is shown
-        # waiting, and one granted by then never needed to be.
-        every = _STATUS_EVERY_S if self._show_after is None else self._show_after
-        while True:
-            left = None if self._deadline is None else self._deadline - time.monotonic()
-            try:
-                return self._queue.wait(ticket, every if left is None else min(max(left, 0), every))
-            except ClaimTimeout:
-                if self._deadline is not None and time.monotonic() >= self._deadline:
-                    raise ClaimTimeout(
-                        self._queue.timeout_message(ticket, self.wanted.timeout)
-                    ) from None
-            every = _STATUS_EVERY_S
-            self._refresh_queue_position()
-            self._show()
-            self._update_view()
-
-    def _refresh_queue_position(self) -> None:
-        ticket = self._ticket
-        if ticket is None:
-            return
-        self.status.position = self._queue.position(ticket)
-        self._guess_the_wait(ticket)
-        # By what they hold, not their ticket numbers, which read like a cell's In[n].
-        self.status.holders = [
-            f"{holder.label!r} ({held_words(holder.allocation)})"
-            for holder in self._queue.holders()
-            if holder.number != ticket.number
-        ]
-
-    def _guess_the_wait(self, ticket: Ticket) -> None:
-        """When the claim may start, from the queue and past runs; every few seconds at most."""
-        now = time.monotonic()
-        if ticket.allocation is not None or now - self._guessed_at < GUESS_EVERY_S:
-            return
-        self._guessed_at = now
-        try:
-            snapshot = self._queue.snapshot()
-            guesses = expected_waits(snapshot, process_recent_usage().durations())
-        except Exception:
-            # A guess is a courtesy: records that cannot be read never fail a claim.
-            return
-        for waiting, guess in zip(snapshot.get("waiting", ()), guesses, strict=True):
-            if waiting.get("ticket") == ticket.number:
-                self.status.expected_wait = describe_wait(guess)
-
     def _give_back(self) -> None:
         with contextlib.suppress(ValueError):
-            _held_here().remove(self)
+            held_in_this_thread().remove(self)
         if self._thread_limits is not None:
             self._thread_limits.restore_original_limits()
             self._thread_limits = None

@@ -23,7 +23,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from fluksio_nb import kernel_room, random_streams, transfer, warm_start
+from fluksio_nb import kernel_room, random_streams, segments, warm_start
 from fluksio_nb.claim_line import ClaimLine, claim_parser, parse_claim_line
 from fluksio_nb.context import place_to_run
 from fluksio_nb.errors import (
@@ -43,7 +43,7 @@ from fluksio_nb.jobs import Job
 from fluksio_nb.lifecycle import SHOW_AFTER_S
 from fluksio_nb.namespaces import each_at_home, globals_assigned
 from fluksio_nb.pickling import global_to_blame
-from fluksio_nb.relay import ForegroundOutput
+from fluksio_nb.relay import ForegroundOutput, kernels_cell_number
 from fluksio_nb.status import StatusView, TextView, can_show_widgets
 from fluksio_nb.stop_button import held_once_the_cell_is_over
 from fluksio_nb.variables import (
@@ -53,7 +53,7 @@ from fluksio_nb.variables import (
     names_deleted,
     names_never_rebound,
 )
-from fluksio_nb.worker.client import Outcome, kernels_cell_number
+from fluksio_nb.worker.client import Outcome
 
 #: Errors whose message is the whole story: shown as one paragraph, with no
 #: traceback through fluksio_nb's own code, which the user did not write.
@@ -322,7 +322,7 @@ def _unsent_name_hint(error: RemoteError, namespace: dict[str, Any]) -> list[str
 def load_ipython_extension(shell) -> None:
     # Shared-memory files of kernels that died mid-transfer would otherwise
     # hold their memory until the machine reboots.
-    transfer.sweep_orphans()
+    segments.sweep_orphans()
     shell.register_magics(ClaimMagics)
     shell.set_custom_exc((RemoteError, Interrupted, *PLAIN_ERRORS), _show_claim_error)
     warm_start.begin(_prepare_the_view)

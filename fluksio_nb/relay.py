@@ -14,6 +14,10 @@ output goes to this process's own streams and display hook instead.
 
 A cell's ``input()`` goes the other way, and only from the cell the kernel is
 executing: ipykernel answers input requests for that cell alone.
+
+A worker is told the number the notebook gives the cell
+(:func:`kernels_cell_number`), so that a traceback from it says
+``Cell In[n]`` as the kernel's own would.
 """
 
 from __future__ import annotations
@@ -43,6 +47,24 @@ def new_display_id() -> str:
     thread's hold on the interpreter go each time.
     """
     return f"fluksio-{_THIS_PROCESS}-{next(_displays)}"
+
+
+def kernels_cell_number() -> int | None:
+    """The ``In[n]`` of the cell the kernel runs now, or ``None`` outside a kernel.
+
+    Read from the cells IPython has entered, of which the running one is the
+    last: IPython 9 counts ``execution_count`` up as a cell starts, and 8 as
+    it ends, so that count is the cell's own number in one and the next's in
+    the other.
+    """
+    # IPython's own module, not the package's deferred name, which imports anew each time.
+    getipython = sys.modules.get("IPython.core.getipython")
+    shell = getipython and getipython.get_ipython()
+    entered = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    if isinstance(entered, list) and len(entered) > 1:
+        return len(entered) - 1
+    count = getattr(shell, "execution_count", None)
+    return count if isinstance(count, int) else None
 
 
 class NoOneToAsk(Exception):

@@ -21,7 +21,7 @@ From then on:
   mapped from the file again.
 - **A change a worker makes in place and sends back is in the kernel's array
   already**: the worker writes the pages it changed into the file
-  (:func:`fluksio_nb.transfer._where_received`), and the kernel's array, whose
+  (:func:`fluksio_nb.sent_back.where_received`), and the kernel's array, whose
   pages are the file's, reads them. Nothing is copied back.
 - **One receiver at a time**: the file is lent to one parcel at a time and
   written only when no worker maps it (each holds a shared ``flock`` for as

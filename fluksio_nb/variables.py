@@ -29,9 +29,10 @@ through another name (``alias = rows; alias.append(r)``) — and travels only
 when the user names it with ``--in``/``--out``.
 
 The source is what the user typed, IPython syntax included, so it goes through
-IPython's own translation first. A magic that runs code (``%time x = f()``) is
-read as that code; ``{expr}`` and ``$name`` in a shell line or a magic are
-reads, since IPython expands them from the namespace.
+IPython's own translation first (:mod:`fluksio_nb.cell_syntax`). A magic that
+runs code (``%time x = f()``) is read as that code; ``{expr}`` and ``$name``
+in a shell line or a magic are reads, since IPython expands them from the
+namespace.
 
 It is long because it is one walk over one syntax tree: which names a cell
 reads, binds, deletes and may change in place are answered together, by one
@@ -47,7 +48,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
-from IPython.core.inputtransformer2 import TransformerManager
+from fluksio_nb.cell_syntax import code_after_options, ipython_call, parse_cell, parse_quietly
 
 #: What IPython keeps in every user namespace for its own bookkeeping. Never
 #: shipped: the history is large, partly unpicklable, and the worker has its own.
@@ -58,10 +59,9 @@ IPYTHON_NAMES = frozenset(
 #: IPython's input history: ``_i``, ``_ii``, ``_iii`` and ``_i<n>``.
 _INPUT_HISTORY = re.compile(r"_i{1,3}|_i\d+")
 
-#: Magics whose argument is Python run in the user namespace. ``%timeit``
-#: runs its statement inside a function, so what it assigns stays there.
+#: Magics whose argument is Python that reads the user namespace (``%timeit``
+#: too, though what it assigns stays in a function of its own).
 _MAGICS_RUNNING_CODE = frozenset({"time", "timeit", "prun"})
-_MAGICS_BINDING_NAMES = frozenset({"time", "prun"})
 
 #: IPython expands these in shell lines and most magics before running them.
 _DOLLAR_NAME = re.compile(r"(?<!\$)\$([A-Za-z_]\w*)")
@@ -83,14 +83,6 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 _SCOPES = (*_FUNCTIONS, ast.ClassDef, *_COMPREHENSIONS)
 
 
-class CellSyntaxError(SyntaxError):
-    """The cell is not Python, even once IPython's own syntax is translated."""
-
-    def __str__(self) -> str:
-        # The message already names the line; SyntaxError would repeat it.
-        return str(self.msg)
-
-
 # The four walks below are cached beside the parse: a cell is walked by each
 # of them once per claim, and a cell run again is the same text (a 500-line
 # cell's walks took 40 ms, measured). Frozen, so that no caller can change
@@ -101,7 +93,7 @@ class CellSyntaxError(SyntaxError):
 def names_read(source: str) -> frozenset[str]:
     """Names the cell may read from the namespace it runs in."""
     flow = _TopLevelFlow()
-    flow.block(_parse(source).body, set())
+    flow.block(parse_cell(source).body, set())
     return frozenset(flow.reads)
 
 
@@ -111,7 +103,7 @@ def names_written(source: str) -> frozenset[str]:
 
     ``except E as e`` is left out: Python deletes ``e`` when the handler ends.
     """
-    return frozenset(_module_writes(_parse(source).body))
+    return frozenset(_module_writes(parse_cell(source).body))
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,7 +115,7 @@ def names_deleted(source: str) -> frozenset[str]:
     """
     return frozenset(
         target.id
-        for node in _scope_nodes(_parse(source).body)
+        for node in _scope_nodes(parse_cell(source).body)
         if isinstance(node, ast.Delete)
         for target in node.targets
         if isinstance(target, ast.Name)
@@ -176,7 +168,7 @@ def choose_outputs(source: str, explicit: Iterable[str] | str | None = None) -> 
 @functools.lru_cache(maxsize=32)
 def binds_unseen_names(source: str) -> bool:
     """Whether the cell may bind names its source does not show, at its top level."""
-    for node in _scope_nodes(_parse(source).body):
+    for node in _scope_nodes(parse_cell(source).body):
         if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
             return True
         if (
@@ -204,7 +196,7 @@ def choose_if_changed(source: str, inputs: Iterable[str], outputs: Iterable[str]
 @functools.lru_cache(maxsize=32)
 def names_changed_by_calls(source: str) -> frozenset[str]:
     """Names whose object a call may change, in any scope of the cell that sees them."""
-    body = _parse(source).body
+    body = parse_cell(source).body
     changed: set[str] = set()
     for node in _scope_nodes(body):
         changed |= _handed_to_call(node)
@@ -221,7 +213,7 @@ def names_never_rebound(source: str) -> frozenset[str]:
     place when the object allows it, as an array does: in a normal cell its
     views and every other name for it see the change.
     """
-    body = _parse(source).body
+    body = parse_cell(source).body
     augmented = [
         node.target
         for node in _scope_nodes(body)
@@ -273,81 +265,12 @@ def _not_defined_message(missing: list[str]) -> str:
     )
 
 
-# -- parsing -------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=32)
-def _parse(source: str) -> ast.Module:
-    # Both choices parse the same cell one after the other; the tree is only read.
-    try:
-        python = TransformerManager().transform_cell(source)
-        tree = compile(
-            python,
-            "<cell>",
-            "exec",
-            flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-            dont_inherit=True,
-        )
-        # Parsing alone lets through what only the compiler refuses — a
-        # ``return`` or ``break`` at top level — which would otherwise surface
-        # in the worker, after the cell waited for its share.
-        compile(tree, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
-    except SyntaxError as error:
-        raise _cell_syntax_error(error, source) from None
-    return _InlineCodeMagics().visit(tree)
-
-
-def _cell_syntax_error(error: SyntaxError, source: str) -> CellSyntaxError:
-    lineno = error.lineno or 1
-    lines = source.splitlines()
-    # IPython's translation keeps line numbers for line magics and shell
-    # escapes, so the user's own line is the one to show.
-    text = lines[lineno - 1] if 0 < lineno <= len(lines) else (error.text or "")
-    message = (
-        f"line {lineno} of the cell is not valid Python ({error.msg}): "
-        f"{text.strip()!r} — fix it and run the cell again"
-    )
-    return CellSyntaxError(message, ("<cell>", lineno, error.offset, text, None, None))
-
-
-class _InlineCodeMagics(ast.NodeTransformer):
-    """Reads ``%time x = f()`` as ``x = f()``, wherever it stands as a statement."""
-
-    def visit_Expr(self, node: ast.Expr) -> ast.AST | list[ast.stmt]:
-        magic = _ipython_call(node.value)
-        if magic is None:
-            return node
-        method, texts = magic
-        if method == "run_line_magic" and len(texts) >= 2:
-            name, code = texts[0], _code_after_options(texts[1])
-        elif method == "run_cell_magic" and len(texts) >= 3:
-            name, code = texts[0], _parse_quietly(texts[2])
-        else:
-            return node
-        if name not in _MAGICS_BINDING_NAMES or code is None:
-            return node
-        return [self.visit(statement) for statement in code.body] or node
-
-
-def _ipython_call(node: ast.AST) -> tuple[str, list[str]] | None:
-    """``get_ipython().method('text', ...)``, as translated IPython syntax reads."""
-    if not (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Call)
-        and isinstance(node.func.value.func, ast.Name)
-        and node.func.value.func.id == "get_ipython"
-    ):
-        return None
-    texts = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
-    if not all(isinstance(text, str) for text in texts):
-        return None
-    return node.func.attr, texts
+# -- what IPython reads --------------------------------------------------------------
 
 
 def _ipython_reads(node: ast.Call) -> set[str]:
     """Names IPython itself looks up to run one translated magic or shell line."""
-    magic = _ipython_call(node)
+    magic = ipython_call(node)
     if magic is None:
         return set()
     method, texts = magic
@@ -359,7 +282,7 @@ def _ipython_reads(node: ast.Call) -> set[str]:
     for text in texts:
         reads |= _interpolated_names(text)
     if name in _MAGICS_RUNNING_CODE and texts:
-        code = _code_after_options(texts[0]) if len(texts) == 1 else _parse_quietly(texts[-1])
+        code = code_after_options(texts[0]) if len(texts) == 1 else parse_quietly(texts[-1])
         if code is not None:
             reads |= _free_reads(code.body)
     return reads
@@ -368,30 +291,10 @@ def _ipython_reads(node: ast.Call) -> set[str]:
 def _interpolated_names(text: str) -> set[str]:
     names = set(_DOLLAR_NAME.findall(text))
     for expression in _BRACED_EXPRESSION.findall(text):
-        parsed = _parse_quietly(expression, mode="eval")
+        parsed = parse_quietly(expression, mode="eval")
         if parsed is not None:
             names |= _free_reads([parsed.body])
     return names
-
-
-def _code_after_options(text: str) -> ast.Module | None:
-    # ``%timeit -n 10 -r 3 f(x)``: the options come first and are not Python,
-    # so the code is the first tail of the line that parses.
-    if not text.lstrip().startswith("-"):
-        return _parse_quietly(text.strip())
-    words = text.split()
-    for skipped in range(1, min(len(words), 6)):
-        code = _parse_quietly(" ".join(words[skipped:]))
-        if code is not None:
-            return code
-    return None
-
-
-def _parse_quietly(text: str, mode: str = "exec") -> ast.AST | None:
-    try:
-        return ast.parse(text, mode=mode)
-    except (SyntaxError, ValueError):
-        return None
 
 
 # -- scopes --------------------------------------------------------------------------

@@ -903,14 +903,14 @@ from pathlib import Path
 import numpy
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
-from fluksio_nb import transfer
+from fluksio_nb import shelf
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "fluksio_nb")
 # Big enough to travel through shared memory, in a file its parcel must give back.
 shell.user_ns["blob"] = numpy.zeros(40_000)
 assert shell.run_cell("%%claim\\nwarm = len(blob)").success
-transfer.clear_shelf()
+shelf.clear_shelf()
 ran = Path(tempfile.mkdtemp()) / "ran"
 last = {"n": 0}
 
@@ -921,10 +921,10 @@ def attempt(made):
 def undo(made):
     last["ran"] = ran.exists()
     ran.unlink(missing_ok=True)
-    last["lent"] = any(kept.lent for kept in transfer._shelf._files.values())
+    last["lent"] = any(kept.lent for kept in shelf._shelf._files.values())
     # Every round from an empty shelf, so that each takes the same path and
     # every moment of it is pressed, not a warm shelf's shorter one.
-    transfer.clear_shelf()
+    shelf.clear_shelf()
 
 def check():
     left = what_a_claim_left(last["lent"])
@@ -964,14 +964,14 @@ import glob, os, threading
 import numpy
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
-from fluksio_nb import accountant, jobs, transfer
+from fluksio_nb import accountant, jobs, shelf
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "fluksio_nb")
 # Big enough to travel through shared memory, in a file its parcel must give back.
 shell.user_ns["blob"] = numpy.zeros(40_000)
 assert shell.run_cell("%%claim --background\\nwarm = len(blob)").result.result(30)
-transfer.clear_shelf()
+shelf.clear_shelf()
 last = {"n": 0}
 
 def attempt(made):
@@ -991,10 +991,10 @@ def undo(made):
         last["x"] = "no handle" if job is None else job.result(0).get("x")
     except Exception as error:
         last["x"] = repr(error)
-    last["lent"] = any(kept.lent for kept in transfer._shelf._files.values())
+    last["lent"] = any(kept.lent for kept in shelf._shelf._files.values())
     # Every round from an empty shelf, so that each takes the same path and
     # every moment of it is pressed, not a warm shelf's shorter one.
-    transfer.clear_shelf()
+    shelf.clear_shelf()
     last["descriptors_left"] = descriptors_left_open(descriptors)
 
 def check():

@@ -342,13 +342,13 @@ import glob, os
 import numpy
 import fluksio_nb
 import fluksio_nb.lifecycle
-from fluksio_nb import claim, transfer
+from fluksio_nb import claim, shelf
 
 # Big enough to travel through shared memory, in a file its parcel must give back.
 blob = numpy.zeros(40_000)
 with claim(cpus=1, label="warm") as c:
     assert c.run(len, blob) == 40_000
-transfer.clear_shelf()
+shelf.clear_shelf()
 last = {}
 
 def attempt(made):
@@ -357,9 +357,9 @@ def attempt(made):
 
 def undo(made):
     last["got"] = made.get("got")
-    last["lent"] = any(kept.lent for kept in transfer._shelf._files.values())
+    last["lent"] = any(kept.lent for kept in shelf._shelf._files.values())
     # Every round from an empty shelf, so that each takes the same path.
-    transfer.clear_shelf()
+    shelf.clear_shelf()
 
 def check():
     left = what_a_claim_left(last["lent"])

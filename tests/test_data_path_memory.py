@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fluksio_nb.transfer import SEGMENT_PREFIX
+from fluksio_nb.segments import SEGMENT_PREFIX
 from tests.kernels import Kernel
 
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""The package's shape: its layers, no import cycles, and no module long without a reason.
+"""The package's shape: its layers, no import cycles, no module too long or long without a reason.
 
 The contracts live in ``pyproject.toml`` (``[tool.importlinter]``) and are
 checked by import-linter, which counts imports inside functions too. A test
@@ -22,6 +22,8 @@ PACKAGE = ROOT / "fluksio_nb"
 #: Past this, a module's docstring says why it is one module.
 LONGEST_WITHOUT_A_REASON = 600
 REASON = "It is long because"
+#: Past this, no reason will do: the module is split where its concerns part.
+LONGEST = 700
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
@@ -91,3 +93,14 @@ def test_a_module_over_600_lines_says_in_its_docstring_why():
         if REASON not in (ast.get_docstring(ast.parse(text)) or ""):
             unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert unexplained == [], f"say why in the docstring ({REASON!r}) or split them"
+
+
+def test_no_module_of_the_package_is_over_700_lines():
+    too_long = [
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := path.read_text().count("\n")) > LONGEST
+    ]
+    assert too_long == [], (
+        f"over {LONGEST} lines: {', '.join(too_long)}; split them where their concerns part"
+    )

@@ -18,15 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fluksio_nb import transfer
-from fluksio_nb.transfer import (
-    SEGMENT_DIR,
-    SEGMENT_PREFIX,
-    pack,
-    sweep_orphans,
-    unchanged,
-    unpack,
-)
+from fluksio_nb import shelf, transfer
+from fluksio_nb.segments import SEGMENT_DIR, SEGMENT_PREFIX, sweep_orphans
+from fluksio_nb.transfer import pack, unchanged, unpack
 
 #: Big enough to go through shared memory, small enough to keep the suite fast.
 BIG = 16 * 2**20 // 8
@@ -40,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 def no_leftovers_carried_over():
     """One test's leftover segments must not fail the next test's count."""
     yield
-    transfer.clear_shelf()
+    shelf.clear_shelf()
     for path in segments_of(os.getpid()):
         path.unlink(missing_ok=True)
 
@@ -429,7 +423,7 @@ def test_a_small_slice_of_an_input_is_copied_back_rather_than_pinning_the_file()
 
 def test_an_idle_kept_file_is_removed(monkeypatch):
     """Guards against a notebook that stopped sending holding shared memory forever."""
-    monkeypatch.setattr(transfer, "SHELF_IDLE_S", 0.2)
+    monkeypatch.setattr(shelf, "SHELF_IDLE_S", 0.2)
     parcel = pack({"a": np.ones(BIG)}, reuse=True)
     # Looked for before the discard: after it, the idle clock runs, and a slow
     # garbage collection here could outlast it before the first look.
@@ -621,7 +615,7 @@ def test_a_value_sent_again_reuses_the_file_let_go_though_two_were_held_past_the
     """Guards against a cell run again paying for fresh pages: the receiver holds the
     last run's value while the new one arrives, so two files are in use at once,
     and neither is memory kept for nothing."""
-    monkeypatch.setattr(transfer, "SHELF_BYTES", BIG * 8)
+    monkeypatch.setattr(shelf, "SHELF_BYTES", BIG * 8)
     one = pack({"a": np.ones(BIG)}, reuse=True)
     # By inode: a descriptor's number, and so the path, is used again once closed.
     first_file = os.stat(kept_path(one, "a")).st_ino
@@ -642,7 +636,7 @@ def test_a_value_sent_again_reuses_the_file_let_go_though_two_were_held_past_the
 def test_kept_files_a_receiver_holds_never_run_the_sender_out_of_descriptors(monkeypatch):
     """Guards against a receiver holding thousands of small arrays taking as many of
     the sender's descriptors; the arrays stay whole when the sender lets go of them."""
-    monkeypatch.setattr(transfer, "SHELF_FILES", 3)
+    monkeypatch.setattr(shelf, "SHELF_FILES", 3)
     values = {f"a{index}": np.full(2**16, float(index)) for index in range(6)}
     parcel = pack(values, reuse=True)
     holder = subprocess.Popen(

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fluksio_nb.transfer import SEGMENT_DIR, SEGMENT_PREFIX
+from fluksio_nb.segments import SEGMENT_DIR, SEGMENT_PREFIX
 from tests.kernels import started_kernel
 from tests.unix_users import USER_A, USER_B, ready_user, run_as, shared_tmp_dir
 from tests.waiting import wait_until

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from fluksio_nb.cell_syntax import CellSyntaxError
 from fluksio_nb.variables import (
     EVERY_NAME_BOUND,
-    CellSyntaxError,
     choose_if_changed,
     choose_inputs,
     choose_outputs,

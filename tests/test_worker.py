@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 import fluksio_nb
-from fluksio_nb import transfer
+from fluksio_nb import segments
 from fluksio_nb.errors import UnsendableInput
 from fluksio_nb.worker.client import Sink, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
@@ -784,9 +784,9 @@ def test_a_killed_kernels_kept_shared_memory_goes_with_it():
         sys.stdin.read()
         """
     )
-    named = Path(transfer.SEGMENT_DIR).glob
-    pattern = f"{transfer.SEGMENT_PREFIX}{kernel.pid}-*"
-    kept = f"memfd:{transfer.SEGMENT_PREFIX}{kernel.pid}-kept"
+    named = Path(segments.SEGMENT_DIR).glob
+    pattern = f"{segments.SEGMENT_PREFIX}{kernel.pid}-*"
+    kept = f"memfd:{segments.SEGMENT_PREFIX}{kernel.pid}-kept"
     try:
         worker_pid = int(kernel.stdout.readline())
         assert kernel.pid in holding(kept), "the kernel keeps the memory it sent, to reuse it"

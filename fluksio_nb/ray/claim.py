@@ -65,14 +65,14 @@ from fluksio_nb.ray.values import Frozen, Packed, pack_inputs, portable, thaw
 from fluksio_nb.resources import Resources
 from fluksio_nb.status import StatusView
 from fluksio_nb.stop_button import stop_held_back, the_cell_is_over
-from fluksio_nb.worker.client import (
+from fluksio_nb.worker.client import Outcome
+from fluksio_nb.worker.messages import forwarder
+from fluksio_nb.worker.stopping import (
     GRACE_AFTER_SIGINT_AT_MOST,
     GRACE_AFTER_SIGKILL,
     GRACE_AFTER_SIGTERM,
-    Outcome,
-    unpack_outputs,
 )
-from fluksio_nb.worker.messages import forwarder
+from fluksio_nb.worker.values import unpack_outputs
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
 #: button: Python only runs signal handlers between calls into Ray.

@@ -36,7 +36,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from fluksio_nb import transfer
+from fluksio_nb import segments, transfer
 from fluksio_nb.budget import HaltDecision, human
 from fluksio_nb.env import THREAD_VARS, card_memory_share
 from fluksio_nb.errors import BadClaim, Interrupted
@@ -80,7 +80,7 @@ class _TaskProcess:
             # files are memfds and go by themselves. Once per process, a scan.
             self._swept = True
             with contextlib.suppress(Exception):
-                transfer.sweep_orphans()
+                segments.sweep_orphans()
 
     def mailboxes_named(self, ray: Any, name: str) -> Any:
         """A kernel's mailbox actor, as a task finds it: looked up once per process."""
@@ -200,7 +200,7 @@ def run_claimed_cell(cell: TaskCell, *inputs: Frozen) -> dict[str, Any]:
                     if not worker.alive:
                         # A halted or crashed worker cannot remove a parcel it was writing.
                         with contextlib.suppress(Exception):
-                            transfer.sweep_orphans(gone=worker.pid)
+                            segments.sweep_orphans(gone=worker.pid)
                     pool.checkin(worker, derived)
                 result = _task_result(outcome, halted[0] if halted else None, cell.through_client)
         except KeyboardInterrupt:

@@ -17,14 +17,10 @@ with that process, and it decides:
   where it was written. A message the stop lands on before it was acted on
   is read again by the stop ladder's listening, not lost: lost, the cell's
   end was never heard.
-- **The worker lives in a session of its own**, so the SIGINT Jupyter's stop
-  button sends the kernel does not reach it behind the kernel's back. Stopping
-  a cell is a decision taken here, by :meth:`Worker.interrupt`: SIGINT to the
-  worker's whole process group, then SIGTERM, then SIGKILL. SIGINT's grace is
-  1.5 s of the worker's chances to act, not of the clock: on a crowded machine
-  a slow answer is still an answer. A cell that stops at SIGINT leaves the
-  worker usable; one that does not costs the worker, because a cell that
-  ignores being asked has left it in a state nobody can vouch for.
+- **Stopping a cell is a decision taken here**, by :meth:`Worker.interrupt`
+  or the stop button, with the ladder of :mod:`~fluksio_nb.worker.stopping`.
+  A cell that stops at SIGINT leaves the worker usable; one that does not
+  costs the worker.
 - **A worker dying is an outcome, not an exception.** Segfault, ``os._exit``,
   the out-of-memory killer: :meth:`Worker.run` returns an :class:`Outcome` that
   says which, in a sentence a notebook can show. Only ``KeyboardInterrupt``
@@ -34,44 +30,36 @@ with that process, and it decides:
   ends everything it started and reaps it; how, safely, is
   :mod:`fluksio_nb.worker.process`'s to decide.
 
-How values are packed is decided in exactly two functions here,
-:func:`pack_inputs` and :func:`unpack_outputs`, mirroring the two in
-:mod:`fluksio_nb.worker.main`.
-
 It is long because running a cell, relaying what it shows and stopping it
 are one conversation over one cell's state, held by the thread that waits:
 the stop ladder listens for the cell's end with the same loop that relays its
-output. What could stand apart has: the messages
-(:mod:`~fluksio_nb.worker.messages`), the process
-(:mod:`~fluksio_nb.worker.process`) and what came of the cell
-(:mod:`~fluksio_nb.worker.outcome`).
+output. What could stand apart has, each in a module of its own in
+:mod:`fluksio_nb.worker`: how values are packed, the messages, the process,
+its pipes, the cell in flight, the stop ladder and what came of the cell.
 
 POSIX only: process groups, ``killpg`` and ``select`` on pipes.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from fluksio_nb import kernel_room, transfer
 from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
-from fluksio_nb.errors import Interrupted, unsendable
+from fluksio_nb.errors import Interrupted
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
-from fluksio_nb.sampler import Chances
+from fluksio_nb.relay import kernels_cell_number
 from fluksio_nb.stop_button import stop_held_back, the_cell_is_over
+from fluksio_nb.worker.cell import CellInFlight
 from fluksio_nb.worker.messages import (
     ClearOutput,
     Display,
@@ -92,30 +80,14 @@ from fluksio_nb.worker.messages import (
     Sink,
     Stream,
     Unpacked,
-    forwarder,
 )
 from fluksio_nb.worker.outcome import CellError, Outcome, how_it_died, how_it_ended
+from fluksio_nb.worker.pipes import OutputPipe
 from fluksio_nb.worker.process import WorkerProcess
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
+from fluksio_nb.worker.stopping import stop_the_cell
+from fluksio_nb.worker.values import lends_files, pack_inputs, unpack_outputs
 
-#: How long a cell gets to end by itself after SIGINT before SIGTERM follows,
-#: counted in the worker's chances to act (:class:`~fluksio_nb.sampler.Chances`),
-#: not by the clock. A Python cell in ``time.sleep`` or a numpy loop raises
-#: KeyboardInterrupt within a millisecond, but a worker's first traceback took
-#: 180-200 ms to format on an idle machine (IPython's traceback code is
-#: imported then): at 0.3 s, a worker that had stopped was killed as deaf, and
-#: what its cell had bound was lost with it. The rest is room for a
-#: ``finally`` block to tidy up.
-GRACE_AFTER_SIGINT = 1.5
-#: The longest that grace lasts by the clock, however crowded the machine.
-GRACE_AFTER_SIGINT_AT_MOST = 15.0
-#: How often the worker's chances are read while it has its grace.
-_CHANCES_EVERY_S = 0.1
-#: And after SIGTERM, before SIGKILL.
-GRACE_AFTER_SIGTERM = 0.3
-#: SIGKILL cannot be refused, but a process stuck in the kernel (a hung NFS
-#: read, a GPU driver call) only dies when that returns.
-GRACE_AFTER_SIGKILL = 2.0
 #: How long :meth:`Worker.close` lets the worker exit by itself.
 GRACE_TO_EXIT = 1.0
 #: How long a worker whose channel closed has to exit, before it is taken to
@@ -128,6 +100,8 @@ CLOSED_ITS_CHANNEL = (
     "descriptors it had not opened (such as os.closerange), and the worker talks "
     "to the kernel through them"
 )
+#: When a worker died that ran the cell: the words a claim held by a block rewords.
+RUNNING_THE_CELL = "while running the cell"
 
 #: The longest the main thread blocks without looking for a pending SIGINT.
 #: Any thread may take a signal sent to the process; Python then only flags
@@ -135,135 +109,9 @@ CLOSED_ITS_CHANNEL = (
 #: cell next printed something.
 _SIGNAL_CHECK_SECONDS = 0.1
 
-#: Read this much of a pipe at a time, and at most this many times before
-#: looking at the channel again, so a child flooding stdout cannot starve the frames.
-_READ_CHUNK = 1 << 16
-_READS_PER_DRAIN = 16
-
 
 class WorkerMisuse(RuntimeError):
     """The worker was asked for something that cannot work the way it was asked."""
-
-
-# -----------------------------------------------------------------------------
-# What travels: the one place on this side that knows how values are packed
-# -----------------------------------------------------------------------------
-
-
-#: When a worker died that ran the cell: the words a claim held by a block rewords.
-RUNNING_THE_CELL = "while running the cell"
-
-
-def pack_inputs(values: Mapping[str, Any]) -> Any:
-    """What the worker is sent for ``values``; refuses before the cell runs if one won't go."""
-    if isinstance(values, transfer.Parcel):
-        return values  # packed by the caller, before it waited for a share
-    parcel = transfer.pack(values, reuse=True, in_place=True)
-    if parcel.failures:
-        parcel.discard()
-        raise unsendable(*next(iter(parcel.failures.items())), "the worker")
-    return parcel
-
-
-def _lends_files(parcel: Any) -> bool:
-    """Whether a parcel of outputs holds shared-memory files the worker lent."""
-    return any(value.segments for value in parcel.values.values())
-
-
-def unpack_outputs(parcel: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """The cell's outputs by name, and why each one that could not be rebuilt wasn't.
-
-    A name the kernel has no room for is refused before it is rebuilt
-    (:mod:`fluksio_nb.kernel_room`), its shared memory removed with it.
-    """
-    if parcel is None:
-        return {}, {}
-    weighed = kernel_room.weigh(parcel)
-    refused = weighed.refused
-    if refused:
-        transfer.Parcel({name: parcel.values[name] for name in refused}).discard()
-        parcel = transfer.Parcel(
-            {name: value for name, value in parcel.values.items() if name not in refused},
-            parcel.failures,
-        )
-    with kernel_room.rebuilding_within(weighed.room) as why:
-        values, failures = transfer.unpack(parcel)
-    # Only a value rebuilt here can have run out of room here; the worker's
-    # own failures keep their words.
-    failed = {name: why(said) if name in parcel.values else said for name, said in failures.items()}
-    return values, {**failed, **refused}
-
-
-@dataclass
-class _Cell:
-    """What is known about the cell in flight, shared with :meth:`Worker.interrupt`."""
-
-    sink: Sink
-    thread: int = field(default_factory=threading.get_ident)
-    ended: threading.Event = field(default_factory=threading.Event)
-    #: Whether the worker has the request, so there is a cell over there to stop.
-    sent: bool = False
-    #: Whether its end has been heard, so there is no longer anything to stop.
-    over: bool = False
-    interrupted: bool = False
-    #: The strongest signal the ladder had to use beyond SIGINT, if any.
-    escalated_to: str | None = None
-    #: How the cell ended, when its end was heard after an interrupt.
-    outcome: Outcome | None = None
-    #: The kernel's random streams as they were when the cell was sent.
-    streams_sent: dict[str, Any] | None = None
-    error: CellError | None = None
-    #: Whether its outputs are left packed, for another process to unpack.
-    forward: bool = False
-    #: Called as the cell's code ends and its results start back, and as they
-    #: go, with the bytes written and to write (0 and 0 until known), and
-    #: the worker's word that they started back.
-    on_sending_back: Callable[[int, int, SendingBack], None] | None = None
-    #: That word: the names being sent back, about how much each holds, and
-    #: the most the worker held while the code ran.
-    sending_back: SendingBack | None = None
-    #: When that was (monotonic), if it was.
-    sending_since: float | None = None
-    #: The bytes copied to send the cell its inputs.
-    sent_in_bytes: int = 0
-    #: The worker's answer to a :class:`Reshape`, once it has come.
-    reshaped: Reshaped | None = None
-    #: Where each output message goes: the sink's ``forward``, or relayed to it.
-    show: Callable[[Output], None] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.show = forwarder(self.sink)
-
-
-class _Stream:
-    """One of the worker's output pipes, decoded as it is read."""
-
-    def __init__(self, name: Literal["stdout", "stderr"], pipe: Any) -> None:
-        self.name = name
-        self.pipe = pipe
-        self.fd = pipe.fileno()
-        os.set_blocking(self.fd, False)
-        # Incremental, because a read can end in the middle of a UTF-8 character.
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def drain(self, show: Callable[[Output], None]) -> bool:
-        """Relay what is waiting in the pipe; False once the pipe has reached its end."""
-        for _ in range(_READS_PER_DRAIN):
-            try:
-                chunk = os.read(self.fd, _READ_CHUNK)
-            except BlockingIOError:
-                return True
-            text = self.decoder.decode(chunk, final=not chunk)
-            if text:
-                show(Stream(self.name, text))
-            if not chunk:
-                return False
-        return True
-
-
-# -----------------------------------------------------------------------------
-# The worker
-# -----------------------------------------------------------------------------
 
 
 class Worker:
@@ -297,7 +145,7 @@ class Worker:
         #: The whole environment the worker was started with, or last reshaped to.
         self.env = self._whole_environ()
         self._run_lock = threading.Lock()
-        self._cell: _Cell | None = None
+        self._cell: CellInFlight | None = None
         self._ready = False
         #: When the worker said it was ready (monotonic), once it has.
         self.ready_at: float | None = None
@@ -332,8 +180,8 @@ class Worker:
             confine(self.pid, cores)
             self._channel = Channel(kernel_end)
             self._streams = [
-                _Stream("stdout", self._process.stdout),
-                _Stream("stderr", self._process.stderr),
+                OutputPipe("stdout", self._process.stdout),
+                OutputPipe("stderr", self._process.stderr),
             ]
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._channel.sock, selectors.EVENT_READ, self._channel)
@@ -418,7 +266,7 @@ class Worker:
         parcel = pack_inputs(inputs or {})
         try:
             with self._run_lock:
-                cell = _Cell(sink, forward=forward_outputs, on_sending_back=on_sending_back)
+                cell = CellInFlight(sink, forward=forward_outputs, on_sending_back=on_sending_back)
                 cell.sent_in_bytes = parcel.moved_bytes
                 self._cell = cell
                 try:
@@ -463,7 +311,7 @@ class Worker:
                 return True
             if self._released:
                 return False
-            cell = _Cell(sink if sink is not None else Sink())
+            cell = CellInFlight(sink if sink is not None else Sink())
             outcome = self._follow(
                 cell, deadline=time.monotonic() + timeout, until=lambda: self._ready
             )
@@ -492,7 +340,7 @@ class Worker:
             if not self.alive:
                 return "it has ended"
             environ = self._whole_environ(wanted)
-            cell = _Cell(Sink())
+            cell = CellInFlight(Sink())
             try:
                 self._channel.send(Reshape(environ))
                 outcome = self._follow(
@@ -537,7 +385,7 @@ class Worker:
         return wanted
 
     def _streams_to_send(
-        self, cell: _Cell, random_state: dict[str, Any] | None
+        self, cell: CellInFlight, random_state: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         """Each random stream, or :data:`SAME` where the worker holds it as it is here."""
         if random_state is None:
@@ -551,7 +399,7 @@ class Worker:
             for name, state in random_state.items()
         }
 
-    def _run(self, cell: _Cell, request: Run, on_sent: Callable[[], None] | None) -> Outcome:
+    def _run(self, cell: CellInFlight, request: Run, on_sent: Callable[[], None] | None) -> Outcome:
         if self._death is not None:
             how = f"the worker had already ended: {self._death.died}"
             return Outcome("died", how, died=how, returncode=self._death.returncode)
@@ -575,7 +423,7 @@ class Worker:
 
     def _follow(
         self,
-        cell: _Cell,
+        cell: CellInFlight,
         deadline: float | None = None,
         until: Callable[[], bool] | None = None,
     ) -> Outcome | None:
@@ -627,7 +475,7 @@ class Worker:
             if until is not None and until():
                 return None
 
-    def _take(self, message: Message, cell: _Cell) -> Outcome | None:
+    def _take(self, message: Message, cell: CellInFlight) -> Outcome | None:
         """Act on one message from the worker; the outcome if it was the cell's last."""
         match message:
             case Stream() | Display() | Result() | ClearOutput():
@@ -682,7 +530,7 @@ class Worker:
         with contextlib.suppress(ChannelClosed):
             self._channel.send(reply)
 
-    def _finished(self, done: Done, cell: _Cell) -> Outcome:
+    def _finished(self, done: Done, cell: CellInFlight) -> Outcome:
         self._leaving = done.exiting
         streams = done.random_state or None
         if cell.streams_sent is not None:
@@ -692,7 +540,7 @@ class Worker:
             self._streams_there = {name: held[name] for name in done.streams_held}
         parcel = done.outputs
         values, unreadable = ({}, {}) if cell.forward else unpack_outputs(parcel)
-        if parcel is not None and not cell.forward and not done.exiting and _lends_files(parcel):
+        if parcel is not None and not cell.forward and not done.exiting and lends_files(parcel):
             # Mapped, and locked where lent: the worker may take its files back.
             # Values small enough to come inline lend none, and the worker is
             # not woken to hear so.
@@ -717,7 +565,7 @@ class Worker:
             peak_bytes=done.peak_bytes,
         )
 
-    def _died(self, cell: _Cell) -> Outcome:
+    def _died(self, cell: CellInFlight) -> Outcome:
         cell.over = True
         self._drain_streams(cell.show)
         if self._ending is None:
@@ -744,7 +592,7 @@ class Worker:
     # -- stopping ------------------------------------------------------------------
 
     def interrupt(self) -> None:
-        """Stop the running cell: SIGINT, then SIGTERM, then SIGKILL, as the graces above say.
+        """Stop the running cell: SIGINT, then SIGTERM, then SIGKILL, as the stop ladder says.
 
         Returns once the cell has ended. If it ended at SIGINT the worker is
         still usable; otherwise it is dead and :attr:`alive` is False. The
@@ -761,7 +609,7 @@ class Worker:
                 "interrupt() was called from the thread running the cell, which "
                 "would wait on itself — raise KeyboardInterrupt there instead"
             )
-        self._ladder(cell, cell.ended.wait)
+        stop_the_cell(self._process, cell, cell.ended.wait)
 
     def kill(self) -> None:
         """End the worker and every process it started, now, and reap it."""
@@ -797,34 +645,7 @@ class Worker:
         finally:
             self._run_lock.release()
 
-    def _ladder(self, cell: _Cell, cell_ended_within: Callable[[float], bool]) -> None:
-        cell.interrupted = True
-        self._process.signal_group(signal.SIGINT)
-        if self._ended_given_its_chances(cell_ended_within):
-            return
-        cell.escalated_to = "SIGTERM"
-        self._process.signal_group(signal.SIGTERM)
-        if cell_ended_within(GRACE_AFTER_SIGTERM):
-            return
-        cell.escalated_to = "SIGKILL"
-        self._process.signal_group(signal.SIGKILL)
-        cell_ended_within(GRACE_AFTER_SIGKILL)
-
-    def _ended_given_its_chances(self, cell_ended_within: Callable[[float], bool]) -> bool:
-        """Whether the cell ended before the worker had had :data:`GRACE_AFTER_SIGINT` to end it."""
-        chances = Chances(self._process.pid)
-        latest = time.monotonic() + GRACE_AFTER_SIGINT_AT_MOST
-        try:
-            while True:
-                left = GRACE_AFTER_SIGINT - chances.taken()
-                if left <= 0 or time.monotonic() >= latest:
-                    return False
-                if cell_ended_within(min(left, _CHANCES_EVERY_S)):
-                    return True
-        finally:
-            chances.close()
-
-    def _stop_after_keyboard_interrupt(self, cell: _Cell) -> None:
+    def _stop_after_keyboard_interrupt(self, cell: CellInFlight) -> None:
         if not cell.sent or cell.over:
             if self._channel.broken:
                 self.kill()
@@ -840,7 +661,7 @@ class Worker:
                 cell.outcome = self._follow(cell, deadline=time.monotonic() + seconds)
                 return cell.outcome is not None
 
-            self._ladder(cell, cell_ended_within)
+            stop_the_cell(self._process, cell, cell_ended_within)
             if cell.escalated_to:
                 self.kill()
         except BaseException:
@@ -854,7 +675,7 @@ class Worker:
             if not stream.drain(show):
                 self._forget_stream(stream)
 
-    def _forget_stream(self, stream: _Stream) -> None:
+    def _forget_stream(self, stream: OutputPipe) -> None:
         self._selector.unregister(stream.fd)
         self._streams.remove(stream)
         stream.pipe.close()
@@ -869,21 +690,3 @@ class Worker:
         self._selector.close()
         self._channel.close()
         self._process.close()
-
-
-def kernels_cell_number() -> int | None:
-    """The ``In[n]`` of the cell the kernel runs now, or ``None`` outside a kernel.
-
-    Read from the cells IPython has entered, of which the running one is the
-    last: IPython 9 counts ``execution_count`` up as a cell starts, and 8 as
-    it ends, so that count is the cell's own number in one and the next's in
-    the other.
-    """
-    # IPython's own module, not the package's deferred name, which imports anew each time.
-    getipython = sys.modules.get("IPython.core.getipython")
-    shell = getipython and getipython.get_ipython()
-    entered = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
-    if isinstance(entered, list) and len(entered) > 1:
-        return len(entered) - 1
-    count = getattr(shell, "execution_count", None)
-    return count if isinstance(count, int) else None

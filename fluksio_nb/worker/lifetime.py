@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from fluksio_nb import memory_cap, transfer
+from fluksio_nb import memory_cap, segments, shelf
 from fluksio_nb.inventory import descendants
 
 #: How often the worker asks who its parent is, for the case the lifeline
@@ -161,7 +161,7 @@ def sweep_after(kernel_pid: int) -> None:
             return
         time.sleep(0.005)
     with contextlib.suppress(Exception):
-        transfer.sweep_orphans(gone=kernel_pid)
+        segments.sweep_orphans(gone=kernel_pid)
 
 
 def kernels_death(kernel_pid: int) -> int | None:
@@ -223,7 +223,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
         # os._exit runs no atexit: let go of the memory kept for the next
         # cell's outputs now rather than with the process.
         with contextlib.suppress(Exception):
-            transfer.clear_shelf()
+            shelf.clear_shelf()
         # What left the group (setsid daemons) was adopted, and is below it.
         with contextlib.suppress(Exception):
             end_leftovers(grace_s=0)

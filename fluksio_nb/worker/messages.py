@@ -92,7 +92,7 @@ class Run(_Message):
     """Run one cell; answered by output, then exactly one :class:`Done`."""
 
     code: str
-    #: The cell's inputs as :func:`fluksio_nb.worker.client.pack_inputs` packed
+    #: The cell's inputs as :func:`fluksio_nb.worker.values.pack_inputs` packed
     #: them: a :class:`fluksio_nb.transfer.Parcel`, whose big buffers are in
     #: shared memory already.
     inputs: Any = None
