@@ -106,7 +106,7 @@ class Claim(QueuedClaim):
         self._stoppers: list[Callable[[], None]] = []
         #: What :meth:`popen` started, each with whether it leads a group of its own.
         self._processes: list[tuple[subprocess.Popen, bool]] = []
-        #: The reading last written to the machine's ledger.
+        #: The reading last reported to the books.
         self._told: Sample | None = None
         #: The reading that reached the warning stage, until the cell is told of it.
         self._warning_due: Sample | None = None
@@ -477,9 +477,9 @@ class Claim(QueuedClaim):
         self._warn_if_amber(sample)
         # A cell still running at the first reading is worth a live status.
         self._show()
-        # Written to the machine's ledger only when it changed by more than
-        # drift: each report rewrites the file every other kernel and the
-        # server read, and a steady claim's readings are the same every tick.
+        # Reported to the books only when it changed by more than drift: each
+        # report changes the snapshot every other kernel and the server read,
+        # and a steady claim's readings are the same every tick.
         if self._ticket is not None and is_news(self._told, sample):
             self._told = sample
             self._queue.report(

@@ -93,7 +93,7 @@ class QueuedClaim(ClaimLifecycle):
         self.status.label, self.status.ticket = ticket.label, ticket.number
         self.status.asked = ticket.resources
         # A claim granted on the spot has no place in the queue to show, and
-        # reading the ledger for one cost a warm trivial cell two more reads.
+        # asking the books for one cost a warm trivial cell two more reads.
         if ticket.allocation is None:
             self._refresh_queue_position()
         if self._show_after is None:
