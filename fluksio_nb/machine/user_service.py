@@ -67,6 +67,7 @@ from fluksio_nb.machine.state import ServiceState
 from fluksio_nb.machine.user_dir import open_directory, untrusted_file
 from fluksio_nb.records import KERNEL_DIED, UsageRecord, default_usage_dir, process_log
 from fluksio_nb.settings import ENV_VARS, Settings
+from fluksio_nb.stop_button import open_whole, stop_held_back
 
 log = logging.getLogger("fluksio_nb.machine")
 
@@ -147,7 +148,15 @@ class UserServiceAt(ServiceAt):
     def _start(self, directory: int) -> socket.socket:
         said = _own_file(directory, self.directory, LOG_NAME, append=True)
         # Closed by the service once it answers, or by its end: whichever comes first.
-        answering, told = os.pipe()
+        pipe: tuple[int, ...] = ()
+        try:
+            with stop_held_back():
+                pipe = os.pipe()
+        except BaseException:
+            for fd in (said, *pipe):
+                os.close(fd)
+            raise
+        answering, told = pipe
         try:
             command = [
                 sys.executable,
@@ -202,11 +211,14 @@ class UserServiceAt(ServiceAt):
 def _own_file(directory: int, where: Path, name: str, *, append: bool = False) -> int:
     """A file of this user's alone in the checked ``directory``, made if missing; never a link."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(name, flags | (os.O_APPEND if append else 0), 0o600, dir_fd=directory)
-    wrong = untrusted_file(where / name, os.fstat(fd))
-    if wrong is not None:
+    fd = open_whole(name, flags | (os.O_APPEND if append else 0), 0o600, dir_fd=directory)
+    try:
+        wrong = untrusted_file(where / name, os.fstat(fd))
+        if wrong is not None:
+            raise ServiceUnavailable(f"{where / name} {wrong}")
+    except BaseException:
         os.close(fd)
-        raise ServiceUnavailable(f"{where / name} {wrong}")
+        raise
     return fd
 
 
