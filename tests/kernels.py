@@ -429,7 +429,7 @@ def started_kernel(
     """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
 
     With ``place``, a directory of the test's, the kernel's config file
-    (``fluksio_nb.json``, named but never written), its ledger (``ledger/``)
+    (``fluksio_nb.json``, named but never written), its books service's directory (``ledger/``)
     and its usage records (under ``jupyter-data/``) are there, unless ``env``
     names others: nothing of the developer's is read or added to, and no
     book of the machine's is touched. ``user``,

@@ -2,7 +2,7 @@
 
 **Where the run writes.** :func:`redirect` points the run's processes at a
 directory made for the run, before any of them starts: Jupyter's data and
-runtime directories (so fluksio_nb's usage records, its default ledger and
+runtime directories (so fluksio_nb's usage records, its default books directory and
 every kernel's connection file), IPython's directory (each kernel's history
 and profile) and the temporary directory (``TMPDIR``, so ``tempfile`` in the
 suite, its kernels, nbval's kernels, the browser tests' servers and Ray). Every

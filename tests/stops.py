@@ -68,7 +68,7 @@ def finishes(target, *args):
 def descriptors_left_open(before):
     """Whether more descriptors than ``before`` are open, given 5 s to close.
 
-    The kernel's own threads open a file for a moment (the ledger's look):
+    The kernel's own threads open a file for a moment (a books service's socket):
     one left open for good is still open seconds later.
     """
     deadline = time.monotonic() + 5

@@ -348,7 +348,7 @@ def test_a_claimed_cell_on_a_card_shows_its_card_memory_live_and_its_peak_when_d
 def test_claims_shows_each_card_each_claims_card_memory_and_the_squatters(
     kernel, standin, cards_dir, sleeper
 ):
-    """``%claims``, in a kernel on the user's ledger: the cards, the claims on them, the rest."""
+    """``%claims``, in a kernel on the user's own books: the cards, the claims on them, the rest."""
     pid_file = cards_dir / "background-worker"
     kernel.start_job(
         "%%claim cpus=1 gpus=1 --background --label in-the-background\n"
@@ -383,7 +383,7 @@ def test_claims_shows_each_card_each_claims_card_memory_and_the_squatters(
         lines = text.splitlines()
         (running,) = [line for line in lines if line.startswith("running")]
         assert "in-the-background" in running
-        # Its peak is the claim's own word, in the ledger once its kernel reported it.
+        # Its peak is the claim's own word, in the books once its kernel reported it.
         assert re.search(
             rf"; GPU 734.0MB on card {index} \({busy}% busy\)(, peak 734.0MB)?$", running
         ), running

@@ -1,7 +1,7 @@
 """Several real kernels on one machine, one card between them.
 
 This is the case the project exists for: notebooks that each believe they own
-"GPU 0". Each test starts real ipykernels sharing one ledger, as JupyterLab
+"GPU 0". Each test starts real ipykernels sharing one books service, as JupyterLab
 would, and checks what the users of those notebooks would see.
 """
 
@@ -89,7 +89,7 @@ def test_claims_queue_first_come_first_served_across_three_kernels(kernels, tmp_
     assert starts == sorted(starts)
 
 
-def test_the_ledger_records_who_holds_what(kernels, tmp_path):
+def test_the_books_record_who_holds_what(kernels, tmp_path):
     kernel = kernels()
     go = tmp_path / "go"
     start_gpu_job(kernel, "recorded", until=go)

@@ -506,7 +506,7 @@ from fluksio_nb.stop_button import stop_held_back
 where = "nowhere"
 try:
     with stop_held_back():
-        with stop_held_back():  # a ledger transaction inside a claim's own change
+        with stop_held_back():  # a hold inside a claim's own change
             os.kill(os.getpid(), signal.SIGINT)
         where = "between"
         sum(range(1000))  # bytecodes, each a moment the handler could run at
@@ -525,7 +525,7 @@ except KeyboardInterrupt:
 
 
 def test_a_stop_during_a_nested_change_lands_once_the_outermost_change_is_whole():
-    """Guards the claim's change that holds a ledger transaction: the inner end lets nothing in."""
+    """Guards the claim's change that holds another hold: the inner end lets nothing in."""
     assert words_printed_by(HELD_BACK_ACROSS_A_NESTED_CHANGE) == ["after", "restored"]
 
 

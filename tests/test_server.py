@@ -2,7 +2,7 @@
 
 Each test talks to a JupyterLab server started as a subprocess with this
 venv's extensions enabled, the way JupyterLab's panel talks to it. The server
-gets a declared inventory, its own ledger, and config and runtime directories
+gets a declared inventory, its own books, and config and runtime directories
 of its own. Claims are made by separate processes, as kernels make them.
 On a machine set up for every user (``fluksio-nb machine init``), some of
 those processes run as a real second Unix user, since the server must show
@@ -38,7 +38,7 @@ INVENTORY = {
     "FLUKSIO_RESERVE_CPUS": "0",
 }
 
-#: A process that makes one claim in the server's ledger and holds it until
+#: A process that makes one claim in the server's books and holds it until
 #: its stdin closes. With "wait", it waits for the claim and says how that
 #: ended, so a test can see what the claim's owner was told.
 HOLDER = """
@@ -441,7 +441,7 @@ def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(s
 
         status, _, body = call(server, "POST", f"fluksio/api/claims/{claim['ticket']}/cancel")
         assert status == 200, body
-        wait_for(lambda: the_claim() is None, "the stopped claim leaving the ledger")
+        wait_for(lambda: the_claim() is None, "the stopped claim leaving the books")
         ended = run_in(
             client,
             "job = _\ntry:\n    job.result(30)\nexcept Exception as error:\n"

@@ -89,7 +89,7 @@ def kernel(users, shared):
         user=users[0],
         FLUKSIO_CPUS="2",
         FLUKSIO_RESERVE_CPUS="0",
-        # The kernel keeps its books to itself: nothing here is about the ledger.
+        # The kernel keeps its books to itself: nothing here is about the books.
         FLUKSIO_LEDGER="kernel",
         FLUKSIO_CONFIG=str(shared / "fluksio_nb.json"),
     ) as k:

@@ -1,7 +1,7 @@
 """Fixtures for browser tests: one JupyterLab per session, one fresh page per test.
 
 ``lab`` is a running :class:`~tests.browser.lab.JupyterLab` with a declared
-inventory (2 cpus, 2 GPUs, 4 GB, no reserve) and a ledger of its own;
+inventory (2 cpus, 2 GPUs, 4 GB, no reserve) and books of its own;
 ``notebook7`` is the same for Notebook 7, started only if a test asks for it.
 ``server`` is the one of them that ``page`` and ``notebook`` use: JupyterLab,
 unless a test module overrides ``server``. Every test's kernels are shut down

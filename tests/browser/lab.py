@@ -9,8 +9,8 @@ in-notebook widgets now; the status bar and side panel later):
   stops it by that PID. The server and its kernels see only directories made
   for the test (config, data, runtime, settings, workspaces, IPython), plus
   what the venv itself installed (lab extensions, server extensions), and a
-  declared inventory (``FLUKSIO_CPUS``/``GPUS``/``RAM``/``RESERVE_CPUS``) with a
-  ledger of their own, so neither the developer's ``~/.jupyter`` nor other
+  declared inventory (``FLUKSIO_CPUS``/``GPUS``/``RAM``/``RESERVE_CPUS``) and
+  books of their own, so neither the developer's ``~/.jupyter`` nor other
   kernels on the machine change what a test sees.
 - :class:`Notebook` drives one notebook tab the way a person does: open it,
   wait until its kernel is idle, Run > Run All Cells, save.
