@@ -147,6 +147,9 @@ def redirect(environ: MutableMapping[str, str]) -> Run:
     # pytest's tmp_path stays where pytest keeps it, for a few runs, to be looked at.
     environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     environ.update({name: str(place) for name, place in places.items()})
+    # The books services the run's kernels start (the notebooks', each test's)
+    # end two seconds after their last kernel, not a minute: none outlives the run.
+    environ["FLUKSIO_BOOKS_LINGER"] = "2"
     # The suite's own process reads TMPDIR again, for what it makes itself.
     tempfile.tempdir = None
     return Run(own, data_dir, shared, before, watcher, seen)
