@@ -346,7 +346,8 @@ def usage_dirs() -> list[Path]:
 
     dirs = [default_usage_dir()]
     books = books_in_force()
-    found = books.socket
+    # A user's own service writes its records into the user's own directory.
+    found = books.socket if books.mode == "machine" else None
     if found is not None:
         try:
             records = ask_once(found, {"op": "snapshot"})["welcome"].get("records")
@@ -389,7 +390,9 @@ def own_kernel_deaths(
     from fluksio_nb.kernel import books_in_force
     from fluksio_nb.machine.connection import ask_once
 
-    found = books_in_force().socket
+    books = books_in_force()
+    # A user's own service records their killed kernels' claims in their own directory.
+    found = books.socket if books.mode == "machine" else None
     if found is None or os.geteuid() == 0:
         return [], []
     not_counted = "the claims of your kernels that were killed are not counted"
