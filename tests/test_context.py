@@ -213,8 +213,7 @@ def attempt(made):
     made["claim"].__exit__(None, None, None)
 
 def check():
-    books = accountant().snapshot()
-    if books["running"] or books["waiting"]:
+    if not books_clear():
         return "a_share_left_held"
 
 here = os.path.dirname(fluksio_nb.__file__)
