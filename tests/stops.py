@@ -196,3 +196,45 @@ def said_by(script: str, timeout: float) -> dict[str, Any]:
     )
     lines = ran.stdout.splitlines()
     return json.loads(lines[-1]) if lines else {"stderr": ran.stderr}
+
+
+#: The stop pressed at every moment Python could run its handler while a claim
+#: asks a books service (``q``, the machine's or the user's own), waits and
+#: gives back, one moment a round: Python runs a
+#: signal's handler as a function starts and as a call into C returns (never as
+#: a Python function returns), the moments a profile function is told of. After
+#: each, another kernel takes every core and frees them: a claim left held
+#: would keep it waiting, and a kernel that no longer heard its grants would
+#: never see the core it waits for come free.
+STOP_AT_EVERY_MOMENT_OF_A_CLAIM = """
+import fluksio_nb.machine.client as client
+import fluksio_nb.stop_button
+from fluksio_nb.errors import ClaimTimeout
+from fluksio_nb.machine.client import ServiceQueue
+
+other = ServiceQueue(q.at)
+
+def attempt(made):
+    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
+    q.wait(made["ticket"], 5)
+
+def undo(made):
+    if "ticket" in made:
+        q.release(made["ticket"])
+
+def check():
+    everything = other.enqueue(Resources(cpus=q.books.cpus), "everything")
+    try:
+        other.wait(everything, 5)
+    except ClaimTimeout:
+        return "left_held_by_a_stop"
+    waiter = q.enqueue(Resources(cpus=1), "waiter")
+    other.release(everything)
+    try:
+        q.wait(waiter, 5)
+    except ClaimTimeout:
+        return "deaf_after_a_stop"
+    q.release(waiter)
+
+each_moment([client.__file__, fluksio_nb.stop_button.__file__], attempt, undo, check)
+"""

@@ -22,7 +22,7 @@ import pytest
 from fluksio_nb.identity import process_started
 from fluksio_nb.machine import protocol
 from tests.machines import fluksio_nb, heard, machine, process, wait_until
-from tests.stops import STOP_AT
+from tests.stops import STOP_AT, STOP_AT_EVERY_MOMENT_OF_A_CLAIM
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -592,47 +592,6 @@ def test_the_service_runs_no_fluksio_nb_of_the_directory_init_was_run_from(tmp_p
         assert snapshot(layout)["gpus"]["total"] == 1
 
 
-#: The stop pressed at every moment Python could run its handler while a claim
-#: asks the service, waits and gives back, one moment a round: Python runs a
-#: signal's handler as a function starts and as a call into C returns (never as
-#: a Python function returns), the moments a profile function is told of. After
-#: each, another kernel takes every core and frees them: a claim left held
-#: would keep it waiting, and a kernel that no longer heard its grants would
-#: never see the core it waits for come free.
-STOP_AT_EVERY_MOMENT = """
-import fluksio_nb.machine.client as client
-import fluksio_nb.stop_button
-from fluksio_nb.errors import ClaimTimeout
-from fluksio_nb.machine.client import ServiceQueue
-
-other = ServiceQueue(q.path)
-
-def attempt(made):
-    made["ticket"] = q.enqueue(Resources(cpus=1), "stopped")
-    q.wait(made["ticket"], 5)
-
-def undo(made):
-    if "ticket" in made:
-        q.release(made["ticket"])
-
-def check():
-    everything = other.enqueue(Resources(cpus=q.books.cpus), "everything")
-    try:
-        other.wait(everything, 5)
-    except ClaimTimeout:
-        return "left_held_by_a_stop"
-    waiter = q.enqueue(Resources(cpus=1), "waiter")
-    other.release(everything)
-    try:
-        q.wait(waiter, 5)
-    except ClaimTimeout:
-        return "deaf_after_a_stop"
-    q.release(waiter)
-
-each_moment([client.__file__, fluksio_nb.stop_button.__file__], attempt, undo, check)
-"""
-
-
 def test_a_stop_at_any_moment_of_a_claim_leaves_nothing_held_and_the_kernel_hearing_its_grants():
     """Guards against the stop button landing at an unlucky moment of a claim asking the
     service: the kernel then left the lock its reader thread needs held for ever, or its
@@ -640,7 +599,7 @@ def test_a_stop_at_any_moment_of_a_claim_leaves_nothing_held_and_the_kernel_hear
     ticket whose request it abandoned stayed held, with another user's claim waiting for
     it, until the kernel next asked for something."""
     with machine(cpus=2, gpus=0) as layout:
-        proc = process(layout, STOP_AT + STOP_AT_EVERY_MOMENT)
+        proc = process(layout, STOP_AT + STOP_AT_EVERY_MOMENT_OF_A_CLAIM)
         try:
             said = heard(proc)
         finally:

@@ -40,6 +40,7 @@ from fluksio_nb.records import KERNEL_DIED
 from fluksio_nb.resources import Resources
 from tests.kernels import Kernel
 from tests.machines import fluksio_nb
+from tests.stops import STOP_AT, STOP_AT_EVERY_MOMENT_OF_A_CLAIM
 from tests.unix_users import USER_B, as_user, owned_tmp_dir, ready_user, run_as, user_environ
 from tests.user_books import heard, other_process, users_books
 from tests.waiting import wait_until
@@ -278,6 +279,23 @@ def test_a_kernel_restarted_with_a_new_setting_describes_the_machine_from_then_o
     assert after.snapshot()["cpus"]["total"] == 8
     assert services_in(books_dir()) == [service]
     after.release(held)
+
+
+def test_a_stop_at_any_moment_of_a_claim_leaves_the_users_books_free_and_its_waiters_woken(
+    monkeypatch,
+):
+    """Guards against a stop landing at an unlucky moment of a claim on the user's own
+    service, after which a claim stayed held and the user's other kernels waited for
+    ever, or this kernel no longer heard that its turn had come."""
+    declare(monkeypatch, cpus="2", reserve_cpus="0")
+    stopped = other_process(
+        books_dir(), STOP_AT + STOP_AT_EVERY_MOMENT_OF_A_CLAIM, cpus="2", reserve_cpus="0"
+    )
+    said = heard(stopped)
+    assert stopped.wait(timeout=60) == 0
+    assert "stopped_at" in said, said
+    # A claim's way through the client is dozens of such moments: every one was tried.
+    assert said["stopped_at"] > 20, said
 
 
 def test_a_thousand_claims_of_four_kernels_keep_the_books(monkeypatch):
