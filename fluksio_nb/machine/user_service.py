@@ -43,6 +43,7 @@ import fcntl
 import json
 import logging
 import os
+import resource
 import select
 import socket
 import subprocess
@@ -417,6 +418,9 @@ def serve(
             time.sleep(0.05)
     os.ftruncate(lock, 0)
     os.pwrite(lock, str(os.getpid()).encode(), 0)
+    # Every kernel of the user holds a connection: as many as the user may open.
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     state = ServiceState(directory / CLAIMS_NAME, directory / TICKETS_NAME)
     service = UserBooksService(
         directory,
