@@ -22,8 +22,23 @@ lab: $(STAMP)
 
 # The notebooks are tests too: nbval runs each and compares what it shows with
 # the outputs stored in it, numbers that honestly vary sanitized away.
+#
+# Most of the suite's time is spent waiting, on kernels, workers, servers and a
+# browser, so it runs on more workers than a small machine has cores:
+# `make test WORKERS=1` runs it on one. Tests that share a fixture wider than
+# a test, and a notebook's cells, stay on one worker (tests/conftest.py,
+# notebooks/conftest.py). It ends saying how long it took, and which ten
+# tests took longest, so that whoever runs it knows what to expect.
+WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup --durations=10 \
+	tests --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
 test: $(STAMP)
-	$(BIN)/python -m pytest tests --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
+	@echo "$(PYTEST)"
+	@start=$$(date +%s); \
+	$(PYTEST); \
+	status=$$?; took=$$(( $$(date +%s) - start )); \
+	echo "make test: $$((took / 60)) min $$((took % 60)) s on $(WORKERS) workers, exit $$status"; \
+	exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -108,8 +108,14 @@ def starts_ray(item: pytest.Item) -> bool:
     return isinstance(item, IPyNbCell) and "ray.init(" in item.cell.source
 
 
+# Before pytest-xdist's own hook, which reads the groups into each test's id.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if isinstance(item, IPyNbCell):
+            # A notebook's cells run in order, in the one kernel nbval started
+            # for it: on one worker, when the run has several (`pytest -n`).
+            item.add_marker(pytest.mark.xdist_group(item.parent.nodeid))
         if starts_ray(item):
             item.add_marker(pytest.mark.timeout(START_TIMEOUT_S))
 

@@ -4,6 +4,12 @@ The accountant is made once per process and reads ``FLUKSIO_*`` and the
 user's config file when it is made, so a test that declared two GPUs would
 otherwise leak them into the next, and a developer's own ``~/.jupyter`` would
 change what the suite sees.
+
+Run in parallel (``pytest -n N --dist loadgroup``, as ``make test`` does), the
+tests that share a fixture wider than one test run on one worker, one after
+another, as they would without workers: a module's kernel, say, or the
+browser tests' one JupyterLab and Chromium. Apart, each worker would start one
+of its own, and sharing it is the point of the fixture.
 """
 
 import signal
@@ -19,6 +25,39 @@ from fluksio_nb.settings import ENV_VARS
 # SIGINT as a run in the foreground does, and so do the processes it starts.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def shared_with(item: pytest.Item) -> str | None:
+    """The group of tests ``item`` shares a fixture of the suite's with; ``None`` if none.
+
+    A session-wide fixture's tests are grouped by the directory whose
+    conftest made it, a module's by the module. pytest's own session-wide
+    fixtures (``tmp_path_factory``, every ``tmp_path`` is made by it) are no
+    reason: they are defined outside the suite, with no base id.
+    """
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    scopes = {
+        fixture.scope: fixture.baseid
+        for fixtures in info.name2fixturedefs.values()
+        for fixture in fixtures[-1:]
+        if fixture.baseid
+    }
+    if "session" in scopes:
+        return scopes["session"]
+    if scopes.keys() & {"package", "module", "class"}:
+        return item.nodeid.split("::")[0]
+    return None
+
+
+# Before pytest-xdist's own hook, which reads the groups into each test's id.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = shared_with(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

@@ -147,30 +147,42 @@ def each_moment(watched, attempt, undo, check, beyond_reach=(), forgotten=False,
     moment = missed = 0
     # Every hold puts back the handlers it swapped, whatever moment the stop came.
     handlers = {signum: signal.getsignal(signum) for signum in HANDLERS_PUT_BACK}
-    while missed < 5:
-        moment += 1
-        where, made = None, {}
-        sys.setprofile(_stop_at(moment, set(watched), set(beyond_reach), generators))
-        try:
-            attempt(made)
-        except KeyboardInterrupt as stop:
-            # Kept, traceback and all, as a kernel keeps the last error: it
-            # holds whatever a half-entered context manager took.
-            last_error = stop
-        finally:
-            sys.setprofile(None)
-            undo(made)
-        if forgotten:
-            last_error = made = None
-            gc.collect()
-        missed = 0 if where else missed + 1
-        problem = check()
-        if any(signal.getsignal(signum) != handler for signum, handler in handlers.items()):
-            problem = problem or "handlers_left_swapped"
-        if problem:
-            print(json.dumps({problem: where}), flush=True)
-            return
-    print(json.dumps({"stopped_at": moment - missed - 1}), flush=True)
+    # What the script made before the rounds is left out of every collection
+    # the rounds make (``forgotten``) or Python makes as they run: a round's
+    # garbage is its own, and going through a loaded IPython's every object
+    # again, round after round, was most of a round's time. Nothing is
+    # collected that would not have been, so nothing left can go unseen: a
+    # cycle through an object of before is kept, and fails its round's check.
+    gc.collect()
+    gc.freeze()
+    try:
+        while missed < 5:
+            moment += 1
+            where, made = None, {}
+            sys.setprofile(_stop_at(moment, set(watched), set(beyond_reach), generators))
+            try:
+                attempt(made)
+            except KeyboardInterrupt as stop:
+                # Kept, traceback and all, as a kernel keeps the last error: it
+                # holds whatever a half-entered context manager took.
+                last_error = stop
+            finally:
+                sys.setprofile(None)
+                undo(made)
+            if forgotten:
+                last_error = made = None
+                gc.collect()
+            missed = 0 if where else missed + 1
+            problem = check()
+            if any(signal.getsignal(signum) != handler for signum, handler in handlers.items()):
+                problem = problem or "handlers_left_swapped"
+            if problem:
+                print(json.dumps({problem: where}), flush=True)
+                return
+        print(json.dumps({"stopped_at": moment - missed - 1}), flush=True)
+    finally:
+        # A kernel's script: its later cells collect as any other's.
+        gc.unfreeze()
 '''
 
 

@@ -9,8 +9,10 @@ worker that keeps an earlier claim's cores or cpuset; and a claim spread over
 two NUMA nodes when one had room.
 """
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import textwrap
 from pathlib import Path
@@ -19,6 +21,7 @@ import psutil
 import pytest
 
 from fluksio_nb.books import Allocation, ResourceAccountant, pick_cores
+from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
 from fluksio_nb.inventory import claimable_core_ids, numa_nodes, parse_cpu_list
 from fluksio_nb.kernel import accountant
 from fluksio_nb.machine.books import Entry, MachineBooks
@@ -499,6 +502,46 @@ def cpu_quota_place():
     return child_cgroup_place("cpu", "a child cpu cgroup")
 
 
+#: The most CPU weight a cgroup may have: v1's ``cpu.shares``, v2's ``cpu.weight``.
+MOST_WEIGHT = {CGROUP_V1: ("cpu.shares", "262144"), CGROUP_V2: ("cpu.weight", "10000")}
+
+
+@pytest.fixture
+def heavy():
+    """A launcher for a kernel, which starts it in a cpu cgroup that outweighs the machine.
+
+    A quota holds a claim back only once it uses more than its share, which
+    a cell that wants every core does only if it gets more than one. Beside
+    the rest of the suite, or another run of it, busy processes elsewhere take
+    their turns and the cell may never get there. A cgroup of this test's,
+    weighted above every other, gives it whatever it asks, so the quota is
+    what stops it: the claim's own cgroup goes in the kernel's, as everywhere.
+    The cgroup is made beside the test's own, and removed after the test.
+    """
+    place = cpu_quota_place()
+    version = place.version
+    base = place.home if version == CGROUP_V1 else place.parent.parent
+    heavy = base / f"fluksio-test-heavy-{os.getpid()}-{secrets.token_hex(4)}"
+    heavy.mkdir()
+    try:
+        weight, most = MOST_WEIGHT[version]
+        (heavy / weight).write_text(most)
+        if version == CGROUP_V2:
+            # Handed down, for the claim cgroups made beside the kernel's own.
+            (heavy / "cgroup.subtree_control").write_text("+cpu")
+        kernels = heavy / "kernel"
+        kernels.mkdir()
+        yield ["sh", "-c", f'echo $$ > {kernels}/cgroup.procs && exec "$@"', "sh"]
+    finally:
+        below = sorted((p for p in heavy.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        for cgroup in [*below, heavy]:
+            # What outlived the kernel goes back where it came from, so the cgroup can go.
+            for pid in (cgroup / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (base / "cgroup.procs").write_text(pid)
+            cgroup.rmdir()
+
+
 # Appended to GREEDY, still inside the claim: what the kernel's scheduler says
 # of the cgroup the cell runs in, before the cgroup goes with the claim.
 OWN_CPU_CGROUP = """
@@ -517,13 +560,14 @@ print(json.dumps({"cgroup": os.path.basename(own), "quota_us": int(quota),
 """
 
 
-def test_a_claim_that_cannot_have_cores_of_its_own_is_held_to_a_quota(tmp_path):
+def test_a_claim_that_cannot_have_cores_of_its_own_is_held_to_a_quota(tmp_path, heavy):
     """More cpus declared than there are cores: nothing to pin, so a cgroup quota holds it."""
-    from fluksio_nb.memory_cap import CPU_PERIOD_US
+    from fluksio_nb.memory_cap import CPU_PERIOD_US, find_cap_place
 
-    place = cpu_quota_place()
-    kernel = cores_kernel(tmp_path, FLUKSIO_CPUS=str(4 * len(HERE)))
+    kernel = cores_kernel(tmp_path, launched_by=heavy, FLUKSIO_CPUS=str(4 * len(HERE)))
     try:
+        # Where the kernel's claims go: in its own cgroup, as they would anywhere.
+        place = find_cap_place(proc_cgroup=Path(f"/proc/{kernel.pid}/cgroup"), controller="cpu")
         cell = GREEDY + OWN_CPU_CGROUP.replace("PARENT", repr(str(place.parent)))
         ran = kernel.run(cell, check=True)
         *_, greedy, scheduler = ran.stdout.strip().splitlines()

@@ -86,7 +86,8 @@ def test_a_busy_worker_reads_as_the_cores_it_used(processes):
     time.sleep(0.6)
     reading = sampler.sample()
     used = (sum(clock.cpu_times()[:2]) - before) / (time.monotonic() - started)
-    assert reading.cpu_cores > 0.2, "a spinning process read as idle"
+    # As much as its own clock says it had, which a loaded machine may make little.
+    assert reading.cpu_cores > used / 2, "a spinning process read as idle"
     assert abs(reading.cpu_cores - used) < 0.15
     # A share of the whole machine: cores used over the four it has.
     assert reading.cpu_percent == pytest.approx(100 * reading.cpu_cores / 4, abs=1)
