@@ -128,6 +128,39 @@ def test_kernels_starting_at_the_same_moment_start_one_service():
         process.communicate("\n", timeout=30)
 
 
+def test_a_service_killed_under_running_claims_is_started_again_and_they_are_put_back(
+    monkeypatch,
+):
+    """Guards against a crash of the user's service ending every claim their kernels run."""
+    declare(monkeypatch, cpus="2", reserve_cpus="0")
+    holder = other_process(
+        books_dir(),
+        "t = q.enqueue(Resources(cpus=1), 'kept'); say(n=t.number)\n"
+        "sys.stdin.readline()\nsay(state=t.state, cancelled=t.cancelled); q.release(t)\n",
+        cpus="2",
+        reserve_cpus="0",
+    )
+    number = heard(holder)["n"]
+    (service,) = services_in(books_dir())
+    # Past the moment the service writes down what runs.
+    written = books_dir() / "claims.json"
+    assert wait_until(lambda: written.exists() and str(number) in written.read_text(), 10)
+    service.kill()
+    service.wait(10)
+    mine = accountant()
+    ticket = mine.enqueue(Resources(cpus=1), "after")
+    mine.wait(ticket, timeout=30)
+    (restarted,) = services_in(books_dir())
+    assert restarted.pid != service.pid
+    running = {claim["ticket"]: claim["label"] for claim in mine.snapshot()["running"]}
+    assert running == {number: "kept", ticket.number: "after"}
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert heard(holder) == {"state": "running", "cancelled": None}
+    assert holder.wait(timeout=30) == 0
+    mine.release(ticket)
+
+
 def test_a_view_never_starts_the_service_and_shows_the_machine_as_found(monkeypatch):
     declare(monkeypatch, cpus="3", reserve_cpus="0")
     ran = fluksio_nb()
