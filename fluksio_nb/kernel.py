@@ -41,7 +41,7 @@ from fluksio_nb.settings import Settings, load_settings
 if TYPE_CHECKING:
     from fluksio_nb.machine.client import ServiceQueue
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _instance: ClaimQueue | ServiceQueue | None = None
 _inventory: Inventory | None = None
 _settings: Settings | None = None
@@ -149,11 +149,10 @@ def cancel_in_books(number: int, reason: str, books: Books | None = None) -> boo
 
 def accountant() -> ClaimQueue | ServiceQueue:
     """The kernel's accountant. ``.snapshot()`` shows totals, free, waiting and running."""
-    global _instance, _inventory, _settings
+    global _instance
     with _lock:
         if _instance is None:
-            settings = load_settings()
-            found = take_inventory(settings)
+            settings, found = _read()
             books = books_in_force(settings=settings)
             if books.mode == "kernel":
                 _instance = ClaimQueue(ResourceAccountant.from_inventory(found))
@@ -174,25 +173,35 @@ def accountant() -> ClaimQueue | ServiceQueue:
                     linger=settings.books_linger,
                 )
                 _instance = ServiceQueue(at)
-            _settings, _inventory = settings, found
             _instance.enforcement = enforcement_in_force(
                 settings, _instance.books.core_ids, _instance.books.cpus
             )
         return _instance
 
 
+def _read() -> tuple[Settings, Inventory]:
+    """The settings and the inventory, read once and kept. Lock held."""
+    global _inventory, _settings
+    if _settings is None or _inventory is None:
+        settings = load_settings()
+        _settings, _inventory = settings, take_inventory(settings)
+    return _settings, _inventory
+
+
 def inventory() -> Inventory:
-    """What the kernel's accountant was made from."""
-    accountant()
-    assert _inventory is not None
-    return _inventory
+    """What the kernel's accountant is made from.
+
+    Read without the books: a claim's task on a Ray node sizes its worker
+    pool by it, and must not join the books of the machine it runs on.
+    """
+    with _lock:
+        return _read()[1]
 
 
 def settings() -> Settings:
-    """The settings the kernel's accountant was made with."""
-    accountant()
-    assert _settings is not None
-    return _settings
+    """The settings the kernel's accountant is made with; read without the books."""
+    with _lock:
+        return _read()[0]
 
 
 def forget_accountant() -> None:

@@ -1000,8 +1000,7 @@ def undo(made):
 def check():
     if last["job_left"]:
         return "a_job_never_ended"
-    books = accountant().snapshot()
-    if books["running"] or books["waiting"]:
+    if not books_clear():
         return "a_share_left_held"
     if last["lent"]:
         return "shared_memory_left_lent"

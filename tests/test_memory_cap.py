@@ -622,8 +622,7 @@ def attempt(made):
 def check():
     if [p for p in os.listdir(parent) if p.startswith(mine)]:
         return "a_cgroup_left_behind"
-    books = accountant().snapshot()
-    if books["running"] or books["waiting"]:
+    if not books_clear():
         return "a_share_left_held"
     if descriptors_left_open(descriptors):
         return "a_descriptor_left_open"
