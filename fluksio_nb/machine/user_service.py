@@ -86,13 +86,18 @@ TICKETS_NAME = "tickets.json"
 START_WITHIN_S = 30.0
 #: The settings that shape the machine a kernel describes.
 SHAPING = ("cpus", "gpus", "ram", "reserve_cpus", "pin_cores")
-#: Each part of a description, as a person reads it, and the settings behind it.
+#: Each part of a description, as a person reads it, the settings behind it,
+#: and what else decides it where no setting does.
 PARTS = {
-    "cpus": ("claimable cpus", ("cpus", "reserve_cpus")),
-    "gpu_ids": ("cards", ("gpus",)),
-    "ram_bytes": ("claimable RAM", ("ram",)),
-    "core_ids": ("cores", ("cpus", "reserve_cpus", "pin_cores")),
-    "core_nodes": ("NUMA nodes of the cores", ()),
+    "cpus": ("claimable cpus", ("cpus", "reserve_cpus"), "the cores each kernel may run on"),
+    "gpu_ids": ("cards", ("gpus",), "CUDA_VISIBLE_DEVICES, or the cards each kernel finds"),
+    "ram_bytes": ("claimable RAM", ("ram",), "the memory each kernel's cgroup allows"),
+    "core_ids": (
+        "cores",
+        ("cpus", "reserve_cpus", "pin_cores"),
+        "the cores each kernel may run on",
+    ),
+    "core_nodes": ("NUMA nodes of the cores", (), "the cores each kernel may run on"),
 }
 
 
@@ -278,7 +283,7 @@ def differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
         return str(value)
 
     parts = []
-    for key, (name, behind) in PARTS.items():
+    for key, (name, behind, otherwise) in PARTS.items():
         if theirs.get(key) == mine.get(key):
             continue
         part = f"{name} {said(key, theirs.get(key))} there, {said(key, mine.get(key))} here"
@@ -288,7 +293,7 @@ def differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
             for var in (ENV_VARS[setting] for setting in behind)
             if there.get(var) != here.get(var)
         ]
-        parts.append(part + (f" ({'; '.join(differ)})" if differ else " (detected)"))
+        parts.append(part + f" ({'; '.join(differ) if differ else f'detected: {otherwise}'})")
     return "; ".join(parts)
 
 
