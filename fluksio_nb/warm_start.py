@@ -45,7 +45,7 @@ from collections.abc import Callable
 from fluksio_nb.books import Allocation
 from fluksio_nb.env import derive_env
 from fluksio_nb.flavors import resolve_flavor
-from fluksio_nb.kernel import settings
+from fluksio_nb.kernel import accountant, settings
 from fluksio_nb.resources import Resources
 from fluksio_nb.worker.client import Worker
 from fluksio_nb.worker.pool import kernel_pool
@@ -73,6 +73,9 @@ def warm_up(*also: Callable[[], object]) -> None:
         worker = kernel_pool().prestart(likeliest_shape())
         if worker is not None:
             _started.append(worker)
+        # The books, while the worker starts: a user's own service is started
+        # now, if none runs, rather than at the first claim.
+        accountant()
         for step in also:
             step()
 

@@ -159,10 +159,20 @@ class ServiceQueue(Ownership, Seen):
     # -- the connection -----------------------------------------------------------
 
     def _attach(self) -> None:
-        sock = self.at.reach()
-        sock.sendall(protocol.line(self.at.hello(self._share_labels)))
-        lines = Lines(sock)
-        welcome = lines.next()
+        deadline = time.monotonic() + REACH_WITHIN_S
+        while True:
+            sock = self.at.reach()
+            try:
+                sock.sendall(protocol.line(self.at.hello(self._share_labels)))
+                lines = Lines(sock)
+                welcome = lines.next()
+            except OSError:
+                welcome = None
+            if welcome is not None or time.monotonic() > deadline:
+                break
+            # Closed as it answered: a user's own service ending the moment
+            # this kernel came. Reached again, it is started anew.
+            sock.close()
         if welcome is None or welcome.get("op") != "welcome":
             sock.close()
             if welcome is not None and welcome.get("about") == "machine":

@@ -362,10 +362,18 @@ class UserBooksService(BooksService):
         asyncio.get_running_loop().call_later(self.linger, self._end, self._emptied)
 
     def _end(self, emptied: int) -> None:
-        """End, if no kernel came since the last one left."""
-        if not self.lifelines and emptied == self._emptied and self.stop is not None:
-            log.info("no kernel for %g s: the service ends", self.linger)
-            self.stop.set()
+        """End, if no kernel came since the last one left.
+
+        A connection that has not said hello yet may be a kernel, slow to
+        say so on a busy machine: the service waits another ``linger`` for it.
+        """
+        if self.lifelines or emptied != self._emptied or self.stop is None:
+            return
+        if any(connection.hello is None for connection in self.connections):
+            self.alone()
+            return
+        log.info("no kernel for %g s: the service ends", self.linger)
+        self.stop.set()
 
 
 def books_over(machine: dict[str, Any], numbers: Iterator[int]) -> MachineBooks:
