@@ -19,12 +19,11 @@ import argparse
 import os
 import secrets
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import interleaved, median, ms, table
+from bench.harness import interleaved, median, ms, scratch, table
 from tests.kernels import Kernel
 
 HERE = Path(__file__).resolve().parents[1]
@@ -75,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     other = options.other.resolve()
     cells = {**CELLS, **({"cell --on ray": RAY_CELL} if options.ray else {})}
-    with tempfile.TemporaryDirectory() as scratch:
+    with scratch() as directory:
         # The kernels work outside both checkouts: an older worker looks for
         # its package in its working directory first.
-        os.chdir(scratch)
+        os.chdir(directory)
         kernels = {
-            "this": start(HERE, Path(scratch, "this"), options.ray),
-            "other": start(other, Path(scratch, "other"), options.ray),
+            "this": start(HERE, Path(directory, "this"), options.ray),
+            "other": start(other, Path(directory, "other"), options.ray),
         }
         try:
             actions = {

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from bench.harness import percentile, table
+from bench.harness import percentile, scratch, table
 from fluksio_nb.books import ResourceAccountant
 from fluksio_nb.queue import ClaimQueue
 from fluksio_nb.resources import Resources
@@ -259,7 +259,7 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
 
     row("kernel books, 1 thread", kernel_books(1, cycles))
     row("kernel books, 8 threads", kernel_books(8, cycles // 8 or 1))
-    with tempfile.TemporaryDirectory() as directory:
+    with scratch() as directory:
         users = [None, None]
         row("user's books service, 1 process", service_books(1, cycles, directory, [None]))
         row(

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from bench.harness import interleaved, median, ms, percentile, table
+from bench.harness import interleaved, median, ms, percentile, scratch, table
 from tests.kernels import Kernel
 
 TRIVIAL = "x = 1"
@@ -172,7 +172,7 @@ def first_claims(rounds: int, idle_s: float = 5.0) -> tuple[str, dict[str, float
     }
     wake_ups, rss = [], []
     counter = itertools.count()
-    with tempfile.TemporaryDirectory() as ledger:
+    with scratch() as ledger:
         for _ in range(rounds):
             kernel = Kernel(
                 FLUKSIO_LEDGER=ledger,
@@ -403,7 +403,7 @@ def main(
     first_rounds: int = 10,
     idle_s: float = 5.0,
 ) -> str:
-    with tempfile.TemporaryDirectory() as ledger, tempfile.TemporaryDirectory() as ray_state:
+    with scratch() as ledger, tempfile.TemporaryDirectory() as ray_state:
         # Ray's state, and the token it would otherwise write to ~/.ray, stay
         # in a directory of the run's own.
         kernel = Kernel(

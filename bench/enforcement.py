@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from bench.harness import percentile, table
+from bench.harness import percentile, scratch, table
 from bench.overload import alone, probe_while
 from fluksio_nb.budget import human
 from tests.kernels import Kernel
@@ -154,7 +154,7 @@ def main(seconds: float = 3.0, repeats: int = 3) -> str:
     busy = {True: [], False: []}
     alone_rate = {True: [], False: []}
     beside_rate = {True: [], False: []}
-    with tempfile.TemporaryDirectory() as directory:
+    with scratch() as directory:
         switches = {
             on: {"FLUKSIO_PIN_CORES": str(on).lower(), "FLUKSIO_FAIR_SHARE": str(on).lower()}
             for on in (True, False)

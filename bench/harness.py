@@ -8,14 +8,54 @@ percentile rather than means, which one descheduled run can double.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import random
+import shutil
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
+
+
+@contextmanager
+def scratch(within: float = 120.0) -> Iterator[str]:
+    """A directory for one section's books and files, removed once nothing writes there.
+
+    A user's books service started in it by the section's kernels outlives
+    them by ``FLUKSIO_BOOKS_LINGER`` seconds (a second under ``bench``) and
+    writes its state as they leave: removing the directory under it fails, or
+    leaves it writing into a directory that is gone. The service holds
+    ``service.lock`` for its whole life, so the lock coming free says it ended.
+    """
+    directory = tempfile.mkdtemp(prefix="fluksio-bench-")
+    try:
+        yield directory
+    finally:
+        deadline = time.monotonic() + within
+        for lock in Path(directory).rglob("service.lock"):
+            _wait_for_unlocked(lock, deadline)
+        shutil.rmtree(directory)
+
+
+def _wait_for_unlocked(lock: Path, deadline: float) -> None:
+    fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the books service holding {lock} did not end") from None
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
 
 
 def percentile(samples: list[float], fraction: float) -> float:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import percentile, table
+from bench.harness import percentile, scratch, table
 from tests.kernels import Kernel
 
 JOB = """
@@ -97,7 +97,7 @@ def main(n: int = 1000, k: int = 20, repeats: int = 3) -> str:
     claim_latency: list[float] = []
     free_rates: list[float] = []
     claim_rates: list[float] = []
-    with tempfile.TemporaryDirectory() as ledger:
+    with scratch() as ledger:
         kernel = Kernel(FLUKSIO_LEDGER=ledger, FLUKSIO_CONFIG=f"{ledger}/none.json")
         try:
             # Alternated and pooled: one phase's p99 is its worst probe or
