@@ -66,12 +66,14 @@ def each_ending_said_once(notebook: Any, page: Any, server: JupyterLab) -> None:
     cells = ["%load_ext fluksio_nb", *(cell for cell, _, _ in ENDINGS.values())]
     nb = notebook("endings.ipynb", cells)
     nb.run_cell(0)
+    nb.wait_until_ran(0)
     nb.wait_until_idle()
     for index, (ending, (_, why, record_starts)) in enumerate(ENDINGS.items(), start=1):
         nb.run_cell(index)
         if ending == "interrupted":
             nb.output_of(index).get_by_text("go").wait_for(timeout=60_000)
             nb.menu("Kernel", "kernelmenu:interrupt")
+        nb.wait_until_ran(index)
         nb.wait_until_idle()
         output = nb.output_of(index)
         # Waits for the record to be drawn, and any live widget gone.

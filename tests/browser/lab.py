@@ -415,6 +415,21 @@ class Notebook:
             timeout=timeout_ms,
         )
 
+    def wait_until_ran(self, index: int, timeout_ms: float = 60_000) -> None:
+        """Until the ``index``-th cell has run to its end: its prompt shows its number.
+
+        The kernel's idle, as the server and the page report it, may still be
+        the one from before the cell began, on a loaded machine. A cell run
+        then reached the kernel while this one was ending in an error, and the
+        kernel dropped it, as it drops whatever was queued behind an error.
+        """
+        prompt = self.panel.locator(".jp-Cell").nth(index).locator(".jp-InputPrompt")
+        self.page.wait_for_function(
+            "p => /\\[\\d+\\]/.test(p.textContent)",
+            arg=prompt.element_handle(),
+            timeout=timeout_ms,
+        )
+
     def save(self, timeout_ms: float = 30_000) -> None:
         """Save, and wait until the server holds the saved file and the page no unsaved mark."""
         before = self.lab.api("GET", f"api/contents/{self.name}?content=0")["last_modified"]
