@@ -1,7 +1,8 @@
 """``python -m bench``: every benchmark, side by side, into ``bench/results.md``.
 
 ``--smoke`` runs each section at a toy size in a few seconds, so that CI
-keeps the benchmarks from rotting; its numbers mean nothing.
+keeps the benchmarks from rotting; its numbers mean nothing. ``--only``
+runs the sections named, and prints them unless told ``--out``.
 
 The results file also holds what people wrote about the runs: the figures
 against the issues' targets, and why a target was missed. A run replaces
@@ -24,6 +25,25 @@ from bench.harness import machine
 KEPT_ABOVE = "<!-- python -m bench writes below this line; what is above it is kept -->"
 
 
+#: Each section, by the name ``--only`` takes.
+SECTIONS = {
+    "overload": overload.main,
+    "cells": cells.main,
+    "hop": hop.main,
+    "books": books.main,
+    "enforcement": enforcement.main,
+}
+
+#: The same at toy sizes, for ``--smoke``: seconds each, numbers meaningless.
+SMOKE = {
+    "overload": lambda: overload.main(n=100, k=2, repeats=1),
+    "cells": lambda: cells.main(rounds=2, mib=8, others=False, first_rounds=1, idle_s=0.2),
+    "hop": lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
+    "books": lambda: books.main(cycles=40, rounds=3),
+    "enforcement": lambda: enforcement.main(seconds=0.5, repeats=1),
+}
+
+
 def with_findings_kept(previous: str | None, run: str, when: str) -> str:
     """The results file after a run: ``previous``'s hand-written part, if it has one, then ``run``.
 
@@ -40,24 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, to check it runs")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).with_name("results.md"), help="where to write"
+        "--only",
+        choices=SECTIONS,
+        action="append",
+        help="this section only (again for more); every section without it",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default bench/results.md; with --only, printed only)",
     )
     options = parser.parse_args(argv)
+    if options.out is None and not options.only:
+        # Some sections alone would replace the last whole run's figures.
+        options.out = Path(__file__).with_name("results.md")
     sections = []
-    if options.smoke:
-        runs = [
-            lambda: overload.main(n=100, k=2, repeats=1),
-            lambda: cells.main(rounds=2, mib=8, others=False, first_rounds=1, idle_s=0.2),
-            lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
-            lambda: books.main(cycles=40, rounds=3),
-            lambda: enforcement.main(seconds=0.5, repeats=1),
-        ]
-    else:
-        runs = [overload.main, cells.main, hop.main, books.main, enforcement.main]
+    chosen = SMOKE if options.smoke else SECTIONS
+    runs = [run for name, run in chosen.items() if name in (options.only or chosen)]
     for run in runs:
         sections.append(run())
         print(sections[-1], flush=True)
-    if not options.smoke:
+    if not options.smoke and not options.only:
         for name, heading in (
             ("bench.widget_sampling", "What the sampling thread costs the kernel"),
             ("bench.ray_overhead", "`%%claim --on ray` against a bare Ray task"),
@@ -75,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{' (smoke: toy sizes, numbers meaningless)' if options.smoke else ''}.\n"
         "Reproduce with `.venv/bin/python -m bench` from the repository root.\n\n"
     )
+    if options.out is None:
+        return 0
     previous = options.out.read_text() if options.out.exists() else None
     options.out.write_text(with_findings_kept(previous, "\n".join(sections), when))
     return 0

@@ -11,17 +11,43 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import KEPT_ABOVE, with_findings_kept
+from bench.__main__ import KEPT_ABOVE, SECTIONS, SMOKE, with_findings_kept
 from tests.gpu_standins import StandInNvml, StandInSmi, card
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: What each section's report must hold, run at its toy size.
+SECTION_SAYS = {
+    "overload": ["### The overload story"],
+    "cells": [
+        "### Running a cell elsewhere",
+        "### The first claim of a notebook, and of a new shape",
+        "### Moving data",
+        "### Big values a claimed cell made",
+        "%%claim, warm worker",
+        "first %%claim after %load_ext",
+        "8 × 100 MB in a list, made in a claimed cell",
+    ],
+    # The hop after its shortest idle gap.
+    "hop": ["### A hop to a process that sat idle", "| 1 ms |"],
+    "books": ["### The books", "freed share reaches a waiter in another process"],
+    "enforcement": ["### A share the OS enforces"],
+}
+
+
+def test_every_benchmark_section_is_smoke_tested():
+    assert SECTION_SAYS.keys() == SMOKE.keys() == SECTIONS.keys()
+
+
+# One test a section, so that the sections run side by side under xdist and a
+# broken one is named.
 @pytest.mark.timeout(300)
-def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
+@pytest.mark.parametrize("section", SECTION_SAYS)
+def test_each_benchmark_section_runs_at_a_toy_size(tmp_path, section):
     out = tmp_path / "results.md"
     ran = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench", "--smoke", "--only", section, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -29,22 +55,8 @@ def test_every_benchmark_section_runs_at_a_toy_size(tmp_path):
     )
     assert ran.returncode == 0, ran.stderr[-4000:]
     report = out.read_text()
-    for heading in (
-        "The overload story",
-        "Running a cell elsewhere",
-        "The first claim of a notebook, and of a new shape",
-        "Moving data",
-        "Big values a claimed cell made",
-        "A hop to a process that sat idle",
-        "The books",
-        "A share the OS enforces",
-    ):
-        assert f"### {heading}" in report
-    assert "%%claim, warm worker" in report
-    assert "first %%claim after %load_ext" in report
-    assert "8 × 100 MB in a list, made in a claimed cell" in report
-    assert "freed share reaches a waiter in another process" in report
-    assert "| 1 ms |" in report  # the hop after its shortest idle gap
+    for said in SECTION_SAYS[section]:
+        assert said in report, report
 
 
 def test_a_new_run_replaces_only_the_last_run_and_keeps_what_was_written_above_it():

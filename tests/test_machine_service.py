@@ -188,8 +188,11 @@ def test_a_bad_line_ends_only_the_connection_that_sent_it():
                 sock.sendall(bad)
             sock.settimeout(10)
             answers = b""
-            while chunk := sock.recv(1 << 16):
-                answers += chunk
+            # A service that closes with part of a line unread resets the
+            # connection: what it wrote before is read first, then the reset.
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(1 << 16):
+                    answers += chunk
             assert b"refused" in answers or b'"op":"error"' in answers, bad[:80]
             sock.close()
         books = snapshot(layout)
