@@ -248,7 +248,19 @@ def service_killed_holder_latency(rounds: int, run_dir: str, users: list[object]
     )
 
 
-def main(cycles: int = 500, rounds: int = 30) -> str:
+#: Each flood, at full size (``tests.floods.ATTACKER``'s modes and arguments).
+FLOODS = [
+    ("no flood", "none", ()),
+    ("10⁵ claims pipelined on one connection", "claims", (100_000,)),
+    ("4,096 waiting claims + 300 pipelined snapshots, again and again", "snapshots", (4097, 300)),
+    ("100 connections × 256 KiB of snapshot requests", "connections", (100, 256 << 10)),
+    ("500 unfinished 1 MiB lines", "unfinished", (500, 1 << 20)),
+    ("1-byte drips on 500 connections", "drips", (500,)),
+]
+
+
+def main(cycles: int = 500, rounds: int = 30, most: int = 8, floods: int = len(FLOODS)) -> str:
+    """The section: ``most`` processes contend at most, through the first ``floods`` floods."""
     rows = []
     results: dict[str, float] = {}
 
@@ -258,13 +270,13 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
         rows.append([name, f"{med * 1e3:.3f} ms", f"{p99 * 1e3:.3f} ms"])
 
     row("kernel books, 1 thread", kernel_books(1, cycles))
-    row("kernel books, 8 threads", kernel_books(8, cycles // 8 or 1))
+    row(f"kernel books, {most} threads", kernel_books(most, cycles // most or 1))
     with scratch() as directory:
         users = [None, None]
         row("user's books service, 1 process", service_books(1, cycles, directory, [None]))
         row(
-            "user's books service, 8 processes",
-            service_books(8, cycles // 8 or 1, directory, [None]),
+            f"user's books service, {most} processes",
+            service_books(most, cycles // most or 1, directory, [None]),
         )
         row(
             "freed share reaches a waiter in another process",
@@ -274,7 +286,7 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
             "a killed holder's share reaches a waiter in another process",
             service_killed_holder_latency(rounds, directory, users),
         )
-    machine_rows(row, cycles, rounds)
+    machine_rows(row, cycles, rounds, most)
     text = table(["claim plus give-back", "median", "p99"], rows)
     floods = table(
         [
@@ -285,12 +297,14 @@ def main(cycles: int = 500, rounds: int = 30) -> str:
             "service memory, most during",
             "10 s after",
         ],
-        flood_rows(min(1.0, cycles / 500)),
+        flood_rows(min(1.0, cycles / 500), FLOODS[:floods]),
     )
     return textwrap.dedent(f"### The books\n\n{text}\n\n{floods}\n")
 
 
-def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: int) -> None:
+def machine_rows(
+    row: Callable[[str, list[float]], None], cycles: int, rounds: int, most: int = 8
+) -> None:
     """The machine's books service, set up as an admin would, beside the user's own rows."""
     import os
 
@@ -307,7 +321,7 @@ def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: i
     try:
         run_dir = f"{prefix}/run/fluksio_nb"
         row("machine service, 1 process", service_books(1, cycles, run_dir, users[:1]))
-        for each in (4, 8):
+        for each in sorted({max(1, most // 2), most}):
             row(
                 f"machine service, {who} × {each} processes",
                 service_books(each, cycles // (2 * each) or 1, run_dir, users),
@@ -327,18 +341,9 @@ def machine_rows(row: Callable[[str, list[float]], None], cycles: int, rounds: i
         shutil.rmtree(prefix, ignore_errors=True)
 
 
-#: Each flood, at full size (``tests.floods.ATTACKER``'s modes and arguments).
-FLOODS = [
-    ("no flood", "none", ()),
-    ("10⁵ claims pipelined on one connection", "claims", (100_000,)),
-    ("4,096 waiting claims + 300 pipelined snapshots, again and again", "snapshots", (4097, 300)),
-    ("100 connections × 256 KiB of snapshot requests", "connections", (100, 256 << 10)),
-    ("500 unfinished 1 MiB lines", "unfinished", (500, 1 << 20)),
-    ("1-byte drips on 500 connections", "drips", (500,)),
-]
-
-
-def flood_rows(scale: float = 1.0) -> list[list[str]]:
+def flood_rows(
+    scale: float = 1.0, floods: list[tuple[str, str, tuple[int, ...]]] = FLOODS
+) -> list[list[str]]:
     """Each flood's row: another user's claims during it, and the service's memory.
 
     ``scale`` shrinks every flood, the probes and the wait after (for ``--smoke``).
@@ -379,7 +384,7 @@ def flood_rows(scale: float = 1.0) -> list[list[str]]:
         with open(f"{run_dir}/service.pid") as pidfile:
             pid = int(pidfile.read())
         idle = rss(pid)
-        for name, mode, args in FLOODS:
+        for name, mode, args in floods:
             sized = [max(1, int(a * scale)) if a > 300 else a for a in args]
             with flooding(
                 as_user(bob),  # type: ignore[arg-type]
