@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 #: Starts tried before Ray's own "timed out during startup" is the test's failure.
 ATTEMPTS = 4
 
+#: What Ray says when it gave up on its own clock.
+STARTUP_TIMED_OUT = "timed out during startup"
+
 #: What a test that starts Ray may wait for it: another suite's start, every
 #: attempt of it, then every attempt of ours, each up to Ray's 30 s and the
 #: seconds it spends starting processes before that clock begins.
@@ -65,7 +68,7 @@ def start_local_ray(**init_kwargs: Any) -> Any:
             try:
                 return ray.init(**init_kwargs)
             except Exception as error:
-                if attempt == ATTEMPTS or "timed out during startup" not in str(error):
+                if attempt == ATTEMPTS or STARTUP_TIMED_OUT not in str(error):
                     raise
                 ray.shutdown()
 

