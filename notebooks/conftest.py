@@ -29,24 +29,18 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nbformat import NotebookNode, from_dict
-from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError
+from nbval.plugin import IPyNbCell, IPyNbFile
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from tests.local_ray import (  # noqa: E402
-    ATTEMPTS,
-    START_TIMEOUT_S,
-    STARTUP_TIMED_OUT,
-    one_start_at_a_time,
-)
+from tests.local_ray import START_TIMEOUT_S, started_again_when_ray_gave_up  # noqa: E402
 
 DISPLAYS = ("display_data", "execute_result")
 
@@ -145,35 +139,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 _run_cell = IPyNbCell.runtest
 
 
-def _starting_ray_again(self: IPyNbCell) -> None:
-    """The cell; a cell that starts Ray, again when Ray gave up on its own 30 s clock.
+def _starting_ray_as_the_tests_do(self: IPyNbCell) -> None:
+    """The cell; a cell that starts Ray, as :mod:`tests.local_ray` starts the tests' own.
 
-    As :func:`tests.local_ray.start_local_ray` does for the tests' own starts,
-    and with what the failed start left shut down first: that is Ray starting
+    One start at a time, and again when Ray gave up on its own 30 s clock,
+    with what the failed start left shut down first: that is Ray starting
     slowly on a loaded machine, which the notebook is not about.
     """
     if not starts_ray(self):
         return _run_cell(self)
     source = self.cell.source
+
+    def shut_down_first() -> None:
+        self.cell.source = f"import ray\nray.shutdown()\n{source}"
+
     try:
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                return _run_cell(self)
-            except NbCellError as error:
-                if attempt == ATTEMPTS or STARTUP_TIMED_OUT not in (error.inner_traceback or ""):
-                    raise
-                self.cell.source = f"import ray\nray.shutdown()\n{source}"
+        return started_again_when_ray_gave_up(lambda: _run_cell(self), shut_down_first)
     finally:
         self.cell.source = source
 
 
-IPyNbCell.runtest = _starting_ray_again
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    if starts_ray(item):
-        with one_start_at_a_time():
-            yield
-    else:
-        yield
+IPyNbCell.runtest = _starting_ray_as_the_tests_do
