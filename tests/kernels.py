@@ -118,6 +118,16 @@ def run_in(client: BlockingKernelClient, code: str) -> str:
     return "".join(out)
 
 
+#: How the test talks to its kernels: over sockets in the kernel's runtime
+#: directory, not TCP. jupyter_client picks a TCP port by binding it and
+#: letting it go, and the kernel binds it again a moment later; on a machine
+#: where the suite's other workers, their kernels and Ray take ports all the
+#: time, one of them now and then gets there first, and the kernel dies
+#: "Address already in use" before it ever answers. A socket file of a
+#: connection file's own name has nobody else to meet.
+_TRANSPORT = "ipc"
+
+
 class _ReadableConnectionFile(KernelManager):
     """A manager whose connection file the kernel's own user can read.
 
@@ -166,14 +176,25 @@ class Kernel:
         self.user = user
         #: The directory the kernel's user owns for it, removed at shutdown.
         self.own_dir: Path | None = None
+        #: The kernel's own directory, whoever runs it: its sockets, its stacks.
+        self._own: Path
         #: Where the kernel writes its threads' stacks when a cell is late (:meth:`stacks`).
         self._stacks: Path | None = None
         if user is None:
-            self.manager = KernelManager(kernel_name="python3")
+            # In the run's TMPDIR (the root conftest.py), gone with it even if
+            # a test shuts the kernel down through its manager rather than here.
+            self._own = Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
+            self.manager = KernelManager(
+                kernel_name="python3", transport=_TRANSPORT, ip=str(self._own / "ipc")
+            )
             spec = self.manager.kernel_spec
             # The venv's own python, whatever kernelspec happens to be installed.
             spec.argv = [*launched_by, sys.executable, *spec.argv[1:]]
-            self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            try:
+                self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            except BaseException:
+                shutil.rmtree(self._own, ignore_errors=True)
+                raise
         else:
             self._start_as(user, env, launched_by)
         self.client = self.manager.client()
@@ -187,10 +208,7 @@ class Kernel:
         try:
             self.client.wait_for_ready(timeout=60)
             self.pid = self.manager.provisioner.process.pid
-            # In the run's TMPDIR (the root conftest.py), gone with it even if
-            # a test shuts the kernel down through its manager rather than here.
-            own = self.own_dir or Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
-            self._stacks = own / "stacks"
+            self._stacks = self._own / "stacks"
             # One cell, so that the notebook's cell numbers are as a user's would be.
             self.run(
                 "%load_ext fluksio_nb\n"
@@ -204,7 +222,7 @@ class Kernel:
 
     def _start_as(self, user: UnixUser, env: dict[str, str], launched_by: Sequence[str]) -> None:
         own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
-        self.own_dir = own
+        self.own_dir = self._own = own
         places = {
             "IPYTHONDIR": own / "ipython",
             "JUPYTER_RUNTIME_DIR": own / "jupyter" / "runtime",
@@ -225,9 +243,14 @@ class Kernel:
                 **env,
             },
         )
-        self.manager = _ReadableConnectionFile(kernel_name="python3")
+        runtime = places["JUPYTER_RUNTIME_DIR"]
+        self.manager = _ReadableConnectionFile(
+            kernel_name="python3",
+            transport=_TRANSPORT,
+            ip=str(runtime / "kernel-ipc"),
+            connection_file=str(runtime / "kernel.json"),
+        )
         self.manager.owner = user
-        self.manager.connection_file = str(places["JUPYTER_RUNTIME_DIR"] / "kernel.json")
         spec = self.manager.kernel_spec
         spec.argv = [*launched_by, *as_user(user), sys.executable, *spec.argv[1:]]
         try:
@@ -413,9 +436,7 @@ class Kernel:
         try:
             self.manager.shutdown_kernel(now=True)
         finally:
-            own = self.own_dir or (self._stacks.parent if self._stacks is not None else None)
-            if own is not None:
-                shutil.rmtree(own, ignore_errors=True)
+            shutil.rmtree(self._own, ignore_errors=True)
 
 
 @contextmanager
