@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,22 +29,15 @@ from tests.local_ray import REPO, START_TIMEOUT_S, ray_env
 pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """The ``ray://`` address of a running one-node cluster, and the environment to reach it."""
     pytest.importorskip("ray", reason="ray is not installed: pip install 'fluksio_nb[ray]'")
     pytest.importorskip("grpc", reason="Ray Client needs grpcio: pip install 'ray[client]'")
     state = tempfile.mkdtemp(prefix="fluksio-ray-")
-    port = _free_port()
     env = {**ray_env(state), "RAY_AUTH_MODE": "token"}
     head = subprocess.Popen(
-        [sys.executable, "-m", "tests.ray_head", state, str(port)],
+        [sys.executable, "-m", "tests.ray_head", state],
         cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -53,7 +45,8 @@ def cluster():
         text=True,
     )
     try:
-        assert head.stdout.readline().strip() == "ready", "the Ray head did not start"
+        said, _, port = head.stdout.readline().strip().partition(" ")
+        assert said == "ready", "the Ray head did not start"
         yield f"ray://127.0.0.1:{port}", env
     finally:
         head.stdin.close()

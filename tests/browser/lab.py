@@ -38,7 +38,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -89,12 +88,6 @@ def launch_chromium(playwright: Any) -> Any:
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class JupyterLab:
     """One JupyterLab server, private to a test session, with this venv's kernel."""
 
@@ -112,7 +105,8 @@ class JupyterLab:
         self.home = home
         self.app = app
         self.root = home / "notebooks"
-        self.port = _free_port()
+        #: The port the server listens on, once :meth:`start` has read it.
+        self.port: int | None = None
         self.token = secrets.token_hex(16)
         self.log_path = home / f"{app}.log"
         self.env = self._environment({**DEFAULT_INVENTORY, **(inventory or {}), **env})
@@ -192,7 +186,10 @@ class JupyterLab:
             "--no-browser",
             f"--ServerApp.token={self.token}",
             "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={self.port}",
+            # The server binds a port the OS picks and keeps it: one picked
+            # here and let go could be taken by another process before the
+            # server bound it, and port_retries=0 would end the server.
+            "--ServerApp.port=0",
             "--ServerApp.port_retries=0",
             f"--ServerApp.root_dir={self.root}",
         ]
@@ -210,18 +207,29 @@ class JupyterLab:
             self.process = subprocess.Popen(
                 argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self.port = None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"{self.app} exited with {self.process.returncode}; its log:\n{self.log()}"
                 )
+            self.port = self.port or self._listening_on()
             with contextlib.suppress(OSError, urllib.error.URLError):
-                self.api("GET", "api/status")
-                return self
+                if self.port is not None:
+                    self.api("GET", "api/status")
+                    return self
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"{self.app} did not answer within {timeout} s; its log:\n{self.log()}")
+
+    def _listening_on(self) -> int | None:
+        """The port the server wrote in its info file, once it has (after it bound it)."""
+        assert self.process is not None
+        info = Path(self.env["JUPYTER_RUNTIME_DIR"]) / f"jpserver-{self.process.pid}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return int(json.loads(info.read_text())["port"])
+        return None
 
     def stop(self) -> None:
         """End the server by its PID, and its kernels with it."""
