@@ -7,6 +7,10 @@ whether ``notebooks/`` passed depended on how loaded the machine was. The
 notebooks' ``conftest.py`` applies the updates before nbval compares: this
 runs nbval, as ``make test`` does, on a notebook with a cell that always draws
 its live view first.
+
+A cell that prints after its live view was drawn ends with the view emptied
+and the record below the output; one that ended before its view was due has
+the record alone. Both look the same to a person, and compare the same.
 """
 
 from __future__ import annotations
@@ -66,3 +70,26 @@ def test_a_claimed_cell_that_drew_its_live_view_is_compared_by_the_record_that_r
     assert "live status (its record replaces it when the claim ends)" in (
         compared_as_first_drawn.stdout
     )
+
+
+def test_a_claimed_cell_whose_record_moved_below_its_output_compares_with_one_that_ended_first(
+    tmp_path,
+):
+    notebook = tmp_path / "printing.ipynb"
+    printing = "%%claim --label printing\nimport time\ntime.sleep(2)\nprint('done')"
+    cells = ["%load_ext fluksio_nb", printing]
+    stored = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(stored, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = stored.cells[1].outputs
+    shown = [o.data["text/plain"][:14] for o in outputs if o.output_type == "display_data"]
+    assert shown == ["", "printing: ok ·"], outputs
+    # Stored as a cell that ended before its view was due is: the record alone.
+    outputs[:] = [o for o in outputs if o.get("data") != {"text/plain": ""}]
+    nbformat.write(stored, notebook)
+
+    compared_as_shown = nbval(notebook, "notebooks.conftest")
+    assert compared_as_shown.returncode == 0, compared_as_shown.stdout
+    # The view was drawn, and emptied when the output came: nbval alone counts it.
+    compared_as_sent = nbval(notebook)
+    assert compared_as_sent.returncode == 1, compared_as_sent.stdout
+    assert "dissimilar number of outputs" in compared_as_sent.stdout, compared_as_sent.stdout
