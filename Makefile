@@ -23,9 +23,10 @@ lab: $(STAMP)
 # The notebooks are tests too: nbval runs each and compares what it shows with
 # the outputs stored in it, numbers that honestly vary sanitized away.
 #
-# Most of the suite's time is spent waiting, on kernels, workers, servers and a
-# browser, so it runs on more workers than a small machine has cores:
-# `make test WORKERS=1` runs it on one. Tests that share a fixture wider than
+# Three workers keep a 2-core machine busy: each test also waits, on kernels,
+# workers, servers and a browser, and a third worker fills those waits (the
+# cores measured 1.9 of 2 busy through a whole run; a fourth worker made it no
+# faster). `make test WORKERS=1` runs it on one. Tests that share a fixture wider than
 # a test, and a notebook's cells, stay on one worker (tests/conftest.py,
 # notebooks/conftest.py). It ends saying how long it took, and which ten
 # tests took longest, so that whoever runs it knows what to expect.
