@@ -118,13 +118,13 @@ def run_in(client: BlockingKernelClient, code: str) -> str:
     return "".join(out)
 
 
-#: How the test talks to its kernels: over sockets in the kernel's runtime
-#: directory, not TCP. jupyter_client picks a TCP port by binding it and
+#: How the test talks to its kernels: over Unix sockets in a directory of the
+#: kernel's own, not TCP. jupyter_client picks a TCP port by binding it and
 #: letting it go, and the kernel binds it again a moment later; on a machine
 #: where the suite's other workers, their kernels and Ray take ports all the
 #: time, one of them now and then gets there first, and the kernel dies
-#: "Address already in use" before it ever answers. A socket file of a
-#: connection file's own name has nobody else to meet.
+#: "Address already in use" before it ever answers. Nobody else makes sockets
+#: in the kernel's own directory.
 _TRANSPORT = "ipc"
 
 
