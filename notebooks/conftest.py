@@ -106,8 +106,9 @@ def _reading_every_message(self: IPyNbFile, timeout: float | None = None, stream
 
 def _comparing_as_shown(self: IPyNbCell, test, ref, skip_compare=None):
     shown = as_shown_at_the_end(test, self.parent.messages_of_this_cell)
-    seen = [output for output in shown if shows_something(output)]
-    return _compare_outputs(self, seen, [o for o in ref if shows_something(o)], skip_compare)
+    return _compare_outputs(
+        self, list(filter(shows_something, shown)), list(filter(shows_something, ref)), skip_compare
+    )
 
 
 IPyNbFile.get_kernel_message = _reading_every_message

@@ -174,18 +174,17 @@ class Kernel:
         self.env = env
         #: Whom the kernel runs as; ``None`` for the test's own user.
         self.user = user
-        #: The directory the kernel's user owns for it, removed at shutdown.
-        self.own_dir: Path | None = None
-        #: The kernel's own directory, whoever runs it: its sockets, its stacks.
-        self._own: Path
+        #: The kernel's own directory, removed at shutdown: its sockets, its
+        #: stacks, and for a kernel of another user its home and runtime files.
+        self.own_dir: Path
         #: Where the kernel writes its threads' stacks when a cell is late (:meth:`stacks`).
         self._stacks: Path | None = None
         if user is None:
             # In the run's TMPDIR (the root conftest.py), gone with it even if
             # a test shuts the kernel down through its manager rather than here.
-            self._own = Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
+            self.own_dir = Path(tempfile.mkdtemp(prefix="fluksio-kernel-"))
             self.manager = KernelManager(
-                kernel_name="python3", transport=_TRANSPORT, ip=str(self._own / "ipc")
+                kernel_name="python3", transport=_TRANSPORT, ip=str(self.own_dir / "ipc")
             )
             spec = self.manager.kernel_spec
             # The venv's own python, whatever kernelspec happens to be installed.
@@ -193,7 +192,7 @@ class Kernel:
             try:
                 self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
             except BaseException:
-                shutil.rmtree(self._own, ignore_errors=True)
+                shutil.rmtree(self.own_dir, ignore_errors=True)
                 raise
         else:
             self._start_as(user, env, launched_by)
@@ -208,7 +207,7 @@ class Kernel:
         try:
             self.client.wait_for_ready(timeout=60)
             self.pid = self.manager.provisioner.process.pid
-            self._stacks = self._own / "stacks"
+            self._stacks = self.own_dir / "stacks"
             # One cell, so that the notebook's cell numbers are as a user's would be.
             self.run(
                 "%load_ext fluksio_nb\n"
@@ -222,7 +221,7 @@ class Kernel:
 
     def _start_as(self, user: UnixUser, env: dict[str, str], launched_by: Sequence[str]) -> None:
         own = Path(tempfile.mkdtemp(prefix=f"fluksio-kernel-{user.name}-", dir="/tmp"))
-        self.own_dir = self._own = own
+        self.own_dir = own
         places = {
             "IPYTHONDIR": own / "ipython",
             "JUPYTER_RUNTIME_DIR": own / "jupyter" / "runtime",
@@ -436,7 +435,7 @@ class Kernel:
         try:
             self.manager.shutdown_kernel(now=True)
         finally:
-            shutil.rmtree(self._own, ignore_errors=True)
+            shutil.rmtree(self.own_dir, ignore_errors=True)
 
 
 @contextmanager
