@@ -69,6 +69,11 @@ class Ticket:
     #: Called, outside the queue's lock, when a running claim is cancelled:
     #: whoever runs the claim knows how to stop it; the queue does not.
     on_cancel: Callable[[str], None] | None = None
+    #: What the books warned of while it runs (a limit near, idle cards).
+    warning: str | None = None
+    #: Called, outside any lock, with each new warning: whoever runs the
+    #: claim shows it in its cell.
+    on_warning: Callable[[str], None] | None = None
 
     @property
     def asked(self) -> dict[str, int]:

@@ -69,6 +69,9 @@ class Entry:
     cores: tuple[int, ...] = ()
     granted_at: float | None = None
     cancel: str | None = None
+    #: What the service warned its owner of, while it runs (a limit near, idle
+    #: cards): shown in the owner's cell and in everyone's views.
+    warning: str | None = None
     readings: dict[str, Any] | None = None
     #: The digest of the secret its owner's kernel was given with the grant,
     #: which a restore after a restart must match (:mod:`.state`).
@@ -308,6 +311,7 @@ class MachineBooks:
                 "uid": entry.uid,
                 "mine": mine,
                 "cancel": entry.cancel,
+                "warning": entry.warning,
             }
 
         # The head of the queue, and the first of the reader's own behind it:

@@ -486,7 +486,7 @@ class ServiceQueue(Ownership, Seen):
         threading.Thread(target=self._put_back, daemon=True).start()
 
     def _heard(self, message: dict[str, Any]) -> None:
-        stop = None
+        stop = warn = None
         with self._lock:
             op = message.get("op")
             if message.get("id") in self._abandoned:
@@ -517,9 +517,16 @@ class ServiceQueue(Ownership, Seen):
                     ticket.cancelled = message["reason"]
                     if ticket.state == "running":
                         stop = ticket.on_cancel
+            elif op == "warning":
+                ticket = self._mine.get(message["ticket"])
+                if ticket is not None and ticket.state == "running":
+                    ticket.warning = message["message"]
+                    warn = ticket.on_warning
             self._cond.notify_all()
         if stop is not None:
             stop(message["reason"])
+        if warn is not None:
+            warn(message["message"])
 
     def _give_back_unasked(self, number: int) -> None:
         """Release a ticket nobody waits for any more."""

@@ -385,24 +385,43 @@ class BooksService(AcrossRestarts):
             )
             return
         reason = request.reason
-        self.books.changed()
         if entry.uid != connection.uid:
             reason = f"stopped by {connection.user}, an admin of this machine ({reason})"
+        self.end_claim(entry, reason, CANCELLED)
+        connection.send({"op": "ok", "id": request.id, "found": True})
+
+    def warn_claim(self, entry: Entry, message: str) -> None:
+        """Tell a claim's owner, in their cell, and everyone, in their views, what is coming."""
+        if entry.warning == message:
+            return
+        entry.warning = message
+        self.books.changed()
+        owner: Connection = entry.owner
+        owner.send({"op": "warning", "ticket": entry.number, "message": message})
+
+    def end_claim(self, entry: Entry, reason: str, ending: str) -> None:
+        """End a claim for ``reason``, whatever its kernel does; its record ends ``ending``.
+
+        A waiting claim leaves the queue at once. A running one's kernel is
+        told to stop it, and given :data:`STOP_GRACE_S` to; then the service
+        kills its processes and frees the share itself (:meth:`_carry_out`).
+        """
+        self.books.changed()
         entry.cancel = reason
         owner: Connection = entry.owner
         if entry.state == "waiting":
             # Gone from the queue at once; the owner learns why when told.
             self.books.remove(entry.number)
             owner.entries.pop(entry.number, None)
-            self.record_end(entry, time.time(), CANCELLED)
+            self.record_end(entry, time.time(), ending)
         owner.send({"op": "stop", "ticket": entry.number, "reason": reason})
-        connection.send({"op": "ok", "id": request.id, "found": True})
         if entry.state == "running":
-            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry)
+            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry, ending)
+        # A waiting claim that left may have been the head of the queue.
         self.dispatch()
 
-    def _carry_out(self, entry: Entry) -> None:
-        """End a cancelled claim its kernel did not give back: its processes, and its share.
+    def _carry_out(self, entry: Entry, ending: str) -> None:
+        """End a stopped claim its kernel did not give back: its processes, and its share.
 
         The kernel may be stopped, hung or ignoring the stop; the share is
         free now whatever it does, and it hears the stop when it next reads.
@@ -411,7 +430,7 @@ class BooksService(AcrossRestarts):
             return  # given back by its kernel, as it should be
         killed = stop_claims_processes(entry.pids, entry.uid, entry.pid)
         log.info(
-            "claim %s of %s was not given back %g s after it was cancelled (%s): the service "
+            "claim %s of %s was not given back %g s after it was stopped (%s): the service "
             "freed it, and killed its processes %s",
             entry.number,
             entry.user,
@@ -422,7 +441,7 @@ class BooksService(AcrossRestarts):
         self.books.remove(entry.number)
         owner: Connection = entry.owner
         owner.entries.pop(entry.number, None)
-        self.record_end(entry, time.time(), CANCELLED)
+        self.record_end(entry, time.time(), ending)
         self.note_held()
         self.dispatch()
 
