@@ -1,4 +1,4 @@
-"""``fluksio-nb usage``: the records added up per user and notebook, as a table or JSON.
+"""``fluksio-nb usage``: the records added up per user and notebook, as a table, JSON or CSV.
 
 The questions are a cluster's ``sacct``'s: who ran what, how many core-hours
 and card-hours it took, how much memory it peaked at, and how long people
@@ -30,7 +30,6 @@ What it decides:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pwd
 import re
@@ -48,6 +47,7 @@ from fluksio_nb.budget import human
 from fluksio_nb.identity import user_name
 from fluksio_nb.records import UsageRecord, default_usage_dir
 from fluksio_nb.shown import json_safe, shown
+from fluksio_nb.usage.export import report_csv, report_json
 from fluksio_nb.usage.read import UsageRows, witnessed
 
 #: The most notebooks one user's rows are told apart by. A real user has
@@ -247,6 +247,30 @@ def describe_usage(
             lines.append("  ".join(text + cells[9:]).rstrip())
     else:
         lines.append("No claims recorded.")
+    lines += not_read(
+        skipped,
+        not_plain=not_plain,
+        bad_lines=bad_lines,
+        bad_reasons=bad_reasons,
+        files_cut=files_cut,
+        not_seen_by_service=not_seen_by_service,
+        before_service=before_service,
+    )
+    return "\n".join(lines)
+
+
+def not_read(
+    skipped: int = 0,
+    *,
+    not_plain: int = 0,
+    bad_lines: int = 0,
+    bad_reasons: dict[str, int] | None = None,
+    files_cut: int = 0,
+    not_seen_by_service: int = 0,
+    before_service: int = 0,
+) -> list[str]:
+    """What the report did not count, and why, a sentence each (see :func:`describe_usage`)."""
+    lines: list[str] = []
     if skipped:
         lines.append(
             f"{_plural(skipped, 'file', 'files')} of other users "
@@ -288,7 +312,7 @@ def describe_usage(
             + ("is" if before_service == 1 else "are")
             + " counted on their owner's word."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _cells(row: dict[str, Any], user: str, notebook: str) -> list[str]:
@@ -445,7 +469,17 @@ def usage_main(argv: list[str]) -> int:
         "--since", metavar="WHEN", help="claims ended since: 2026-11-30, 2026-11-30T12:00, 24h, 7d"
     )
     parser.add_argument("--user", metavar="NAME", help="only this user's claims")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of a table (its schema: docs/usage-report.schema.json)",
+    )
+    shape.add_argument(
+        "--csv",
+        action="store_true",
+        help="print CSV instead of a table: a row per user and notebook, figures unrounded",
+    )
     parser.add_argument(
         "--dir",
         metavar="DIR",
@@ -497,6 +531,14 @@ def usage_main(argv: list[str]) -> int:
         for line in said:
             print(f"fluksio-nb usage: {line}", file=sys.stderr)
     summary = adding.rows()
+    unread = {
+        "not_plain": rows.not_plain_files,
+        "bad_lines": rows.bad_lines,
+        "bad_reasons": rows.bad_reasons,
+        "files_cut": rows.files_cut,
+        "not_seen_by_service": rows.not_seen_by_service,
+        "before_service": rows.before_service,
+    }
     if options.json:
         report = {
             "rows": summary,
@@ -510,21 +552,14 @@ def usage_main(argv: list[str]) -> int:
             "not_seen_by_service": rows.not_seen_by_service,
             "before_service": rows.before_service,
         }
-        # Strict: a reader's JSON parser takes no NaN or Infinity.
-        print(json.dumps(json_safe(report), indent=1, allow_nan=False))
+        print(report_json(json_safe(report)))
+    elif options.csv:
+        sys.stdout.write(report_csv(summary))
+        # The file holds the rows alone; what was not read is said beside it.
+        for line in not_read(rows.unreadable_files, **unread):
+            print(f"fluksio-nb usage: {line}", file=sys.stderr)
     else:
-        print(
-            describe_usage(
-                summary,
-                rows.unreadable_files,
-                not_plain=rows.not_plain_files,
-                bad_lines=rows.bad_lines,
-                bad_reasons=rows.bad_reasons,
-                files_cut=rows.files_cut,
-                not_seen_by_service=rows.not_seen_by_service,
-                before_service=rows.before_service,
-            )
-        )
+        print(describe_usage(summary, rows.unreadable_files, **unread))
     return 0
 
 
