@@ -52,6 +52,13 @@ What it decides:
   thread, for one asker at a time, and busy at most a tenth of the time
   (:data:`DEATHS_DUTY`): nobody can slow everyone's claims by asking again
   and again.
+- **Idle cards are given back where the admin asks** (``idle_card_minutes``):
+  a claim whose cards sat idle while another claim waits for one is warned,
+  then ended (:mod:`.idle_cards`, which runs on this loop).
+
+It is long because every request is answered here, each in a few lines,
+against the one set of books; what takes more deciding has a module of its
+own (:mod:`.turns`, :mod:`.revoke`, :mod:`.restarts`, :mod:`.idle_cards`).
 """
 
 from __future__ import annotations
