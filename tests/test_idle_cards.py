@@ -276,6 +276,8 @@ def test_an_idle_card_is_warned_then_given_to_the_waiter_and_busy_ones_are_not(p
         cards[on["busy"]] = card(on["busy"], utilisation=40, used_mib=2048)
         smi.set_cards(cards)
         with memory_changing(smi, cards, on["loading"]):
+            # A whole pass read after the change: no claim is judged on the cards as they were.
+            read_again(smi, 2)
             b.start_job(
                 "%%claim gpus=1 --background --label next\n"
                 "import os\ncards = os.environ['CUDA_VISIBLE_DEVICES']",
@@ -295,7 +297,10 @@ def test_an_idle_card_is_warned_then_given_to_the_waiter_and_busy_ones_are_not(p
             assert "while another claim waits for a card" in claim["warning"]
             assert "(idle_card_minutes in machine.json): it will be ended at" in claim["warning"]
             # The owner's kernel heard it, on the claim's own ticket.
-            assert a.facts("idle._claim._ticket.warning") == claim["warning"]
+            wait_until(
+                lambda: a.facts("idle._claim._ticket.warning") == claim["warning"],
+                what="the warning in alice's kernel",
+            )
 
             ended = a.run("idle.result(60)")
             assert ended.error["ename"] == "ClaimCancelled"
@@ -345,7 +350,10 @@ def test_an_idle_card_nobody_waits_behind_is_kept_and_its_warning_withdrawn(peop
         wait_until(
             lambda: mine_running(a)["idle"].get("warning") is None, what="the warning withdrawn"
         )
-        assert a.facts("idle._claim._ticket.warning") is None
+        wait_until(
+            lambda: a.facts("idle._claim._ticket.warning") is None,
+            what="the warning withdrawn in alice's kernel",
+        )
         read_again(smi, 3)
         assert a.facts("idle.status") == "running"
 
