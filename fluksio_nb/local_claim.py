@@ -64,7 +64,7 @@ from fluksio_nb.kernel import inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, cell_raised, ending_of
 from fluksio_nb.queue import ClaimQueue, Ticket
 from fluksio_nb.queued_claim import QueuedClaim, held_in_this_thread
-from fluksio_nb.records import UsageRecord
+from fluksio_nb.records import IDLE_CARDS, UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
@@ -538,6 +538,11 @@ class Claim(QueuedClaim):
             self._stop("halted", decision.message, decision)
 
     def _cancelled(self, reason: str) -> None:
+        ticket = self._ticket
+        if ticket is not None and ticket.stopped_as == IDLE_CARDS:
+            # The machine's books ended it: the words are theirs, and so is the ending.
+            self._stop(IDLE_CARDS, f"{self.status.label} was ended: {reason}", None)
+            return
         self._stop("cancelled", f"{self.status.label} was cancelled while running: {reason}", None)
 
     def _stop(self, ending: Ending, message: str, decision: HaltDecision | None) -> None:

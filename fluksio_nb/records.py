@@ -71,6 +71,11 @@ SUFFIX = ".jsonl"
 #: kernel saw and recorded, is ``"died"``.
 KERNEL_DIED = "kernel died"
 
+#: How a claim ended that the machine's books service ended because its cards
+#: sat idle while another claim waited for one (``idle_card_minutes`` in the
+#: machine's config): written by the service and by the claim's own kernel alike.
+IDLE_CARDS = "idle cards"
+
 #: The latest wall-clock time a record (or a reading) may name: the year 2242.
 #: A later one, or 1e300, is no time anyone's clock or report can show.
 LATEST_TIME = float(1 << 33)

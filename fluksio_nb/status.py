@@ -46,7 +46,9 @@ from fluksio_nb.sampler import Readings
 Phase = Literal["waiting", "running", "done"]
 
 #: How a claim ended, in the words the status uses.
-Ending = Literal["ok", "error", "interrupted", "halted", "timed out", "died", "cancelled"]
+Ending = Literal[
+    "ok", "error", "interrupted", "halted", "timed out", "died", "cancelled", "idle cards"
+]
 
 
 @dataclass

@@ -41,8 +41,17 @@ def fluksio_nb(
 
 
 @contextmanager
-def machine(cpus: int = 4, gpus: int = 1, config: dict[str, Any] | None = None) -> Iterator[Layout]:
-    """A machine's books, served by a real service run by root, removed afterwards."""
+def machine(
+    cpus: int = 4,
+    gpus: int = 1,
+    config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Layout]:
+    """A machine's books, served by a real service run by root, removed afterwards.
+
+    ``env`` goes on top of the test's environment for ``init``, and so for the
+    service it starts: ``PATH`` with a stand-in ``nvidia-smi``, say.
+    """
     if os.geteuid() != 0:
         pytest.skip(
             f"needs root: `fluksio-nb machine init` sets up books as root (uid {os.geteuid()})"
@@ -65,6 +74,7 @@ def machine(cpus: int = 4, gpus: int = 1, config: dict[str, Any] | None = None) 
             "--gpus",
             str(gpus),
             *extra,
+            env=env,
         )
         try:
             yield layout

@@ -69,6 +69,8 @@ class Entry:
     cores: tuple[int, ...] = ()
     granted_at: float | None = None
     cancel: str | None = None
+    #: How its record ends, once the service ended it (an admin's cancel, idle cards).
+    ended_as: str | None = None
     #: What the service warned its owner of, while it runs (a limit near, idle
     #: cards): shown in the owner's cell and in everyone's views.
     warning: str | None = None

@@ -515,12 +515,15 @@ class ServiceQueue(Ownership, Seen):
                 ticket = self._mine.get(message["ticket"])
                 if ticket is not None and ticket.cancelled is None:
                     ticket.cancelled = message["reason"]
+                    ending = message.get("ending")
+                    ticket.stopped_as = ending if isinstance(ending, str) else None
                     if ticket.state == "running":
                         stop = ticket.on_cancel
             elif op == "warning":
                 ticket = self._mine.get(message["ticket"])
                 if ticket is not None and ticket.state == "running":
-                    ticket.warning = message["message"]
+                    # A withdrawn warning is still said in the cell, and shown no more.
+                    ticket.warning = None if message.get("cleared") else message["message"]
                     warn = ticket.on_warning
             self._cond.notify_all()
         if stop is not None:

@@ -52,6 +52,13 @@ What it decides:
   thread, for one asker at a time, and busy at most a tenth of the time
   (:data:`DEATHS_DUTY`): nobody can slow everyone's claims by asking again
   and again.
+- **Idle cards are given back where the admin asks** (``idle_card_minutes``):
+  a claim whose cards sat idle while another claim waits for one is warned,
+  then ended (:mod:`.idle_cards`, which runs on this loop).
+
+It is long because every request is answered here, each in a few lines,
+against the one set of books; what takes more deciding has a module of its
+own (:mod:`.turns`, :mod:`.revoke`, :mod:`.restarts`, :mod:`.idle_cards`).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -75,11 +82,15 @@ from fluksio_nb.machine import protocol, turns
 from fluksio_nb.machine.accounts import BooksAccounts
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.machine.caps import Cap
+from fluksio_nb.machine.idle_cards import IdlePolicy, watch_idle_cards
 from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
 from fluksio_nb.machine.state import HeldClaim, ServiceState
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
 from fluksio_nb.records import KERNEL_DIED, UsageRecord
+
+if TYPE_CHECKING:
+    from fluksio_nb.gpu_usage import CardReader
 
 __all__ = ["MAX_CONNECTIONS_PER_USER", "BooksService", "Connection", "serve"]
 
@@ -131,8 +142,14 @@ class BooksService(AcrossRestarts):
         read_deaths: DeathsReader | None = None,
         accounts: BooksAccounts | None = None,
         state: ServiceState | None = None,
+        cards: CardReader | None = None,
+        idle_cards: IdlePolicy | None = None,
     ) -> None:
         self.books = books
+        #: The machine's cards as the driver reads them, where a card source exists.
+        self.cards = cards
+        #: The admin's ``idle_card_minutes``, if set (:mod:`.idle_cards`).
+        self.idle_cards = idle_cards
         #: Where the running claims are written down for the next service, if anywhere.
         self.state = state
         #: What the service before this one wrote down: the only restores taken.
@@ -363,7 +380,8 @@ class BooksService(AcrossRestarts):
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
-            self.record_end(entry, time.time(), RELEASED)
+            # A claim the service ended is recorded as it ended it, though its kernel gave it back.
+            self.record_end(entry, time.time(), entry.ended_as or RELEASED)
             self.note_held()
             self.dispatch()
 
@@ -399,6 +417,15 @@ class BooksService(AcrossRestarts):
         owner: Connection = entry.owner
         owner.send({"op": "warning", "ticket": entry.number, "message": message})
 
+    def clear_warning(self, entry: Entry, message: str) -> None:
+        """Withdraw a claim's warning: gone from everyone's views, and its owner told why."""
+        if entry.warning is None:
+            return
+        entry.warning = None
+        self.books.changed()
+        owner: Connection = entry.owner
+        owner.send({"op": "warning", "ticket": entry.number, "message": message, "cleared": True})
+
     def end_claim(self, entry: Entry, reason: str, ending: str) -> None:
         """End a claim for ``reason``, whatever its kernel does; its record ends ``ending``.
 
@@ -407,14 +434,15 @@ class BooksService(AcrossRestarts):
         kills its processes and frees the share itself (:meth:`_carry_out`).
         """
         self.books.changed()
-        entry.cancel = reason
+        entry.cancel, entry.ended_as = reason, ending
         owner: Connection = entry.owner
         if entry.state == "waiting":
             # Gone from the queue at once; the owner learns why when told.
             self.books.remove(entry.number)
             owner.entries.pop(entry.number, None)
             self.record_end(entry, time.time(), ending)
-        owner.send({"op": "stop", "ticket": entry.number, "reason": reason})
+        # The ending, for the kernel's own record to say the same.
+        owner.send({"op": "stop", "ticket": entry.number, "reason": reason, "ending": ending})
         if entry.state == "running":
             asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry, ending)
         # A waiting claim that left may have been the head of the queue.
@@ -601,9 +629,12 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         loop.add_signal_handler(signum, stop.set)
     if ready is not None:
         ready(server)
+    idle_watch = watch_idle_cards(service)
     try:
         await stop.wait()
     finally:
+        if idle_watch is not None:
+            idle_watch.cancel()
         # The name goes first, so that a kernel reconnecting finds the next
         # service rather than this one on its way out.
         with contextlib.suppress(FileNotFoundError):

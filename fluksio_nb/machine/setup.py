@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from fluksio_nb.machine.books import MachineBooks
 from fluksio_nb.machine.caps import Cap
@@ -95,6 +95,28 @@ class MachineConfig(BaseModel):
     #: closed past this size, and this many closed ones kept, per user.
     records_rotate_bytes: ByteSize | None = None
     records_kept: int | None = Field(default=None, ge=1)
+    #: A claim whose cards sat idle this long while another claim waits for a
+    #: card is warned, then ended (:mod:`.idle_cards`); never when absent.
+    idle_card_minutes: float | None = None
+    #: How long that warning lasts before the claim is ended.
+    idle_card_grace_minutes: float = 5.0
+
+    @field_validator("idle_card_minutes", "idle_card_grace_minutes", mode="before")
+    @classmethod
+    def _minutes(cls, minutes: Any, info: Any) -> Any:
+        number = isinstance(minutes, int | float) and not isinstance(minutes, bool)
+        if minutes is not None and not (number and 0 < minutes < float("inf")):
+            raise ValueError(
+                f"{info.field_name} is a number of minutes above 0, not {minutes!r}: "
+                + (
+                    "30 gives back a card idle for half an hour while someone waits; "
+                    "leave it out to never give idle cards back"
+                    if info.field_name == "idle_card_minutes"
+                    else "how long a claim is warned before its idle cards are given back "
+                    "(5 when left out)"
+                )
+            )
+        return minutes
 
 
 class Layout:
@@ -433,8 +455,10 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
     import asyncio
     import logging
 
+    from fluksio_nb.gpu_usage import CardReader
     from fluksio_nb.inventory import take_inventory
     from fluksio_nb.machine.accounts import BooksAccounts
+    from fluksio_nb.machine.idle_cards import IdlePolicy
     from fluksio_nb.machine.service import BooksService
     from fluksio_nb.machine.service import serve as serve_on
     from fluksio_nb.machine.state import ServiceState
@@ -475,6 +499,11 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
             ),
             **({} if config.records_kept is None else {"kept": config.records_kept}),
         ),
+        # Read by NVML or nvidia-smi on the service's PATH, as the kernels read them.
+        cards=CardReader() if found.gpu_ids else None,
+        idle_cards=None
+        if config.idle_card_minutes is None
+        else IdlePolicy(config.idle_card_minutes * 60, config.idle_card_grace_minutes * 60),
     )
     gid = grp.getgrnam(config.group).gr_gid if config.group else 0
 

@@ -187,6 +187,8 @@ export type Ending =
   | 'timed out'
   | 'died'
   | 'cancelled'
+  /** Ended by the machine's books: its cards sat idle while another claim waited. */
+  | 'idle cards'
   /** Written for a kernel killed outright, by whoever saw it go: no peak is known. */
   | 'kernel died';
 
