@@ -64,7 +64,7 @@ from fluksio_nb.kernel import inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, cell_raised, ending_of
 from fluksio_nb.queue import ClaimQueue, Ticket
 from fluksio_nb.queued_claim import QueuedClaim, held_in_this_thread
-from fluksio_nb.records import UsageRecord
+from fluksio_nb.records import TIME_LIMIT, UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
@@ -183,6 +183,10 @@ class Claim(QueuedClaim):
             gpu_bytes=ticket.resources.gpu_ram_bytes,
         )
         ticket.on_cancel = self._cancelled
+        ticket.on_warning = self._warned
+        if ticket.warning is not None:
+            # Warned between its grant and now.
+            self._warned(ticket.warning)
         if ticket.cancelled is not None:
             # Cancelled between its grant and now, when the stop found no work
             # to stop: nothing has started, so nothing starts.
@@ -538,7 +542,21 @@ class Claim(QueuedClaim):
             self._stop("halted", decision.message, decision)
 
     def _cancelled(self, reason: str) -> None:
+        ticket = self._ticket
+        if ticket is not None and ticket.ended_as == TIME_LIMIT:
+            # The admin's limit, not a person's cancel: its record says so too.
+            self._stop(TIME_LIMIT, f"{self.status.label} was stopped: {reason}", None)
+            return
         self._stop("cancelled", f"{self.status.label} was cancelled while running: {reason}", None)
+
+    def _warned(self, message: str) -> None:
+        """What the books warn of (a time limit near): a line in the cell, and in its view."""
+        with self._lock:
+            if self.status.warning == message or self._stop_reason is not None:
+                return
+            self.status.warning = message
+        (self._cell or CellOutput()).stderr(f"fluksio_nb: {message}\n")
+        self._update_view()
 
     def _stop(self, ending: Ending, message: str, decision: HaltDecision | None) -> None:
         with self._lock:

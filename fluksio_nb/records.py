@@ -57,7 +57,7 @@ import stat
 import threading
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,6 +70,10 @@ SUFFIX = ".jsonl"
 #: the books service that saw its connection close. The claim's own worker dying, which its
 #: kernel saw and recorded, is ``"died"``.
 KERNEL_DIED = "kernel died"
+#: How a claim ended that ran for the longest time its user may hold one on
+#: the machine, as its admin set (``max_hours``): both its kernel's record and
+#: the service's say so.
+TIME_LIMIT: Final = "time limit"
 
 #: The latest wall-clock time a record (or a reading) may name: the year 2242.
 #: A later one, or 1e300, is no time anyone's clock or report can show.

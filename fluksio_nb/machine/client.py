@@ -515,6 +515,7 @@ class ServiceQueue(Ownership, Seen):
                 ticket = self._mine.get(message["ticket"])
                 if ticket is not None and ticket.cancelled is None:
                     ticket.cancelled = message["reason"]
+                    ticket.ended_as = message.get("ending")
                     if ticket.state == "running":
                         stop = ticket.on_cancel
             elif op == "warning":

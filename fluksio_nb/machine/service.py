@@ -78,6 +78,7 @@ from fluksio_nb.machine.caps import Cap
 from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
 from fluksio_nb.machine.state import HeldClaim, ServiceState
+from fluksio_nb.machine.time_limits import TimeLimits
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
 from fluksio_nb.records import KERNEL_DIED, UsageRecord
 
@@ -160,6 +161,8 @@ class BooksService(AcrossRestarts):
         self._deaths_free_at = 0.0
         #: Set to end :func:`serve`: by a signal, or by the service itself.
         self.stop: asyncio.Event | None = None
+        #: Each running claim's warning and end at its user's ``max_hours``.
+        self.time_limits = TimeLimits(self)
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -212,6 +215,7 @@ class BooksService(AcrossRestarts):
         ended_at = time.time()
         for number in list(connection.entries):
             entry = self.books.remove(number)
+            self.time_limits.forget(number)
             # Its kernel released every claim it ended, before recording it:
             # the lines before its end are read before the end is. What is
             # left, it never will.
@@ -304,6 +308,7 @@ class BooksService(AcrossRestarts):
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
             granted.remove(entry)
+            self.time_limits.granted(entry)
             answer.update(
                 gpus=list(entry.gpus),
                 cores=list(entry.cores),
@@ -363,7 +368,9 @@ class BooksService(AcrossRestarts):
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
-            self.record_end(entry, time.time(), RELEASED)
+            self.time_limits.forget(entry.number)
+            # Stopped by the service, and given back by its kernel as it should be.
+            self.record_end(entry, time.time(), entry.ended_as or RELEASED)
             self.note_held()
             self.dispatch()
 
@@ -407,14 +414,14 @@ class BooksService(AcrossRestarts):
         kills its processes and frees the share itself (:meth:`_carry_out`).
         """
         self.books.changed()
-        entry.cancel = reason
+        entry.cancel, entry.ended_as = reason, ending
         owner: Connection = entry.owner
         if entry.state == "waiting":
             # Gone from the queue at once; the owner learns why when told.
             self.books.remove(entry.number)
             owner.entries.pop(entry.number, None)
             self.record_end(entry, time.time(), ending)
-        owner.send({"op": "stop", "ticket": entry.number, "reason": reason})
+        owner.send({"op": "stop", "ticket": entry.number, "reason": reason, "ending": ending})
         if entry.state == "running":
             asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry, ending)
         # A waiting claim that left may have been the head of the queue.
@@ -439,6 +446,7 @@ class BooksService(AcrossRestarts):
             killed or "(none it could verify)",
         )
         self.books.remove(entry.number)
+        self.time_limits.forget(entry.number)
         owner: Connection = entry.owner
         owner.entries.pop(entry.number, None)
         self.record_end(entry, time.time(), ending)
@@ -561,6 +569,7 @@ class BooksService(AcrossRestarts):
 
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
+            self.time_limits.granted(entry)
             owner: Connection = entry.owner
             owner.send(
                 {
