@@ -20,7 +20,8 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
   'timed out': 'bad',
   halted: 'bad',
   interrupted: 'stopped',
-  cancelled: 'stopped'
+  cancelled: 'stopped',
+  'time limit': 'stopped'
 };
 
 /** `waited 12 s · ran 2 min 5 s · ended 14:03:12`. */
