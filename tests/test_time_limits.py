@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from fluksio_nb.overview import describe_snapshot
 from fluksio_nb.records import TIME_LIMIT
+from fluksio_nb.widget.facts import machine_facts
 from tests.kernels import Kernel, until_it_exists
 from tests.machines import (
     fluksio_nb,
@@ -91,11 +93,18 @@ def test_a_claim_past_its_time_limit_is_warned_then_stopped_with_the_limit_named
     with machine(cpus=2, gpus=0, config=config) as layout:
         a: Kernel = kernels(alice, layout)
         msg_id = a.client.execute(f"%%claim cpus=1 --label long\n{FOR_EVER}")
-        (warned,) = wait_until(
-            lambda: [c for c in snapshot(layout)["running"] if c.get("warning")],
-            what="the claim warned in the machine's snapshot",
-        )
+
+        def warned_books() -> dict | None:
+            books = snapshot(layout)
+            return books if any(c.get("warning") for c in books["running"]) else None
+
+        books = wait_until(warned_books, what="the claim warned in the machine's snapshot")
+        (warned,) = books["running"]
         assert NAMED in warned["warning"] and "it is stopped at" in warned["warning"]
+        # As the terminal's snapshot and the %claims monitor show that snapshot.
+        assert f"; {warned['warning']}" in describe_snapshot(books)
+        (row,) = machine_facts(books, {}, (1 << 30, 1 << 29))["running"]
+        assert row["warning"] == warned["warning"]
         ran = a.messages_of(msg_id, timeout=60)
         ticket = warned["ticket"]
         # In its cell, once, before it was stopped: the line, and its live view.

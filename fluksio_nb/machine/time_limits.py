@@ -22,9 +22,10 @@ What it decides:
   as it leaves the books, and each checks that the claim is still the one it
   was set for, still running, and not already being stopped for another
   reason (an admin's cancel says why of its own).
-- **The limit in force is the one at the grant**: a claim is never shortened
-  under its owner's feet; the admin's new limit applies to claims granted
-  after the service restarts with it.
+- **The limit in force is the service's**, read from ``machine.json`` as it
+  starts: an admin who changes it and restarts the service (``init``) holds
+  every claim to the new one, those put back too, from their own grants. A
+  claim already past a shortened limit is warned and stopped at once.
 """
 
 from __future__ import annotations
