@@ -13,6 +13,7 @@ that quietly means "no limit". Everything runs the real service, started by
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 from pathlib import Path
 
@@ -233,3 +234,22 @@ def test_a_max_hours_that_is_not_a_positive_number_is_refused_saying_so(bad):
         assert ran.returncode != 0
         assert f"caps.{USER_A}.max_hours: must be a positive number of hours" in ran.stderr
         assert "leave max_hours out for no time limit" in ran.stderr
+
+
+def test_a_kernel_of_a_release_before_time_limits_still_reads_the_welcome():
+    """Guards against a time limit cutting off, with the machine's books, every kernel
+    still running an earlier release, which makes its cap of every field the service
+    sends in ``cap``: the limit goes beside it."""
+    from fluksio_nb.machine import protocol
+
+    config = {"caps": {"*": {"cpus": 1, "max_hours": 2}}}
+    with (
+        machine(gpus=0, config=config) as layout,
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock,
+    ):
+        sock.settimeout(30)
+        sock.connect(str(layout.socket))
+        sock.sendall(protocol.line({"op": "hello"}))
+        welcome = json.loads(sock.makefile("rb").readline())
+    assert welcome["cap"] == {"cpus": 1, "gpus": None, "ram_bytes": None}
+    assert welcome["max_hours"] == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fluksio_nb.errors import ClaimTooLarge, ClampedWarning, warn_at_users_line
 from fluksio_nb.machine.time_limits import time_limit_words
@@ -34,6 +35,27 @@ class Cap:
     ram_bytes: int | None = None
     #: The longest one claim may run, from its grant, in hours.
     max_hours: float | None = None
+
+    def welcome(self) -> dict[str, Any]:
+        """The cap as the service's welcome says it, in two fields a kernel reads.
+
+        ``max_hours`` goes beside ``cap``, not in it: a kernel of a release
+        before time limits makes its :class:`Cap` of every field in ``cap``,
+        and would refuse the welcome, and with it the machine's books.
+        """
+        return {
+            "cap": {"cpus": self.cpus, "gpus": self.gpus, "ram_bytes": self.ram_bytes},
+            "max_hours": self.max_hours,
+        }
+
+    @classmethod
+    def welcomed(cls, welcome: dict[str, Any]) -> Cap | None:
+        """The cap a welcome said, of the fields this release knows."""
+        said = welcome.get("cap")
+        if not said:
+            return None
+        known = {name: said.get(name) for name in ("cpus", "gpus", "ram_bytes")}
+        return cls(**known, max_hours=welcome.get("max_hours"))
 
     def room(self, held: Need) -> list[float]:
         return [

@@ -183,7 +183,7 @@ class ServiceQueue(Ownership, Seen):
         self.user, self.uid = welcome["user"], welcome["uid"]
         self.records_dir = Path(welcome["records"]) if welcome.get("records") else None
         self.admin = welcome["admin"]
-        self.cap = Cap(**welcome["cap"]) if welcome.get("cap") else None
+        self.cap = Cap.welcomed(welcome)
         cpus = max(1, inventory["cpus"])
         core_ids = inventory.get("core_ids") or []
         self.books = ResourceAccountant(

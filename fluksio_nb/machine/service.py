@@ -268,7 +268,7 @@ class BooksService(AcrossRestarts):
                 "core_ids": list(self.books.core_ids),
                 "core_nodes": {str(c): n for c, n in self.books.core_nodes.items()},
             },
-            "cap": None if cap is None else cap.__dict__,
+            **({"cap": None} if cap is None else cap.welcome()),
             "admin": connection.admin,
             "records": self.records,
         }
