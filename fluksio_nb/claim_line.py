@@ -158,7 +158,8 @@ def claim_parser() -> argparse.ArgumentParser:
         "--timeout",
         action=_Once,
         metavar="S",
-        help="end the cell after S seconds, waiting included",
+        help="end the cell after S seconds, waiting included; no longer than the "
+        "machine admin's max_hours, where one is set",
     )
     _flag(
         parser,

@@ -64,7 +64,7 @@ from fluksio_nb.kernel import inventory, settings
 from fluksio_nb.lifecycle import SHOW_AFTER_S, cell_raised, ending_of
 from fluksio_nb.queue import ClaimQueue, Ticket
 from fluksio_nb.queued_claim import QueuedClaim, held_in_this_thread
-from fluksio_nb.records import IDLE_CARDS, UsageRecord
+from fluksio_nb.records import BOOKS_ENDINGS, UsageRecord
 from fluksio_nb.relay import CellOutput
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Sample, Sampler, is_news
@@ -183,6 +183,10 @@ class Claim(QueuedClaim):
             gpu_bytes=ticket.resources.gpu_ram_bytes,
         )
         ticket.on_cancel = self._cancelled
+        ticket.on_warning = self._warned
+        if ticket.warning is not None:
+            # Warned between its grant and now.
+            self._warned(ticket.warning)
         if ticket.cancelled is not None:
             # Cancelled between its grant and now, when the stop found no work
             # to stop: nothing has started, so nothing starts.
@@ -539,11 +543,24 @@ class Claim(QueuedClaim):
 
     def _cancelled(self, reason: str) -> None:
         ticket = self._ticket
-        if ticket is not None and ticket.stopped_as == IDLE_CARDS:
-            # The machine's books ended it: the words are theirs, and so is the ending.
-            self._stop(IDLE_CARDS, f"{self.status.label} was ended: {reason}", None)
+        if ticket is not None and ticket.ended_as in BOOKS_ENDINGS:
+            # The admin's rule, not a person's cancel: its record says so too.
+            self._stop(ticket.ended_as, f"{self.status.label} was stopped: {reason}", None)
             return
         self._stop("cancelled", f"{self.status.label} was cancelled while running: {reason}", None)
+
+    def _warned(self, message: str) -> None:
+        """What the books warn of (a time limit near, idle cards), or withdraw: a line in the
+        cell, and in its view while it holds."""
+        ticket = self._ticket
+        # The client clears the ticket's warning before saying why it was withdrawn.
+        withdrawn = ticket is not None and ticket.warning is None
+        with self._lock:
+            if self.status.warning == message or self._stop_reason is not None:
+                return
+            self.status.warning = None if withdrawn else message
+        (self._cell or CellOutput()).stderr(f"fluksio_nb: {message}\n")
+        self._update_view()
 
     def _stop(self, ending: Ending, message: str, decision: HaltDecision | None) -> None:
         with self._lock:

@@ -307,6 +307,8 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
             f"running  {_whose(claim)}{_in_notebook(claim)}: {share} ({_where(claim)})"
             + (f"; {claim['gpu']['text']}" if claim.get("gpu") else "")
             + (f"; {stopped}" if stopped else "")
+            # The books' own words (its time limit near): every reader sees it coming.
+            + (f"; {claim['warning']}" if claim.get("warning") else "")
         )
     for claim in snapshot.get("waiting", []):
         wait = claim.get("expected_wait")

@@ -66,9 +66,9 @@ class Ticket:
     #: When the share was granted (``time.time()``, comparable across processes).
     granted_at: float | None = None
     cancelled: str | None = None
-    #: How the books said a claim they stopped ends, where they said
-    #: (:data:`~fluksio_nb.records.IDLE_CARDS`): its record says the same.
-    stopped_as: str | None = None
+    #: How the books that stopped it record its end, if they said
+    #: (:data:`~fluksio_nb.records.BOOKS_ENDINGS`): its own record says the same.
+    ended_as: str | None = None
     #: Called, outside the queue's lock, when a running claim is cancelled:
     #: whoever runs the claim knows how to stop it; the queue does not.
     on_cancel: Callable[[str], None] | None = None

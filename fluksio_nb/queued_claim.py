@@ -82,13 +82,17 @@ class QueuedClaim(ClaimLifecycle):
         """Take a place in the queue and show it; does not wait. Idempotent."""
         if self._ticket is not None:
             return self._ticket
-        if self.wanted.timeout is not None:
-            self._deadline = time.monotonic() + self.wanted.timeout
+        asked_at = time.monotonic()
         if self.wanted.gpu_ram is not None and self.wanted.gpus:
             # Refused now, not after a wait in the queue for a card it could not use.
             self._cards_read_for_gpu_ram(self.wanted)
         ticket = self._queue.enqueue(self.wanted)
         self._ticket = ticket
+        if ticket.resources.timeout != self.wanted.timeout:
+            # Cut to the admin's time limit as it queued (:mod:`fluksio_nb.machine.caps`).
+            self.wanted = self.wanted.model_copy(update={"timeout": ticket.resources.timeout})
+        if self.wanted.timeout is not None:
+            self._deadline = asked_at + self.wanted.timeout
         self._remember_the_cell()
         self.status.label, self.status.ticket = ticket.label, ticket.number
         self.status.asked = ticket.resources

@@ -57,7 +57,7 @@ import stat
 import threading
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,11 +70,17 @@ SUFFIX = ".jsonl"
 #: the books service that saw its connection close. The claim's own worker dying, which its
 #: kernel saw and recorded, is ``"died"``.
 KERNEL_DIED = "kernel died"
-
+#: How a claim ended that ran for the longest time its user may hold one on
+#: the machine, as its admin set (``max_hours``): both its kernel's record and
+#: the service's say so.
+TIME_LIMIT: Final = "time limit"
 #: How a claim ended that the machine's books service ended because its cards
 #: sat idle while another claim waited for one (``idle_card_minutes`` in the
 #: machine's config): written by the service and by the claim's own kernel alike.
-IDLE_CARDS = "idle cards"
+IDLE_CARDS: Final = "idle cards"
+#: The endings the books give a claim they stop for an admin's rule, which the
+#: kernel's record takes as its own; any other stop is a person's cancel.
+BOOKS_ENDINGS: Final = (TIME_LIMIT, IDLE_CARDS)
 
 #: The latest wall-clock time a record (or a reading) may name: the year 2242.
 #: A later one, or 1e300, is no time anyone's clock or report can show.

@@ -45,9 +45,19 @@ from fluksio_nb.sampler import Readings
 
 Phase = Literal["waiting", "running", "done"]
 
-#: How a claim ended, in the words the status uses.
+#: How a claim ended, in the words the status uses. ``"time limit"`` and
+#: ``"idle cards"`` are the admin's rules (:data:`~fluksio_nb.records.BOOKS_ENDINGS`);
+#: ``"timed out"``, the claim's own.
 Ending = Literal[
-    "ok", "error", "interrupted", "halted", "timed out", "died", "cancelled", "idle cards"
+    "ok",
+    "error",
+    "interrupted",
+    "halted",
+    "timed out",
+    "died",
+    "cancelled",
+    "time limit",
+    "idle cards",
 ]
 
 
@@ -83,6 +93,9 @@ class ClaimStatus:
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
+    #: What the books warn of while it runs, in their words (its time limit
+    #: near); ``""`` when nothing.
+    warning: str = ""
     #: When the work's process was found stopped by a signal (``SIGSTOP``, a
     #: debugger), as ``time.time()``; ``None`` while it runs.
     stopped_since: float | None = None
@@ -151,7 +164,8 @@ def describe(status: ClaimStatus) -> str:
         )
     share = _share(status)
     if status.phase == "running":
-        return f"{name}: {doing(status)} · {share}{_reading(status)}"
+        warned = f" · {status.warning}" if status.warning else ""
+        return f"{name}: {doing(status)} · {share}{_reading(status)}{warned}"
     ending = status.ending or "done"
     if status.not_back:
         ending += ", but not every name came back"
@@ -351,6 +365,8 @@ class TextView:
         self._ended = False
         self._display_id = new_display_id()
         self._last = 0.0
+        #: The books' warning last drawn: a new one is drawn at once.
+        self._warning = ""
         self._lock = threading.Lock()
 
     def show(self, status: ClaimStatus) -> None:
@@ -379,9 +395,10 @@ class TextView:
         with self._lock:
             if not self._shown or self._ended:
                 return
-            if status.phase != "done" and now - self._last < self.MIN_INTERVAL_S:
+            news = status.phase == "done" or status.warning != self._warning
+            if not news and now - self._last < self.MIN_INTERVAL_S:
                 return
-            self._last = now
+            self._last, self._warning = now, status.warning
             self._output.update_display(status_bundle(status), self._display_id)
 
     def end(self, status: ClaimStatus, in_place: bool = True) -> bool:

@@ -305,7 +305,7 @@ def test_an_idle_card_is_warned_then_given_to_the_waiter_and_busy_ones_are_not(p
             ended = a.run("idle.result(60)")
             assert ended.error["ename"] == "ClaimCancelled"
             assert ended.error["evalue"].startswith(
-                f"idle was ended: claim {idle['ticket']}'s card {on['idle']} had been idle"
+                f"idle was stopped: claim {idle['ticket']}'s card {on['idle']} had been idle"
             )
             assert "idle_card_grace_minutes" in ended.error["evalue"]
             assert a.facts("idle.status") == IDLE_CARDS

@@ -79,8 +79,9 @@ The trust model:
    the service it started.
 
 Fairness is between people first (:mod:`.books`), and an admin can cap (:mod:`.caps`) what
-any user holds at once. Where nobody ran ``machine init``, each user's
-kernels share books of their own, kept by the same service run as the user
-in a directory of theirs alone (:mod:`.user_service`, :mod:`.user_dir`): no
-other user can reach it, and the books have one set of rules, whoever's.
+any user holds at once, and for how long one claim runs (:mod:`.time_limits`).
+Where nobody ran ``machine init``, each user's kernels share books of their
+own, kept by the same service run as the user in a directory of theirs alone
+(:mod:`.user_service`, :mod:`.user_dir`): no other user can reach it, and the
+books have one set of rules, whoever's.
 """

@@ -183,7 +183,7 @@ class ServiceQueue(Ownership, Seen):
         self.user, self.uid = welcome["user"], welcome["uid"]
         self.records_dir = Path(welcome["records"]) if welcome.get("records") else None
         self.admin = welcome["admin"]
-        self.cap = Cap(**welcome["cap"]) if welcome.get("cap") else None
+        self.cap = Cap.welcomed(welcome)
         cpus = max(1, inventory["cpus"])
         core_ids = inventory.get("core_ids") or []
         self.books = ResourceAccountant(
@@ -516,7 +516,7 @@ class ServiceQueue(Ownership, Seen):
                 if ticket is not None and ticket.cancelled is None:
                     ticket.cancelled = message["reason"]
                     ending = message.get("ending")
-                    ticket.stopped_as = ending if isinstance(ending, str) else None
+                    ticket.ended_as = ending if isinstance(ending, str) else None
                     if ticket.state == "running":
                         stop = ticket.on_cancel
             elif op == "warning":

@@ -27,6 +27,7 @@ from fluksio_nb.machine.turns import Connection
 
 if TYPE_CHECKING:
     from fluksio_nb.machine.books import MachineBooks
+    from fluksio_nb.machine.time_limits import TimeLimits
 
 #: How soon a change of the running claims is written down for the next
 #: service: often enough that a crash loses little, rarely enough that
@@ -53,6 +54,7 @@ class AcrossRestarts:
     _granting_from: float
     _state_due: bool
     _state_frozen: bool
+    time_limits: TimeLimits
 
     def _on_restore(self, connection: Connection, request: protocol.Restore) -> None:
         """A kernel's running claim from before the service restarted, back in the books.
@@ -112,9 +114,11 @@ class AcrossRestarts:
             gpus=tuple(request.gpus),
             cores=tuple(request.cores),
             since=now,
-            granted_at=now,
+            # Its grant as before: a restart gives no claim more time (:mod:`.time_limits`).
+            granted_at=held.granted_at or now,
             secret_sha256=held.secret_sha256,
         )
+        self.time_limits.granted(entry)
         self.note_held()
         connection.send(
             {"op": "ticket", "id": request.id, "ticket": entry.number, "since": entry.since}

@@ -86,6 +86,7 @@ from fluksio_nb.machine.idle_cards import IdlePolicy, watch_idle_cards
 from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
 from fluksio_nb.machine.state import HeldClaim, ServiceState
+from fluksio_nb.machine.time_limits import TimeLimits
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
 from fluksio_nb.records import KERNEL_DIED, UsageRecord
 
@@ -177,6 +178,8 @@ class BooksService(AcrossRestarts):
         self._deaths_free_at = 0.0
         #: Set to end :func:`serve`: by a signal, or by the service itself.
         self.stop: asyncio.Event | None = None
+        #: Each running claim's warning and end at its user's ``max_hours``.
+        self.time_limits = TimeLimits(self)
 
     def cap_for(self, user: str) -> Cap | None:
         return self.cap_by_name.get(user) or self.cap_by_name.get("*")
@@ -229,6 +232,7 @@ class BooksService(AcrossRestarts):
         ended_at = time.time()
         for number in list(connection.entries):
             entry = self.books.remove(number)
+            self.time_limits.forget(number)
             # Its kernel released every claim it ended, before recording it:
             # the lines before its end are read before the end is. What is
             # left, it never will.
@@ -281,7 +285,7 @@ class BooksService(AcrossRestarts):
                 "core_ids": list(self.books.core_ids),
                 "core_nodes": {str(c): n for c, n in self.books.core_nodes.items()},
             },
-            "cap": None if cap is None else cap.__dict__,
+            **({"cap": None} if cap is None else cap.welcome()),
             "admin": connection.admin,
             "records": self.records,
         }
@@ -321,6 +325,7 @@ class BooksService(AcrossRestarts):
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
             granted.remove(entry)
+            self.time_limits.granted(entry)
             answer.update(
                 gpus=list(entry.gpus),
                 cores=list(entry.cores),
@@ -380,7 +385,8 @@ class BooksService(AcrossRestarts):
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
-            # A claim the service ended is recorded as it ended it, though its kernel gave it back.
+            self.time_limits.forget(entry.number)
+            # Stopped by the service, and given back by its kernel as it should be.
             self.record_end(entry, time.time(), entry.ended_as or RELEASED)
             self.note_held()
             self.dispatch()
@@ -467,6 +473,7 @@ class BooksService(AcrossRestarts):
             killed or "(none it could verify)",
         )
         self.books.remove(entry.number)
+        self.time_limits.forget(entry.number)
         owner: Connection = entry.owner
         owner.entries.pop(entry.number, None)
         self.record_end(entry, time.time(), ending)
@@ -589,6 +596,7 @@ class BooksService(AcrossRestarts):
 
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
+            self.time_limits.granted(entry)
             owner: Connection = entry.owner
             owner.send(
                 {

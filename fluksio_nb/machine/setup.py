@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import math
 import os
 import resource
 import shutil
@@ -71,9 +72,30 @@ class UserCap(BaseModel):
     cpus: int | None = Field(default=None, ge=0)
     gpus: int | None = Field(default=None, ge=0)
     ram: ByteSize | None = None
+    #: The longest one claim may run, from its grant (:mod:`.time_limits`).
+    max_hours: float | None = None
+
+    @field_validator("max_hours", mode="before")
+    @classmethod
+    def _positive_hours(cls, value: Any) -> Any:
+        # A number in JSON; true is not one hour, nor is "8" a number.
+        if value is None:
+            return value
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise ValueError(
+                f"must be a positive number of hours, as 8 or 0.5, not {value!r}; "
+                "leave max_hours out for no time limit"
+            )
+        return value
 
     def as_cap(self) -> Cap:
-        return Cap(self.cpus, self.gpus, None if self.ram is None else int(self.ram))
+        return Cap(
+            self.cpus, self.gpus, None if self.ram is None else int(self.ram), self.max_hours
+        )
 
 
 class MachineConfig(BaseModel):

@@ -83,6 +83,9 @@ class HeldClaim(_Strict):
     gpus: list[int] = Field(max_length=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
     cores: list[int] = Field(max_length=1 << 20)
+    #: When it was granted (``time.time()``), which its time limit counts
+    #: from; ``None`` in what a service before this field wrote.
+    granted_at: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     def holds(self, cpus: int, gpus: list[int], ram_bytes: int, cores: list[int]) -> bool:
         return (self.cpus, sorted(self.gpus), self.ram_bytes, sorted(self.cores)) == (
@@ -140,6 +143,7 @@ class ServiceState:
                 gpus=list(e.gpus),
                 ram_bytes=e.need[2],
                 cores=list(e.cores),
+                granted_at=e.granted_at,
             )
             for e in running
             if e.secret_sha256 is not None

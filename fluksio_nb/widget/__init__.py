@@ -125,6 +125,8 @@ class ClaimWidget(_Widget):
     enforcement = t.Dict().tag(sync=True)
     #: The claim reached its memory's warning stage: the widget turns amber.
     memory_warning = t.Bool(False).tag(sync=True)
+    #: What the books warn of while it runs (its time limit near); ``""`` when nothing.
+    warning = t.Unicode("").tag(sync=True)
     #: What the claim does beyond its phase, in words (``facts.doing_fact``).
     doing = t.Unicode("").tag(sync=True)
 
@@ -165,6 +167,7 @@ class ClaimWidget(_Widget):
                 and status.holders == self.holders
                 and status.label == self.label
                 and status.memory_warning == self.memory_warning
+                and status.warning == self.warning
                 and doing_fact(status) == self.doing
             )
             if quiet:
@@ -221,6 +224,8 @@ class WidgetView:
         self._output: Any = None
         self._display_id = new_display_id()
         self._phase: str | None = None
+        #: The books' warning last pushed: a new one goes at once, as a phase does.
+        self._warning = ""
         self._last = 0.0
         self._ended = False
         self._lock = threading.Lock()
@@ -247,13 +252,13 @@ class WidgetView:
             widget = self.widget
             if widget is None or widget.closed:
                 return
-            new_phase = status.phase != self._phase
-            if not new_phase and now - self._last < self.MIN_INTERVAL_S:
+            news = status.phase != self._phase or status.warning != self._warning
+            if not news and now - self._last < self.MIN_INTERVAL_S:
                 return
             self._last = now
             if not widget.follow(status):
                 return
-            self._phase = status.phase
+            self._phase, self._warning = status.phase, status.warning
 
     def end(self, status: ClaimStatus, in_place: bool = True) -> bool:
         """Replace the widget with the claim's record and close it; False if it is not there."""

@@ -101,6 +101,7 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,
+        "warning": status.warning,
         "doing": doing_fact(status),
     }
 
@@ -185,6 +186,8 @@ def machine_facts(
             "notebook": claim.get("notebook"),
             #: When its worker was stopped by a signal (SIGSTOP), if it is.
             "stopped_since": (claim.get("readings") or {}).get("stopped_since"),
+            #: What the books warn of (its time limit near), or ``""``.
+            "warning": claim.get("warning") or "",
         }
         status = statuses.get(claim["ticket"]) if entry["mine"] else None
         if status is not None:

@@ -280,6 +280,7 @@ const CLAIM_TRAITS = [
   "message",
   "enforcement",
   "memory_warning",
+  "warning",
   "doing",
 ];
 
@@ -295,7 +296,11 @@ function renderClaim(model, el) {
     const ending = model.get("ending");
     root.dataset.phase = phase;
     root.dataset.ending = ending || "";
-    root.dataset.warning = model.get("memory_warning") ? "memory" : "";
+    root.dataset.warning = model.get("memory_warning")
+      ? "memory"
+      : model.get("warning") && phase === "running"
+        ? "books"
+        : "";
     const head = h("div", "fluksio-head");
     const state = phase === "done" ? ending || "done" : phase;
     put(
@@ -340,6 +345,10 @@ function renderClaim(model, el) {
         if (model.get("doing")) {
           // Stopped by a signal, or sending its results back: not plain running.
           body.push(h("div", "fluksio-row fluksio-doing", model.get("doing")));
+        }
+        if (model.get("warning")) {
+          // The books' word, its time limit near: above the readings, where it is read.
+          body.push(h("div", "fluksio-row fluksio-books-warning", model.get("warning")));
         }
         body.push(put(h("div", "fluksio-row"), field("share", null, share(allocation, budget))));
         const rss = reading ? reading.rss_bytes : 0;
@@ -931,6 +940,11 @@ function renderMonitor(model, el) {
         );
         stopped.dataset.field = "stopped";
         item.append(stopped);
+      }
+      if (c.warning) {
+        const warned = h("div", "fluksio-row fluksio-books-warning", c.warning);
+        warned.dataset.field = "warning";
+        item.append(warned);
       }
       if (c.reading) {
         const { rss_bytes: rss, cpu_percent: cpu } = c.reading;

@@ -93,6 +93,11 @@ export interface RunningClaim extends Claim {
   allocation: { cpus: number; gpus: number[]; ram_bytes: number; cores?: number[] };
   readings: Readings | null;
   gpu?: ClaimGpu | null;
+  /**
+   * What the machine's books warn of while it runs, in their words: its time
+   * limit near, naming the admin's `max_hours`. Absent or null when nothing.
+   */
+  warning?: string | null;
 }
 
 /** How long a queued claim may still wait, and what the guess rests on. */
@@ -187,6 +192,8 @@ export type Ending =
   | 'timed out'
   | 'died'
   | 'cancelled'
+  /** Stopped at the longest time the admin lets one claim run (`max_hours`). */
+  | 'time limit'
   /** Ended by the machine's books: its cards sat idle while another claim waited. */
   | 'idle cards'
   /** Written for a kernel killed outright, by whoever saw it go: no peak is known. */

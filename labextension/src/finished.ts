@@ -21,6 +21,7 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
   halted: 'bad',
   interrupted: 'stopped',
   cancelled: 'stopped',
+  'time limit': 'stopped',
   'idle cards': 'stopped'
 };
 

@@ -8,7 +8,10 @@
  * says, through JupyterLab's notifications (which Notebook 7 shows too):
  * - when a claim that waited longer than `startedAfterWaitingSeconds` starts;
  * - when a claim that ran longer than `endedAfterRunningSeconds` ends, and
- *   how (ok, error, halted...), as the server's finished claims say it.
+ *   how (ok, error, halted...), as the server's finished claims say it;
+ * - when the machine's books warn of a running claim (its time limit near,
+ *   as the admin set it), once for each warning, whatever the settings: it
+ *   is about to be stopped, and the user may want to save what it did.
  * When the browser tab is hidden, a browser notification says the same,
  * since a toast in a hidden tab is seen only on coming back. The browser's
  * permission is asked once, when one of the user's claims first waits (that
@@ -55,6 +58,8 @@ interface Seen {
   path: string | null;
   /** Browser time it was first seen running; null while it waits. */
   startedAt: number | null;
+  /** The books' last warning told of it, '' before any. */
+  warned: string;
 }
 
 /** How many times the finished claims are read for one that just ended. */
@@ -92,7 +97,12 @@ export class Notices {
         this._started(claim, now - claim.since, before);
       }
       // A claim first seen running (or on the first look) is timed from now.
-      still.set(claim.ticket, before ?? this._new(claim, now));
+      const kept = before ?? this._new(claim, now);
+      still.set(claim.ticket, kept);
+      if (claim.warning && claim.warning !== kept.warned) {
+        kept.warned = claim.warning;
+        this._warned(claim.ticket, claim.warning, kept);
+      }
     }
     if (!first) {
       for (const [ticket, claim] of seen) {
@@ -115,8 +125,14 @@ export class Notices {
       since: claim.since,
       notebook: claim.notebook,
       path: claim.path,
-      startedAt
+      startedAt,
+      warned: ''
     };
+  }
+
+  private _warned(ticket: number, warning: string, seen: Seen): void {
+    const message = `${quoted(seen.label)}${where(seen)}: ${warning}.`;
+    this._say(message, 'warning', seen, `fluksio-warned-${ticket}`);
   }
 
   private _started(claim: RunningClaim, waited: number, seen: Seen): void {

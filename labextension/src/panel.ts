@@ -92,6 +92,8 @@ class ClaimRow {
     });
     this._share = element('div', 'fluksio-lab-claim-share', this.node);
     this._readings = element('div', 'fluksio-lab-claim-readings', this.node);
+    this._warning = element('div', 'fluksio-lab-claim-warning', this.node);
+    this._warning.hidden = true;
   }
 
   readonly node: HTMLLIElement;
@@ -134,6 +136,11 @@ class ClaimRow {
           ? `RSS ${human(readings.rss_bytes)} · CPU ${readings.cpu_percent.toFixed(0)}%${cardsSaid}`
           : `no readings yet${cardsSaid}`);
       this.node.classList.toggle('fluksio-lab-stopped', !!stopped);
+      // The books' own words, its time limit near: every user sees it coming.
+      const warning = (claim as RunningClaim).warning ?? '';
+      this._warning.textContent = warning;
+      this._warning.hidden = !warning;
+      this.node.classList.toggle('fluksio-lab-warned', !!warning);
       this._readings.title = readings
         ? `peak RSS ${human(readings.peak_rss_bytes)}; CPU is the share of the whole ` +
           `machine, ${plural(readings.processes, 'process', 'processes')}`
@@ -162,6 +169,7 @@ class ClaimRow {
   private _where: HTMLAnchorElement;
   private _share: HTMLElement;
   private _readings: HTMLElement;
+  private _warning: HTMLElement;
 }
 
 /** A list of claims in one state, kept in the server's order. */
