@@ -67,7 +67,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -79,7 +79,11 @@ from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
 from fluksio_nb.machine.state import HeldClaim, ServiceState
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
+from fluksio_nb.metrics import Tally
 from fluksio_nb.records import KERNEL_DIED, UsageRecord
+
+if TYPE_CHECKING:
+    from fluksio_nb.gpu_usage import CardReader
 
 __all__ = ["MAX_CONNECTIONS_PER_USER", "BooksService", "Connection", "serve"]
 
@@ -91,6 +95,7 @@ RELEASED = "released"
 CANCELLED = "cancelled"
 #: Left in the run directory by a service that stopped while claims were held.
 CLAIMS_HELD_NAME = "claims-held"
+
 #: The most waiting claims one user may have. Far above what a person's
 #: notebooks make, and low enough that the service's memory is bounded.
 MAX_WAITING_PER_USER = 4096
@@ -131,8 +136,14 @@ class BooksService(AcrossRestarts):
         read_deaths: DeathsReader | None = None,
         accounts: BooksAccounts | None = None,
         state: ServiceState | None = None,
+        cards: CardReader | None = None,
     ) -> None:
         self.books = books
+        #: The machine's cards, where something reads them: for the metrics.
+        self.cards = cards
+        #: The claims that ended, and the waits, as the metrics count them.
+        self.tally = Tally()
+        self._metrics: tuple[Any, bytes] | None = None
         #: Where the running claims are written down for the next service, if anywhere.
         self.state = state
         #: What the service before this one wrote down: the only restores taken.
@@ -225,11 +236,21 @@ class BooksService(AcrossRestarts):
         self._giving_back = False
         turns.give_memory_back()
 
-    def record_end(self, entry: Entry, ended_at: float, ending: str) -> None:
-        """The claim as the service saw it end, of whoever the OS said it was."""
+    def record_end(
+        self, entry: Entry, ended_at: float, ending: str, told: str | None = None
+    ) -> None:
+        """The claim as the service saw it end, of whoever the OS said it was.
+
+        ``told`` is how its kernel said it ended, where it said: what the
+        metrics count, while the record says what the service saw.
+        """
+        running = entry.state == "running"
+        ran_s = ended_at - entry.granted_at if running and entry.granted_at is not None else 0.0
+        self.tally.ended(
+            entry.user, told or ending, entry.need[0] if running else 0, len(entry.gpus), ran_s
+        )
         if self.accounts is None:
             return
-        running = entry.state == "running"
         try:
             record = UsageRecord(
                 label=entry.label,
@@ -267,6 +288,8 @@ class BooksService(AcrossRestarts):
             "cap": None if cap is None else cap.__dict__,
             "admin": connection.admin,
             "records": self.records,
+            # A release may say how its claim ended (protocol.Release.ending).
+            "hears_endings": True,
         }
 
     # -- requests -----------------------------------------------------------------
@@ -299,7 +322,7 @@ class BooksService(AcrossRestarts):
             "ticket": entry.number,
             "since": entry.since,
         }
-        granted = [] if self._holding() else self.books.dispatch()
+        granted = [] if self._holding() else self._grant()
         if entry in granted:
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
@@ -363,7 +386,7 @@ class BooksService(AcrossRestarts):
         entry = connection.entries.pop(request.ticket, None)
         if entry is not None:
             self.books.remove(entry.number)
-            self.record_end(entry, time.time(), RELEASED)
+            self.record_end(entry, time.time(), RELEASED, told=request.ending)
             self.note_held()
             self.dispatch()
 
@@ -557,7 +580,35 @@ class BooksService(AcrossRestarts):
     def dispatch(self) -> None:
         if self._holding():
             return
-        self.tell_granted(self.books.dispatch())
+        self.tell_granted(self._grant())
+
+    def _grant(self) -> list[Entry]:
+        """Whatever may go now, granted in the books, each wait counted for the metrics."""
+        granted = self.books.dispatch()
+        for entry in granted:
+            if entry.granted_at is not None:
+                self.tally.waited(entry.user, entry.granted_at - entry.since)
+        return granted
+
+    def metrics_text(self) -> bytes:
+        """The metrics in Prometheus's text format: made again only when something changed.
+
+        Runs on the loop that answers claims, so it costs at most a snapshot
+        of the books per change, and reads the cards' last reading without
+        waiting for one (:mod:`fluksio_nb.metrics`).
+        """
+        from fluksio_nb.metrics import exposition, with_cards_read
+
+        reading = None if self.cards is None else self.cards.latest(wait_for_first=False)
+        key = (self.books.version, self.tally.version, None if reading is None else reading.at)
+        if self._metrics is not None and self._metrics[0] == key:
+            return self._metrics[1]
+        snapshot = self.books.snapshot(0, admin=True, sees_pids=True)
+        text = exposition(
+            with_cards_read(snapshot, reading), self.tally, self.books.waiting_by_user()
+        )
+        self._metrics = (key, text)
+        return text
 
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
@@ -576,12 +627,18 @@ class BooksService(AcrossRestarts):
             self.note_held()
 
 
-async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
-    """Answer on ``socket_path`` until SIGTERM or SIGINT.
+async def serve(
+    socket_path: Path,
+    service: BooksService,
+    ready: Any = None,
+    metrics: tuple[str, int] | None = None,
+) -> None:
+    """Answer on ``socket_path`` until SIGTERM or SIGINT; and metrics at ``metrics``, if given.
 
     A service that follows one which had claims (it left its socket behind,
     having crashed, or said so as it stopped) grants nothing for a grace
-    period, while their kernels put them back.
+    period, while their kernels put them back. Where the metrics are served
+    is written beside the socket (:mod:`.metrics_http`).
     """
     held = socket_path.with_name(CLAIMS_HELD_NAME)
     follows_claims = socket_path.exists() or held.exists()
@@ -593,6 +650,11 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
     # Asked now: whoever runs this raised the descriptor limit first.
     service.admission.per_user, service.admission.in_all = connection_limits()
     server = await loop.create_unix_server(lambda: Connection(service), path=str(socket_path))
+    scraped = None
+    if metrics is not None:
+        from fluksio_nb.machine.metrics_http import start_metrics
+
+        scraped = await start_metrics(service.metrics_text, *metrics, socket_path.parent)
     if follows_claims:
         service.take_over()
         service.hold_grants(RESTORE_GRACE_S)
@@ -608,6 +670,8 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         # service rather than this one on its way out.
         with contextlib.suppress(FileNotFoundError):
             socket_path.unlink()
+        if scraped is not None:
+            scraped.close()
         server.close()
         service.freeze_held()
         if any(c.entries for c in service.connections):

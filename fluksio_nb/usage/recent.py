@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from fluksio_nb.budget import human
+from fluksio_nb.metrics import Tally
 from fluksio_nb.records import SUFFIX, UsageRecord
 from fluksio_nb.usage.read import UsageRows, each_usage
 
@@ -160,8 +161,22 @@ class RecentUsage:
             now = time.monotonic()
             if now - self._deaths_at >= DEATHS_FOR_S:
                 self._deaths_at = now
-                self._deaths = self._ask_deaths()[:FINISHED]
+                self._deaths = self._ask_deaths()
             return self._deaths
+
+    def tally(self) -> Tally:
+        """The user's claims that ended, added up for the metrics (:mod:`fluksio_nb.metrics`).
+
+        From what :meth:`finished` reads: the user's own records, the newest
+        :data:`READ_AT_MOST` of each directory, and their killed kernels' as
+        the books service last said them.
+        """
+        total = Tally()
+        for one in self._kept()[0]:
+            total.merge(one.tally)
+        for user, record in self._died():
+            total.add_record(user, record)
+        return total
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
@@ -185,6 +200,8 @@ class _Kept:
         self.runs: dict[str, list[tuple[float, float]]] = {}
         #: What was not read, and why.
         self.counts = UsageRows()
+        #: Every record read, added up for the metrics.
+        self.tally = Tally()
         self._n = 0
 
     def __len__(self) -> int:
@@ -193,6 +210,7 @@ class _Kept:
 
     def add(self, user: str, record: UsageRecord) -> None:
         self._n += 1
+        self.tally.add_record(user, record)
         _keep(self.finished, (record.ended_at, self._n, user, record), FINISHED)
         if record.granted_at is not None:
             _keep(
