@@ -11,9 +11,12 @@ shows in what it stored.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -276,3 +279,117 @@ def test_the_jupyter_servers_metrics_need_its_token_and_count_its_users_endings(
         assert timed_out() == 1
     finally:
         lab.stop()
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL expression in the Grafana dashboard, its variables given values."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                found.append(node["expr"])
+            for inner in node.values():
+                walk(inner)
+        elif isinstance(node, list):
+            for inner in node:
+                walk(inner)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return [
+        query.replace("$__rate_interval", "1m").replace("$__range", "1h").replace("$job", ".+")
+        for query in found
+    ]
+
+
+def test_the_dashboard_asks_only_for_metrics_a_real_scrape_has(tmp_path, monkeypatch):
+    """Guards against a dashboard whose panels stay empty because a metric it names was
+    renamed or never served, or whose queries Prometheus refuses; and against card figures
+    (utilisation, squatters' memory) the service never serves."""
+    from tests.gpu_standins import StandInSmi, card
+
+    smi = StandInSmi(tmp_path / "smi", [card(0, utilisation=37, used_mib=1024)])
+    # Held by this test's process, which no claim sits above: a squatter's.
+    smi.set_apps([{"uuid": smi.cards[0]["uuid"], "pid": os.getpid(), "used_mib": 512}])
+    # The service started by init inherits this PATH, and finds the stand-in there.
+    monkeypatch.setenv("PATH", smi.path_env())
+    with machine(cpus=5, gpus=1, config={"metrics": "127.0.0.1:0"}) as layout:
+        url = f"http://{metrics_address(layout)}/metrics"
+        # One claim ended, for the counters, and one running, for the gauges.
+        ended = "t0 = q.enqueue(Resources(cpus=1), label='ended')\nq.wait(t0)\nq.release(t0)\n"
+        holder = process(layout, ended + HOLD.format(cpus=1, label="a-claim"))
+        try:
+            heard(holder)
+
+            def with_cards() -> str | None:
+                text = scrape(url)[1]
+                return text if "fluksio_card_utilisation_ratio{" in text else None
+
+            text = wait_until(with_cards, 30) and with_cards()
+            assert text, scrape(url)[1]
+            assert value(text, "fluksio_card_utilisation_ratio", card="0") == 0.37
+            assert value(text, "fluksio_card_squatter_memory_bytes", card="0") == 512 * 2**20
+            served = {name for name, _ in samples(text)}
+            queries = dashboard_queries()
+            assert len(queries) >= 10
+            named = {name for query in queries for name in re.findall(r"fluksio_\w+", query)}
+            assert named <= served, named - served
+            jobs = [{"job_name": "service", "static_configs": [{"targets": [url[7:-8]]}]}]
+            with prometheus(tmp_path / "prometheus", jobs) as server:
+                assert wait_until(lambda: server.query("fluksio_machine_cores"), 60)
+                for query in queries:
+                    server.query(query)  # refused: an error, not a success
+        finally:
+            holder.kill()
+            holder.wait()
+
+
+def test_scrapers_that_never_finish_stall_no_claim_and_are_cut_off(tmp_path):
+    """Guards against a metrics server that reads or writes on the loop that answers
+    claims until a scraper is done: anyone who reaches the address could stop every
+    user's claims by opening connections and sending nothing."""
+    from fluksio_nb.machine.metrics_http import MOST_CONNECTIONS, MOST_REQUEST_BYTES
+
+    with machine(cpus=5, gpus=1, config={"metrics": "127.0.0.1:0"}) as layout:
+        host, _, port = metrics_address(layout).rpartition(":")
+        silent = []
+        try:
+            for _ in range(MOST_CONNECTIONS):
+                connection = socket.create_connection((host, int(port)), timeout=30)
+                connection.sendall(b"GET /metr")
+                silent.append(connection)
+            # One past the most: closed at once, not queued behind the silent ones.
+            one_more = socket.create_connection((host, int(port)), timeout=30)
+            one_more.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert _closed_without_answer(one_more)
+            # A claim is granted while every place is held by a scraper saying nothing.
+            holder = process(layout, HOLD.format(cpus=1, label="granted-meanwhile"))
+            try:
+                assert heard(holder)["ticket"] >= 1
+            finally:
+                holder.kill()
+                holder.wait()
+        finally:
+            for connection in silent:
+                connection.close()
+        # The places free again, a scrape is answered; and one that sends more than a
+        # request is cut off, as is anything but GET /metrics answered no metrics.
+        assert wait_until(lambda: scrape(f"http://{host}:{port}/metrics")[0] == 200, 30)
+        flood = socket.create_connection((host, int(port)), timeout=30)
+        with contextlib.suppress(ConnectionError):
+            flood.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * (2 * MOST_REQUEST_BYTES))
+        assert _closed_without_answer(flood)
+        assert scrape(f"http://{host}:{port}/claims")[0] == 404
+        request = urllib.request.Request(f"http://{host}:{port}/metrics", method="POST", data=b"")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 405
+
+
+def _closed_without_answer(connection: socket.socket) -> bool:
+    """Whether the service closed ``connection`` having sent nothing."""
+    with connection:
+        try:
+            return connection.recv(1024) == b""
+        except ConnectionResetError:
+            return True
