@@ -41,7 +41,7 @@ What it decides:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,12 +353,35 @@ class _Families:
         return self._families
 
 
+def text_of(families: Iterable[Metric]) -> bytes:
+    """``families`` in Prometheus's text format (:data:`CONTENT_TYPE`)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families)))
+    return generate_latest(registry)
+
+
 def exposition(
     snapshot: Mapping[str, Any],
     tally: Tally,
     waiting_by_user: Mapping[str, int] | None = None,
 ) -> bytes:
     """Every family, in Prometheus's text format (:data:`CONTENT_TYPE`)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families([*snapshot_families(snapshot, waiting_by_user), *tally.families()]))
-    return generate_latest(registry)
+    return text_of([*snapshot_families(snapshot, waiting_by_user), *tally.families()])
+
+
+class KeptText:
+    """The text in parts, each made again only when what it comes from changed.
+
+    The books change with every report of a claim's readings, the tally only
+    as claims are granted and end: a scrape on a busy machine makes the
+    gauges again, and the counters seldom.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, tuple[Any, bytes]] = {}
+
+    def part(self, name: str, key: Any, families: Callable[[], Iterable[Metric]]) -> bytes:
+        kept = self._parts.get(name)
+        if kept is None or kept[0] != key:
+            kept = self._parts[name] = (key, text_of(families()))
+        return kept[1]

@@ -393,3 +393,35 @@ def _closed_without_answer(connection: socket.socket) -> bool:
             return connection.recv(1024) == b""
         except ConnectionResetError:
             return True
+
+
+def test_a_kernel_serves_and_counts_no_metrics(tmp_path):
+    """Guards against metrics costing every kernel: the books service and the Jupyter server
+    serve them, and a kernel making claims and reading its past runs (for expected waits)
+    must not import Prometheus's client, nor add its records up for a tally."""
+    from tests.kernels import Kernel
+
+    kernel = Kernel(
+        FLUKSIO_LEDGER=str(tmp_path / "ledger"),
+        FLUKSIO_CPUS="2",
+        FLUKSIO_GPUS="0",
+        FLUKSIO_RESERVE_CPUS="0",
+        FLUKSIO_CONFIG=str(tmp_path / "none.json"),
+        JUPYTER_DATA_DIR=str(tmp_path / "data"),
+    )
+    try:
+        ran = kernel.run(
+            "from fluksio_nb import claim\n"
+            "for _ in range(2):\n"
+            "    with claim(cpus=1, label='twice') as c:\n"
+            "        c.run(sum, [1, 2])\n"
+            "from fluksio_nb.usage.recent import process_recent_usage\n"
+            "runs = process_recent_usage().durations()\n"
+            "import sys\n"
+            "print(len(runs['twice']), sorted(m for m in sys.modules if 'prometheus' in m "
+            "or m == 'fluksio_nb.metrics'))",
+            check=True,
+        )
+    finally:
+        kernel.shutdown()
+    assert ran.stdout.strip() == "2 []", ran.stdout

@@ -79,11 +79,11 @@ from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
 from fluksio_nb.machine.state import HeldClaim, ServiceState
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
-from fluksio_nb.metrics import Tally
 from fluksio_nb.records import KERNEL_DIED, UsageRecord
 
 if TYPE_CHECKING:
     from fluksio_nb.gpu_usage import CardReader
+    from fluksio_nb.metrics import Tally
 
 __all__ = ["MAX_CONNECTIONS_PER_USER", "BooksService", "Connection", "serve"]
 
@@ -142,8 +142,12 @@ class BooksService(AcrossRestarts):
         #: The machine's cards, where something reads them: for the metrics.
         self.cards = cards
         #: The claims that ended, and the waits, as the metrics count them.
-        self.tally = Tally()
-        self._metrics: tuple[Any, bytes] | None = None
+        # Here, not at the top: kernels import this module (a user's own service's
+        # address), and a kernel serves no metrics.
+        from fluksio_nb.metrics import KeptText, Tally
+
+        self.tally: Tally = Tally()
+        self._metrics = KeptText()
         #: Where the running claims are written down for the next service, if anywhere.
         self.state = state
         #: What the service before this one wrote down: the only restores taken.
@@ -597,18 +601,20 @@ class BooksService(AcrossRestarts):
         of the books per change, and reads the cards' last reading without
         waiting for one (:mod:`fluksio_nb.metrics`).
         """
-        from fluksio_nb.metrics import exposition, with_cards_read
+        from fluksio_nb.metrics import snapshot_families, with_cards_read
 
         reading = None if self.cards is None else self.cards.latest(wait_for_first=False)
-        key = (self.books.version, self.tally.version, None if reading is None else reading.at)
-        if self._metrics is not None and self._metrics[0] == key:
-            return self._metrics[1]
-        snapshot = self.books.snapshot(0, admin=True, sees_pids=True)
-        text = exposition(
-            with_cards_read(snapshot, reading), self.tally, self.books.waiting_by_user()
+
+        def gauges() -> Any:
+            snapshot = self.books.snapshot(0, admin=True, sees_pids=True)
+            waiting = self.books.waiting_by_user()
+            return snapshot_families(with_cards_read(snapshot, reading), waiting)
+
+        at = None if reading is None else reading.at
+        kept = self._metrics
+        return kept.part("books", (self.books.version, at), gauges) + kept.part(
+            "tally", self.tally.version, self.tally.families
         )
-        self._metrics = (key, text)
-        return text
 
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
