@@ -18,7 +18,7 @@ treated as the service treats a kernel it does not trust:
   :data:`WRITE_WITHIN_S`, and its answer waits in the transport's buffer
   meanwhile, never in the loop: claims are answered all the while.
 - **The text is made on the loop, and only when something changed**
-  (:meth:`~fluksio_nb.machine.service.BooksService.metrics_text`): with a
+  (:func:`metrics_text`): with a
   hundred claims running it costs well under the loop's time for one claim
   (``python -m bench metrics``).
 - **One answer per connection** (``Connection: close``): Prometheus scrapes
@@ -35,8 +35,12 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from fluksio_nb.metrics import CONTENT_TYPE
+from fluksio_nb.metrics import CONTENT_TYPE, snapshot_families, with_cards_read
+
+if TYPE_CHECKING:
+    from fluksio_nb.machine.service import BooksService
 
 log = logging.getLogger("fluksio_nb.machine")
 
@@ -49,6 +53,26 @@ WRITE_WITHIN_S = 10.0
 MOST_CONNECTIONS = 8
 #: In the service's run directory while it serves metrics: where, as ``HOST:PORT``.
 ADDRESS_NAME = "metrics.address"
+
+
+def metrics_text(service: BooksService) -> bytes:
+    """The service's metrics, each part made again only when what it comes from changed.
+
+    Runs on the loop that answers claims: at most a snapshot of the books per
+    change, and the cards' last reading, never waited for.
+    """
+    books, tally = service.books, service.tally
+    reading = None if service.cards is None else service.cards.latest(wait_for_first=False)
+
+    def gauges() -> Any:
+        snapshot = books.snapshot(0, admin=True, sees_pids=True)
+        return snapshot_families(with_cards_read(snapshot, reading), books.waiting_by_user())
+
+    at = None if reading is None else reading.at
+    kept = service.metrics_kept
+    return kept.part("books", (books.version, at), gauges) + kept.part(
+        "tally", tally.version, tally.families
+    )
 
 
 def parse_address(said: str) -> tuple[str, int]:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import logging
 import math
@@ -142,12 +143,11 @@ class BooksService(AcrossRestarts):
         #: The machine's cards, where something reads them: for the metrics.
         self.cards = cards
         #: The claims that ended, and the waits, as the metrics count them.
-        # Here, not at the top: kernels import this module (a user's own service's
-        # address), and a kernel serves no metrics.
+        # Not at the top: kernels import this module, and serve no metrics.
         from fluksio_nb.metrics import KeptText, Tally
 
         self.tally: Tally = Tally()
-        self._metrics = KeptText()
+        self.metrics_kept = KeptText()
         #: Where the running claims are written down for the next service, if anywhere.
         self.state = state
         #: What the service before this one wrote down: the only restores taken.
@@ -594,28 +594,6 @@ class BooksService(AcrossRestarts):
                 self.tally.waited(entry.user, entry.granted_at - entry.since)
         return granted
 
-    def metrics_text(self) -> bytes:
-        """The metrics in Prometheus's text format: made again only when something changed.
-
-        Runs on the loop that answers claims, so it costs at most a snapshot
-        of the books per change, and reads the cards' last reading without
-        waiting for one (:mod:`fluksio_nb.metrics`).
-        """
-        from fluksio_nb.metrics import snapshot_families, with_cards_read
-
-        reading = None if self.cards is None else self.cards.latest(wait_for_first=False)
-
-        def gauges() -> Any:
-            snapshot = self.books.snapshot(0, admin=True, sees_pids=True)
-            waiting = self.books.waiting_by_user()
-            return snapshot_families(with_cards_read(snapshot, reading), waiting)
-
-        at = None if reading is None else reading.at
-        kept = self._metrics
-        return kept.part("books", (self.books.version, at), gauges) + kept.part(
-            "tally", self.tally.version, self.tally.families
-        )
-
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
             owner: Connection = entry.owner
@@ -658,9 +636,10 @@ async def serve(
     server = await loop.create_unix_server(lambda: Connection(service), path=str(socket_path))
     scraped = None
     if metrics is not None:
-        from fluksio_nb.machine.metrics_http import start_metrics
+        from fluksio_nb.machine.metrics_http import metrics_text, start_metrics
 
-        scraped = await start_metrics(service.metrics_text, *metrics, socket_path.parent)
+        text = functools.partial(metrics_text, service)
+        scraped = await start_metrics(text, *metrics, socket_path.parent)
     if follows_claims:
         service.take_over()
         service.hold_grants(RESTORE_GRACE_S)
