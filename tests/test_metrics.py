@@ -425,3 +425,33 @@ def test_a_kernel_serves_and_counts_no_metrics(tmp_path):
     finally:
         kernel.shutdown()
     assert ran.stdout.strip() == "2 []", ran.stdout
+
+
+def test_an_ending_outside_the_kernels_words_ends_the_connection_and_counts_nothing():
+    """Guards against a release whose ending is anything a client likes: one user could make
+    every admin's Prometheus store a series per word they send, or put a label's text into
+    the metrics under the ending's name."""
+    from fluksio_nb.machine import protocol
+
+    with machine(cpus=5, gpus=1, config={"metrics": "127.0.0.1:0"}) as layout:
+        url = f"http://{metrics_address(layout)}/metrics"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(layout.socket))
+            sock.settimeout(30)
+            read = sock.makefile("rb")
+            sock.sendall(protocol.line({"op": "hello"}))
+            assert json.loads(read.readline())["hears_endings"] is True
+            need = {"cpus": 1, "gpus": 0, "ram_bytes": 0}
+            sock.sendall(protocol.line({"op": "claim", "id": 1, "need": need, "label": "x"}))
+            ticket = json.loads(read.readline())["ticket"]
+            sock.sendall(
+                protocol.line({"op": "release", "ticket": ticket, "ending": "pwned-by-a-client"})
+            )
+            # Refused, in a line that says why, and closed.
+            assert b"bad request" in read.readline()
+            assert read.readline() == b""
+        text = scrape(url)[1]
+        assert "pwned" not in text
+        assert "fluksio_claims_ended_total{" not in text
+        # Its share was freed with its connection, uncounted: it told no ending worth one.
+        assert value(text, "fluksio_machine_cores_free") == value(text, "fluksio_machine_cores")
