@@ -176,8 +176,8 @@ class MetricsHandler(_LedgerHandler):
                 500,
                 f"fluksio_nb's settings cannot be used: {_sentence(error)} Fix them and reload.",
             ) from None
-        self.set_header("Content-Type", CONTENT_TYPE)
-        self.finish(text)
+        # Said to finish: APIHandler's would make it JSON otherwise.
+        self.finish(text, set_content_type=CONTENT_TYPE)
 
 
 def _metrics_text() -> bytes:

@@ -277,6 +277,9 @@ def test_the_jupyter_servers_metrics_need_its_token_and_count_its_users_endings(
 
         assert wait_until(timed_out, 30)
         assert timed_out() == 1
+        request = urllib.request.Request(url, headers={"Authorization": f"token {lab.token}"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.headers["Content-Type"].startswith("text/plain; version=0.0.4")
     finally:
         lab.stop()
 
