@@ -98,7 +98,9 @@ def parse_address(said: str) -> tuple[str, int]:
             "e.g. 127.0.0.1:9464 (this machine only) or 0.0.0.0:9464 (every network)"
         ) from None
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{port!r} in {said!r} is not a port: a number from 1 to 65535")
+        raise ValueError(
+            f"{port!r} in {said!r} is not a port: a number from 1 to 65535 (0 for any free one)"
+        )
     return host, int(port)
 
 
