@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import books, cells, enforcement, hop, overload
+from bench import books, cells, enforcement, hop, metrics, overload
 from bench.harness import machine
 
 #: The line in a results file above which everything is written by hand and kept.
@@ -32,6 +32,7 @@ SECTIONS = {
     "hop": hop.main,
     "books": books.main,
     "enforcement": enforcement.main,
+    "metrics": metrics.main,
 }
 
 #: The same at toy sizes, for ``--smoke``: seconds each, numbers meaningless.
@@ -41,6 +42,7 @@ SMOKE = {
     "hop": lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
     "books": lambda: books.main(cycles=40, rounds=3, most=2, floods=2),
     "enforcement": lambda: enforcement.main(seconds=0.5, repeats=1),
+    "metrics": lambda: metrics.main(rounds=5),
 }
 
 

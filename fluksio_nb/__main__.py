@@ -69,6 +69,11 @@ def machine_main(argv: list[str]) -> int:
     parser.add_argument("--cpus", type=int, help="init: declare the cores instead of detecting")
     parser.add_argument("--gpus", type=int, help="init: declare N cards instead of detecting")
     parser.add_argument("--ram", help="init: declare the memory claims may take, e.g. 64G")
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="init: serve metrics for Prometheus there, e.g. 127.0.0.1:9464",
+    )
     # How a kernel starts its user's own books service; not for people to type.
     parser.add_argument("--books", help=argparse.SUPPRESS)
     parser.add_argument("--linger", type=float, default=60.0, help=argparse.SUPPRESS)
@@ -89,6 +94,7 @@ def machine_main(argv: list[str]) -> int:
                     group=options.group,
                     admin_group=options.admin_group,
                     inventory=declared,
+                    metrics=options.metrics,
                 )
             )
         elif options.action == "remove":

@@ -111,6 +111,8 @@ class ClaimLifecycle(ABC):
         #: Why the claim was stopped from outside its work, if it was:
         #: how it ended, the paragraph that says so, and the halt behind it.
         self._stop_reason: tuple[Ending, str, Any] | None = None
+        #: What ended the block or call that released the claim, once it is released.
+        self._released_with: BaseException | None = None
 
     # -- what a place to run says -------------------------------------------------
 
@@ -219,6 +221,8 @@ class ClaimLifecycle(ABC):
         kernel's life, and the processes running.
         """
         with stop_held_back():
+            # Read by _give_back, which tells the books how the claim ended.
+            self._released_with = error
             # Given back before its record is written: a kernel killed in between
             # leaves its claim out of the books, so nobody records it for the dead
             # kernel too. Once, or (in that instant) not at all; never twice.
@@ -232,6 +236,13 @@ class ClaimLifecycle(ABC):
                 self._end("ok", "")
             else:
                 self._end(ending_of(error), message_of(error))
+
+    def ending_now(self) -> Ending:
+        """How the claim ends, as far as is known now: its stop, or what its release was given."""
+        if self._stop_reason is not None:
+            return self._stop_reason[0]
+        error = self._released_with
+        return "ok" if error is None else ending_of(error)
 
     def __enter__(self) -> ClaimLifecycle:
         self._refuse_once_ended()

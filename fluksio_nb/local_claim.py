@@ -150,7 +150,7 @@ class Claim(QueuedClaim):
             # stop lands once it is.
             with stop_held_back():
                 if self._ticket is not None:
-                    self._queue.release(self._ticket)
+                    self._queue.release(self._ticket, ending_of(error))
                 self._end(
                     ending_of(error),
                     str(error) if not isinstance(error, KeyboardInterrupt) else "",
@@ -231,7 +231,8 @@ class Claim(QueuedClaim):
                 self.status.readings.peak_rss_bytes = peak
             held.remove()
         if self._ticket is not None:
-            self._queue.release(self._ticket)
+            # After the cap's halt: how it ended is said to the books' metrics.
+            self._queue.release(self._ticket, self.ending_now())
 
     # -- running things under it -----------------------------------------------
 

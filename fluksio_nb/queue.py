@@ -139,8 +139,11 @@ class ClaimQueue:
         """
         return wait_for_grant(self._lock, self._cond, ticket, timeout, self.timeout_message)
 
-    def release(self, ticket: Ticket) -> None:
-        """Leave the queue, or give the share back: safe to call on any ticket, twice."""
+    def release(self, ticket: Ticket, ending: str | None = None) -> None:
+        """Leave the queue, or give the share back: safe to call on any ticket, twice.
+
+        ``ending`` is for a books service's metrics; the kernel's own books count none.
+        """
         with stop_held_back(), self._lock:
             if ticket.state == "waiting" and ticket in self._waiting:
                 self._waiting.remove(ticket)

@@ -34,6 +34,9 @@ What it decides:
   still out: the loop never waits on it. The finished claims come from the
   usage records, read again only when they change
   (:mod:`fluksio_nb.usage.recent`).
+- **Metrics for Prometheus** at ``fluksio/metrics``, behind the same token
+  or login (:mod:`fluksio_nb.metrics`): every user's shares as the snapshot
+  shows them, and the counters of this server's user's own claims.
 - **Kernels it starts get the fair share** of the cores no claim holds: it
   makes :mod:`fluksio_nb.provisioner` the server's default kernel provisioner.
 """
@@ -154,6 +157,37 @@ class FinishedHandler(_LedgerHandler):
         self.finish_json(await _off_the_loop(process_recent_usage().finished))
 
 
+class MetricsHandler(_LedgerHandler):
+    """``GET fluksio/metrics``: the machine's claims, and this user's that ended, for Prometheus.
+
+    The gauges from the snapshot ``fluksio/api/snapshot`` serves; the
+    counters from the user's own usage records (:mod:`fluksio_nb.metrics`).
+    """
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        from fluksio_nb.metrics import CONTENT_TYPE
+
+        try:
+            text = await _off_the_loop(_metrics_text)
+        except BadClaim as error:
+            raise web.HTTPError(
+                500,
+                f"fluksio_nb's settings cannot be used: {_sentence(error)} Fix them and reload.",
+            ) from None
+        # Said to finish: APIHandler's would make it JSON otherwise.
+        self.finish(text, set_content_type=CONTENT_TYPE)
+
+
+def _metrics_text() -> bytes:
+    from fluksio_nb.metrics import exposition
+    from fluksio_nb.overview import read_books
+    from fluksio_nb.usage.recent import process_recent_usage
+
+    return exposition(read_books(), process_recent_usage().tally())
+
+
 class HistoryFeeder:
     """Takes a point of the machine's history on a timer, in a worker thread, one at a time."""
 
@@ -234,6 +268,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
             (url_path_join(base_url, "fluksio/api/snapshot"), SnapshotHandler),
             (url_path_join(base_url, "fluksio/api/history"), HistoryHandler),
             (url_path_join(base_url, "fluksio/api/finished"), FinishedHandler),
+            (url_path_join(base_url, "fluksio/metrics"), MetricsHandler),
             (url_path_join(base_url, r"fluksio/api/claims/(\d+)/cancel"), CancelHandler),
         ],
     )

@@ -33,6 +33,7 @@ SECTION_SAYS = {
     "hop": ["### A hop to a process that sat idle", "| 1 ms |"],
     "books": ["### The books", "freed share reaches a waiter in another process"],
     "enforcement": ["### A share the OS enforces"],
+    "metrics": ["### A Prometheus scrape of the books service", "over HTTP: the loop's CPU"],
 }
 
 

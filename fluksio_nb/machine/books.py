@@ -170,6 +170,10 @@ class MachineBooks:
             return len(self._waiting.get(uid, ()))
         return sum(map(len, self._waiting.values()))
 
+    def waiting_by_user(self) -> dict[str, int]:
+        """How many claims each user has waiting, by name: a count per user, no walk."""
+        return {next(iter(mine.values())).user: len(mine) for mine in self._waiting.values()}
+
     @property
     def running(self) -> list[Entry]:
         return list(self._running.values())

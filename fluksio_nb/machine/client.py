@@ -183,6 +183,7 @@ class ServiceQueue(Ownership, Seen):
         self.user, self.uid = welcome["user"], welcome["uid"]
         self.records_dir = Path(welcome["records"]) if welcome.get("records") else None
         self.admin = welcome["admin"]
+        self.hears_endings = bool(welcome.get("hears_endings"))
         self.cap = Cap.welcomed(welcome)
         cpus = max(1, inventory["cpus"])
         core_ids = inventory.get("core_ids") or []
@@ -613,7 +614,8 @@ class ServiceQueue(Ownership, Seen):
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Allocation:
         return wait_for_grant(self._lock, self._cond, ticket, timeout, self.timeout_message)
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Ticket, ending: str | None = None) -> None:
+        """Give the share back; ``ending`` says how the claim ended, for the service's metrics."""
         with self._lock:
             known = self._mine.pop(ticket.number, None)
             self._forget_secret(ticket.number)
@@ -624,8 +626,9 @@ class ServiceQueue(Ownership, Seen):
             return
         # Sent, not asked: the service reads this connection in order, so
         # whatever this kernel asks next already sees the share given back.
+        said = {"ending": ending} if ending is not None and self.hears_endings else {}
         with contextlib.suppress(ServiceUnavailable, OSError):
-            self._send({"op": "release", "ticket": ticket.number})
+            self._send({"op": "release", "ticket": ticket.number, **said})
 
     def cancel(self, number: int, reason: str = "cancelled by the user") -> bool:
         try:

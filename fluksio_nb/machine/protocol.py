@@ -99,11 +99,32 @@ class Claim(_Message):
     label: str = Field(max_length=512)
 
 
+#: How a kernel may say its claim ended, in its own words
+#: (:data:`fluksio_nb.status.Ending`): the metrics count halts, timeouts and
+#: cancels by these, and nothing else is taken.
+KernelEnding = Literal[
+    "ok",
+    "error",
+    "interrupted",
+    "halted",
+    "timed out",
+    "died",
+    "cancelled",
+    "time limit",
+    "idle cards",
+]
+
+
 class Release(_Message):
-    """A claim given back; no reply, since nothing the kernel does next depends on one."""
+    """A claim given back; no reply, since nothing the kernel does next depends on one.
+
+    ``ending`` is sent only to a service whose welcome said it hears one
+    (``hears_endings``): an older service refuses a field it does not know.
+    """
 
     op: Literal["release"]
     ticket: int
+    ending: KernelEnding | None = None
 
 
 class Cancel(_Message):

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import logging
 import math
@@ -92,6 +93,7 @@ from fluksio_nb.records import KERNEL_DIED, UsageRecord
 
 if TYPE_CHECKING:
     from fluksio_nb.gpu_usage import CardReader
+    from fluksio_nb.metrics import Tally
 
 __all__ = ["MAX_CONNECTIONS_PER_USER", "BooksService", "Connection", "serve"]
 
@@ -103,6 +105,7 @@ RELEASED = "released"
 CANCELLED = "cancelled"
 #: Left in the run directory by a service that stopped while claims were held.
 CLAIMS_HELD_NAME = "claims-held"
+
 #: The most waiting claims one user may have. Far above what a person's
 #: notebooks make, and low enough that the service's memory is bounded.
 MAX_WAITING_PER_USER = 4096
@@ -151,6 +154,12 @@ class BooksService(AcrossRestarts):
         self.cards = cards
         #: The admin's ``idle_card_minutes``, if set (:mod:`.idle_cards`).
         self.idle_cards = idle_cards
+        #: The claims that ended, and the waits, as the metrics count them.
+        # Not at the top: kernels import this module, and serve no metrics.
+        from fluksio_nb.metrics import KeptText, Tally
+
+        self.tally: Tally = Tally()
+        self.metrics_kept = KeptText()
         #: Where the running claims are written down for the next service, if anywhere.
         self.state = state
         #: What the service before this one wrote down: the only restores taken.
@@ -246,11 +255,21 @@ class BooksService(AcrossRestarts):
         self._giving_back = False
         turns.give_memory_back()
 
-    def record_end(self, entry: Entry, ended_at: float, ending: str) -> None:
-        """The claim as the service saw it end, of whoever the OS said it was."""
+    def record_end(
+        self, entry: Entry, ended_at: float, ending: str, told: str | None = None
+    ) -> None:
+        """The claim as the service saw it end, of whoever the OS said it was.
+
+        ``told`` is how its kernel said it ended, where it said: what the
+        metrics count, while the record says what the service saw.
+        """
+        running = entry.state == "running"
+        ran_s = ended_at - entry.granted_at if running and entry.granted_at is not None else 0.0
+        self.tally.ended(
+            entry.user, told or ending, entry.need[0] if running else 0, len(entry.gpus), ran_s
+        )
         if self.accounts is None:
             return
-        running = entry.state == "running"
         try:
             record = UsageRecord(
                 label=entry.label,
@@ -288,6 +307,8 @@ class BooksService(AcrossRestarts):
             **({"cap": None} if cap is None else cap.welcome()),
             "admin": connection.admin,
             "records": self.records,
+            # A release may say how its claim ended (protocol.Release.ending).
+            "hears_endings": True,
         }
 
     # -- requests -----------------------------------------------------------------
@@ -320,7 +341,7 @@ class BooksService(AcrossRestarts):
             "ticket": entry.number,
             "since": entry.since,
         }
-        granted = [] if self._holding() else self.books.dispatch()
+        granted = [] if self._holding() else self._grant()
         if entry in granted:
             # Granted on the spot, as most claims are: said in the answer,
             # which saves the kernel a second wake-up.
@@ -387,7 +408,7 @@ class BooksService(AcrossRestarts):
             self.books.remove(entry.number)
             self.time_limits.forget(entry.number)
             # Stopped by the service, and given back by its kernel as it should be.
-            self.record_end(entry, time.time(), entry.ended_as or RELEASED)
+            self.record_end(entry, time.time(), entry.ended_as or RELEASED, told=request.ending)
             self.note_held()
             self.dispatch()
 
@@ -592,7 +613,15 @@ class BooksService(AcrossRestarts):
     def dispatch(self) -> None:
         if self._holding():
             return
-        self.tell_granted(self.books.dispatch())
+        self.tell_granted(self._grant())
+
+    def _grant(self) -> list[Entry]:
+        """Whatever may go now, granted in the books, each wait counted for the metrics."""
+        granted = self.books.dispatch()
+        for entry in granted:
+            if entry.granted_at is not None:
+                self.tally.waited(entry.user, entry.granted_at - entry.since)
+        return granted
 
     def tell_granted(self, granted: list[Entry]) -> None:
         for entry in granted:
@@ -612,12 +641,18 @@ class BooksService(AcrossRestarts):
             self.note_held()
 
 
-async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> None:
-    """Answer on ``socket_path`` until SIGTERM or SIGINT.
+async def serve(
+    socket_path: Path,
+    service: BooksService,
+    ready: Any = None,
+    metrics: tuple[str, int] | None = None,
+) -> None:
+    """Answer on ``socket_path`` until SIGTERM or SIGINT; and metrics at ``metrics``, if given.
 
     A service that follows one which had claims (it left its socket behind,
     having crashed, or said so as it stopped) grants nothing for a grace
-    period, while their kernels put them back.
+    period, while their kernels put them back. Where the metrics are served
+    is written beside the socket (:mod:`.metrics_http`).
     """
     held = socket_path.with_name(CLAIMS_HELD_NAME)
     follows_claims = socket_path.exists() or held.exists()
@@ -629,6 +664,12 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
     # Asked now: whoever runs this raised the descriptor limit first.
     service.admission.per_user, service.admission.in_all = connection_limits()
     server = await loop.create_unix_server(lambda: Connection(service), path=str(socket_path))
+    scraped = None
+    if metrics is not None:
+        from fluksio_nb.machine.metrics_http import metrics_text, start_metrics
+
+        text = functools.partial(metrics_text, service)
+        scraped = await start_metrics(text, *metrics, socket_path.parent)
     if follows_claims:
         service.take_over()
         service.hold_grants(RESTORE_GRACE_S)
@@ -647,6 +688,8 @@ async def serve(socket_path: Path, service: BooksService, ready: Any = None) -> 
         # service rather than this one on its way out.
         with contextlib.suppress(FileNotFoundError):
             socket_path.unlink()
+        if scraped is not None:
+            scraped.close()
         server.close()
         service.freeze_held()
         if any(c.entries for c in service.connections):

@@ -140,6 +140,18 @@ class MachineConfig(BaseModel):
             )
         return minutes
 
+    #: ``HOST:PORT`` where the service serves its metrics for Prometheus (:mod:`.metrics_http`).
+    metrics: str | None = None
+
+    @field_validator("metrics")
+    @classmethod
+    def _an_address(cls, said: str | None) -> str | None:
+        from fluksio_nb.machine.metrics_http import parse_address
+
+        if said is not None:
+            parse_address(said)
+        return said
+
 
 class Layout:
     """Where a machine's books live, under ``prefix``."""
@@ -210,12 +222,18 @@ def init(
     admin_group: str | None = None,
     inventory: dict[str, Any] | None = None,
     start: bool = True,
+    metrics: str | None = None,
 ) -> str:
     """Set the machine up; returns what was done, for the admin to read."""
     _must_be_root("init")
     # A flag left out keeps what machine.json says: init is run again to
     # restart the service, and that must not open the books to every user.
-    given = {"group": group, "admin_group": admin_group, **(inventory or {})}
+    given = {
+        "group": group,
+        "admin_group": admin_group,
+        "metrics": metrics,
+        **(inventory or {}),
+    }
     try:
         config = MachineConfig.model_validate(
             {
@@ -258,7 +276,9 @@ def _refused(error: ValidationError) -> str:
     said = []
     for item in error.errors(include_url=False):
         where, message = item.get("loc", ()), str(item.get("msg", "")).rstrip(".")
-        if len(where) == 1 and where[0] in ("cpus", "gpus", "ram"):
+        if where == ("metrics",):
+            said.append(f"--metrics {item.get('input')}: {message.removeprefix('Value error, ')}")
+        elif len(where) == 1 and where[0] in ("cpus", "gpus", "ram"):
             hint = " (a size such as 64G or 512GiB)" if where[0] == "ram" else ""
             said.append(
                 f"--{where[0]} {item.get('input')}: {message[:1].lower()}{message[1:]}{hint}"
@@ -315,7 +335,24 @@ def start_service(layout: Layout) -> str:
                 f"the books service did not start answering at {layout.socket}; see {layout.log}"
             )
         time.sleep(0.05)
-    return f"{how}, answering at {layout.socket}"
+    return f"{how}, answering at {layout.socket}{_metrics_said(layout)}"
+
+
+def _metrics_said(layout: Layout) -> str:
+    """Where the service serves its metrics, if machine.json asks it to, as the service says."""
+    from fluksio_nb.machine.metrics_http import ADDRESS_NAME
+
+    asked = read_config(layout).metrics
+    if asked is None:
+        return ""
+    where = layout.run_dir / ADDRESS_NAME
+    deadline = time.monotonic() + 5
+    while not where.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        return f"; metrics at http://{where.read_text().strip()}/metrics"
+    except OSError:
+        return f"; but its metrics are not served at {asked}: see {layout.log}"
 
 
 def answering(layout: Layout) -> bool:
@@ -498,6 +535,11 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
     _mark(layout)
     root_dir(layout.state, 0o700, prefix=layout.prefix)
     state = ServiceState(layout.claims, layout.tickets)
+    # Read by NVML or nvidia-smi on the service's PATH, as the kernels read them;
+    # opened here, before the loop: NVML's first call takes its time.
+    cards: CardReader | None = CardReader() if found.gpu_ids else None
+    if cards is not None and cards.source is None:
+        cards = None
     service = BooksService(
         MachineBooks(
             found.cpus,
@@ -521,8 +563,7 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
             ),
             **({} if config.records_kept is None else {"kept": config.records_kept}),
         ),
-        # Read by NVML or nvidia-smi on the service's PATH, as the kernels read them.
-        cards=CardReader() if found.gpu_ids else None,
+        cards=cards,
         idle_cards=None
         if config.idle_card_minutes is None
         else IdlePolicy(config.idle_card_minutes * 60, config.idle_card_grace_minutes * 60),
@@ -547,7 +588,10 @@ def serve(layout: Layout, read_deaths: DeathsReader | None = None) -> None:
     _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     try:
-        asyncio.run(serve_on(layout.socket, service, ready))
+        from fluksio_nb.machine.metrics_http import parse_address
+
+        metrics = None if config.metrics is None else parse_address(config.metrics)
+        asyncio.run(serve_on(layout.socket, service, ready, metrics))
     finally:
         with contextlib.suppress(FileNotFoundError):
             layout.pidfile.unlink()

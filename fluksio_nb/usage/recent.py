@@ -47,11 +47,14 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluksio_nb.budget import human
 from fluksio_nb.records import SUFFIX, UsageRecord
 from fluksio_nb.usage.read import UsageRows, each_usage
+
+if TYPE_CHECKING:
+    from fluksio_nb.metrics import Tally
 
 #: How many finished claims are shown, and kept: ``finished(limit)`` gives no more.
 FINISHED = 20
@@ -116,6 +119,9 @@ class RecentUsage:
         self._deaths_at = -float("inf")
         self._read: dict[Path, tuple[Any, _Kept]] = {}
         self._lock = threading.Lock()
+        #: Whether the records are added up for the metrics too: only once
+        #: someone asks (the server), never in a kernel, which serves none.
+        self._tallied = False
 
     def _kept(self) -> tuple[list[_Kept], int]:
         """What each directory's records leave, read again where a file changed. Blocking.
@@ -133,7 +139,10 @@ class RecentUsage:
                 others += theirs
                 found = self._read.get(directory)
                 if found is None or found[0] != seen:
-                    found = self._read[directory] = (seen, _read_directory(directory))
+                    found = self._read[directory] = (
+                        seen,
+                        _read_directory(directory, self._tallied),
+                    )
                 kept.append(found[1])
             return kept, others
 
@@ -160,8 +169,30 @@ class RecentUsage:
             now = time.monotonic()
             if now - self._deaths_at >= DEATHS_FOR_S:
                 self._deaths_at = now
-                self._deaths = self._ask_deaths()[:FINISHED]
+                self._deaths = self._ask_deaths()
             return self._deaths
+
+    def tally(self) -> Tally:
+        """The user's claims that ended, added up for the metrics (:mod:`fluksio_nb.metrics`).
+
+        From what :meth:`finished` reads: the user's own records, the newest
+        :data:`READ_AT_MOST` of each directory, and their killed kernels' as
+        the books service last said them.
+        """
+        from fluksio_nb.metrics import Tally
+
+        with self._lock:
+            if not self._tallied:
+                # Read again, added up this time.
+                self._tallied = True
+                self._read.clear()
+        total = Tally()
+        for one in self._kept()[0]:
+            if one.tally is not None:
+                total.merge(one.tally)
+        for user, record in self._died():
+            total.add_record(user, record)
+        return total
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
@@ -178,13 +209,19 @@ class RecentUsage:
 class _Kept:
     """What one directory's records leave that is shown: the last finished, each label's runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, tallied: bool = False) -> None:
         #: The :data:`FINISHED` that ended last: ``(ended_at, n, user, record)``, a heap.
         self.finished: list[tuple[float, int, str, UsageRecord]] = []
         #: Each label's :data:`RUNS_PER_LABEL` latest runs: ``(ended_at, ran_s)``, a heap.
         self.runs: dict[str, list[tuple[float, float]]] = {}
         #: What was not read, and why.
         self.counts = UsageRows()
+        #: Every record read, added up for the metrics, if asked.
+        self.tally: Tally | None = None
+        if tallied:
+            from fluksio_nb.metrics import Tally
+
+            self.tally = Tally()
         self._n = 0
 
     def __len__(self) -> int:
@@ -193,6 +230,8 @@ class _Kept:
 
     def add(self, user: str, record: UsageRecord) -> None:
         self._n += 1
+        if self.tally is not None:
+            self.tally.add_record(user, record)
         _keep(self.finished, (record.ended_at, self._n, user, record), FINISHED)
         if record.granted_at is not None:
             _keep(
@@ -222,8 +261,8 @@ def _keep(heap: list, entry: Any, most: int) -> None:
 _warned: set[Path] = set()
 
 
-def _read_directory(directory: Path) -> _Kept:
-    kept = _Kept()
+def _read_directory(directory: Path, tallied: bool = False) -> _Kept:
+    kept = _Kept(tallied)
     try:
         for user, record in each_usage(
             directory, kept.counts, owner=os.geteuid(), at_most=READ_AT_MOST
