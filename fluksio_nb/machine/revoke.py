@@ -1,11 +1,14 @@
-"""An admin's cancel carried out by the service, whatever the owner's kernel does.
+"""A claim the service ends (an admin's cancel, a time limit, idle cards), whatever its kernel does.
 
-The service tells a claim's kernel to stop, and the kernel ends the work and
-gives the share back. A kernel stopped with ``SIGSTOP``, hung, or written to
-ignore the stop would keep the card for ever, and an admin who is not root
-could not end it. So a cancelled claim still held :data:`STOP_GRACE_S` later
-is ended by the service: it kills the claim's processes, and frees the share
-in the books whatever the kernel says or does not say.
+Before an admin's rule ends a claim, its owner is warned, in their cell and
+in everyone's views (:meth:`Stopping.warn_claim`), and a warning that no
+longer holds is withdrawn. Then the service tells the claim's kernel to
+stop, and the kernel ends the work and gives the share back. A kernel
+stopped with ``SIGSTOP``, hung, or written to ignore the stop would keep
+the card for ever, and an admin who is not root could not end it. So a
+stopped claim still held :data:`STOP_GRACE_S` later is ended by the
+service: it kills the claim's processes, and frees the share in the books
+whatever the kernel says or does not say.
 
 Which processes are the claim's is the kernel's word (it reports the pid of
 each worker or process it starts for the claim), and that word is never
@@ -20,11 +23,19 @@ signalled, so a pid that ends and is reused meanwhile is not signalled.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fluksio_nb.machine.books import Entry, MachineBooks
+    from fluksio_nb.machine.time_limits import TimeLimits
+    from fluksio_nb.machine.turns import Connection
 
 log = logging.getLogger("fluksio_nb.machine")
 
@@ -124,3 +135,86 @@ def stop_claims_processes(pids: Iterable[int], uid: int, owner_pid: int) -> list
     finally:
         for fd in held.values():
             os.close(fd)
+
+
+class Stopping:
+    """The part of :class:`~fluksio_nb.machine.service.BooksService` that ends claims itself.
+
+    It records an end with the service's ``record_end``, writes down what
+    runs with ``note_held``, and grants what the end frees with ``dispatch``.
+    """
+
+    books: MachineBooks
+    time_limits: TimeLimits
+
+    if TYPE_CHECKING:
+        # The service's own, and the restarts' (note_held), named here for the reader.
+        def record_end(self, entry: Entry, ended_at: float, ending: str) -> None: ...
+        def note_held(self) -> None: ...
+        def dispatch(self) -> None: ...
+
+    def warn_claim(self, entry: Entry, message: str) -> None:
+        """Tell a claim's owner, in their cell, and everyone, in their views, what is coming."""
+        if entry.warning == message:
+            return
+        entry.warning = message
+        self.books.changed()
+        owner: Connection = entry.owner
+        owner.send({"op": "warning", "ticket": entry.number, "message": message})
+
+    def clear_warning(self, entry: Entry, message: str) -> None:
+        """Withdraw a claim's warning: gone from everyone's views, and its owner told why."""
+        if entry.warning is None:
+            return
+        entry.warning = None
+        self.books.changed()
+        owner: Connection = entry.owner
+        owner.send({"op": "warning", "ticket": entry.number, "message": message, "cleared": True})
+
+    def end_claim(self, entry: Entry, reason: str, ending: str) -> None:
+        """End a claim for ``reason``, whatever its kernel does; its record ends ``ending``.
+
+        A waiting claim leaves the queue at once. A running one's kernel is
+        told to stop it, and given :data:`STOP_GRACE_S` to; then the service
+        kills its processes and frees the share itself (:meth:`_carry_out`).
+        """
+        self.books.changed()
+        entry.cancel, entry.ended_as = reason, ending
+        owner: Connection = entry.owner
+        if entry.state == "waiting":
+            # Gone from the queue at once; the owner learns why when told.
+            self.books.remove(entry.number)
+            owner.entries.pop(entry.number, None)
+            self.record_end(entry, time.time(), ending)
+        # The ending, for the kernel's own record to say the same.
+        owner.send({"op": "stop", "ticket": entry.number, "reason": reason, "ending": ending})
+        if entry.state == "running":
+            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry, ending)
+        # A waiting claim that left may have been the head of the queue.
+        self.dispatch()
+
+    def _carry_out(self, entry: Entry, ending: str) -> None:
+        """End a stopped claim its kernel did not give back: its processes, and its share.
+
+        The kernel may be stopped, hung or ignoring the stop; the share is
+        free now whatever it does, and it hears the stop when it next reads.
+        """
+        if self.books.entries.get(entry.number) is not entry:
+            return  # given back by its kernel, as it should be
+        killed = stop_claims_processes(entry.pids, entry.uid, entry.pid)
+        log.info(
+            "claim %s of %s was not given back %g s after it was stopped (%s): the service "
+            "freed it, and killed its processes %s",
+            entry.number,
+            entry.user,
+            STOP_GRACE_S,
+            entry.cancel,
+            killed or "(none it could verify)",
+        )
+        self.books.remove(entry.number)
+        self.time_limits.forget(entry.number)
+        owner: Connection = entry.owner
+        owner.entries.pop(entry.number, None)
+        self.record_end(entry, time.time(), ending)
+        self.note_held()
+        self.dispatch()

@@ -85,7 +85,7 @@ from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.machine.caps import Cap
 from fluksio_nb.machine.idle_cards import IdlePolicy, watch_idle_cards
 from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
-from fluksio_nb.machine.revoke import MOST_PIDS, STOP_GRACE_S, stop_claims_processes
+from fluksio_nb.machine.revoke import MOST_PIDS, Stopping
 from fluksio_nb.machine.state import HeldClaim, ServiceState
 from fluksio_nb.machine.time_limits import TimeLimits
 from fluksio_nb.machine.turns import MAX_CONNECTIONS_PER_USER, Connection, connection_limits
@@ -133,7 +133,7 @@ def in_group(uid: int, group: str | None) -> bool:
     return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
 
 
-class BooksService(AcrossRestarts):
+class BooksService(AcrossRestarts, Stopping):
     """The books plus the connections that hold claims in them."""
 
     def __init__(
@@ -434,72 +434,6 @@ class BooksService(AcrossRestarts):
             reason = f"stopped by {connection.user}, an admin of this machine ({reason})"
         self.end_claim(entry, reason, CANCELLED)
         connection.send({"op": "ok", "id": request.id, "found": True})
-
-    def warn_claim(self, entry: Entry, message: str) -> None:
-        """Tell a claim's owner, in their cell, and everyone, in their views, what is coming."""
-        if entry.warning == message:
-            return
-        entry.warning = message
-        self.books.changed()
-        owner: Connection = entry.owner
-        owner.send({"op": "warning", "ticket": entry.number, "message": message})
-
-    def clear_warning(self, entry: Entry, message: str) -> None:
-        """Withdraw a claim's warning: gone from everyone's views, and its owner told why."""
-        if entry.warning is None:
-            return
-        entry.warning = None
-        self.books.changed()
-        owner: Connection = entry.owner
-        owner.send({"op": "warning", "ticket": entry.number, "message": message, "cleared": True})
-
-    def end_claim(self, entry: Entry, reason: str, ending: str) -> None:
-        """End a claim for ``reason``, whatever its kernel does; its record ends ``ending``.
-
-        A waiting claim leaves the queue at once. A running one's kernel is
-        told to stop it, and given :data:`STOP_GRACE_S` to; then the service
-        kills its processes and frees the share itself (:meth:`_carry_out`).
-        """
-        self.books.changed()
-        entry.cancel, entry.ended_as = reason, ending
-        owner: Connection = entry.owner
-        if entry.state == "waiting":
-            # Gone from the queue at once; the owner learns why when told.
-            self.books.remove(entry.number)
-            owner.entries.pop(entry.number, None)
-            self.record_end(entry, time.time(), ending)
-        # The ending, for the kernel's own record to say the same.
-        owner.send({"op": "stop", "ticket": entry.number, "reason": reason, "ending": ending})
-        if entry.state == "running":
-            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._carry_out, entry, ending)
-        # A waiting claim that left may have been the head of the queue.
-        self.dispatch()
-
-    def _carry_out(self, entry: Entry, ending: str) -> None:
-        """End a stopped claim its kernel did not give back: its processes, and its share.
-
-        The kernel may be stopped, hung or ignoring the stop; the share is
-        free now whatever it does, and it hears the stop when it next reads.
-        """
-        if self.books.entries.get(entry.number) is not entry:
-            return  # given back by its kernel, as it should be
-        killed = stop_claims_processes(entry.pids, entry.uid, entry.pid)
-        log.info(
-            "claim %s of %s was not given back %g s after it was stopped (%s): the service "
-            "freed it, and killed its processes %s",
-            entry.number,
-            entry.user,
-            STOP_GRACE_S,
-            entry.cancel,
-            killed or "(none it could verify)",
-        )
-        self.books.remove(entry.number)
-        self.time_limits.forget(entry.number)
-        owner: Connection = entry.owner
-        owner.entries.pop(entry.number, None)
-        self.record_end(entry, time.time(), ending)
-        self.note_held()
-        self.dispatch()
 
     def _on_processes(self, connection: Connection, request: protocol.Processes) -> None:
         entry = connection.entries.get(request.ticket)
