@@ -70,7 +70,7 @@ class Entry:
     granted_at: float | None = None
     cancel: str | None = None
     #: How the service ended it, if it did: what its record says, whoever
-    #: gives its share back (:meth:`~fluksio_nb.machine.service.BooksService.end_claim`).
+    #: gives its share back (:meth:`~fluksio_nb.machine.revoke.Stopping.end_claim`).
     ended_as: str | None = None
     #: What the service warned its owner of, while it runs (a limit near, idle
     #: cards): shown in the owner's cell and in everyone's views.

@@ -28,7 +28,7 @@ What it decides:
   machine's admin set ``idle_card_minutes``, and when the claim will be
   ended: ``idle_card_grace_minutes`` (5 by default) later, unless the card
   is used. Then it is ended as an admin's cancel is
-  (:meth:`~fluksio_nb.machine.service.BooksService.end_claim`), with the
+  (:meth:`~fluksio_nb.machine.revoke.Stopping.end_claim`), with the
   same words in the past tense; its record, the service's and its
   kernel's, ends :data:`~fluksio_nb.records.IDLE_CARDS`. Messages name the
   claim by number, never by label: everyone's views show them.

@@ -13,9 +13,9 @@ What it decides:
   the service restarted keeps the grant it had, so a restart gives nobody
   more time.
 - **Warned once, at :data:`WARN_AT` of the limit**, in the owner's cell and
-  in every view of the claim (:meth:`~fluksio_nb.machine.service.BooksService.warn_claim`),
+  in every view of the claim (:meth:`~fluksio_nb.machine.revoke.Stopping.warn_claim`),
   with the time it will be stopped at; **ended at the limit**
-  (:meth:`~fluksio_nb.machine.service.BooksService.end_claim`), its record
+  (:meth:`~fluksio_nb.machine.revoke.Stopping.end_claim`), its record
   ending :data:`~fluksio_nb.records.TIME_LIMIT`. Each message names the limit
   and who set it, so nobody takes it for a crash or for the machine's doing.
 - **Nothing fires for a claim that already ended**: its timers are cancelled
