@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def machine_main(argv: list[str]) -> int:
     """``fluksio-nb machine init|status|remove|serve``."""
     from fluksio_nb.kernel import books_in_force
-    from fluksio_nb.machine.setup import Layout, init, remove, serve, why_silent
+    from fluksio_nb.machine.setup import Layout, init, remove, rules_said, serve, why_silent
 
     parser = argparse.ArgumentParser(
         prog="fluksio-nb machine",
@@ -116,6 +116,9 @@ def machine_main(argv: list[str]) -> int:
             # Which books this user's kernels use, and why.
             books = books_in_force(layout)
             print(books.describe())
+            if books.mode == "machine":
+                for rule in rules_said(layout):
+                    print(rule)
             if books.mode == "user":
                 from fluksio_nb.machine.user_service import running
 

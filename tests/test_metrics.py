@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fluksio_nb.machine.metrics_http import ADDRESS_NAME
 from fluksio_nb.machine.setup import Layout
 from tests.browser.lab import JupyterLab
-from tests.machines import fluksio_nb, heard, machine, process
+from tests.machines import fluksio_nb, heard, machine, machine_env, process
 from tests.prometheus import prometheus, require_prometheus
 from tests.unix_users import USER_A, require_unix_users, unix_user
 from tests.waiting import wait_until
@@ -235,6 +235,28 @@ def test_a_bad_metrics_address_is_refused_at_init_saying_what_to_name(tmp_path):
         assert f"--metrics {bad}" in ran.stderr and said in ran.stderr, ran.stderr
         assert "Nothing was changed" in ran.stderr
         assert not Layout(tmp_path).config.exists()
+
+
+def test_machine_status_says_the_admins_rules_and_where_the_metrics_are():
+    """Guards against an admin's limits that only machine.json says: a user told "time
+    limit" with no way to read the limit, an admin hunting for the metrics' port."""
+    rules = {
+        "metrics": "127.0.0.1:0",
+        "caps": {"*": {"max_hours": 8}, "alice": {"max_hours": 1.5}},
+        "idle_card_minutes": 30,
+    }
+    with machine(cpus=5, gpus=1, config=rules) as layout:
+        where = metrics_address(layout)
+        said = fluksio_nb(
+            "machine", "status", "--prefix", str(layout.prefix), env=machine_env(layout)
+        ).stdout.splitlines()
+    assert said[0].startswith("books shared by every user of this machine")
+    assert said[1:] == [
+        f"one claim runs at most (max_hours in {layout.config}): alice 90 min, everyone else 8 h",
+        "cards idle 30 min while another claim waits are given back, 5 min after a warning "
+        f"(idle_card_minutes in {layout.config})",
+        f"metrics for Prometheus at http://{where}/metrics",
+    ]
 
 
 def test_the_jupyter_servers_metrics_need_its_token_and_count_its_users_endings(tmp_path):

@@ -26,6 +26,11 @@ Root writes, renames and changes modes here, so nothing on the way is
 trusted that another user could have made or could change, and ``remove``
 removes only what ``init`` wrote down that it made (:mod:`.prefix`).
 The service is started from ``/``, isolated from the environment (``python -I``).
+``status`` says which books a user's kernels use, and the admin's rules in
+force on the machine's: time limits, idle cards, where the metrics are.
+
+It is long because ``machine.json`` is validated here, every field with an
+error that says what to write, beside the commands that read it.
 """
 
 from __future__ import annotations
@@ -353,6 +358,38 @@ def _metrics_said(layout: Layout) -> str:
         return f"; metrics at http://{where.read_text().strip()}/metrics"
     except OSError:
         return f"; but its metrics are not served at {asked}: see {layout.log}"
+
+
+def rules_said(layout: Layout) -> list[str]:
+    """What the admin set beyond caps, a line each, for ``machine status``: who set each limit."""
+    from fluksio_nb.machine.metrics_http import ADDRESS_NAME
+    from fluksio_nb.machine.time_limits import hours_words
+
+    try:
+        config = read_config(layout)
+    except MachineSetupError as error:
+        return [f"the admin's rules cannot be read: {error}"]
+    said = []
+    limits = {name: cap.max_hours for name, cap in config.caps.items() if cap.max_hours}
+    if limits:
+        each = ", ".join(
+            f"{'everyone else' if name == '*' else name} {hours_words(hours)}"
+            for name, hours in sorted(limits.items(), key=lambda item: item[0] == "*")
+        )
+        said.append(f"one claim runs at most (max_hours in {layout.config}): {each}")
+    if config.idle_card_minutes is not None:
+        said.append(
+            f"cards idle {config.idle_card_minutes:g} min while another claim waits are given "
+            f"back, {config.idle_card_grace_minutes:g} min after a warning "
+            f"(idle_card_minutes in {layout.config})"
+        )
+    if config.metrics is not None:
+        try:
+            where = (layout.run_dir / ADDRESS_NAME).read_text().strip()
+            said.append(f"metrics for Prometheus at http://{where}/metrics")
+        except OSError:
+            said.append(f"metrics asked for at {config.metrics}, but not served: see {layout.log}")
+    return said
 
 
 def answering(layout: Layout) -> bool:
