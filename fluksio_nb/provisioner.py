@@ -39,6 +39,9 @@ What it decides:
   claim holds have changed. It runs off the event loop, because reading the
   books blocks. A kernel that moved its own threads keeps them where it put
   them until the claims change.
+- **The admin's ``kernel_ram``** holds each kernel in a memory cgroup it
+  enters before it runs a line; when the cap is what ended it, the server's
+  log and the panel say so (:mod:`fluksio_nb.kernel_ram`).
 - **A kernel is the process it launched, not its number.** A kernel that
   died is reaped by the server's restarter seconds before its cleanup lets
   the keeper forget it, or never, once restarts have run out; its pid may
@@ -67,6 +70,7 @@ from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
 from fluksio_nb.kernel import Books, books_in_force
+from fluksio_nb.kernel_ram import KernelCap, kernel_ram_in_force
 from fluksio_nb.overview import read_books
 from fluksio_nb.settings import load_settings
 
@@ -203,10 +207,25 @@ class FairShareProvisioner(LocalProvisioner):
     _fair: tuple[Books, frozenset[int], FairShare] | None = None
     #: What the keeper keeps for the kernel this launched, to forget only that.
     _kept: _Kept | None = None
+    #: The kernel's ``kernel_ram`` cgroup, where the admin set one (:mod:`fluksio_nb.kernel_ram`).
+    _ram: KernelCap | None = None
+    #: How the kernel last ended, kept past jupyter_client's ``wait``, which forgets it.
+    _returncode: int | None = None
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
         env = kwargs["env"]
+        self._returncode = None
+        try:
+            self._ram = await asyncio.to_thread(_kernel_cap, env)
+        except Exception as error:
+            self.log.warning(
+                "fluksio_nb: kernel %s starts without the admin's kernel_ram cap: %s",
+                self.kernel_id,
+                error,
+            )
+        if self._ram is not None:
+            kwargs["preexec_fn"] = self._ram.enter
         self._fair = None
         if not hasattr(os, "sched_setaffinity"):
             return kwargs
@@ -239,11 +258,33 @@ class FairShareProvisioner(LocalProvisioner):
             _keeper.keep(self.pid, self._kept)
         return connection_info
 
+    async def poll(self) -> int | None:
+        ended = await super().poll()
+        if ended is not None and self.process is not None:
+            self._returncode = ended
+        return ended
+
+    async def wait(self) -> int | None:
+        ended = await super().wait()
+        self._returncode = ended
+        return ended
+
     async def cleanup(self, restart: bool = False) -> None:
         if self.pid is not None and self._kept is not None:
             _keeper.release(self.pid, self._kept)
             self._kept = None
+        ram, self._ram = self._ram, None
+        if ram is not None:
+            stop = await asyncio.to_thread(ram.ended, self.kernel_id, self._returncode)
+            if stop is not None:
+                self.log.warning("fluksio_nb: kernel %s: %s", self.kernel_id, stop.words())
         await super().cleanup(restart=restart)
+
+
+def _kernel_cap(environ: Mapping[str, str]) -> KernelCap | None:
+    """The cgroup holding a kernel about to get ``environ`` to the admin's ``kernel_ram``."""
+    ram = kernel_ram_in_force(environ)
+    return None if ram is None else KernelCap.make(ram)
 
 
 def make_it_the_default(serverapp: Any) -> str | None:
