@@ -11,6 +11,7 @@ directories left on the machine.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,15 @@ from jupyter_client import BlockingKernelClient
 
 from fluksio_nb.machine.prefix import MachineSetupError
 from fluksio_nb.machine.setup import Layout, read_config
-from fluksio_nb.memory_cap import KERNEL_NAME, find_cap_place
+from fluksio_nb.memory_cap import find_cap_place
 from tests.browser.lab import JupyterLab
 from tests.kernels import run_in
 from tests.machines import machine, wait_until
 
 pytestmark = pytest.mark.timeout(240)
+
+#: What a kernel's kernel_ram cgroup is called: made by the server (its pid first).
+KERNEL_NAME = re.compile(r"^fluksio_nb-kernel-(\d+)-\d+-\d+$")
 
 #: Small enough to pass in a test, big enough for a kernel with numpy and fluksio_nb.
 KERNEL_RAM = "300M"
