@@ -140,6 +140,21 @@ export interface Snapshot {
   cards?: Card[];
   /** Null where it cannot be known: no card reading, or books that see one kernel only. */
   squatters?: Squatter[] | null;
+  /** This server's kernels the OS stopped at the admin's kernel_ram, newest first. */
+  kernel_stops?: KernelStop[];
+}
+
+/** A kernel the OS stopped at the admin's `kernel_ram`, and why, in words. */
+export interface KernelStop {
+  kernel_id: string;
+  /** When its provisioner saw it stopped, in seconds since the epoch. */
+  at: number;
+  kernel_ram: number;
+  peak_bytes: number | null;
+  /** The cap, where the admin set it, and how to claim more. */
+  why: string;
+  /** Its notebook, when this server serves one for it. */
+  path: string | null;
 }
 
 /** Every claim waiting on the machine, listed in `waiting` or not. */

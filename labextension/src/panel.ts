@@ -19,7 +19,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { Card, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
+import { Card, KernelStop, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { FinishedView } from './finished';
 import { clock, cpuList, human, ordinal, plural, roughly, unlistedWords } from './format';
 import { HistoryView } from './history';
@@ -243,6 +243,7 @@ export class MachinePanel extends Widget {
     this._enforcement = element('div', 'fluksio-lab-enforcement', body);
     this._cards = element('ul', 'fluksio-lab-cards', body);
     this._squatters = element('div', 'fluksio-lab-squatters', body);
+    this._stops = element('div', 'fluksio-lab-kernel-stops', body);
     this._running = new ClaimList(body, 'Running', 'running', this);
     this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
     this._history = new HistoryView(body);
@@ -324,6 +325,7 @@ export class MachinePanel extends Widget {
     this._running.show(snapshot.running);
     this._waiting.show(snapshot.waiting, snapshot.waiting_unlisted ?? 0);
     this._showCards(snapshot.cards ?? [], snapshot.squatters ?? []);
+    this._showStops(snapshot.kernel_stops ?? []);
     this._history.show(this._model.history, this._model.historyError);
     this._finished.show(this._model.finished, this._model.finishedError);
   }
@@ -353,6 +355,23 @@ export class MachinePanel extends Widget {
     }
   }
 
+  /** Kernels the OS stopped at the admin's kernel_ram: which notebook, and why. */
+  private _showStops(stops: KernelStop[]): void {
+    this._stops.replaceChildren();
+    this._stops.hidden = stops.length === 0;
+    if (stops.length) {
+      element('h3', 'fluksio-lab-heading', this._stops).textContent =
+        `Kernels stopped at their memory cap (${stops.length})`;
+      const list = element('ul', 'fluksio-lab-list', this._stops);
+      for (const stop of stops) {
+        const line = element('li', 'fluksio-lab-kernel-stop', list);
+        line.dataset.kernel = stop.kernel_id;
+        const when = new Date(stop.at * 1000).toLocaleTimeString();
+        line.textContent = `${stop.path ?? 'a kernel'} at ${when}: ${stop.why}`;
+      }
+    }
+  }
+
   private _message: HTMLElement;
   private _actionError: string | null = null;
   private _cpus: Bar;
@@ -361,6 +380,7 @@ export class MachinePanel extends Widget {
   private _enforcement: HTMLElement;
   private _cards: HTMLElement;
   private _squatters: HTMLElement;
+  private _stops: HTMLElement;
   private _running: ClaimList;
   private _waiting: ClaimList;
   private _history: HistoryView;
