@@ -265,8 +265,11 @@ class FairShareProvisioner(LocalProvisioner):
         return ended
 
     async def wait(self) -> int | None:
+        # Without a process (already waited for) jupyter_client answers 0.
+        waited = self.process is not None
         ended = await super().wait()
-        self._returncode = ended
+        if waited:
+            self._returncode = ended
         return ended
 
     async def cleanup(self, restart: bool = False) -> None:

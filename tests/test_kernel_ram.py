@@ -24,7 +24,7 @@ from fluksio_nb.machine.setup import Layout, read_config
 from fluksio_nb.memory_cap import find_cap_place
 from tests.browser.lab import JupyterLab
 from tests.kernels import run_in
-from tests.machines import machine, wait_until
+from tests.machines import fluksio_nb, machine, machine_env, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,6 +55,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory, place) -> Iterator[JupyterLab]
             tmp_path_factory.mktemp("kernel-ram"), FLUKSIO_LEDGER=str(layout.run_dir)
         )
         server.start()
+        server.layout = layout
         try:
             yield server
         finally:
@@ -167,6 +168,15 @@ def test_a_claimed_worker_may_use_more_than_its_kernels_kernel_ram(lab, place):
         lambda: kernel_cgroups(place, lab) == [],
         what="no kernel_ram cgroup left once the kernel ended",
     )
+
+
+def test_machine_status_says_the_kernels_cap_and_where_it_is_set(lab):
+    """Guards against a cap the admin cannot see in force, nor find again to change it."""
+    said = fluksio_nb(
+        "machine", "status", "--prefix", str(lab.layout.prefix), env=machine_env(lab.layout)
+    ).stdout
+    assert "at most 300.0MB outside its claims" in said, said
+    assert f"kernel_ram in {lab.layout.config}" in said, said
 
 
 @pytest.mark.parametrize("said", ["1K", "-5G", "lots"])

@@ -392,6 +392,12 @@ def rules_said(layout: Layout) -> list[str]:
             for name, hours in sorted(limits.items(), key=lambda item: item[0] == "*")
         )
         said.append(f"one claim runs at most (max_hours in {layout.config}): {each}")
+    if config.kernel_ram is not None:
+        said.append(
+            f"each kernel the Jupyter server starts holds at most "
+            f"{config.kernel_ram.human_readable(decimal=True)} outside its claims, or is "
+            f"stopped (kernel_ram in {layout.config})"
+        )
     if config.idle_card_minutes is not None:
         said.append(
             f"cards idle {config.idle_card_minutes:g} min while another claim waits are given "
