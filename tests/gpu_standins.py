@@ -73,6 +73,22 @@ def card(index: int, **fields: Any) -> dict[str, Any]:
     }
 
 
+def mig_instance(parent: int, slot: int, profile: str = "1g.5gb", **fields: Any) -> dict[str, Any]:
+    """MIG instance ``slot`` of card ``parent``, idle, ``profile`` sized: for a card's ``mig``.
+
+    ``card(0, mig=[mig_instance(0, 0), mig_instance(0, 1)])`` is card 0 with
+    MIG on and two instances; its ``used_mib`` and ``total_mib`` may be given.
+    """
+    memory_gb = int(profile.split("g.")[1].removesuffix("gb"))
+    return {
+        "uuid": f"MIG-7c1e2d3f-4a5b-5c6d-8e9f-{parent:06x}{slot:06x}",
+        "profile": profile,
+        "used_mib": 0,
+        "total_mib": memory_gb * 1024 - 256,
+        **fields,
+    }
+
+
 def _write_json(path: Path, data: object) -> None:
     """Written whole or not at all: a stand-in reading it mid-write sees the old or the new."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")

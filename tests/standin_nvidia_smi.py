@@ -8,8 +8,11 @@ it afresh. Each run also appends its arguments, as a JSON list, to
 
 It answers what fluksio_nb asks, as the real one does:
 
-- ``-L``: ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-...)``, one line a card;
-- ``--query-gpu=<fields> --format=csv[,noheader][,nounits]``: one line a card,
+- ``-L``: ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-...)``, one line a card,
+  then, for a card with MIG on (a ``"mig"`` list), one indented line an
+  instance: ``  MIG 1g.5gb     Device  0: (UUID: MIG-...)``;
+- ``--query-gpu=<fields> --format=csv[,noheader][,nounits]``: one line a
+  card (whole cards only, MIG instances are not listed here),
   the fields in the order asked, joined by ``", "``;
 - ``--query-compute-apps=<fields> --format=...``: one line a process with
   memory on a card (compute ones: type ``C`` or ``C+G``), nothing at all
@@ -90,6 +93,17 @@ def _free(card: dict) -> dict:
     return {**card, "free_mib": free}
 
 
+def _listed(card: dict) -> str:
+    """A card's lines in ``-L``: its own, then its MIG instances', indented, as the real one."""
+    lines = f"GPU {card['index']}: {card.get('name', '')} (UUID: {card['uuid']})\n"
+    for slot, instance in enumerate(card.get("mig") or []):
+        if instance is not None:
+            lines += (
+                f"  MIG {instance['profile']:<12}Device {slot:>2}: (UUID: {instance['uuid']})\n"
+            )
+    return lines
+
+
 def answer(argv: list[str], state: dict) -> tuple[int, str, str]:
     """The exit code, stdout and stderr of ``nvidia-smi argv``."""
     failure = state.get("fail")
@@ -97,14 +111,7 @@ def answer(argv: list[str], state: dict) -> tuple[int, str, str]:
         return failure["exit"], failure.get("message", "") + "\n", ""
     cards = state.get("cards", [])
     if argv in (["-L"], ["--list-gpus"]):
-        return (
-            0,
-            "".join(
-                f"GPU {card['index']}: {card.get('name', '')} (UUID: {card['uuid']})\n"
-                for card in cards
-            ),
-            "",
-        )
+        return 0, "".join(_listed(card) for card in cards), ""
     queries = [arg for arg in argv if arg.startswith("--query-")]
     formats = [arg for arg in argv if arg.startswith("--format=")]
     if len(queries) != 1 or len(formats) != 1 or len(argv) != 2:
