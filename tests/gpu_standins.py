@@ -9,6 +9,11 @@ pass. Both are found as the real ones are: ``nvidia-smi`` on ``PATH``,
     cards = [card(0, utilisation=37, used_mib=1024), card(1)]
     apps = [{"uuid": cards[0]["uuid"], "pid": worker.pid, "used_mib": 512}]
 
+A card with MIG on carries its instances (:func:`mig_instance`), which
+``nvidia-smi -L`` and ``pynvml`` list as the real ones do::
+
+    card(0, mig=[mig_instance(0, 0, "3g.20gb"), mig_instance(0, 1, "1g.5gb")])
+
 A ``None`` is a figure the card cannot give (``[N/A]``; NVML's
 ``NVMLError_NotSupported``), never a zero.
 
