@@ -12,7 +12,9 @@ What it decides:
   kernel's life. ``nvidia-smi`` is two runs of a program, tens of milliseconds of CPU
   each: the fallback where the driver's library cannot be loaded. Its
   ``--query-gpu`` lists whole cards only, so MIG instances are read through
-  NVML alone; through ``nvidia-smi`` they have no reading, never an idle one.
+  NVML alone; through ``nvidia-smi`` they have no reading, never an idle one,
+  and a card with MIG on is left out, its processes with it, rather than
+  shown as a card whose memory nobody's claim holds.
   With neither there is no reading at all, never a card reported idle.
 - **Cards are read at most every** :data:`GPU_INTERVAL_S`, not at the
   sampler's half second: the two ``nvidia-smi`` runs every half second
@@ -168,7 +170,9 @@ class _NvidiaSmi:
         ]
 
     def read(self) -> list[tuple[int, str, float | None, int | None, int | None, list]]:
-        cards = self._csv("--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total")
+        cards = self._csv(
+            "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total,mig.mode.current"
+        )
         apps = self._csv("--query-compute-apps=gpu_uuid,pid,used_memory")
         by_uuid: dict[str, list[tuple[int, int | None]]] = {}
         for row in apps:
@@ -179,7 +183,11 @@ class _NvidiaSmi:
                 )
         read = []
         for row in cards:
-            if len(row) < 5 or _number(row[0]) is None:
+            if len(row) < 6 or _number(row[0]) is None:
+                continue
+            if row[5] == "Enabled":
+                # Its instances are the cards, and this listing has none of them;
+                # what it says of the whole card belongs to no claim's card.
                 continue
             used, total = _number(row[3]), _number(row[4])
             read.append(

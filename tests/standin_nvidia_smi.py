@@ -45,6 +45,7 @@ GPU_FIELDS = {
     "memory.used": ("used_mib", "MiB"),
     "memory.total": ("total_mib", "MiB"),
     "memory.free": ("free_mib", "MiB"),
+    "mig.mode.current": ("mig_mode", None),
 }
 #: How the header names each field, as the real one does.
 GPU_HEADERS = {"gpu_uuid": "uuid", "gpu_name": "name"}
@@ -88,9 +89,12 @@ def _csv(records: list[dict], fields: list[str], known: dict, headers: dict, opt
 
 
 def _free(card: dict) -> dict:
+    """A card's row: its free memory, and its MIG mode (``[N/A]`` where it has none, as on
+    cards without MIG; ``"mig_mode"`` in the JSON says otherwise)."""
     used, total = card.get("used_mib"), card.get("total_mib")
     free = total - used if isinstance(used, int) and isinstance(total, int) else None
-    return {**card, "free_mib": free}
+    mode = card.get("mig_mode", "Enabled" if "mig" in card else None)
+    return {**card, "free_mib": free, "mig_mode": mode}
 
 
 def _listed(card: dict) -> str:

@@ -176,3 +176,33 @@ def test_a_claim_granted_a_mig_instance_is_told_its_uuid(tmp_path):
         granted = dict(kernel.run(HOLD_THREE, check=True).json())
         assert granted == {1: "1", 2: MIG_0[0]["uuid"], 3: MIG_0[2]["uuid"]}
         assert kernel.books()["gpus"]["total"] == 3
+
+
+def test_through_nvidia_smi_a_card_with_mig_on_is_not_read_as_a_card(tmp_path):
+    """nvidia-smi lists a MIG card's processes under the whole card, which no claim
+    holds: read as a card, every claimed instance's work showed as a squatter."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        smi = StandInSmi(
+            tmp_path / "smi",
+            [card(0, mig=MIG_0, used_mib=3000), card(1, used_mib=500)],
+            [{"uuid": CARDS[0]["uuid"], "pid": worker.pid, "used_mib": 3000}],
+        )
+        blocked = tmp_path / "no-pynvml"
+        blocked.mkdir()
+        (blocked / "pynvml.py").write_text("raise ImportError('not installed here')\n")
+        read = subprocess.run(
+            [sys.executable, "-c", _READ],
+            env={
+                **os.environ,
+                "PYTHONPATH": f"{blocked}{os.pathsep}{REPO_ROOT}",
+                **smi.env(_SYSTEM_PATH),
+            },
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    finally:
+        worker.kill()
+        worker.wait()
+    assert json.loads(read.stdout) == [[1, CARDS[1]["uuid"], 500 * MIB, 40960 * MIB, 0.0, []]]
