@@ -65,6 +65,19 @@ def cards_here() -> list[int] | str:
     return [card.index for card in cards]
 
 
+def cuda_name_of(card: int) -> str:
+    """How CUDA names card ``card``: its index, or, for a MIG instance, its UUID."""
+    cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return next((gpu.cuda_name for gpu in cards if gpu.index == card), str(card))
+
+
+def device_node_of(card: int) -> str:
+    """The device node card ``card``'s processes open: its own, or its MIG instance's card's."""
+    cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpu = next((gpu for gpu in cards if gpu.index == card), None)
+    return f"/dev/nvidia{card if gpu is None or gpu.parent is None else gpu.parent}"
+
+
 def nvml_missing() -> str | None:
     """Why NVML cannot be asked here; ``None`` if it answers."""
     try:
@@ -211,7 +224,11 @@ def holding(
     """
     env = None
     if card is not None:
-        env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(card)}
+        env = {
+            **os.environ,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": cuda_name_of(card) if isinstance(card, int) else card,
+        }
     process = popen(
         [sys.executable, str(PROGRAM), str(mib)],
         stdin=subprocess.PIPE,
