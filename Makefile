@@ -48,7 +48,9 @@ test: $(STAMP)
 # `make gpu-check` there. It installs from the folder alone into .gpu-venv,
 # runs tests/test_gpu_real.py and bench/gpu_check.py, and ends with a line per
 # check: passed, failed, or skipped saying what is missing (no card, no
-# driver, no NVML). Needs only the NVIDIA driver on that machine.
+# driver, no NVML). Needs only the NVIDIA driver on that machine. Compiled
+# wheels are for one Python: make the folder with the card machine's
+# version (`make wheelhouse PYTHON=python3.12`).
 WHEELHOUSE ?= wheelhouse
 GPU_VENV ?= .gpu-venv
 

@@ -15,6 +15,10 @@ What it decides:
 - **Under 60 MB in all**, checked after the download: a folder that grew
   past it fails, naming its biggest wheels, rather than quietly becoming
   the thing that was carried in by hand.
+- **Wheels for the Python that downloads them**: compiled wheels (pydantic's
+  core, psutil, pyzmq, tornado) are for one Python version and platform, so
+  ``make wheelhouse`` is run with the Python version the card's machine has
+  (``make wheelhouse PYTHON=python3.12``), on the same kind of machine.
 - **The checkout is on the venv's path by a ``.pth`` file**, not installed:
   installing it would build the JupyterLab extension, which needs what the
   folder deliberately does not carry. A ``.pth`` is read under ``python
