@@ -71,7 +71,10 @@ GPU_FRACTION_VAR = "FLUKSIO_GPU_MEMORY_FRACTION"
 
 
 def derive_env(
-    wanted: Resources, allocation: Allocation, card_bytes: Mapping[int, int] | None = None
+    wanted: Resources,
+    allocation: Allocation,
+    card_bytes: Mapping[int, int] | None = None,
+    cuda_names: Mapping[int, str] | None = None,
 ) -> dict[str, str]:
     """The variables a worker holding this allocation is started with.
 
@@ -79,12 +82,15 @@ def derive_env(
     visible: a CPU cell that imports torch would otherwise create a context on
     card 0, which is someone else's. ``card_bytes`` is the size of each card,
     where known, for the share ``gpu_ram=`` is of the smallest of them.
+    ``cuda_names`` is how CUDA names a card that is not its id: a MIG
+    instance, by its UUID (:mod:`fluksio_nb.mig`).
     """
     env = {var: str(allocation.cpus) for var in THREAD_VARS}
     # CUDA numbers cards fastest-first by default; PCI order is NVML's order,
     # and NVML's indices are the ones the books hand out.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
+    names = cuda_names or {}
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(names.get(card, str(card)) for card in allocation.gpus)
     if allocation.gpus:
         env.update(GPU_MEMORY_VARS)
         env.update(card_memory_share(wanted.gpu_ram_bytes, allocation.gpus, card_bytes))

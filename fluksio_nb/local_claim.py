@@ -174,7 +174,12 @@ class Claim(QueuedClaim):
     def _start(self, ticket: Ticket, allocation: Allocation) -> None:
         """From a share granted to a claim running: its env, budget, cgroups and status."""
         self.allocation = allocation
-        self.env = derive_env(ticket.resources, allocation, self._card_sizes(ticket, allocation))
+        self.env = derive_env(
+            ticket.resources,
+            allocation,
+            self._card_sizes(ticket, allocation),
+            {gpu.index: gpu.cuda_name for gpu in inventory().gpus},
+        )
         stages = settings()
         self.budget = budget_here(
             allocation.ram_bytes,
