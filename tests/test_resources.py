@@ -212,7 +212,8 @@ def test_an_empty_label_in_out_or_on_is_refused_saying_what_to_write(line, words
         "ram=lots",
         "ram=0",
         "gpus=1 gpu_ram=x",
-        "gpu_ram=8G",
+        "gpus=1.5",
+        "gpus=0.5 gpu_ram=8G",
         "flavor=X",
         "gpus=1 CUDA_VISIBLE_DEVICES=1",
         "--timeout 0",
@@ -347,7 +348,7 @@ def test_gpu_ram_is_a_card_memory_budget_read_like_ram():
 @pytest.mark.parametrize(
     ("line", "words"),
     [
-        ("gpu_ram=8G", "asks for no card; add gpus=1"),
+        ("gpus=0.5 gpu_ram=8G", "both size a slice of one card"),
         ("gpus=1 gpu_ram=eight", "gpu_ram='eight' is not a size"),
         ("gpus=1 gpu_ram=0", "gpu_ram must be more than zero bytes"),
         ("gpus=1 gpuram=8G", "did you mean 'gpu_ram'?"),
