@@ -180,7 +180,7 @@ class Claim(QueuedClaim):
             allocation.ram_bytes,
             warn_at=stages.memory_warn_at,
             halt_at=stages.memory_halt_at,
-            gpu_bytes=ticket.resources.gpu_ram_bytes,
+            gpu_bytes=allocation.gpu_bytes or ticket.resources.gpu_ram_bytes,
         )
         ticket.on_cancel = self._cancelled
         ticket.on_warning = self._warned
@@ -207,11 +207,12 @@ class Claim(QueuedClaim):
     def _card_sizes(self, ticket: Ticket, allocation: Allocation) -> dict[int, int] | None:
         """Each granted card's size, for a claim with ``gpu_ram=``, which cannot go unread."""
         if ticket.resources.gpu_ram is None or not allocation.gpus:
+            # A slice of gpus=0.5 is told its share without a size; held to it where read.
+            if allocation.gpu_bytes:
+                reading = kernel_cards().latest()
+                return None if reading is None else _sizes(reading)
             return None
-        reading = self._cards_read_for_gpu_ram(ticket.resources)
-        return {
-            card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
-        }
+        return _sizes(self._cards_read_for_gpu_ram(ticket.resources))
 
     def _give_back(self) -> None:
         with contextlib.suppress(ValueError):
@@ -659,6 +660,10 @@ class Claim(QueuedClaim):
                 UsageNotRecorded,
                 stacklevel=2,
             )
+
+
+def _sizes(reading: Any) -> dict[int, int]:
+    return {card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None}
 
 
 def _end_process_group(process: subprocess.Popen, leads: bool) -> None:

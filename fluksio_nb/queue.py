@@ -80,9 +80,15 @@ class Ticket:
     on_warning: Callable[[str], None] | None = None
 
     @property
-    def asked(self) -> dict[str, int]:
+    def asked(self) -> dict[str, Any]:
         r = self.resources
-        return {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
+        # As the machine's books say it (:func:`~fluksio_nb.machine.protocol.need_said`).
+        asked: dict[str, Any] = {"cpus": r.cpus, "gpus": r.whole_gpus, "ram_bytes": r.ram_bytes}
+        if r.is_slice and isinstance(r.gpus, float):
+            asked["gpu_fraction"] = r.gpus
+        elif r.is_slice:
+            asked["gpu_bytes"] = r.gpu_ram_bytes
+        return asked
 
 
 class ClaimQueue:
@@ -413,10 +419,14 @@ def held_words(allocation: Allocation | None) -> str:
     """What a claim holds, as the claim line says it: ``cpus=2 gpus=1 (card 0) ram=4.0GB``."""
     if allocation is None:
         return "nothing"
-    return share_words(allocation.cpus, allocation.gpus, allocation.ram_bytes)
+    return share_words(
+        allocation.cpus, allocation.gpus, allocation.ram_bytes, gpu_bytes=allocation.gpu_bytes
+    )
 
 
-def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = "") -> str:
+def share_words(
+    cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = "", gpu_bytes: int = 0
+) -> str:
     """A share as the claim line counts it, with which cores and cards it holds.
 
     ``gpus=`` is a count on the line, so the cards' ids go in words beside it:
@@ -424,7 +434,9 @@ def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = ""
     budget says none.
     """
     words = [f"cpus={cpus}" + (f" (cores {cores})" if cores else "")]
-    if cards:
+    if cards and gpu_bytes:
+        words.append(f"a slice of card {cards[0]} (gpu_ram={_size(gpu_bytes)})")
+    elif cards:
         words.append(cards_words(cards))
     if ram_bytes:
         words.append(f"ram={_size(ram_bytes)}")
@@ -436,6 +448,10 @@ def asked_words(asked: Mapping[str, int]) -> str:
     words = [f"cpus={asked.get('cpus', 1)}"]
     if asked.get("gpus"):
         words.append(f"gpus={asked['gpus']}")
+    elif asked.get("gpu_fraction"):
+        words.append(f"gpus={asked['gpu_fraction']:g}")
+    elif asked.get("gpu_bytes"):
+        words.append(f"gpu_ram={_size(int(asked['gpu_bytes']))}")
     if asked.get("ram_bytes"):
         words.append(f"ram={_size(asked['ram_bytes'])}")
     return " ".join(words)
