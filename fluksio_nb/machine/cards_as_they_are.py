@@ -8,7 +8,7 @@ the machine's service), each grant is decided with each card's memory as read
 and with what no claim holds on it counted as taken
 (:attr:`~fluksio_nb.machine.books.MachineBooks.unclaimed`), and a claim that
 waits for that reason is told so, in words that name the process:
-"card 1 has 3.1 GB free; 12 GB held by pid 2096 (root), no claim".
+"card 1 has 3.1GB free; 12.0GB held by pid 2096 (root), no claim".
 
 Cards not read (no driver, or a user's own service, which reads none) are
 counted as the books were told, as before.
@@ -97,4 +97,5 @@ def watch_cards_as_they_are(service: Any) -> asyncio.Task | None:
 
 
 def _gb(nbytes: int) -> str:
-    return ByteSize(nbytes).human_readable(decimal=True).replace("GB", " GB")
+    # As the squatter's own words count it (gpu_usage.Squatter.describe).
+    return ByteSize(nbytes).human_readable(decimal=True)
