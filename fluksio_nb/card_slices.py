@@ -173,11 +173,16 @@ class Cards:
         """What a claim walked past needs: no claim behind it may take that."""
         open_cards = [c for c in self.size if c not in self.aside and c not in self.whole]
         if ask.piece is not None:
+            if any(ask.piece.on(self.size[c]) <= self.size[c] for c in self.aside):
+                # It waits behind a card set aside already, which drains for the
+                # first in line and then for it: the other cards stay open.
+                return
             if open_cards:
                 # The card it will fit on soonest: the one with the most room.
                 self.aside.add(max(open_cards, key=lambda c: (self.room(c), -c)))
             return
-        if not ask.whole:
+        if not ask.whole or len(self.aside) >= ask.whole:
+            # Nothing, or as many cards as it needs set aside already: it waits behind them.
             return
         # The idle cards first, then those closest to idle: they drain, and nothing new lands.
         nearest = sorted(
