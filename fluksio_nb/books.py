@@ -156,13 +156,7 @@ class ResourceAccountant:
     def cards_now(self) -> Cards:
         """The cards as they are held now, for a walk over the waiting claims to place on."""
         with self._lock:
-            return Cards(
-                self._cards.size,
-                [((c,), 0) for c in sorted(self._cards.whole)]
-                + [
-                    ((c,), self._cards.sliced[c]) for c in self._cards.size if self._cards.sliced[c]
-                ],
-            )
+            return self._cards.copy()
 
     def try_take(
         self,

@@ -110,6 +110,16 @@ class Cards:
         for cards, nbytes in held:
             self.take(tuple(cards), nbytes)
 
+    def copy(self) -> Cards:
+        """The same cards held the same way, with nothing set aside: for a new walk."""
+        fresh = Cards(self.size, (), self.unclaimed)
+        fresh.whole, fresh.sliced, fresh.count = (
+            set(self.whole),
+            dict(self.sliced),
+            dict(self.count),
+        )
+        return fresh
+
     def room(self, card: int) -> int:
         """The bytes of ``card`` a new slice may take now."""
         if card in self.whole:

@@ -89,7 +89,7 @@ def derive_env(
         env.update(GPU_MEMORY_VARS)
         if isinstance(wanted.gpus, float):
             # A slice of gpus=0.5 is that share of its card, whatever its size.
-            env.update(_fraction(wanted.gpus))
+            env.update(fraction_env(wanted.gpus))
         else:
             budget = allocation.gpu_bytes or wanted.gpu_ram_bytes
             env.update(card_memory_share(budget, allocation.gpus, card_bytes))
@@ -112,10 +112,11 @@ def card_memory_share(
     sizes = [(card_bytes or {}).get(index) for index in cards]
     if gpu_ram_bytes is None or not sizes or not all(sizes):
         return {}
-    return _fraction(min(1.0, gpu_ram_bytes / min(sizes)))  # type: ignore[type-var]
+    return fraction_env(min(1.0, gpu_ram_bytes / min(sizes)))  # type: ignore[type-var]
 
 
-def _fraction(share: float) -> dict[str, str]:
+def fraction_env(share: float) -> dict[str, str]:
+    """JAX's and torch's cap at ``share`` of each card: a budget's, or a slice's."""
     fraction = f"{share:.3f}"
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
 

@@ -114,3 +114,29 @@ def test_a_card_a_squatter_fills_is_not_granted():
     assert cards.place(CardAsk(piece=Slice(nbytes=20 * GB))) == ((1,), 20 * GB)
     assert cards.place(CardAsk(piece=Slice(nbytes=40 * GB))) is None
     assert cards.place(CardAsk(whole=1)) is None
+
+
+def test_the_kernels_own_books_share_a_card_by_slices_and_starve_no_whole_card_claim():
+    """Guards against the kernel's own books (FLUKSIO_LEDGER=kernel) handing out cards only
+    whole, and against a slice overtaking a whole-card claim that waits for its card."""
+    from fluksio_nb.books import ResourceAccountant
+    from fluksio_nb.queue import ClaimQueue
+    from fluksio_nb.resources import Resources
+
+    queue = ClaimQueue(ResourceAccountant(cpus=8, gpus=1, card_bytes={0: 80 * GB}))
+    first, second, third = (queue.enqueue(Resources(gpus=0.5)) for _ in range(3))
+    assert [t.state for t in (first, second, third)] == ["running", "running", "waiting"]
+    assert first.allocation.gpus == second.allocation.gpus == (0,)
+    assert first.allocation.gpu_bytes == 40 * GB
+    assert card_words(queue.books.snapshot()["gpus"]["cards"][0]) == "card 0: 2 claims, 80/80 GB"
+    whole = queue.enqueue(Resources(gpus=1))
+    queue.release(first)
+    assert third.state == "running" and whole.state == "waiting"
+    sliver = queue.enqueue(Resources(gpu_ram="10G"))
+    queue.release(second)
+    # Room for the sliver beside the third, but the whole card is ahead of it.
+    assert sliver.state == "waiting"
+    queue.release(third)
+    assert whole.state == "running" and whole.allocation.gpu_bytes == 0
+    queue.release(whole)
+    assert sliver.state == "running"
