@@ -195,3 +195,25 @@ def test_a_card_a_squatter_fills_is_not_granted_and_the_waiter_is_told_whose(tmp
         smi.set_apps([])
         smi.set_cards([card(0)])
         assert heard(big)["gpu_bytes"] == 20 * 10**9
+
+
+def test_a_whole_card_claim_is_not_granted_the_card_a_squatter_fills(tmp_path, ends):
+    """Guards against the lowest free index handed out whole though a process outside
+    every claim holds most of it, while another card is empty."""
+    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    ends.append(squatter)
+    cards = [card(0, used_mib=30000), card(1)]
+    smi = StandInSmi(
+        tmp_path / "smi",
+        cards,
+        [{"uuid": cards[0]["uuid"], "pid": squatter.pid, "used_mib": 30000}],
+    )
+    with machine(gpus=2, env=smi.env()) as layout:
+        service_has_read(smi)
+        first = hold(layout, smi, gpus=1)
+        ends.append(first)
+        assert heard(first)["gpus"] == [1]
+        second = hold(layout, smi, gpus=1)
+        ends.append(second)
+        wait_until(lambda: labels_waiting(layout) == 1, what="the second whole card waiting")
+        assert books(layout)["waiting"][0]["warning"].startswith("card 0 has ")
