@@ -93,7 +93,17 @@ def derive_env(
     env["CUDA_VISIBLE_DEVICES"] = ",".join(names.get(card, str(card)) for card in allocation.gpus)
     if allocation.gpus:
         env.update(GPU_MEMORY_VARS)
-        env.update(card_memory_share(wanted.gpu_ram_bytes, allocation.gpus, card_bytes))
+        if isinstance(wanted.gpus, float):
+            # A slice of gpus=0.5 is that share of its card, whatever its size.
+            env.update(fraction_env(wanted.gpus))
+        else:
+            budget = allocation.gpu_bytes or wanted.gpu_ram_bytes
+            env.update(card_memory_share(budget, allocation.gpus, card_bytes))
+        if allocation.gpu_bytes and mps_daemon_runs():
+            # Where MPS shares the card's cores, a slice gets its share of them too.
+            share = float(env.get(GPU_FRACTION_VAR) or wanted.gpus or 0)
+            if share:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
     env.update(wanted.env)
     return env
 
@@ -108,8 +118,32 @@ def card_memory_share(
     sizes = [(card_bytes or {}).get(index) for index in cards]
     if gpu_ram_bytes is None or not sizes or not all(sizes):
         return {}
-    fraction = f"{min(1.0, gpu_ram_bytes / min(sizes)):.3f}"  # type: ignore[type-var]
+    return fraction_env(min(1.0, gpu_ram_bytes / min(sizes)))  # type: ignore[type-var]
+
+
+def fraction_env(share: float) -> dict[str, str]:
+    """JAX's and torch's cap at ``share`` of each card: a budget's, or a slice's."""
+    fraction = f"{share:.3f}"
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
+
+
+def mps_daemon_runs(proc: str = "/proc") -> bool:
+    """Whether an MPS control daemon runs here: a slice's compute is then its share of the
+    card's cores (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), else the card's time is shared."""
+    import os
+
+    try:
+        pids = [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/comm") as comm:
+                if comm.read().strip() == "nvidia-cuda-mps":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 class EnvironMark:

@@ -118,9 +118,11 @@ class ClaimRow {
 
     if (this.state === 'running') {
       const { allocation, readings, gpu } = claim as RunningClaim;
-      const cards = allocation.gpus.length
-        ? ` · GPU ${allocation.gpus.join(',')}`
-        : '';
+      const cards = allocation.gpu_bytes
+        ? ` · ${human(allocation.gpu_bytes)} of GPU ${allocation.gpus[0]}`
+        : allocation.gpus.length
+          ? ` · GPU ${allocation.gpus.join(',')}`
+          : '';
       const cores = allocation.cores?.length
         ? ` (cores ${cpuList(allocation.cores)})`
         : '';
@@ -151,6 +153,8 @@ class ClaimRow {
       this._share.textContent =
         `asks ${plural(asked.cpus, 'CPU')}` +
         (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
+        (asked.gpu_fraction ? ` · ${asked.gpu_fraction} of a GPU` : '') +
+        (asked.gpu_bytes ? ` · ${human(asked.gpu_bytes)} of a GPU` : '') +
         (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
       this._readings.textContent = describeWait(waiting);
       // What the guess rests on, for whoever wonders; the row itself says only the guess.
@@ -304,7 +308,19 @@ export class MachinePanel extends Widget {
     const cpusUsed = cpus.total - cpus.free;
     this._cpus.show(cpusUsed, cpus.total, `${cpusUsed}/${cpus.total} used`);
     const held = gpus.total - gpus.free;
-    this._gpus.show(held, gpus.total, `${held}/${gpus.total} used`);
+    // Each card shared by slices, as every view says it: "card 0: 3 claims, 60/80 GB".
+    const sliced = (gpus.cards ?? [])
+      .filter(card => card.claims && !card.whole)
+      .map(card => {
+        const gb = (n: number) => (n / 1e9).toFixed(0);
+        const noun = card.claims === 1 ? 'claim' : 'claims';
+        return `card ${card.index}: ${card.claims} ${noun}, ${gb(card.held_bytes)}/${gb(card.total_bytes)} GB`;
+      });
+    this._gpus.show(
+      held,
+      gpus.total,
+      `${held}/${gpus.total} used` + (sliced.length ? ` · ${sliced.join(' · ')}` : '')
+    );
     this._ram.show(
       ram.total - ram.free,
       ram.total,
