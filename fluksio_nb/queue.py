@@ -382,10 +382,26 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             "gpu_ram": gpu_ram,
         }
     )
+    given = shrunk.describe(gpus_if_none=bool(wanted.gpus))
+    # Only what was too much is named, beside what the machine has of it.
+    given_words = dict(word.split("=", 1) for word in given.split())
+    over = [
+        (key, value)
+        for key, value in (word.split("=", 1) for word in wanted.describe().split())
+        if given_words.get(key) != value
+    ]
+    has = {
+        "cpus": f"cpus={books.cpus}",
+        "gpus": f"gpus={books.gpus}",
+        "ram": f"ram={_size(books.ram_bytes)}",
+        "gpu_ram": f"{_size(max(books.cards_now().size.values()))} on its biggest card"
+        if books.gpus
+        else "no cards",
+    }
     warn_at_users_line(
-        f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
-        f"running with {shrunk.describe(gpus_if_none=bool(wanted.gpus))} instead. "
-        "Add --strict to refuse instead.",
+        f"{' '.join(f'{key}={value}' for key, value in over) or wanted.describe()} is more "
+        f"than this machine has to hand out ({', '.join(has[key] for key, _ in over) or capacity}"
+        f"); running with {given} instead. Add --strict to refuse instead.",
         ClampedWarning,
     )
     return shrunk
