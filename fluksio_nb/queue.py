@@ -390,14 +390,11 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
         for key, value in (word.split("=", 1) for word in wanted.describe().split())
         if given_words.get(key) != value
     ]
-    has = {
-        "cpus": f"cpus={books.cpus}",
-        "gpus": f"gpus={books.gpus}",
-        "ram": f"ram={_size(books.ram_bytes)}",
-        "gpu_ram": f"{_size(max(books.cards_now().size.values()))} on its biggest card"
-        if books.gpus
-        else "no cards",
-    }
+    has = {"cpus": f"cpus={books.cpus}", "gpus": f"gpus={books.gpus}"}
+    has["ram"] = f"ram={_size(books.ram_bytes)}"
+    if any(key == "gpu_ram" for key, _ in over):
+        biggest = max(books.cards_now().size.values(), default=0)
+        has["gpu_ram"] = f"{_size(biggest)} on its biggest card" if biggest else "no cards"
     warn_at_users_line(
         f"{' '.join(f'{key}={value}' for key, value in over) or wanted.describe()} is more "
         f"than this machine has to hand out ({', '.join(has[key] for key, _ in over) or capacity}"
