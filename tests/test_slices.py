@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from fluksio_nb.card_slices import PASSES
 from fluksio_nb.machine.connection import read_snapshot
 from tests.gpu_standins import StandInSmi, card
 from tests.machines import fluksio_nb, heard, machine, machine_env, wait_until
@@ -43,10 +44,27 @@ say(released=True)
 """
 
 
-def hold(layout, smi, **asked) -> subprocess.Popen:
-    """A process that claims ``asked`` on the machine's books and holds it until told."""
+#: Holds ``claim(**ARGS)`` ``N`` times over, each granted before the next is asked.
+HOLD_MANY = """
+from fluksio_nb import claim
+held = []
+for _ in range(int(sys.argv[2])):
+    held.append(claim(**json.loads(sys.argv[1])))
+    held[-1].__enter__()
+say(held=[c.allocation.gpu_bytes for c in held])
+sys.stdin.readline()
+for c in held:
+    c.__exit__(None, None, None)
+say(released=True)
+"""
+
+
+def hold(layout, smi, many: int = 0, **asked) -> subprocess.Popen:
+    """A process that claims ``asked`` (``many`` times, if given) on the machine's books
+    and holds it until told."""
+    script, times = (HOLD_MANY, [str(many)]) if many else (HOLD, [])
     return subprocess.Popen(
-        [sys.executable, "-c", PRELUDE + HOLD, json.dumps(asked)],
+        [sys.executable, "-c", PRELUDE + script, json.dumps(asked), *times],
         stdout=subprocess.PIPE,
         stdin=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -118,28 +136,35 @@ def test_two_half_cards_run_at_once_on_one_card_and_a_third_waits(tmp_path, ends
 
 
 def test_a_whole_card_claim_waits_for_a_card_without_slices_and_is_not_starved(tmp_path, ends):
-    """Guards against a whole-card claim granted beside a slice, and against slices that
-    come after it taking the room its card frees, one after another, for ever."""
+    """Guards against a whole-card claim granted beside a slice, against it keeping the room
+    beside the slice empty while it waits, and against slices that come after it taking
+    the room its card frees, one after another, for ever: after PASSES, none goes."""
     smi = StandInSmi(tmp_path / "smi", [card(0)])
-    with machine(gpus=1, env=smi.env()) as layout:
+    # Cores for every claim here: the claims wait for the card, not for cores.
+    with machine(gpus=1, cpus=4 + PASSES, env=smi.env()) as layout:
         half = hold(layout, smi, gpus=0.5)
         ends.append(half)
         assert heard(half)["gpus"] == [0]
         whole = hold(layout, smi, gpus=1)
         ends.append(whole)
         wait_until(lambda: labels_waiting(layout) == 1, what="the whole-card claim waiting")
-        # A slice after it would fit beside the half: it waits behind the whole card.
-        quarter = hold(layout, smi, gpus=0.25)
-        ends.append(quarter)
+        # Slices after it that fit beside the half go around it, as many as PASSES...
+        slivers = hold(layout, smi, many=PASSES, gpu_ram="1G")
+        ends.append(slivers)
+        assert heard(slivers) == {"held": [10**9] * PASSES}
+        # ... and no more: the next waits behind the whole card, though it would fit.
+        sliver = hold(layout, smi, gpu_ram="1G")
+        ends.append(sliver)
         wait_until(lambda: labels_waiting(layout) == 2, what="the slice waiting behind it")
-        assert len(books(layout)["running"]) == 1
+        assert len(books(layout)["running"]) == 1 + PASSES
 
         let_go(half)
+        let_go(slivers)
         got = heard(whole)
         assert (got["gpus"], got["gpu_bytes"]) == ([0], 0)
         assert len(books(layout)["running"]) == 1 and labels_waiting(layout) == 1
         let_go(whole)
-        assert heard(quarter)["gpu_bytes"] == CARD // 4
+        assert heard(sliver)["gpu_bytes"] == 10**9
 
 
 def test_gpu_ram_alone_is_a_slice_of_that_much_of_one_card(tmp_path, ends):
@@ -158,11 +183,10 @@ def test_gpu_ram_alone_is_a_slice_of_that_much_of_one_card(tmp_path, ends):
         wait_until(lambda: labels_waiting(layout) == 1, what="the second slice waiting")
         small = hold(layout, smi, gpu_ram="10G")
         ends.append(small)
-        # Behind the 20G one, which waits for this card: not granted, though it would fit.
-        wait_until(lambda: labels_waiting(layout) == 2, what="the small slice waiting")
+        # Packed around the 20G one, best-fit, as it has not been passed PASSES times.
+        assert heard(small)["gpu_bytes"] == 10 * 10**9
         let_go(first)
         assert heard(second)["gpu_bytes"] == 20 * 10**9
-        assert heard(small)["gpu_bytes"] == 10 * 10**9
 
 
 def test_a_card_a_squatter_fills_is_not_granted_and_the_waiter_is_told_whose(tmp_path, ends):
