@@ -217,3 +217,76 @@ def test_a_whole_card_claim_is_not_granted_the_card_a_squatter_fills(tmp_path, e
         ends.append(second)
         wait_until(lambda: labels_waiting(layout) == 1, what="the second whole card waiting")
         assert books(layout)["waiting"][0]["warning"].startswith("card 0 has ")
+
+
+def test_slices_running_across_a_restart_are_put_back_on_their_cards_and_a_fourth_still_waits(
+    tmp_path, ends
+):
+    """Guards against an admin's restart dropping a slice (its card then granted again
+    to someone else), putting one back on another card or with other memory than it
+    was granted, or letting a slice that did not fit before the restart in after it.
+
+    Each holder uses most of its slice on its card, as a real one would: the new
+    service reads that memory before the kernels have put their claims back, and must
+    not count it as no claim's and refuse them as no longer free."""
+    cards = [card(0), card(1)]
+    smi = StandInSmi(tmp_path / "smi", cards)
+    with machine(gpus=2, env=smi.env()) as layout:
+        service_has_read(smi)
+        half = hold(layout, smi, gpus=0.5)
+        ends.append(half)
+        assert heard(half)["gpus"] == [0]
+        # Best fit: beside the half on card 0, which keeps card 1 empty.
+        small = hold(layout, smi, gpu_ram="15G")
+        ends.append(small)
+        assert heard(small)["gpus"] == [0]
+        budget = hold(layout, smi, gpu_ram="30G")
+        ends.append(budget)
+        assert heard(budget)["gpus"] == [1]
+        # Each uses most of its slice.
+        using = [(half, 0, 20000), (small, 0, 14000), (budget, 1, 28000)]
+        smi.set_apps(
+            [{"uuid": cards[c]["uuid"], "pid": p.pid, "used_mib": mib} for p, c, mib in using]
+        )
+        smi.set_cards([card(0, used_mib=34000), card(1, used_mib=28000)])
+        # 32 GB fits on neither card beside them.
+        fourth = hold(layout, smi, gpus=0.75)
+        ends.append(fourth)
+        wait_until(lambda: labels_waiting(layout) == 1, what="the fourth slice waiting")
+
+        def granted(seen: dict) -> list:
+            return sorted(
+                (c["ticket"], c["allocation"]["gpus"], c["allocation"]["gpu_bytes"])
+                for c in seen["running"]
+            )
+
+        before = granted(books(layout))
+        assert sorted((gpus, nbytes) for _, gpus, nbytes in before) == sorted(
+            [([0], CARD // 2), ([0], 15 * 10**9), ([1], 30 * 10**9)]
+        )
+        first = int(layout.pidfile.read_text())
+        fluksio_nb("machine", "init", "--prefix", str(layout.prefix), "--gpus", "2", env=smi.env())
+        assert int(layout.pidfile.read_text()) != first
+
+        def grace_over() -> dict | None:
+            seen = books(layout)
+            return None if "grants_resume_at" in seen else seen
+
+        wait_until(grace_over, timeout=60, what="the restart's grace over")
+        # A pass of the cards after it, which would grant the fourth if it fitted.
+        service_has_read(smi, passes=len([c for c in smi.calls() if c]) + 1)
+        seen = books(layout)
+        assert granted(seen) == before, f"every slice put back on its card, as it was: {seen}"
+        rows = {row["index"]: row for row in seen["gpus"]["cards"]}
+        assert (rows[0]["claims"], rows[0]["held_bytes"]) == (2, CARD // 2 + 15 * 10**9)
+        assert (rows[1]["claims"], rows[1]["held_bytes"]) == (1, 30 * 10**9)
+        assert len(seen["waiting"]) == 1
+        assert not seen["waiting"][0].get("warning"), "the slices' memory is theirs, no squatter's"
+        let_go(budget)
+        # Its process gone, the driver frees its memory.
+        smi.set_apps(
+            [{"uuid": cards[c]["uuid"], "pid": p.pid, "used_mib": mib} for p, c, mib in using[:2]]
+        )
+        smi.set_cards([card(0, used_mib=34000), card(1)])
+        got = heard(fourth)
+        assert (got["gpus"], got["gpu_bytes"]) == ([1], int(0.75 * CARD))
