@@ -389,6 +389,20 @@ def test_a_claim_no_node_can_hold_fails_at_once_with_the_clusters_capacity(kerne
     assert_cluster_idle(kernel)
 
 
+def test_gpu_ram_alone_where_no_node_reads_its_cards_is_refused_saying_how_to_fix_it(kernel):
+    """Guards against a gpu_ram= slice sent to Ray as a guess at the card's size (a share
+    of a card that may not hold it), or refused without saying what would work: this
+    cluster declares cards its nodes cannot read, as a node without the driver's tools."""
+    ran = kernel.run("%%claim gpu_ram=10G --on ray\nprint('never')", timeout=120)
+    assert ran.status == "error"
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "gpu_ram=10.0GB without gpus= cannot be turned into Ray's share of a card" in shown
+    assert "no node of this cluster with cards could read their memory" in shown
+    assert "gpus=0.25 is a quarter of a card" in shown
+    assert "never" not in ran.stdout
+    assert_cluster_idle(kernel)
+
+
 def test_a_task_over_its_memory_budget_is_halted_with_the_numbers(kernel):
     ran = kernel.run(
         "%%claim ram=300M --on ray\nimport time\nblock = bytearray(600 * 2**20)\n"
