@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +292,113 @@ def test_slices_running_across_a_restart_are_put_back_on_their_cards_and_a_fourt
         smi.set_cards([card(0, used_mib=34000), card(1)])
         got = heard(fourth)
         assert (got["gpus"], got["gpu_bytes"]) == ([1], int(0.75 * CARD))
+
+
+#: Holds ``claim(**ARGS)`` until told to let go, saying what its cell's status line and
+#: its widget say of it, and what its worker was told of MPS.
+HOLD_SAYING = """
+from fluksio_nb import claim
+from fluksio_nb.status import describe
+from fluksio_nb.widget.facts import claim_facts
+c = claim(**json.loads(sys.argv[1]))
+c.__enter__()
+say(line=describe(c.status), held=claim_facts(c.status)["enforcement"],
+    mps=c.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+sys.stdin.readline()
+c.__exit__(None, None, None)
+say(released=True)
+"""
+
+#: What the panel (the server's snapshot is ``read_books()``) and ``%claims`` show.
+VIEWS = """
+from fluksio_nb.overview import read_books
+from fluksio_nb.widget.facts import machine_facts
+seen = read_books()
+facts = machine_facts(seen, {}, (1, 1))
+say(panel=seen["enforcement"].get("card slices"),
+    monitor=[card["slices"] for card in facts["gpus"]],
+    monitor_held=facts["enforcement"].get("card slices"))
+"""
+
+
+def views(layout, smi) -> dict:
+    ran = subprocess.run(
+        [sys.executable, "-c", PRELUDE + VIEWS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **machine_env(layout), **smi.env()},
+        cwd="/",
+    )
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout)
+
+
+def hold_saying(layout, smi, **asked) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + HOLD_SAYING, json.dumps(asked)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **machine_env(layout), **smi.env()},
+        cwd="/",
+    )
+
+
+def a_stand_in_mps_daemon(tmp_path) -> subprocess.Popen:
+    """A process called as NVIDIA's MPS control daemon is: what finding one looks for."""
+    daemon = tmp_path / "nvidia-cuda-mps-control"
+    shutil.copy(shutil.which("sleep"), daemon)
+    started = subprocess.Popen([str(daemon), "300"])
+    wait_until(
+        lambda: Path(f"/proc/{started.pid}/comm").read_text().strip() == "nvidia-cuda-mps",
+        what="the stand-in MPS daemon running",
+    )
+    return started
+
+
+def test_every_view_of_a_slice_says_how_its_compute_is_shared_by_time_or_by_mps(tmp_path, ends):
+    """Guards against a slice shown as if its card's cores were its own: without an MPS
+    control daemon its compute is shared by time, and each view (the claim's status line
+    and widget, the terminal, ``machine status``, ``%claims`` and the panel's snapshot)
+    must say so; with one, the slice is told its share of the cores and the views say MPS."""
+    smi = StandInSmi(tmp_path / "smi", [card(0)])
+    with machine(gpus=1, env=smi.env()) as layout:
+        service_has_read(smi)
+        half = hold_saying(layout, smi, gpus=0.5)
+        ends.append(half)
+        got = heard(half)
+        assert got["mps"] is None
+        assert "a slice of card 0 (gpu_ram=21.5GB, compute shared by time)" in got["line"]
+        assert got["held"]["card slices"]["label"] == "compute shared by time"
+        shown = fluksio_nb(env={**machine_env(layout), **smi.env()}).stdout
+        assert "  card 0: 1 claim, 21/43 GB, compute shared by time\n" in shown, shown
+        assert "card slices: compute shared by time" in shown
+        status = fluksio_nb("machine", "status", "--prefix", str(layout.prefix)).stdout
+        assert "card slices: compute shared by time (no MPS control daemon" in status
+        seen = views(layout, smi)
+        assert seen["panel"]["label"] == seen["monitor_held"]["label"] == "compute shared by time"
+        assert seen["monitor"] == ["card 0: 1 claim, 21/43 GB, compute shared by time"]
+
+        daemon = a_stand_in_mps_daemon(tmp_path)
+        ends.append(daemon)
+        quarter = hold_saying(layout, smi, gpus=0.25)
+        ends.append(quarter)
+        got = heard(quarter)
+        assert got["mps"] == "25"
+        assert "(gpu_ram=10.7GB, compute: 25% of the card's cores (MPS))" in got["line"]
+        assert got["held"]["card slices"]["label"] == "compute: 25% of the card's cores (MPS)"
+        mps = "compute: each its share of the card's cores (MPS)"
+        shown = fluksio_nb(env={**machine_env(layout), **smi.env()}).stdout
+        assert f"  card 0: 2 claims, 32/43 GB, {mps}\n" in shown, shown
+        assert f"card slices: {mps}" in shown
+        status = fluksio_nb("machine", "status", "--prefix", str(layout.prefix)).stdout
+        assert f"card slices: {mps} (an MPS control daemon runs" in status
+        seen = views(layout, smi)
+        assert seen["panel"]["label"] == seen["monitor_held"]["label"] == mps
+        assert seen["monitor"] == [f"card 0: 2 claims, 32/43 GB, {mps}"]
+        daemon.kill()
+        daemon.wait()
+        let_go(half)
+        let_go(quarter)
