@@ -128,8 +128,7 @@ class RayClaim(ClaimLifecycle):
                 "granted. Ask for cards with gpus=N instead."
             )
         super().__init__(wanted, label="claim on ray", view=view, show_after=show_after)
-        #: What Ray is asked for: the claim, with a ``gpu_ram=`` slice as the fraction of
-        #: a card it is once the cluster's cards are known (:mod:`.card_memory`).
+        #: What Ray is asked for: a ``gpu_ram=`` slice is sized as a fraction (:mod:`.card_memory`).
         self.on_cluster = self.wanted
         #: The variables the task's worker was started with; before a task, the planned ones.
         self.env = ray_env(self.wanted)
@@ -183,7 +182,6 @@ class RayClaim(ClaimLifecycle):
             return self
         ray = ray_connection.connect(self.target)
         self.on_cluster = sized_for_ray(ray, _job_of(ray), self.wanted)
-        self.env = ray_env(self.on_cluster)
         _check_fits(ray, _job_of(ray), self.on_cluster)
         self._ray = ray
         try:
