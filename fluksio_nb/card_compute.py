@@ -14,6 +14,8 @@ What this module decides:
 - **An MPS control daemon is found by its process**, as an admin starts it
   (``nvidia-cuda-mps-control -d``): its name in ``/proc``, which the kernel
   cuts to 15 characters. Whoever runs it, root or a user, any process sees it.
+  Looked for at most every :data:`LOOKED_FOR_EVERY_S` in a process: a monitor
+  draws every second, and a walk of ``/proc`` reads a file per process.
 - **A claim's own words come from what its worker was told**: its
   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, set by the books' share or by the
   claim's own ``env``, and nothing else.
@@ -26,6 +28,8 @@ What this module decides:
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +47,12 @@ NAME = "card slices"
 BY_TIME, BY_MPS = "time", "MPS"
 
 BY_TIME_WORDS = "compute shared by time"
+
+#: How long an answer of :func:`mps_daemon_runs_now` is kept, as the cards' readings are.
+LOOKED_FOR_EVERY_S = 2.0
+
+_last: tuple[float, bool] | None = None
+_lock = threading.Lock()
 
 
 def by_mps_words(percent: str | None = None) -> str:
@@ -70,6 +80,16 @@ def mps_daemon_runs(proc: str = "/proc") -> bool:
     return False
 
 
+def mps_daemon_runs_now() -> bool:
+    """:func:`mps_daemon_runs`, looked for at most every :data:`LOOKED_FOR_EVERY_S`."""
+    global _last
+    with _lock:
+        now = time.monotonic()
+        if _last is None or now - _last[0] >= LOOKED_FOR_EVERY_S:
+            _last = (now, mps_daemon_runs())
+        return _last[1]
+
+
 def claim_compute_words(env: Mapping[str, str]) -> str:
     """How one slice's compute is shared, from the environment its worker was started with."""
     percent = env.get(MPS_SHARE_VAR)
@@ -79,7 +99,7 @@ def claim_compute_words(env: Mapping[str, str]) -> str:
 def compute_sharing(mps: bool | None = None) -> dict[str, str]:
     """How the slices of this machine's cards share their compute now, for a snapshot: an
     entry of what holds a share (:meth:`fluksio_nb.enforcement.Enforcement.as_dict`)."""
-    if mps_daemon_runs() if mps is None else mps:
+    if mps_daemon_runs_now() if mps is None else mps:
         why = (
             f"an MPS control daemon runs: each slice's worker is told {MPS_SHARE_VAR}, "
             "its share of the card's cores"

@@ -35,7 +35,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from fluksio_nb.books import Allocation
-from fluksio_nb.card_compute import MPS_SHARE_VAR, mps_daemon_runs
+from fluksio_nb.card_compute import MPS_SHARE_VAR, mps_daemon_runs_now
 from fluksio_nb.resources import Resources
 
 #: Every spelling of "how many threads may you use" that a scientific stack
@@ -100,7 +100,7 @@ def derive_env(
         else:
             budget = allocation.gpu_bytes or wanted.gpu_ram_bytes
             env.update(card_memory_share(budget, allocation.gpus, card_bytes))
-        if allocation.gpu_bytes and mps_daemon_runs():
+        if allocation.gpu_bytes and mps_daemon_runs_now():
             # Where MPS shares the card's cores, a slice gets its share of them too.
             share = float(env.get(GPU_FRACTION_VAR) or wanted.gpus or 0)
             if share:
