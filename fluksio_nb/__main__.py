@@ -138,6 +138,11 @@ def machine_main(argv: list[str]) -> int:
             if books.mode == "machine":
                 for rule in rules_said(layout):
                     print(rule)
+            from fluksio_nb.card_compute import NAME, compute_sharing
+
+            # Whichever books: how this machine's cards share their compute between slices.
+            sharing = compute_sharing()
+            print(f"{NAME}: {sharing['label']} ({sharing['why']})")
             if books.mode == "user":
                 from fluksio_nb.machine.user_service import running
 

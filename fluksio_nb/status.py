@@ -90,6 +90,9 @@ class ClaimStatus:
     #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
     #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
+    #: How a slice of a card shares its compute, in the words of
+    #: :mod:`fluksio_nb.card_compute`; ``""`` for whole cards, or none.
+    card_compute: str = ""
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
@@ -278,7 +281,13 @@ def _share(status: ClaimStatus) -> str:
         words[0] += f" (cores {format_cpu_list(allocation.cores)}{held})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
-    words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")
+    if allocation.gpus and allocation.gpu_bytes:
+        compute = f", {status.card_compute}" if status.card_compute else ""
+        words.append(
+            f"a slice of card {allocation.gpus[0]} (gpu_ram={human(allocation.gpu_bytes)}{compute})"
+        )
+    else:
+        words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""
