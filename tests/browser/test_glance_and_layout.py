@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import OUTPUT, JupyterLab, until_exists
+from tests.browser.lab import OUTPUT, JupyterLab, contrast_failures, until_exists
 from tests.browser.test_lab_history import open_panel, switch_theme
 from tests.test_server import call, wait_for
 
@@ -261,6 +261,10 @@ def test_the_widgets_and_the_panel_lay_out_cleanly_at_720_and_400_px(widgets_and
             drawn = widget.evaluate("e => e.getBoundingClientRect().width")
             assert drawn == width, (name, width, drawn)
             seen[f"{name} at {width}"] = widget.evaluate(LAYOUT_JS)
+        bars = running.locator(".fluksio-meter .fluksio-bar").evaluate_all(
+            "bs => bs.map(b => Math.round(b.getBoundingClientRect().width))"
+        )
+        assert len(bars) == 2 and bars[0] == bars[1], (width, bars)
         nb.screenshot(f"layout-widgets-{width}")
     assert all(not out for out in seen.values()), seen
 
@@ -301,6 +305,9 @@ def test_the_running_dot_and_empty_bars_keep_3_to_1_in_light_and_dark(widgets_an
     for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
         if not light:
             switch_theme(ui, theme, light)
+        # The status item's words too, which no other test reads.
+        low = contrast_failures(ui.locator(".fluksio-lab-glance"))
+        assert low == [], (theme, low)
         failing[theme] = {
             "running dot": non_text_below_3(
                 nb.output_of(2).locator(".fluksio-claim[data-phase=running] .fluksio-dot")
