@@ -1,8 +1,9 @@
 /**
- * fluksio_nb in JupyterLab and Notebook 7: a status-bar item (in Notebook 7,
- * which has no status bar, the same item in the page's top bar), a sidebar
- * panel one click on that item away, and notices when the user's claims start or end, all fed by one
- * poll of the server extension. The notices follow the extension's settings
+ * fluksio_nb in JupyterLab and Notebook 7: two status-bar items, the shares
+ * and what is used (in Notebook 7, which has no status bar, both in the
+ * page's top bar), a sidebar panel one click on either away, and notices
+ * when the user's claims start or end, all fed by one poll of the server
+ * extension. The notices follow the extension's settings
  * (schema/plugin.json), read through the setting registry, and change as
  * soon as the user changes them.
  */
