@@ -88,6 +88,17 @@ def launch_chromium(playwright: Any) -> Any:
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
 
 
+def launch_chromium_profile(playwright: Any, folder: Path) -> Any:
+    """Chromium with a profile kept in ``folder``: a browser context whose pages share a
+    disk cache, at the size the tests' screenshots are taken at."""
+    return playwright.chromium.launch_persistent_context(
+        str(folder),
+        executable_path=str(CHROMIUM),
+        args=CHROMIUM_ARGS,
+        viewport={"width": 1280, "height": 1000},
+    )
+
+
 class JupyterLab:
     """One JupyterLab server, private to a test session, with this venv's kernel."""
 
