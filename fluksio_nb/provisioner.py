@@ -19,6 +19,9 @@ its own provisioner keeps it, and so does a user who chose a default
 
 What it decides:
 
+- **Cards through claims only, where the admin says so**
+  (``"unclaimed_cards": false``): the kernel starts in a cgroup that opens
+  no card (:mod:`fluksio_nb.unclaimed_cards`), removed as it is cleaned up.
 - **A kernel always starts.** Settings that cannot be used, or books that
   cannot be read, start it as Jupyter would without fluksio_nb, with a
   warning in the server's log. The kernel says what is wrong with its
@@ -67,8 +70,10 @@ from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
 from fluksio_nb.kernel import Books, books_in_force
+from fluksio_nb.memory_cap import ClaimCgroup
 from fluksio_nb.overview import read_books
 from fluksio_nb.settings import load_settings
+from fluksio_nb.unclaimed_cards import hold_kernel_away
 
 #: The name the package registers under ``jupyter_client.kernel_provisioners``.
 PROVISIONER_NAME = "fluksio-fair-share"
@@ -203,11 +208,22 @@ class FairShareProvisioner(LocalProvisioner):
     _fair: tuple[Books, frozenset[int], FairShare] | None = None
     #: What the keeper keeps for the kernel this launched, to forget only that.
     _kept: _Kept | None = None
+    #: Where the admin keeps cards to claims: the cgroup the kernel opens none in.
+    _away: ClaimCgroup | None = None
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
         env = kwargs["env"]
         self._fair = None
+        try:
+            self._away = await asyncio.to_thread(hold_kernel_away, env)
+        except Exception as error:
+            self.log.warning(
+                "fluksio_nb: kernel %s starts able to open every card, though the admin "
+                "keeps cards to claims (unclaimed_cards): %s",
+                self.kernel_id,
+                error,
+            )
         if not hasattr(os, "sched_setaffinity"):
             return kwargs
         try:
@@ -226,7 +242,13 @@ class FairShareProvisioner(LocalProvisioner):
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        connection_info = await super().launch_kernel(cmd, **kwargs)
+        if self._away is not None:
+            kwargs["preexec_fn"] = self._away.enter_from_child
+        try:
+            connection_info = await super().launch_kernel(cmd, **kwargs)
+        except BaseException:
+            self._let_go_of_cards()
+            raise
         if self._fair is not None and self.pid is not None:
             books, machine, share = self._fair
             try:
@@ -244,6 +266,13 @@ class FairShareProvisioner(LocalProvisioner):
             _keeper.release(self.pid, self._kept)
             self._kept = None
         await super().cleanup(restart=restart)
+        # Off the event loop: what the kernel left in it gets seconds to go.
+        await asyncio.to_thread(self._let_go_of_cards)
+
+    def _let_go_of_cards(self) -> None:
+        away, self._away = self._away, None
+        if away is not None:
+            away.remove()
 
 
 def make_it_the_default(serverapp: Any) -> str | None:

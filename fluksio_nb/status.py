@@ -90,6 +90,10 @@ class ClaimStatus:
     #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
     #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
+    #: What holds it to its cards: ``"own cards (devices, cgroup v1)"``, or
+    #: ``"the variable only (CUDA_VISIBLE_DEVICES)"`` with ``.why``. ``None``
+    #: until the claim runs, and on a machine without cards.
+    cards_enforcement: Enforcement | None = None
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
@@ -278,7 +282,10 @@ def _share(status: ClaimStatus) -> str:
         words[0] += f" (cores {format_cpu_list(allocation.cores)}{held})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
-    words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")
+    cards = cards_words(allocation.gpus) if allocation.gpus else "gpus=none"
+    if status.cards_enforcement is not None and allocation.gpus:
+        cards += f" ({status.cards_enforcement.label})"
+    words.append(cards)
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""

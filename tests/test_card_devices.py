@@ -1,0 +1,210 @@
+"""A claim's processes open only its own cards; where the admin says so, kernels open none.
+
+The machine has no card and no driver, so each test makes the cards' device
+nodes itself (``mknod``, character major 195, minor N for card N) in a
+directory of its own, and declares two cards (``FLUKSIO_GPUS=2``, or the
+machine's ``--gpus 2``). A device cgroup acts on the node's numbers, not its
+path: opening a denied card's node fails with ``EPERM``, and a card the
+process may open, with no driver behind it, with ``ENXIO`` or ``ENODEV``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fluksio_nb.budget import CGROUP_V1
+from fluksio_nb.card_devices import CARD_MAJOR, card_node, find_devices_place
+from fluksio_nb.machine.setup import MachineConfig, MachineSetupError, read_config
+from fluksio_nb.memory_cap import CapPlace
+from tests.kernels import started_kernel
+from tests.machines import machine, machine_env
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+PROVISIONER = "fluksio-fair-share"
+
+
+def devices_place_here() -> CapPlace:
+    found = find_devices_place()
+    if not found.available:
+        pytest.skip(f"needs a devices cgroup, which cannot be made here: {found.why_not}")
+    return found
+
+
+@pytest.fixture
+def cards() -> Iterator[Path]:
+    """A directory holding nodes ``nvidia0`` and ``nvidia1`` with the driver's numbers."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mknod of a character device")
+    with tempfile.TemporaryDirectory(prefix="fluksio-cards-", dir="/tmp") as where:
+        for card in (0, 1):
+            _, major, minor = card_node(card)
+            os.mknod(f"{where}/nvidia{card}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        yield Path(where)
+
+
+def opens(cards: Path) -> str:
+    """Lines of a cell that print, as JSON, what opening each card's node gives, card by card."""
+    return (
+        "import errno, json, os\n"
+        "def _open(n):\n"
+        "    try:\n"
+        f"        os.close(os.open({str(cards)!r} + f'/nvidia{{n}}', os.O_RDWR))\n"
+        "        return 'opened'\n"
+        "    except OSError as e:\n"
+        "        return errno.errorcode[e.errno]\n"
+        "print(json.dumps([_open(0), _open(1)]), flush=True)\n"
+    )
+
+
+NO_DRIVER = {errno.errorcode[errno.ENXIO], errno.errorcode[errno.ENODEV]}
+
+
+def made_by(parent: Path, pid: int) -> list[str]:
+    if not parent.is_dir():
+        return []
+    return [p.name for p in parent.iterdir() if p.name.startswith(f"fluksio_nb-{pid}-")]
+
+
+def test_a_claim_granted_card_1_of_2_cannot_open_card_0(cards, tmp_path):
+    """Guards against a claim's process using another claim's card by opening its node.
+
+    ``CUDA_VISIBLE_DEVICES`` holds only CUDA; a process that opens the node
+    itself, or a child that unsets the variable, reached any card. The claim's
+    children are held too, every view says a devices cgroup holds its cards,
+    and the cgroup goes with the claim.
+    """
+    place = devices_place_here()
+    assert place.parent is not None
+    with started_kernel(tmp_path, FLUKSIO_GPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        kernel.run(
+            "from fluksio_nb import claim\nfirst = claim(gpus=1, label='card 0').__enter__()\n"
+            "assert first.allocation.gpus == (0,), first.allocation",
+            check=True,
+        )
+        # The card-0 claim started no worker, and holds its cgroup until it is given back.
+        before = made_by(place.parent, kernel.pid)
+        cell = (
+            "%%claim gpus=1\n"
+            + opens(cards)
+            + "import subprocess, sys\n"
+            + "print(subprocess.run([sys.executable, '-c', "
+            + repr(opens(cards))
+            + "], capture_output=True, text=True, check=True).stdout, flush=True)\n"
+            + "print(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        )
+        ran = kernel.run(cell, check=True)
+        lines = [line for line in ran.stdout.splitlines() if line]
+        worker, child, visible = json.loads(lines[0]), json.loads(lines[1]), lines[2]
+        assert visible == "1"
+        assert worker[0] == "EPERM", f"the claim opened card 0, another claim's: {worker}"
+        assert worker[1] in NO_DRIVER, f"the claim could not open its own card 1: {worker}"
+        assert child[0] == "EPERM" and child[1] in NO_DRIVER, child
+        assert any("(own cards (devices, cgroup v1))" in text for text in ran.texts), ran.texts
+        held = kernel.books()["enforcement"]["cards"]
+        assert (held["label"], held["by"]) == (
+            "own cards (devices, cgroup v1)",
+            "devices cgroup v1",
+        )
+        assert made_by(place.parent, kernel.pid) == before, "the claim's devices cgroup outlived it"
+        kernel.run("first.__exit__(None, None, None)", check=True)
+        assert made_by(place.parent, kernel.pid) == []
+
+
+def test_a_claim_without_cards_opens_none_on_a_machine_with_cards(cards, tmp_path):
+    """Guards against a cell that claimed no card using any card it likes."""
+    devices_place_here()
+    with started_kernel(tmp_path, FLUKSIO_GPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        got = json.loads(kernel.run("%%claim cpus=1\n" + opens(cards), check=True).stdout)
+        assert got == ["EPERM", "EPERM"]
+
+
+def test_a_kernel_under_unclaimed_cards_false_opens_no_card_and_its_claim_opens_its_own(
+    cards, tmp_path
+):
+    """Guards against a squatter among Jupyter kernels where the admin keeps cards to claims.
+
+    The kernel is launched by fluksio_nb's provisioner, as a Jupyter server
+    launches it. Its claim's worker is the kernel's child, and must leave the
+    kernel's cgroup, which opens no card, for its claim's own. The kernel's
+    cgroup goes with it.
+    """
+    place = devices_place_here()
+    assert place.parent is not None
+    with machine(cpus=2, gpus=2, config={"unclaimed_cards": False}) as layout:
+        with started_kernel(
+            tmp_path, provisioner=PROVISIONER, **machine_env(layout, FLUKSIO_GPUS="2")
+        ) as kernel:
+            unclaimed = json.loads(kernel.run(opens(cards), check=True).stdout)
+            assert unclaimed == ["EPERM", "EPERM"], (
+                f"an unclaimed kernel opened a card: {unclaimed}"
+            )
+            claimed = json.loads(kernel.run("%%claim gpus=1\n" + opens(cards), check=True).stdout)
+            assert claimed[0] in NO_DRIVER, f"the claim could not open its own card 0: {claimed}"
+            assert claimed[1] == "EPERM", claimed
+            # What the kernel starts unclaimed is held as the kernel is.
+            child = kernel.run(
+                "import subprocess, sys\n"
+                f"print(subprocess.run([sys.executable, '-c', {opens(cards)!r}], "
+                "capture_output=True, text=True).stdout)",
+                check=True,
+            )
+            assert json.loads(child.stdout) == ["EPERM", "EPERM"]
+            assert len(made_by(place.parent, os.getpid())) == 1, "no cgroup holds the kernel"
+        assert wait_until(lambda: not made_by(place.parent, os.getpid())), (
+            "the kernel's devices cgroup outlived it"
+        )
+
+
+def test_kernels_open_cards_unclaimed_unless_the_admin_says_otherwise(cards, tmp_path):
+    """Guards against every kernel kept off cards on a machine whose admin did not ask for it."""
+    devices_place_here()
+    with (
+        machine(cpus=2, gpus=2) as layout,
+        started_kernel(tmp_path, provisioner=PROVISIONER, **machine_env(layout)) as kernel,
+    ):
+        got = json.loads(kernel.run(opens(cards), check=True).stdout)
+        assert set(got) <= NO_DRIVER, got
+
+
+def test_unclaimed_cards_is_true_or_false_and_says_how_to_fix_it(tmp_path):
+    """Guards against ``"unclaimed_cards": "no"`` read as true, or refused without a word why."""
+    assert MachineConfig.model_validate({"unclaimed_cards": False}).unclaimed_cards is False
+    assert MachineConfig().unclaimed_cards is True
+    from fluksio_nb.machine.setup import Layout
+
+    layout = Layout(tmp_path)
+    layout.config.parent.mkdir(parents=True)
+    layout.config.write_text(json.dumps({"unclaimed_cards": "no"}))
+    with pytest.raises(MachineSetupError, match="unclaimed_cards is true or false, not 'no'"):
+        read_config(layout)
+
+
+def test_a_kernel_held_off_cards_has_its_claims_cgroups_made_beside_it(tmp_path):
+    """Guards against a claim's cgroup made below a kernel that may open no card.
+
+    A v1 child cgroup opens no more than its parent: the claim could then
+    never open its own card.
+    """
+    root = tmp_path / "cgroup"
+    kernel = root / "devices" / "fluksio_nb" / "fluksio_nb-10-20-1"
+    kernel.mkdir(parents=True)
+    for directory in (root / "devices", kernel):
+        (directory / "devices.deny").write_text("")
+        (directory / "cgroup.procs").write_text("")
+    proc = tmp_path / "cgroup-of-the-kernel"
+    proc.write_text("5:devices:/fluksio_nb/fluksio_nb-10-20-1\n0::/\n")
+    found = find_devices_place(root, proc)
+    if not found.available and "may be changed by other users" in found.why_not:
+        pytest.skip(f"the test's own directories are shared: {found.why_not}")
+    assert found == CapPlace(CGROUP_V1, root / "devices" / "fluksio_nb", kernel)
+    assert card_node(3) == (Path("/dev/nvidia3"), CARD_MAJOR, 3)
