@@ -66,6 +66,7 @@ import psutil
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerFactory, LocalProvisioner
 
+from fluksio_nb.card_devices import name_after
 from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
@@ -249,6 +250,8 @@ class FairShareProvisioner(LocalProvisioner):
         except BaseException:
             self._let_go_of_cards()
             raise
+        if self._away is not None and self.pid is not None:
+            name_after(self._away, self.pid)
         if self._fair is not None and self.pid is not None:
             books, machine, share = self._fair
             try:

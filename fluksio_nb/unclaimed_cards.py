@@ -16,9 +16,12 @@ What it decides:
 - **A kernel always starts.** Where no devices cgroup can be made, or the
   rule cannot be read, it starts as before, and the server's log says why;
   every view's "held by" line says how cards are held.
-- **The kernel enters before it runs a line** (between fork and exec), and its
-  cgroup goes when the provisioner cleans the kernel up. Whatever the kernel
-  left running in it is ended then, as a claim's leftovers are: it ran on no card.
+- **The kernel enters before it runs a line** (between fork and exec). Its
+  cgroup is named after it once it runs
+  (:func:`~fluksio_nb.card_devices.name_after`), and goes when the
+  provisioner cleans the kernel up, or, were the server killed, once the
+  kernel is gone. Whatever the kernel left running in it is ended then, as a
+  claim's leftovers are.
 
 Processes started outside Jupyter (a terminal, a cron job) are not held
 here, and a card they use is still named as a squatter.
