@@ -91,5 +91,5 @@ def cards_held(version: str | None, why: str = "") -> Enforcement:
     good as every process of it honouring ``CUDA_VISIBLE_DEVICES``.
     """
     if version is None:
-        return Enforcement(f"the variable only ({CARD_VARIABLE})", CARD_VARIABLE, why)
-    return Enforcement(f"own cards (devices, {version})", f"devices {version}", why)
+        return Enforcement(f"{CARD_VARIABLE} only", CARD_VARIABLE, why)
+    return Enforcement(f"own cards (devices {version})", f"devices {version}", why)

@@ -90,8 +90,8 @@ class ClaimStatus:
     #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
     #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
-    #: What holds it to its cards: ``"own cards (devices, cgroup v1)"``, or
-    #: ``"the variable only (CUDA_VISIBLE_DEVICES)"`` with ``.why``. ``None``
+    #: What holds it to its cards: ``"own cards (devices cgroup v1)"``, or
+    #: ``"CUDA_VISIBLE_DEVICES only"`` with ``.why``. ``None``
     #: until the claim runs, and on a machine without cards.
     cards_enforcement: Enforcement | None = None
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
@@ -283,8 +283,10 @@ def _share(status: ClaimStatus) -> str:
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
     cards = cards_words(allocation.gpus) if allocation.gpus else "gpus=none"
-    if status.cards_enforcement is not None and allocation.gpus:
-        cards += f" ({status.cards_enforcement.label})"
+    held_to = status.cards_enforcement
+    if held_to is not None and allocation.gpus:
+        # Inside the cards' parentheses, as a cpuset is beside the cores.
+        cards = f"{cards[:-1]}, {held_to.by if held_to.capped else held_to.label})"
     words.append(cards)
     if allocation.ram_bytes:
         memory = status.memory_enforcement

@@ -26,6 +26,7 @@ from fluksio_nb.machine.setup import MachineConfig, MachineSetupError, read_conf
 from fluksio_nb.memory_cap import CapPlace, process_start
 from tests.kernels import started_kernel
 from tests.machines import machine, machine_env
+from tests.unix_users import USER_A, ready_user
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,9 +47,11 @@ def cards() -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("needs root: mknod of a character device")
     with tempfile.TemporaryDirectory(prefix="fluksio-cards-", dir="/tmp") as where:
+        os.chmod(where, 0o755)  # for a kernel of another user, too
         for card in (0, 1):
             _, major, minor = card_node(card)
             os.mknod(f"{where}/nvidia{card}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(f"{where}/nvidia{card}", 0o666)  # as the driver makes them, past the umask
         yield Path(where)
 
 
@@ -109,10 +112,10 @@ def test_a_claim_granted_card_1_of_2_cannot_open_card_0(cards, tmp_path):
         assert worker[0] == "EPERM", f"the claim opened card 0, another claim's: {worker}"
         assert worker[1] in NO_DRIVER, f"the claim could not open its own card 1: {worker}"
         assert child[0] == "EPERM" and child[1] in NO_DRIVER, child
-        assert any("(own cards (devices, cgroup v1))" in text for text in ran.texts), ran.texts
+        assert any("gpus=1 (card 1, devices cgroup v1)" in text for text in ran.texts), ran.texts
         held = kernel.books()["enforcement"]["cards"]
         assert (held["label"], held["by"]) == (
-            "own cards (devices, cgroup v1)",
+            "own cards (devices cgroup v1)",
             "devices cgroup v1",
         )
         assert made_by(place.parent, kernel.pid) == before, "the claim's devices cgroup outlived it"
@@ -166,6 +169,24 @@ def test_a_kernel_under_unclaimed_cards_false_opens_no_card_and_its_claim_opens_
         assert wait_until(lambda: not made_by(place.parent, kernel.pid)), (
             "the kernel's devices cgroup outlived it"
         )
+
+
+def test_where_no_devices_cgroup_can_be_made_every_view_says_the_variable_alone_holds_cards(
+    cards,
+):
+    """Guards against a claim said to be held to its cards where only the variable holds it.
+
+    A kernel of a user who may make no cgroup (cgroup v1's hierarchy is
+    root's) cannot hold its claims to their cards: its claim's status and the
+    books' "held by" line say ``CUDA_VISIBLE_DEVICES`` alone does, and why.
+    """
+    with started_kernel(user=ready_user(USER_A), FLUKSIO_GPUS="2") as kernel:
+        held = kernel.books()["enforcement"]["cards"]
+        assert held["label"] == "CUDA_VISIBLE_DEVICES only", held
+        assert "may not make cgroups" in held["why"], held
+        ran = kernel.run("%%claim gpus=1\n" + opens(cards), check=True)
+        assert set(json.loads(ran.stdout)) <= NO_DRIVER, "nothing here could hold the card"
+        assert any("gpus=1 (card 0, CUDA_VISIBLE_DEVICES only)" in t for t in ran.texts), ran.texts
 
 
 def test_unclaimed_cards_is_true_or_false_and_says_how_to_fix_it(tmp_path):
