@@ -178,7 +178,11 @@ def accountant() -> ClaimQueue | ServiceQueue:
                 )
                 _instance = ServiceQueue(at)
             _instance.enforcement = enforcement_in_force(
-                settings, _instance.books.core_ids, _instance.books.cpus, len(found.gpus)
+                settings,
+                _instance.books.core_ids,
+                _instance.books.cpus,
+                # The service's cards, where it declares some this kernel cannot see.
+                max(len(found.gpus), len(_instance.books.gpu_ids)),
             )
         return _instance
 

@@ -25,7 +25,7 @@ from fluksio_nb.card_devices import CARD_MAJOR, card_node, find_devices_place
 from fluksio_nb.machine.setup import MachineConfig, MachineSetupError, read_config
 from fluksio_nb.memory_cap import CapPlace, process_start
 from tests.kernels import started_kernel
-from tests.machines import machine, machine_env
+from tests.machines import fluksio_nb, machine, machine_env
 from tests.unix_users import USER_A, ready_user
 from tests.waiting import wait_until
 
@@ -144,6 +144,10 @@ def test_a_kernel_under_unclaimed_cards_false_opens_no_card_and_its_claim_opens_
     place = devices_place_here()
     assert place.parent is not None
     with machine(cpus=2, gpus=2, config={"unclaimed_cards": False}) as layout:
+        said = fluksio_nb(
+            "machine", "status", "--prefix", str(layout.prefix), env=machine_env(layout)
+        ).stdout
+        assert "cards are used through claims only: kernels Jupyter starts open none" in said
         with started_kernel(
             tmp_path, provisioner=PROVISIONER, **machine_env(layout, FLUKSIO_GPUS="2")
         ) as kernel:
