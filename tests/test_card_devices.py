@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from fluksio_nb.memory_cap import CapPlace, process_start
 from tests.kernels import started_kernel
 from tests.machines import fluksio_nb, machine, machine_env
 from tests.unix_users import USER_A, ready_user
-from tests.waiting import wait_until
+from tests.waiting import gone, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,6 +122,22 @@ def test_a_claim_granted_card_1_of_2_cannot_open_card_0(cards, tmp_path):
         assert made_by(place.parent, kernel.pid) == before, "the claim's devices cgroup outlived it"
         kernel.run("first.__exit__(None, None, None)", check=True)
         assert made_by(place.parent, kernel.pid) == []
+
+
+def test_a_killed_kernels_worker_removes_its_claims_devices_cgroup(tmp_path):
+    """Guards against a claim's devices cgroup left for good by a kernel killed as it ran."""
+    place = devices_place_here()
+    assert place.parent is not None
+    with started_kernel(tmp_path, FLUKSIO_GPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        msg_id = kernel.client.execute(
+            "%%claim gpus=1\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"
+        )
+        kernel.wait_for_output(msg_id, "\n")
+        (made,) = made_by(place.parent, kernel.pid)
+        worker = int((place.parent / made / "cgroup.procs").read_text().split()[0])
+        os.kill(kernel.pid, signal.SIGKILL)
+        assert gone(worker, within=30)
+        assert wait_until(lambda: not (place.parent / made).exists()), f"{made} outlived its claim"
 
 
 def test_a_claim_without_cards_opens_none_on_a_machine_with_cards(cards, tmp_path):
