@@ -1,12 +1,13 @@
 # Two entry points, both from a fresh clone: `make lab` and `make test`.
 # Everything lives in .venv beside the checkout; nothing is installed system-wide.
+# On a machine with a card, `make gpu-check` checks it (see below).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test lint clean
+.PHONY: lab test lint clean wheelhouse gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +42,28 @@ test: $(STAMP)
 	echo "make test: $$((took / 60)) min $$((took % 60)) s on $(WORKERS) workers, exit $$status"; \
 	exit $$status
 
+# The real-card checks, on a machine that reaches no package registry: `make
+# wheelhouse` where one is reachable (what a kernel needs and pytest, ~21 MB,
+# checked under 60 MB; no Ray, no JupyterLab), carry wheelhouse/ over, then
+# `make gpu-check` there. It installs from the folder alone into .gpu-venv,
+# runs tests/test_gpu_real.py and bench/gpu_check.py, and ends with a line per
+# check: passed, failed, or skipped saying what is missing (no card, no
+# driver, no NVML). Needs only the NVIDIA driver on that machine. Compiled
+# wheels are for one Python: make the folder with the card machine's
+# version (`make wheelhouse PYTHON=python3.12`).
+WHEELHOUSE ?= wheelhouse
+GPU_VENV ?= .gpu-venv
+
+wheelhouse:
+	$(PYTHON) -m bench.wheelhouse download $(WHEELHOUSE)
+
+gpu-check:
+	$(PYTHON) -m bench.wheelhouse install $(WHEELHOUSE) $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m bench.gpu_check --with-tests
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GPU_VENV)

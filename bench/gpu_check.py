@@ -3,25 +3,37 @@
 Per card: utilisation, memory used and total, and each process with memory
 on it, as fluksio_nb reads them with every source it can use here (NVML,
 ``nvidia-smi``), beside ``nvidia-smi --query-gpu`` and
-``--query-compute-apps``. With torch or cupy installed, a process of its own
-first allocates 256 MiB on the first card, so that there is a known amount
+``--query-compute-apps``. A process of its own first takes 256 MiB on the
+first card through the driver's own library (:mod:`tests.cuda_memory`: the
+driver is all it needs, no torch or cupy), so that there is a known amount
 to find. Then what one pass over the cards costs, with each source: the
 figure behind "at most every 2 s" in ``fluksio_nb/gpu_usage.py``, which the
 sampling benchmark can only measure against stand-ins.
 
-Exits 1 if fluksio_nb's figure for the allocating process is more than 5%
-from nvidia-smi's; says there is no card to check, and exits 0, where there
-is none. Takes well under a minute. Run from the repository root:
-``.venv/bin/python -m bench.gpu_check``.
+``--with-tests`` first runs the real-card tests (``tests/test_gpu_real.py``:
+readings, slices, the device hold). Either way it ends with one summary line
+per check, passed, failed or skipped, and a skipped one says what is
+missing: no card, no driver, no NVML, each in its own words. ``make
+gpu-check`` runs it so, from a wheel folder, on a machine that reaches no
+package registry (:mod:`bench.wheelhouse`).
+
+Exits 1 if a check failed: fluksio_nb's figure for the allocating process
+more than 5% from nvidia-smi's, or a test. Takes well under a minute. Run
+from the repository root: ``.venv/bin/python -m bench.gpu_check``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -34,13 +46,15 @@ from tests.real_cards import (
     MIB,
     CannotAllocate,
     SmiQuery,
+    absences,
     first_card,
-    frameworks,
     holding,
     readers,
     smi_query,
     wait_for,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: How far apart fluksio_nb's and nvidia-smi's figures for the allocation may be.
 WITHIN = 0.05
@@ -136,10 +150,33 @@ def compare(
     return out
 
 
-def verdict(readings: dict[str, CardsReading | None], smi: SmiQuery, allocator: int) -> bool:
-    """Whether every source's figure for the allocating process is nvidia-smi's, within 5%."""
-    agreed = True
+@dataclass(frozen=True)
+class Outcome:
+    """One check, how it went, and why where it did not pass."""
+
+    check: str
+    result: str  # "passed", "failed" or "skipped"
+    why: str = ""
+
+    def line(self) -> str:
+        return f"{self.result.upper():<8} {self.check}" + (f": {self.why}" if self.why else "")
+
+
+def read_as_smi(source: str) -> str:
+    return f"fluksio_nb ({source}) reads a process's card memory as nvidia-smi does"
+
+
+#: What each source's reading needs, beyond a card and the driver.
+SOURCES = {"nvml": ("card", "driver", "NVML"), "nvidia-smi": ("card", "driver")}
+
+
+def verdict(
+    readings: dict[str, CardsReading | None], smi: SmiQuery, allocator: int
+) -> list[Outcome]:
+    """Whether each source's figure for the allocating process is nvidia-smi's, within 5%."""
+    outcomes = []
     for name, reading in readings.items():
+        check = read_as_smi(name)
         found = [
             (card.uuid, p)
             for card in (reading.cards if reading else ())
@@ -147,57 +184,62 @@ def verdict(readings: dict[str, CardsReading | None], smi: SmiQuery, allocator: 
             if p.pid == allocator
         ]
         if not found:
-            listed = bool(smi.app(allocator))
-            print(
-                f"- fluksio_nb ({name}) finds no card memory held by pid {allocator}"
-                + (
-                    ", which nvidia-smi lists: WRONG"
-                    if listed
-                    else "; nor does nvidia-smi under that pid: the driver names it by a pid of "
-                    "another namespace (a container?)"
+            if smi.app(allocator):
+                why = f"finds no card memory held by pid {allocator}, which nvidia-smi lists"
+                outcomes.append(Outcome(check, "failed", why))
+            else:
+                why = (
+                    f"nvidia-smi does not name pid {allocator} either: the driver names it by "
+                    "a pid of another namespace (a container?)"
                 )
-            )
-            agreed = agreed and not listed
+                outcomes.append(Outcome(check, "skipped", why))
             continue
         for uuid, process in found:
             theirs = [a.used_mib for a in smi.apps_on(uuid) if a.pid == process.driver_pid]
             if not theirs or theirs[0] is None or process.used_bytes is None:
-                print(f"- fluksio_nb ({name}): nvidia-smi gives no figure to compare with")
+                outcomes.append(Outcome(check, "skipped", "nvidia-smi gives no figure"))
                 continue
             ours = process.used_bytes / MIB
             off = abs(ours - theirs[0]) / theirs[0]
-            good = off <= WITHIN
-            agreed = agreed and good
-            print(
-                f"- the allocating process: fluksio_nb ({name}) {ours:,.0f} MiB, nvidia-smi "
-                f"{theirs[0]:,.0f} MiB: {off:.1%} apart, "
-                + ("agreed" if good else f"MORE THAN {WITHIN:.0%} APART")
-            )
-    return agreed
+            said = f"{ours:,.0f} MiB, nvidia-smi {theirs[0]:,.0f} MiB: {off:.1%} apart"
+            print(f"- the allocating process: fluksio_nb ({name}) {said}")
+            outcomes.append(Outcome(check, "passed" if off <= WITHIN else "failed", said))
+    return outcomes
 
 
-def main() -> int:
+def skipped_for(needs: tuple[str, ...], gone: dict[str, str]) -> str:
+    return "; ".join(gone[what] for what in needs if what in gone)
+
+
+def bench() -> list[Outcome]:
+    """The comparison and the cost of a pass, printed; an outcome per check."""
     print(f"Run on {machine()}.\n")
+    gone = absences()
     card = first_card()
     if isinstance(card, str):
         print(f"There is no card to check here ({card}). Nothing compared.")
-        return 0
+        return [
+            *(Outcome(read_as_smi(s), "skipped", skipped_for(n, gone)) for s, n in SOURCES.items()),
+            Outcome("what a pass over the cards costs", "skipped", card),
+        ]
     makers = readers()
+    outcomes = [
+        Outcome(read_as_smi(source), "skipped", skipped_for(needs, gone) or "no reader")
+        for source, needs in SOURCES.items()
+        if source not in makers
+    ]
     with contextlib.ExitStack() as stack:
-        allocator, cannot = None, []
-        for framework in frameworks():
-            try:
-                allocator = stack.enter_context(holding(framework, card=card, timeout_s=30)).pid
-                print(f"pid {allocator} holds {ALLOCATE_MIB} MiB on card {card}, from {framework}.")
-                break
-            except CannotAllocate as error:
-                cannot.append(str(error))
-        if allocator is None:
-            print(
-                "Nothing allocated to compare: "
-                + ("; ".join(cannot) or "neither torch nor cupy is installed")
-                + ". The cards as they are:"
-            )
+        allocator = None
+        try:
+            allocator = stack.enter_context(holding(card=card, timeout_s=30)).pid
+            print(f"pid {allocator} holds {ALLOCATE_MIB} MiB on card {card}, from libcuda.")
+        except CannotAllocate as error:
+            cannot = gone.get("driver") or str(error)
+            print(f"Nothing allocated to compare: {cannot}. The cards as they are:")
+            outcomes += [
+                Outcome(read_as_smi(source), "skipped", f"nothing allocated: {cannot}")
+                for source in makers
+            ]
         reader_of = {name: make() for name, make in makers.items()}
         if allocator is not None:
             # The driver lists a process once its memory is there; give it a moment.
@@ -210,7 +252,8 @@ def main() -> int:
             print("fluksio_nb has nothing to read the cards with here.\n")
         print("\n\n".join(compare(readings, smi, allocator)) + "\n")
         print("Utilisation moves between two reads; memory held by a process should not.")
-        agreed = True if allocator is None else verdict(readings, smi, allocator)
+        if allocator is not None:
+            outcomes += verdict(readings, smi, allocator)
         print("\nWhat one pass over the cards costs (median of 5):\n")
         rows = []
         for name, reader in reader_of.items():
@@ -236,8 +279,62 @@ def main() -> int:
                 rows,
             )
         )
+        outcomes.append(
+            Outcome("what a pass over the cards costs", "passed", "measured, above")
+            if rows
+            else Outcome("what a pass over the cards costs", "skipped", "nothing reads the cards")
+        )
         print(f"\nnvidia-smi printed:\n\n{smi.printed}")
-    return 0 if agreed else 1
+    return outcomes
+
+
+#: The real-card tests, run by ``--with-tests``.
+REAL_CARD_TESTS = "tests/test_gpu_real.py"
+
+
+def the_tests() -> list[Outcome]:
+    """``tests/test_gpu_real.py`` run by pytest, as it prints; an outcome per test."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.xml"
+        ran = subprocess.run(
+            [
+                *(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs"),
+                *(f"--junitxml={report}", REAL_CARD_TESTS),
+            ],
+            cwd=ROOT,
+        )
+        if not report.exists():
+            return [
+                Outcome(REAL_CARD_TESTS, "failed", f"pytest ran nothing (exit {ran.returncode})")
+            ]
+        outcomes = []
+        for case in ElementTree.parse(report).getroot().iter("testcase"):
+            check = f"{REAL_CARD_TESTS}::{case.get('name')}"
+            found = {child.tag: child for child in case}
+            for tag, result in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
+                if tag in found:
+                    why = found[tag].get("message", "").removeprefix("Skipped: ")
+                    outcomes.append(Outcome(check, result, why.splitlines()[0] if why else ""))
+                    break
+            else:
+                outcomes.append(Outcome(check, "passed"))
+        return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    parser.add_argument(
+        "--with-tests", action="store_true", help=f"run {REAL_CARD_TESTS} first (make gpu-check)"
+    )
+    args = parser.parse_args(argv)
+    outcomes = the_tests() if args.with_tests else []
+    if args.with_tests:
+        print()
+    outcomes += bench()
+    print("\nSummary, a line per check:\n")
+    for outcome in outcomes:
+        print(outcome.line())
+    return 1 if any(o.result == "failed" for o in outcomes) else 0
 
 
 if __name__ == "__main__":

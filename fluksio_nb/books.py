@@ -11,9 +11,11 @@ with the overtaking rule) while the books only decide *whether* something fits.
 It is also what lets a books service replace the books without touching
 the queue's rules.
 
-A card is held by one claim at a time and handed out whole. Which card a
-claim gets is the lowest free index, so a quiet machine hands out card 0
-first, as people expect.
+A card is held whole by one claim, or shared by slices (``gpus=0.5``,
+``gpu_ram=`` alone); which card a claim gets is decided by
+:mod:`fluksio_nb.card_slices`, the same for these books and the machine's:
+whole cards the lowest idle index, so a quiet machine hands out card 0
+first, as people expect, and slices best-fit.
 
 Cores are handed out the same way, by id: a claim of ``cpus=2`` holds two
 cores no other running claim holds, and its worker runs on exactly those.
@@ -31,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fluksio_nb.card_slices import CardAsk, Cards
 from fluksio_nb.gpus import GpuId
 from fluksio_nb.inventory import Inventory
 
@@ -45,6 +48,8 @@ class Allocation:
     #: The core ids this claim runs on, or ``()`` where cores are not pinned
     #: (a declared inventory larger than the machine, or a Ray node's share).
     cores: tuple[int, ...] = ()
+    #: The card memory of a slice of its one card; 0 for cards held whole.
+    gpu_bytes: int = 0
 
     @classmethod
     def from_dict(cls, held: Mapping[str, Any]) -> Allocation:
@@ -54,15 +59,19 @@ class Allocation:
             gpus=tuple(held["gpus"]),
             ram_bytes=held["ram_bytes"],
             cores=tuple(held.get("cores") or ()),
+            gpu_bytes=int(held.get("gpu_bytes") or 0),
         )
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        said: dict[str, object] = {
             "cpus": self.cpus,
             "gpus": list(self.gpus),
             "ram_bytes": self.ram_bytes,
             "cores": list(self.cores),
         }
+        if self.gpu_bytes:
+            said["gpu_bytes"] = self.gpu_bytes
+        return said
 
 
 def pick_cores(free: Sequence[int], n: int, node_of: Mapping[int, int]) -> tuple[int, ...]:
@@ -100,6 +109,7 @@ class ResourceAccountant:
         *,
         cores: Sequence[int] = (),
         core_nodes: Mapping[int, int] | None = None,
+        card_bytes: Mapping[GpuId, int | None] | None = None,
     ):
         if cpus < 1:
             raise ValueError(f"a machine has at least one core, not {cpus}")
@@ -114,7 +124,7 @@ class ResourceAccountant:
         )
         self.ram_bytes = max(0, ram_bytes)
         self._free_cpus = cpus
-        self._free_gpus = list(self.gpu_ids)
+        self._cards = Cards({g: (card_bytes or {}).get(g) for g in self.gpu_ids})
         self._free_ram = self.ram_bytes
         self._lock = threading.Lock()
 
@@ -127,53 +137,78 @@ class ResourceAccountant:
             ram_bytes=found.ram_bytes,
             cores=found.core_ids,
             core_nodes=found.core_nodes,
+            card_bytes={gpu.index: gpu.memory_bytes for gpu in found.gpus},
         )
 
     @property
     def gpus(self) -> int:
         return len(self.gpu_ids)
 
-    def fits(self, cpus: int, gpus: int = 0, ram_bytes: int = 0) -> bool:
+    def fits(self, cpus: int, gpus: int | CardAsk = 0, ram_bytes: int = 0) -> bool:
         """Whether this machine could ever grant that much, busy or not.
 
         Waiting for a card that is merely busy is queueing; waiting for one the
         machine does not have is a cell that never runs.
         """
-        return cpus <= self.cpus and gpus <= self.gpus and ram_bytes <= self.ram_bytes
+        ask = gpus if isinstance(gpus, CardAsk) else CardAsk(whole=gpus)
+        return cpus <= self.cpus and self._cards.fits_ever(ask) and ram_bytes <= self.ram_bytes
 
-    def try_take(self, cpus: int, gpus: int = 0, ram_bytes: int = 0) -> Allocation | None:
-        """Take this much if it is free right now, or answer that it is not."""
+    def cards_now(self) -> Cards:
+        """The cards as they are held now, for a walk over the waiting claims to place on."""
         with self._lock:
-            if self._free_cpus < cpus or len(self._free_gpus) < gpus or self._free_ram < ram_bytes:
+            return self._cards.copy()
+
+    def try_take(
+        self,
+        cpus: int,
+        gpus: int | CardAsk = 0,
+        ram_bytes: int = 0,
+        *,
+        on: tuple[tuple[GpuId, ...], int] | None = None,
+    ) -> Allocation | None:
+        """Take this much if it is free right now, or answer that it is not.
+
+        ``on`` is where a walk over the waiting claims placed its cards
+        (:meth:`cards_now`); without it, these books place them.
+        """
+        ask = gpus if isinstance(gpus, CardAsk) else CardAsk(whole=gpus)
+        with self._lock:
+            if self._free_cpus < cpus or self._free_ram < ram_bytes:
                 return None
+            placed = on if on is not None else (self._cards.place(ask) if ask else ((), 0))
+            if placed is None:
+                return None
+            self._cards.take(*placed)
             self._free_cpus -= cpus
-            taken = tuple(self._free_gpus[:gpus])
-            del self._free_gpus[:gpus]
             self._free_ram -= ram_bytes
             cores = pick_cores(self._free_cores, cpus, self.core_nodes)
             self._free_cores = [core for core in self._free_cores if core not in cores]
-        return Allocation(cpus=cpus, gpus=taken, ram_bytes=ram_bytes, cores=cores)
+        taken, nbytes = placed
+        return Allocation(cpus=cpus, gpus=taken, ram_bytes=ram_bytes, cores=cores, gpu_bytes=nbytes)
 
     def give_back(self, allocation: Allocation) -> None:
         """Return what a claim held, however it ended."""
         with self._lock:
             stray = set(allocation.gpus) - set(self.gpu_ids)
-            doubled = set(allocation.gpus) & set(self._free_gpus)
-            doubled |= set(allocation.cores) & set(self._free_cores)
+            doubled = set(allocation.cores) & set(self._free_cores)
             stray |= set(allocation.cores) - set(self.core_ids)
             if stray or doubled or self._free_cpus + allocation.cpus > self.cpus:
                 # Giving back twice would hand the same card to two claims
                 # later, which is the one thing these books exist to prevent.
                 raise ValueError(f"{allocation} was not taken from these books")
+            try:
+                self._cards.give_back(allocation.gpus, allocation.gpu_bytes)
+            except ValueError:
+                raise ValueError(f"{allocation} was not taken from these books") from None
             self._free_cpus += allocation.cpus
-            self._free_gpus = sorted([*self._free_gpus, *allocation.gpus])
             self._free_cores = sorted([*self._free_cores, *allocation.cores])
             self._free_ram += allocation.ram_bytes
 
     def free(self) -> tuple[int, tuple[GpuId, ...], int]:
-        """Free cores, free cards and free bytes, read together."""
+        """Free cores, idle cards (held by no claim, whole or sliced) and free bytes."""
         with self._lock:
-            return self._free_cpus, tuple(self._free_gpus), self._free_ram
+            idle = tuple(c for c in self._cards.size if self._cards.idle(c))
+            return self._free_cpus, idle, self._free_ram
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """What this machine holds and what is free of it."""
@@ -186,6 +221,7 @@ class ResourceAccountant:
                 "total": self.gpus,
                 "free": len(free_gpus),
                 "free_ids": list(free_gpus),
+                "cards": self.cards_now().rows(),
             },
             "ram_bytes": {"total": self.ram_bytes, "free": free_ram},
         }

@@ -133,8 +133,9 @@ def claim_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="NAME=VALUE",
         help=(
-            "cpus=N (default 1), gpus=N (default 0), ram=SIZE, gpu_ram=SIZE (a "
-            "card's memory budget), flavor=NAME; an UPPER_CASE=value pair is set in "
+            "cpus=N (default 1), gpus=N (default 0; 0.5 is a slice of one card), "
+            "ram=SIZE, gpu_ram=SIZE (a card's memory budget; alone, a slice of one card "
+            "with that much memory), flavor=NAME; an UPPER_CASE=value pair is set in "
             "the worker's environment"
         ),
     )

@@ -21,6 +21,9 @@ What this module decides:
   allocated first would be charged outside the cap, and what it started first
   would run on any core. A warm worker that ran an earlier claim is moved,
   every thread of it (:meth:`Confinement.admit`).
+- **A claim is not counted under its kernel's ``kernel_ram``**: a claim
+  with no ``ram=`` gets a cgroup with no limit beside the kernel's
+  (:meth:`Confinement._out_of_the_kernels_cap`), one with a ``ram=`` its own.
 - **A worker the cap's out-of-memory killer ended was halted for its budget**
   (:meth:`Confinement.halt_by_the_cap`), not lost.
 """
@@ -51,7 +54,14 @@ from fluksio_nb.enforcement import (
     quota_enforcement,
 )
 from fluksio_nb.inventory import Inventory, confine_tree
-from fluksio_nb.memory_cap import CapNotMade, ClaimCgroup, cap_place, memory_enforcement, sampled
+from fluksio_nb.memory_cap import (
+    CapNotMade,
+    ClaimCgroup,
+    cap_place,
+    in_a_kernel_cgroup,
+    memory_enforcement,
+    sampled,
+)
 from fluksio_nb.settings import Settings
 from fluksio_nb.stop_button import stop_held_back
 
@@ -101,6 +111,7 @@ class Confinement:
 
     def _make_cap(self, budget: Budget, settings: Settings) -> Enforcement:
         if budget.halt_bytes is None:
+            self._out_of_the_kernels_cap(settings)
             return sampled("the claim named no ram=, so it has no budget of its own to cap")
         enforcement = memory_enforcement(settings)
         if not enforcement.capped:
@@ -113,6 +124,19 @@ class Confinement:
         except CapNotMade as error:
             return sampled(str(error))
         return enforcement
+
+    def _out_of_the_kernels_cap(self, settings: Settings) -> None:
+        """A claim with no ``ram=`` in a kernel under ``kernel_ram`` runs beside it, uncapped.
+
+        A claim's memory is the claim's, not the kernel's: left in the kernel's
+        cgroup, its worker would be stopped at the kernel's cap, and take the
+        kernel with it. Where no cgroup can be made, it stays there.
+        """
+        place = cap_place()
+        if not settings.memory_cap or not place.available or not in_a_kernel_cgroup(place):
+            return
+        with contextlib.suppress(CapNotMade), stop_held_back():
+            self.cap = ClaimCgroup.make_uncapped(place)
 
     def _hold_to_cores(
         self, allocation: Allocation, settings: Settings, inventory: Inventory

@@ -71,7 +71,10 @@ GPU_FRACTION_VAR = "FLUKSIO_GPU_MEMORY_FRACTION"
 
 
 def derive_env(
-    wanted: Resources, allocation: Allocation, card_bytes: Mapping[int, int] | None = None
+    wanted: Resources,
+    allocation: Allocation,
+    card_bytes: Mapping[int, int] | None = None,
+    cuda_names: Mapping[int, str] | None = None,
 ) -> dict[str, str]:
     """The variables a worker holding this allocation is started with.
 
@@ -79,15 +82,28 @@ def derive_env(
     visible: a CPU cell that imports torch would otherwise create a context on
     card 0, which is someone else's. ``card_bytes`` is the size of each card,
     where known, for the share ``gpu_ram=`` is of the smallest of them.
+    ``cuda_names`` is how CUDA names a card that is not its id: a MIG
+    instance, by its UUID (:mod:`fluksio_nb.mig`).
     """
     env = {var: str(allocation.cpus) for var in THREAD_VARS}
     # CUDA numbers cards fastest-first by default; PCI order is NVML's order,
     # and NVML's indices are the ones the books hand out.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in allocation.gpus)
+    names = cuda_names or {}
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(names.get(card, str(card)) for card in allocation.gpus)
     if allocation.gpus:
         env.update(GPU_MEMORY_VARS)
-        env.update(card_memory_share(wanted.gpu_ram_bytes, allocation.gpus, card_bytes))
+        if isinstance(wanted.gpus, float):
+            # A slice of gpus=0.5 is that share of its card, whatever its size.
+            env.update(fraction_env(wanted.gpus))
+        else:
+            budget = allocation.gpu_bytes or wanted.gpu_ram_bytes
+            env.update(card_memory_share(budget, allocation.gpus, card_bytes))
+        if allocation.gpu_bytes and mps_daemon_runs():
+            # Where MPS shares the card's cores, a slice gets its share of them too.
+            share = float(env.get(GPU_FRACTION_VAR) or wanted.gpus or 0)
+            if share:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
     env.update(wanted.env)
     return env
 
@@ -102,8 +118,32 @@ def card_memory_share(
     sizes = [(card_bytes or {}).get(index) for index in cards]
     if gpu_ram_bytes is None or not sizes or not all(sizes):
         return {}
-    fraction = f"{min(1.0, gpu_ram_bytes / min(sizes)):.3f}"  # type: ignore[type-var]
+    return fraction_env(min(1.0, gpu_ram_bytes / min(sizes)))  # type: ignore[type-var]
+
+
+def fraction_env(share: float) -> dict[str, str]:
+    """JAX's and torch's cap at ``share`` of each card: a budget's, or a slice's."""
+    fraction = f"{share:.3f}"
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
+
+
+def mps_daemon_runs(proc: str = "/proc") -> bool:
+    """Whether an MPS control daemon runs here: a slice's compute is then its share of the
+    card's cores (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), else the card's time is shared."""
+    import os
+
+    try:
+        pids = [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/comm") as comm:
+                if comm.read().strip() == "nvidia-cuda-mps":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 class EnvironMark:

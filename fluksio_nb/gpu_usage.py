@@ -10,7 +10,11 @@ What it decides:
 - **NVML first, then ``nvidia-smi``, then nothing.** NVML (``nvidia-ml-py``,
   a dependency) answers in microseconds and stays initialised for the
   kernel's life. ``nvidia-smi`` is two runs of a program, tens of milliseconds of CPU
-  each: the fallback where the driver's library cannot be loaded.
+  each: the fallback where the driver's library cannot be loaded. Its
+  ``--query-gpu`` lists whole cards only, so MIG instances are read through
+  NVML alone; through ``nvidia-smi`` they have no reading, never an idle one,
+  and a card with MIG on is left out, its processes with it, rather than
+  shown as a card whose memory nobody's claim holds.
   With neither there is no reading at all, never a card reported idle.
 - **Cards are read at most every** :data:`GPU_INTERVAL_S`, not at the
   sampler's half second: the two ``nvidia-smi`` runs every half second
@@ -42,6 +46,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from pydantic import ByteSize
+
+from fluksio_nb.mig import nvml_cards
 
 #: How often the cards are read, at most, however many claims ask.
 GPU_INTERVAL_S = 2.0
@@ -104,14 +110,10 @@ class _Nvml:
     def read(self) -> list[tuple[int, str, float | None, int | None, int | None, list]]:
         nvml = self.nvml
         cards = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = nvml.nvmlDeviceGetUUID(handle)
-            except nvml.NVMLError:
-                # Lost, or walled off from this process (NoPermission): left
-                # out, and every other card read as usual.
-                continue
+        # A card lost, or walled off from this process (NoPermission), is
+        # left out, and every other card read as usual. A MIG instance is a
+        # card: its memory and its processes are its own.
+        for listed, handle in nvml_cards(nvml):
             try:
                 busy = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except nvml.NVMLError:
@@ -132,8 +134,8 @@ class _Nvml:
                         held[int(process.pid)] = None if used is None else int(used)
             cards.append(
                 (
-                    index,
-                    uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    listed.id,
+                    listed.uuid,
                     busy,
                     card_used,
                     card_total,
@@ -168,7 +170,9 @@ class _NvidiaSmi:
         ]
 
     def read(self) -> list[tuple[int, str, float | None, int | None, int | None, list]]:
-        cards = self._csv("--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total")
+        cards = self._csv(
+            "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total,mig.mode.current"
+        )
         apps = self._csv("--query-compute-apps=gpu_uuid,pid,used_memory")
         by_uuid: dict[str, list[tuple[int, int | None]]] = {}
         for row in apps:
@@ -179,7 +183,11 @@ class _NvidiaSmi:
                 )
         read = []
         for row in cards:
-            if len(row) < 5 or _number(row[0]) is None:
+            if len(row) < 6 or _number(row[0]) is None:
+                continue
+            if row[5] == "Enabled":
+                # Its instances are the cards, and this listing has none of them;
+                # what it says of the whole card belongs to no claim's card.
                 continue
             used, total = _number(row[3]), _number(row[4])
             read.append(

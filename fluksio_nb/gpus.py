@@ -8,17 +8,20 @@ other six.
 Cards are identified by their physical index, the one NVML and
 ``nvidia-smi`` print. The derived env sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
 so that CUDA numbers them the same way, which is what lets the books and the
-worker agree on which card "1" is.
+worker agree on which card "1" is. Where MIG is on, each instance is a card
+of its own, numbered after the last card and named to CUDA by its UUID
+(:mod:`fluksio_nb.mig`).
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 
-#: A card may only be claimed whole; its id is the physical index.
+from fluksio_nb.mig import cuda_name, nvml_cards, smi_cards
+
+#: A card's id in the books: its physical index, or a MIG instance's number.
 GpuId = int
 
 
@@ -30,6 +33,13 @@ class Gpu:
     name: str = ""
     uuid: str = ""
     memory_bytes: int | None = None
+    #: The card a MIG instance is cut from; ``None`` for a whole card.
+    parent: GpuId | None = None
+
+    @property
+    def cuda_name(self) -> str:
+        """How ``CUDA_VISIBLE_DEVICES`` names it: its index, or a MIG instance's UUID."""
+        return cuda_name(self.index, self.uuid, self.parent)
 
 
 def gpus_from_nvml() -> list[Gpu] | None:
@@ -44,34 +54,25 @@ def gpus_from_nvml() -> list[Gpu] | None:
         return None
     try:
         cards = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                name = pynvml.nvmlDeviceGetName(handle)
-                uuid = pynvml.nvmlDeviceGetUUID(handle)
-            except pynvml.NVMLError:
-                # Lost, or walled off from this process: not a card to hand out.
-                continue
+        for listed, handle in nvml_cards(pynvml):
             try:
                 memory: int | None = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
             except pynvml.NVMLError:
                 memory = None  # unified memory (the GB10): a card all the same
             cards.append(
                 Gpu(
-                    index=index,
-                    name=name.decode() if isinstance(name, bytes) else name,
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    index=listed.id,
+                    name=listed.name,
+                    uuid=listed.uuid,
                     memory_bytes=memory,
+                    parent=listed.parent,
                 )
             )
-        return cards
+        return sorted(cards, key=lambda card: card.index)
     except pynvml.NVMLError:
         return None
     finally:
         pynvml.nvmlShutdown()
-
-
-_SMI_LINE = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: ([^)]+)\))?$")
 
 
 def gpus_from_nvidia_smi() -> list[Gpu] | None:
@@ -85,19 +86,21 @@ def gpus_from_nvidia_smi() -> list[Gpu] | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    cards = []
-    for line in listing.splitlines():
-        match = _SMI_LINE.match(line.strip())
-        if match:
-            cards.append(Gpu(index=int(match[1]), name=match[2], uuid=match[3] or ""))
-    return cards
+    return sorted(
+        (
+            Gpu(index=card.id, name=card.name, uuid=card.uuid, parent=card.parent)
+            for card in smi_cards(listing)
+        ),
+        key=lambda card: card.index,
+    )
 
 
 def visible_to_kernel(cards: list[Gpu], cuda_visible: str | None) -> list[Gpu]:
     """The cards a ``CUDA_VISIBLE_DEVICES`` on the kernel leaves claimable.
 
     It may name cards by index or by UUID (or a UUID's prefix), as CUDA
-    accepts. CUDA stops reading the list at the first entry it cannot match,
+    accepts; a MIG instance only by its UUID, since its id is ours, not
+    CUDA's. CUDA stops reading the list at the first entry it cannot match,
     and so does this, so the two agree on what the kernel could have used.
     """
     if cuda_visible is None:
@@ -107,7 +110,7 @@ def visible_to_kernel(cards: list[Gpu], cuda_visible: str | None) -> list[Gpu]:
         if not entry:
             break
         if entry.lstrip("-").isdigit():
-            found = [card for card in cards if card.index == int(entry)]
+            found = [c for c in cards if c.parent is None and c.index == int(entry)]
         else:
             found = [card for card in cards if card.uuid and card.uuid.startswith(entry)]
         if len(found) != 1 or found[0] in chosen:

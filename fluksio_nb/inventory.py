@@ -26,6 +26,7 @@ import contextlib
 import io
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,27 @@ def _cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
         _, controllers, path = parts
         for controller in controllers.split(",") if controllers else [""]:
             paths[controller] = path
+    return paths
+
+
+#: ``fluksio_nb-kernel-<server pid>-<its start time>-<n>``: an unclaimed kernel's
+#: ``kernel_ram`` cgroup, made by the provisioner (:mod:`fluksio_nb.kernel_ram`).
+KERNEL_NAME = re.compile(r"^fluksio_nb-kernel-(\d+)-(\d+)-(\d+)$")
+
+
+def _memory_paths(proc_cgroup: Path) -> dict[str, str]:
+    """:func:`_cgroup_paths`, as the machine's memory is seen for claims.
+
+    A kernel held to the admin's ``kernel_ram`` sees the machine as the
+    server it was started by does: its claims run beside its cap, not under
+    it, and an inventory of a machine with 8G would otherwise be one of the
+    kernel's 8G.
+    """
+    paths = _cgroup_paths(proc_cgroup)
+    for controller in ("", "memory"):
+        path = paths.get(controller)
+        if path is not None and KERNEL_NAME.match(path.rsplit("/", 1)[-1]):
+            paths[controller] = path.rsplit("/", 1)[0] or "/"
     return paths
 
 
@@ -368,7 +390,7 @@ def cgroup_memory_limit(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> int | None:
     """The cgroup memory limit in bytes, or ``None`` when there is none."""
-    paths = _cgroup_paths(proc_cgroup)
+    paths = _memory_paths(proc_cgroup)
     limits: list[int] = []
     if "" in paths:
         for directory in _walk_up(root, paths[""]):
@@ -414,7 +436,7 @@ class _OwnMemory:
     """
 
     def __init__(self, root: Path, proc_cgroup: Path) -> None:
-        paths = _cgroup_paths(proc_cgroup)
+        paths = _memory_paths(proc_cgroup)
         limits, used = [], []
         if "" in paths:
             limits += [directory / "memory.max" for directory in _walk_up(root, paths[""])]
@@ -483,7 +505,7 @@ def _meminfo(info: bytes, name: bytes) -> int | None:
 
 
 def _cgroup_memory_used(root: Path, proc_cgroup: Path) -> int | None:
-    paths = _cgroup_paths(proc_cgroup)
+    paths = _memory_paths(proc_cgroup)
     if "" in paths:
         text = _read(root / paths[""].lstrip("/") / "memory.current")
         if text:

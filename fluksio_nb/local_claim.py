@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import time
 import warnings
@@ -76,6 +75,7 @@ from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
 from fluksio_nb.worker.messages import SendingBack
 from fluksio_nb.worker.pool import WorkerPool, kernel_pool
+from fluksio_nb.worker.stopping import end_process_group
 
 
 class Claim(QueuedClaim):
@@ -174,13 +174,18 @@ class Claim(QueuedClaim):
     def _start(self, ticket: Ticket, allocation: Allocation) -> None:
         """From a share granted to a claim running: its env, budget, cgroups and status."""
         self.allocation = allocation
-        self.env = derive_env(ticket.resources, allocation, self._card_sizes(ticket, allocation))
+        self.env = derive_env(
+            ticket.resources,
+            allocation,
+            self._card_sizes(ticket, allocation),
+            {gpu.index: gpu.cuda_name for gpu in inventory().gpus},
+        )
         stages = settings()
         self.budget = budget_here(
             allocation.ram_bytes,
             warn_at=stages.memory_warn_at,
             halt_at=stages.memory_halt_at,
-            gpu_bytes=ticket.resources.gpu_ram_bytes,
+            gpu_bytes=allocation.gpu_bytes or ticket.resources.gpu_ram_bytes,
         )
         ticket.on_cancel = self._cancelled
         ticket.on_warning = self._warned
@@ -208,11 +213,12 @@ class Claim(QueuedClaim):
     def _card_sizes(self, ticket: Ticket, allocation: Allocation) -> dict[int, int] | None:
         """Each granted card's size, for a claim with ``gpu_ram=``, which cannot go unread."""
         if ticket.resources.gpu_ram is None or not allocation.gpus:
+            # A slice of gpus=0.5 is told its share without a size; held to it where read.
+            if allocation.gpu_bytes:
+                reading = kernel_cards().latest()
+                return None if reading is None else _sizes(reading)
             return None
-        reading = self._cards_read_for_gpu_ram(ticket.resources)
-        return {
-            card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None
-        }
+        return _sizes(self._cards_read_for_gpu_ram(ticket.resources))
 
     def _give_back(self) -> None:
         with contextlib.suppress(ValueError):
@@ -222,7 +228,7 @@ class Claim(QueuedClaim):
             self._thread_limits = None
         # Those that ended too: what they left running in their group goes now.
         for process, leads in self._processes:
-            _end_process_group(process, leads)
+            end_process_group(process, leads)
         held = self._confinement
         if held is not None:
             # One of its processes the cap killed, unasked about since: still a halt.
@@ -433,7 +439,7 @@ class Claim(QueuedClaim):
         process = subprocess.Popen(args, env={**worker_environ(self.env), **extra}, **kwargs)
         leads = bool(kwargs["start_new_session"]) or kwargs.get("process_group") == 0
         self._processes.append((process, leads))
-        self._hold_process(stop=lambda: _end_process_group(process, leads))
+        self._hold_process(stop=lambda: end_process_group(process, leads))
         self._watch_process(process.pid)
         return process
 
@@ -663,30 +669,5 @@ class Claim(QueuedClaim):
             )
 
 
-def _end_process_group(process: subprocess.Popen, leads: bool) -> None:
-    """SIGTERM the group the process leads, then SIGKILL whatever is left of it a moment later.
-
-    The group goes whole: the leader, what it left running, and what it
-    started as it ended. A process that shares a group (the kernel's own,
-    with ``start_new_session=False``) goes alone: the group is not the
-    claim's, and signalling it ended the kernel.
-    """
-
-    def send(sig: int) -> None:
-        if not leads:
-            process.send_signal(sig)  # nothing, once it has been waited for
-        elif process.returncode is None or not psutil.pid_exists(process.pid):
-            # Waited for, the leader's pid is free again only once its group is
-            # empty: whoever has it since leads no group of ours.
-            os.killpg(process.pid, sig)
-
-    try:
-        send(signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=0.5)
-    with contextlib.suppress(ProcessLookupError):
-        send(signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=5)
+def _sizes(reading: Any) -> dict[int, int]:
+    return {card.index: card.total_bytes for card in reading.cards if card.total_bytes is not None}

@@ -92,7 +92,7 @@ from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
 from fluksio_nb.enforcement import Enforcement
-from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
+from fluksio_nb.inventory import CGROUP_ROOT, KERNEL_NAME, PROC_SELF_CGROUP, _cgroup_paths
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S
 from fluksio_nb.settings import Settings
 from fluksio_nb.stop_button import open_whole
@@ -229,7 +229,18 @@ def _v1_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
         )
     if (shared := _changed_by_others(mount, own)) is not None:
         return CapPlace(None, why_not=shared)
+    if KERNEL_NAME.match(own.name):
+        # v1 counts a child's memory in its parent's: a claim under the
+        # kernel's kernel_ram cgroup would be held to the kernel's cap. Beside
+        # it, in the provisioner's directory, it is held to its own. (On v2
+        # the claims already go beside the process's own cgroup.)
+        return CapPlace(CGROUP_V1, parent=own.parent, home=own)
     return CapPlace(CGROUP_V1, parent=own / PARENT_NAME, home=own)
+
+
+def in_a_kernel_cgroup(place: CapPlace) -> bool:
+    """Whether this process is a kernel held by its ``kernel_ram`` cgroup."""
+    return place.home is not None and KERNEL_NAME.match(place.home.name) is not None
 
 
 def _may_write(path: Path) -> bool:
@@ -334,15 +345,25 @@ class ClaimCgroup:
         self._lock = threading.Lock()
 
     @classmethod
-    def make(cls, place: CapPlace, budget_bytes: int) -> ClaimCgroup:
-        """A fresh cgroup limited to ``budget_bytes`` with swap off; raises :class:`CapNotMade`."""
-        made = cls._new(place, budget_bytes, "memory")
+    def make(cls, place: CapPlace, budget_bytes: int, kernel: bool = False) -> ClaimCgroup:
+        """A fresh cgroup limited to ``budget_bytes`` with swap off; raises :class:`CapNotMade`.
+
+        ``kernel``: a kernel's ``kernel_ram`` cgroup (:data:`KERNEL_NAME`), not a claim's.
+        """
+        made = cls._new(place, budget_bytes, "memory", kernel)
         try:
             made._limit(budget_bytes)
             made._swap_off()
         except OSError as error:
             made.remove()
             raise CapNotMade(f"{made.path} could not be limited: {error.strerror}") from None
+        return made
+
+    @classmethod
+    def make_uncapped(cls, place: CapPlace) -> ClaimCgroup:
+        """A fresh memory cgroup with no limit: a claim with no ``ram=`` out of its kernel's cap."""
+        made = cls._new(place, 0, "memory")
+        made._limited = True
         return made
 
     @classmethod
@@ -357,7 +378,9 @@ class ClaimCgroup:
         return made
 
     @classmethod
-    def _new(cls, place: CapPlace, budget_bytes: int, controller: str) -> ClaimCgroup:
+    def _new(
+        cls, place: CapPlace, budget_bytes: int, controller: str, kernel: bool = False
+    ) -> ClaimCgroup:
         assert place.parent is not None and place.home is not None and place.version is not None
         try:
             _make_parent(place, controller)
@@ -365,7 +388,8 @@ class ClaimCgroup:
             raise CapNotMade(f"{place.parent} could not be made: {error.strerror}") from None
         sweep_stale(place.parent)
         pid = os.getpid()
-        name = f"fluksio_nb-{pid}-{process_start(pid)}-{next(_claim_numbers)}"
+        kind = "kernel-" if kernel else ""
+        name = f"fluksio_nb-{kind}{pid}-{process_start(pid)}-{next(_claim_numbers)}"
         made = cls(place.parent / name, place.version, place.home, budget_bytes, controller)
         try:
             made.path.mkdir()
@@ -511,7 +535,7 @@ def sweep_stale(parent: Path) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
-        match = CLAIM_NAME.match(entry.name)
+        match = CLAIM_NAME.match(entry.name) or KERNEL_NAME.match(entry.name)
         if match is None or not entry.is_dir():
             continue
         pid, start = int(match[1]), int(match[2])

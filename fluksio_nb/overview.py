@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
+from fluksio_nb.card_slices import card_words
 from fluksio_nb.expected_wait import describe_wait
 from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
@@ -280,6 +281,16 @@ def _mean(values: list[float | None]) -> float | None:
     return round(sum(known) / len(known), 1) if known else None
 
 
+def sliced_cards(snapshot: Mapping[str, Any]) -> list[str]:
+    """Each card shared by slices: ``card 0: 3 claims, 60/80 GB``; none from older books."""
+    rows = (snapshot.get("gpus") or {}).get("cards") or ()
+    return [
+        card_words(row)
+        for row in rows
+        if isinstance(row, Mapping) and row.get("claims") and not row.get("whole")
+    ]
+
+
 def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str:
     """The snapshot as a few lines of text: every user's claims, the reader's marked.
 
@@ -293,6 +304,7 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         f"gpus  {gpus['total'] - gpus['free']}/{gpus['total']} used",
     ]
     lines += [f"  {card['text']}" for card in snapshot.get("cards") or ()]
+    lines += [f"  {words}" for words in sliced_cards(snapshot)]
     lines.append(f"ram   {human(ram['total'] - ram['free'])}/{human(ram['total'])} used")
     held = snapshot.get("enforcement") or {}
     if held:
@@ -302,7 +314,9 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
         held = claim["allocation"]
         cores = format_cpu_list(held["cores"]) if held.get("cores") else ""
         stopped = stopped_text((claim.get("readings") or {}).get("stopped_since"))
-        share = share_words(held["cpus"], held["gpus"], held["ram_bytes"], cores)
+        share = share_words(
+            held["cpus"], held["gpus"], held["ram_bytes"], cores, held.get("gpu_bytes") or 0
+        )
         lines.append(
             f"running  {_whose(claim)}{_in_notebook(claim)}: {share} ({_where(claim)})"
             + (f"; {claim['gpu']['text']}" if claim.get("gpu") else "")

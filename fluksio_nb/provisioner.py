@@ -42,6 +42,9 @@ What it decides:
   claim holds have changed. It runs off the event loop, because reading the
   books blocks. A kernel that moved its own threads keeps them where it put
   them until the claims change.
+- **The admin's ``kernel_ram``** holds each kernel in a memory cgroup it
+  enters before it runs a line; when the cap is what ended it, the server's
+  log and the panel say so (:mod:`fluksio_nb.kernel_ram`).
 - **A kernel is the process it launched, not its number.** A kernel that
   died is reaped by the server's restarter seconds before its cleanup lets
   the keeper forget it, or never, once restarts have run out; its pid may
@@ -57,7 +60,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -71,6 +74,7 @@ from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
 from fluksio_nb.kernel import Books, books_in_force
+from fluksio_nb.kernel_ram import KernelCap, kernel_ram_in_force
 from fluksio_nb.memory_cap import ClaimCgroup
 from fluksio_nb.overview import read_books
 from fluksio_nb.settings import load_settings
@@ -211,10 +215,25 @@ class FairShareProvisioner(LocalProvisioner):
     _kept: _Kept | None = None
     #: Where the admin keeps cards to claims: the cgroup the kernel opens none in.
     _away: ClaimCgroup | None = None
+    #: The kernel's ``kernel_ram`` cgroup, where the admin set one (:mod:`fluksio_nb.kernel_ram`).
+    _ram: KernelCap | None = None
+    #: How the kernel last ended, kept past jupyter_client's ``wait``, which forgets it.
+    _returncode: int | None = None
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
         env = kwargs["env"]
+        self._returncode = None
+        try:
+            self._ram = await asyncio.to_thread(_kernel_cap, env)
+        except Exception as error:
+            self.log.warning(
+                "fluksio_nb: kernel %s starts without the admin's kernel_ram cap: %s",
+                self.kernel_id,
+                error,
+            )
+        if self._ram is not None:
+            kwargs["preexec_fn"] = self._ram.enter
         self._fair = None
         try:
             self._away = await asyncio.to_thread(hold_kernel_away, env)
@@ -244,7 +263,8 @@ class FairShareProvisioner(LocalProvisioner):
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         if self._away is not None:
-            kwargs["preexec_fn"] = self._away.enter_from_child
+            # Under kernel_ram too: the kernel enters both before it runs a line.
+            kwargs["preexec_fn"] = in_turn(kwargs.get("preexec_fn"), self._away.enter_from_child)
         try:
             connection_info = await super().launch_kernel(cmd, **kwargs)
         except BaseException:
@@ -264,10 +284,29 @@ class FairShareProvisioner(LocalProvisioner):
             _keeper.keep(self.pid, self._kept)
         return connection_info
 
+    async def poll(self) -> int | None:
+        ended = await super().poll()
+        if ended is not None and self.process is not None:
+            self._returncode = ended
+        return ended
+
+    async def wait(self) -> int | None:
+        # Without a process (already waited for) jupyter_client answers 0.
+        waited = self.process is not None
+        ended = await super().wait()
+        if waited:
+            self._returncode = ended
+        return ended
+
     async def cleanup(self, restart: bool = False) -> None:
         if self.pid is not None and self._kept is not None:
             _keeper.release(self.pid, self._kept)
             self._kept = None
+        ram, self._ram = self._ram, None
+        if ram is not None:
+            stop = await asyncio.to_thread(ram.ended, self.kernel_id, self._returncode)
+            if stop is not None:
+                self.log.warning("fluksio_nb: kernel %s: %s", self.kernel_id, stop.words())
         await super().cleanup(restart=restart)
         # Off the event loop: what the kernel left in it gets seconds to go.
         await asyncio.to_thread(self._let_go_of_cards)
@@ -276,6 +315,23 @@ class FairShareProvisioner(LocalProvisioner):
         away, self._away = self._away, None
         if away is not None:
             away.remove()
+
+
+def in_turn(*steps: Callable[[], None] | None) -> Callable[[], None]:
+    """One ``preexec_fn`` running each of ``steps`` in turn: a kernel may enter several cgroups."""
+    chosen = [step for step in steps if step is not None]
+
+    def enter() -> None:
+        for step in chosen:
+            step()
+
+    return enter
+
+
+def _kernel_cap(environ: Mapping[str, str]) -> KernelCap | None:
+    """The cgroup holding a kernel about to get ``environ`` to the admin's ``kernel_ram``."""
+    ram = kernel_ram_in_force(environ)
+    return None if ram is None else KernelCap.make(ram)
 
 
 def make_it_the_default(serverapp: Any) -> str | None:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import ByteSize
 
 from fluksio_nb.books import Allocation, ResourceAccountant
+from fluksio_nb.card_slices import CardAsk, Cards
 from fluksio_nb.errors import (
     ClaimCancelled,
     ClaimTimeout,
@@ -79,9 +80,15 @@ class Ticket:
     on_warning: Callable[[str], None] | None = None
 
     @property
-    def asked(self) -> dict[str, int]:
+    def asked(self) -> dict[str, Any]:
         r = self.resources
-        return {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
+        # As the machine's books say it (:func:`~fluksio_nb.machine.protocol.need_said`).
+        asked: dict[str, Any] = {"cpus": r.cpus, "gpus": r.whole_gpus, "ram_bytes": r.ram_bytes}
+        if r.is_slice and isinstance(r.gpus, float):
+            asked["gpu_fraction"] = r.gpus
+        elif r.is_slice:
+            asked["gpu_bytes"] = r.gpu_ram_bytes
+        return asked
 
 
 class ClaimQueue:
@@ -200,18 +207,26 @@ class ClaimQueue:
 
     def _dispatch(self) -> None:
         """Grant whatever can be granted now, in order. Called with the lock held."""
-        free_cpus, free_gpus, free_ram = self.books.free()
-        needs = [_need(ticket.resources) for ticket in self._waiting]
-        going = who_goes_next(needs, (free_cpus, len(free_gpus), free_ram))
-        for ticket in [self._waiting[index] for index in going]:
-            allocation = self.books.try_take(*_need(ticket.resources))
+        free_cpus, _, free_ram = self.books.free()
+        needs = [(t.resources.cpus, t.resources.ram_bytes) for t in self._waiting]
+        going = who_goes_on_cards(
+            needs, (free_cpus, free_ram), self.books.cards_now(), self._asks()
+        )
+        for index, placed in going:
+            ticket = self._waiting[index]
+            r = ticket.resources
+            allocation = self.books.try_take(r.cpus, r.card_ask, r.ram_bytes, on=placed)
             assert allocation is not None, "who_goes_next granted more than is free"
             ticket.allocation, ticket.state = allocation, "running"
             ticket.granted_at = time.time()
-            self._waiting.remove(ticket)
             self._running[ticket.number] = ticket
+        granted = {index for index, _ in going}
+        self._waiting = [t for i, t in enumerate(self._waiting) if i not in granted]
         if going:
             self._cond.notify_all()
+
+    def _asks(self) -> list[CardAsk]:
+        return [t.resources.card_ask for t in self._waiting]
 
     # -- what is going on -----------------------------------------------------
 
@@ -287,10 +302,6 @@ def wait_for_grant(
 Need = tuple[int, int, int]
 
 
-def _need(resources: Resources) -> Need:
-    return (resources.cpus, resources.gpus, resources.ram_bytes)
-
-
 def wait_on(condition: threading.Condition, timeout: float) -> None:
     """``condition.wait(timeout)``, the stop button landing once the lock is held again.
 
@@ -323,9 +334,31 @@ def who_goes_next(needs: list[Need], free: Need) -> list[int]:
     return going
 
 
+def who_goes_on_cards(
+    needs: Sequence[tuple[int, ...]], free: Sequence[float], cards: Cards, asks: Sequence[CardAsk]
+) -> list[tuple[int, tuple[tuple[int, ...], int]]]:
+    """:func:`who_goes_next` with each claim's cards placed on ``cards``: which go, and where.
+
+    The cards are walked by :mod:`fluksio_nb.card_slices`, which sets aside for a
+    claim that cannot go the cards it waits for, as ``spare`` does its cores and
+    memory: so a whole-card claim is not starved by a stream of slices.
+    """
+    spare = list(free)
+    going = []
+    for index, (need, ask) in enumerate(zip(needs, asks, strict=True)):
+        placed = cards.place(ask) if ask else ((), 0)
+        if placed is not None and all(n == 0 or n <= s for n, s in zip(need, spare, strict=True)):
+            cards.take(*placed)
+            going.append((index, placed))
+        else:
+            cards.set_aside(ask)
+        spare = [s - n for s, n in zip(spare, need, strict=True)]
+    return going
+
+
 def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
     """The claim shrunk to what the machine has, with a warning, or refused if strict."""
-    if books.fits(wanted.cpus, wanted.gpus, wanted.ram_bytes):
+    if books.fits(wanted.cpus, wanted.card_ask, wanted.ram_bytes):
         return wanted
     capacity = f"cpus={books.cpus} gpus={books.gpus} ram={_size(books.ram_bytes)}"
     if wanted.strict:
@@ -335,6 +368,10 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
         )
     ram = None if wanted.ram is None else (min(wanted.ram, books.ram_bytes) or None)
     gpus = min(wanted.gpus, books.gpus)
+    gpu_ram = wanted.gpu_ram if gpus else None
+    if wanted.is_slice and not isinstance(wanted.gpus, float) and books.gpus:
+        # A slice of more memory than the biggest card has is that card.
+        gpu_ram = ByteSize(min(int(wanted.gpu_ram or 0), max(books.cards_now().size.values())))
     shrunk = Resources(
         **{
             **wanted.model_dump(exclude_unset=True),
@@ -342,7 +379,7 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             "gpus": gpus,
             "ram": ram,
             # A budget of card memory with no card left to hold it is no budget.
-            "gpu_ram": wanted.gpu_ram if gpus else None,
+            "gpu_ram": gpu_ram,
         }
     )
     warn_at_users_line(
@@ -382,10 +419,14 @@ def held_words(allocation: Allocation | None) -> str:
     """What a claim holds, as the claim line says it: ``cpus=2 gpus=1 (card 0) ram=4.0GB``."""
     if allocation is None:
         return "nothing"
-    return share_words(allocation.cpus, allocation.gpus, allocation.ram_bytes)
+    return share_words(
+        allocation.cpus, allocation.gpus, allocation.ram_bytes, gpu_bytes=allocation.gpu_bytes
+    )
 
 
-def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = "") -> str:
+def share_words(
+    cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = "", gpu_bytes: int = 0
+) -> str:
     """A share as the claim line counts it, with which cores and cards it holds.
 
     ``gpus=`` is a count on the line, so the cards' ids go in words beside it:
@@ -393,7 +434,9 @@ def share_words(cpus: int, cards: Sequence[int], ram_bytes: int, cores: str = ""
     budget says none.
     """
     words = [f"cpus={cpus}" + (f" (cores {cores})" if cores else "")]
-    if cards:
+    if cards and gpu_bytes:
+        words.append(f"a slice of card {cards[0]} (gpu_ram={_size(gpu_bytes)})")
+    elif cards:
         words.append(cards_words(cards))
     if ram_bytes:
         words.append(f"ram={_size(ram_bytes)}")
@@ -405,6 +448,10 @@ def asked_words(asked: Mapping[str, int]) -> str:
     words = [f"cpus={asked.get('cpus', 1)}"]
     if asked.get("gpus"):
         words.append(f"gpus={asked['gpus']}")
+    elif asked.get("gpu_fraction"):
+        words.append(f"gpus={asked['gpu_fraction']:g}")
+    elif asked.get("gpu_bytes"):
+        words.append(f"gpu_ram={_size(int(asked['gpu_bytes']))}")
     if asked.get("ram_bytes"):
         words.append(f"ram={_size(asked['ram_bytes'])}")
     return " ".join(words)

@@ -83,7 +83,7 @@ class QueuedClaim(ClaimLifecycle):
         if self._ticket is not None:
             return self._ticket
         asked_at = time.monotonic()
-        if self.wanted.gpu_ram is not None and self.wanted.gpus:
+        if self.wanted.gpu_ram is not None:
             # Refused now, not after a wait in the queue for a card it could not use.
             self._cards_read_for_gpu_ram(self.wanted)
         ticket = self._queue.enqueue(self.wanted)

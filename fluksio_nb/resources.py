@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from fluksio_nb.card_slices import CardAsk, Slice
 from fluksio_nb.errors import BadClaim
 
 #: What an environment variable handed to the worker may be called. Upper
@@ -68,10 +69,12 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpus: int = Field(default=1, ge=1)
-    gpus: int = Field(default=0, ge=0)
+    #: Whole cards, or a fraction below one of one card: a slice
+    #: (:mod:`fluksio_nb.card_slices`).
+    gpus: int | float = Field(default=0, ge=0)
     ram: ByteSize | None = None
-    #: Card memory each of the claim's cards may hold; a budget only, since
-    #: cards are handed out whole.
+    #: Card memory each of the claim's cards may hold; without ``gpus=``, a
+    #: slice of one card with that much memory.
     gpu_ram: ByteSize | None = None
     env: dict[str, str] = Field(default_factory=dict)
     flavor: str | None = None
@@ -100,10 +103,10 @@ class Resources(BaseModel):
                 f"card{'s' if self.gpus > 1 else ''} this claim is granted with one another "
                 "claim may hold; drop it and let gpus= pick a free card"
             )
-        if self.gpu_ram is not None and not self.gpus:
+        if self.gpu_ram is not None and isinstance(self.gpus, float):
             raise ValueError(
-                f"gpu_ram={self.gpu_ram.human_readable(decimal=True)} is card memory, and "
-                "this claim asks for no card; add gpus=1 (or more), or drop gpu_ram="
+                f"gpus={self.gpus} and gpu_ram={self.gpu_ram.human_readable(decimal=True)} "
+                "both size a slice of one card; say it once: gpus=0.5, or gpu_ram= alone"
             )
         return self
 
@@ -113,6 +116,10 @@ class Resources(BaseModel):
         # Lax int parsing would take True as 1 and 2.0 as 2; a count of cores
         # given as a boolean or a fraction is a mistake worth saying out loud.
         what = info.field_name
+        if what == "gpus" and not isinstance(value, bool):
+            value = _slice_of_a_card(value)
+            if isinstance(value, float):
+                return value
         if isinstance(value, bool):
             raise ValueError(f"{what} must be a whole number, not {value!r}")
         if isinstance(value, float):
@@ -194,9 +201,43 @@ class Resources(BaseModel):
         return " ".join(words)
 
     @property
+    def is_slice(self) -> bool:
+        """Whether this claim asks for a slice of one card rather than whole cards."""
+        return isinstance(self.gpus, float) or (not self.gpus and self.gpu_ram is not None)
+
+    @property
+    def whole_gpus(self) -> int:
+        """The whole cards this claim asks for: none for a slice."""
+        return 0 if self.is_slice else int(self.gpus)
+
+    @property
+    def card_ask(self) -> CardAsk:
+        """What this claim asks of the cards, for :mod:`fluksio_nb.card_slices`."""
+        if isinstance(self.gpus, float):
+            return CardAsk(piece=Slice(fraction=self.gpus))
+        if self.is_slice:
+            return CardAsk(piece=Slice(nbytes=int(self.gpu_ram)))  # type: ignore[arg-type]
+        return CardAsk(whole=int(self.gpus))
+
+    @property
     def gpu_ram_bytes(self) -> int | None:
         """Card memory each card may hold, or ``None`` for no card budget."""
         return int(self.gpu_ram) if self.gpu_ram is not None else None
+
+
+def _slice_of_a_card(value: Any) -> Any:
+    """``gpus=`` as a whole count, or as a float in (0, 1): a slice of one card."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d*\.\d+\s*", value):
+        value = float(value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        if not 0 < value < 1:
+            raise ValueError(
+                f"gpus must be a whole number of cards, or a slice of one card between 0 "
+                f"and 1 such as gpus=0.5, not {value}"
+            )
+    return value
 
 
 def seconds(value: Any, what: str = "timeout") -> float:

@@ -37,6 +37,8 @@ What it decides:
 - **Metrics for Prometheus** at ``fluksio/metrics``, behind the same token
   or login (:mod:`fluksio_nb.metrics`): every user's shares as the snapshot
   shows them, and the counters of this server's user's own claims.
+- **A kernel stopped at the admin's ``kernel_ram``** is in the snapshot's
+  ``kernel_stops``, with its notebook and why (:mod:`fluksio_nb.kernel_ram`).
 - **Kernels it starts get the fair share** of the cores no claim holds: it
   makes :mod:`fluksio_nb.provisioner` the server's default kernel provisioner.
 """
@@ -132,7 +134,15 @@ class SnapshotHandler(_LedgerHandler):
             # open; a kernel started elsewhere still shows its own notebook name.
             claim["path"] = paths.get(claim["kernel_id"]) if claim["mine"] else None
             claim["can_cancel"] = claim["mine"] or snapshot.get("can_cancel_any", False)
+        snapshot["kernel_stops"] = _kernel_stops(paths)
         self.finish_json(snapshot)
+
+
+def _kernel_stops(paths: dict[str, str]) -> list[dict[str, Any]]:
+    """This server's kernels its provisioner saw stopped at the admin's ``kernel_ram``."""
+    from fluksio_nb.kernel_ram import kernel_stops
+
+    return [{**stop.as_json(), "path": paths.get(stop.kernel_id)} for stop in kernel_stops()]
 
 
 class HistoryHandler(_LedgerHandler):

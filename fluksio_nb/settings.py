@@ -80,9 +80,22 @@ class Flavor(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpus: int = Field(default=1, ge=1)
-    gpus: int = Field(default=0, ge=0)
+    #: Whole cards, or a slice of one card below 1 (``0.5``).
+    gpus: int | float = Field(default=0, ge=0)
     ram: ByteSize | None = None
     gpu_ram: ByteSize | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _whole_cards_or_a_slice(cls, gpus: int | float) -> int | float:
+        if isinstance(gpus, float) and gpus.is_integer():
+            return int(gpus)
+        if isinstance(gpus, float) and not 0 < gpus < 1:
+            raise ValueError(
+                f"gpus is a whole number of cards, or a slice of one card below 1 "
+                f"such as 0.5, not {gpus}"
+            )
+        return gpus
 
 
 class Settings(BaseModel):

@@ -9,6 +9,11 @@ pass. Both are found as the real ones are: ``nvidia-smi`` on ``PATH``,
     cards = [card(0, utilisation=37, used_mib=1024), card(1)]
     apps = [{"uuid": cards[0]["uuid"], "pid": worker.pid, "used_mib": 512}]
 
+A card with MIG on carries its instances (:func:`mig_instance`), which
+``nvidia-smi -L`` and ``pynvml`` list as the real ones do::
+
+    card(0, mig=[mig_instance(0, 0, "3g.20gb"), mig_instance(0, 1, "1g.5gb")])
+
 A ``None`` is a figure the card cannot give (``[N/A]``; NVML's
 ``NVMLError_NotSupported``), never a zero.
 
@@ -69,6 +74,22 @@ def card(index: int, **fields: Any) -> dict[str, Any]:
         "utilisation": 0,
         "used_mib": 0,
         "total_mib": 40960,
+        **fields,
+    }
+
+
+def mig_instance(parent: int, slot: int, profile: str = "1g.5gb", **fields: Any) -> dict[str, Any]:
+    """MIG instance ``slot`` of card ``parent``, idle, ``profile`` sized: for a card's ``mig``.
+
+    ``card(0, mig=[mig_instance(0, 0), mig_instance(0, 1)])`` is card 0 with
+    MIG on and two instances; its ``used_mib`` and ``total_mib`` may be given.
+    """
+    memory_gb = int(profile.split("g.")[1].removesuffix("gb"))
+    return {
+        "uuid": f"MIG-7c1e2d3f-4a5b-5c6d-8e9f-{parent:06x}{slot:06x}",
+        "profile": profile,
+        "used_mib": 0,
+        "total_mib": memory_gb * 1024 - 256,
         **fields,
     }
 

@@ -1,9 +1,13 @@
 """A real NVIDIA card, for the checks that need one: what is missing, an allocation, nvidia-smi.
 
-Used by ``tests/test_gpu_real.py`` and ``bench/gpu_check.py``. Nothing here
-imports torch, cupy or pynvml into the process that asks: whether they are
-installed is looked up, and the card memory is allocated in a process of its
-own (:func:`holding`), the way a claim's work holds it.
+Used by ``tests/test_gpu_real.py`` and ``bench/gpu_check.py``. They need the
+NVIDIA driver and nothing else: card memory is taken through the driver's
+own library (:mod:`tests.cuda_memory`), in a process of its own
+(:func:`holding`), the way a claim's work holds it. Nothing here imports
+pynvml into the process that asks.
+
+What is missing is said per thing (:func:`absences`): no card, no driver,
+no NVML, each in its own words, so that a check skipped here says which.
 
 nvidia-smi's output is parsed here on its own, not with fluksio_nb's parser:
 the point is to compare fluksio_nb's reading with what the driver's own tool
@@ -12,7 +16,6 @@ prints, and a shared parser would agree with itself.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import select
 import shutil
@@ -25,43 +28,12 @@ from dataclasses import dataclass
 
 from fluksio_nb.gpu_usage import CardReader, _NvidiaSmi, _Nvml
 from fluksio_nb.gpus import detect_gpus
+from tests.cuda_memory import PROGRAM, driver_missing
 
 MIB = 1 << 20
 
 #: What the allocating process holds on its card, beyond its CUDA context.
 ALLOCATE_MIB = 256
-
-#: Run as ``python -c ALLOCATE <MiB> <torch|cupy>``, with CUDA_VISIBLE_DEVICES
-#: naming one card: allocates that much on it, writes to all of it, says
-#: ``READY`` and holds it until its stdin closes; or says ``CANNOT <why>``.
-ALLOCATE = r"""
-import sys
-mib, framework = int(sys.argv[1]), sys.argv[2]
-try:
-    if framework == "torch":
-        import torch
-        if not torch.cuda.is_available():
-            print("CANNOT torch sees no card (a CPU-only build?)", flush=True)
-            sys.exit(3)
-        block = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
-        block.fill_(1)
-        torch.cuda.synchronize()
-    else:
-        import cupy
-        block = cupy.empty(mib << 20, dtype=cupy.uint8)
-        block.fill(1)
-        cupy.cuda.Device().synchronize()
-except Exception as error:
-    print(f"CANNOT {framework}: {type(error).__name__}: {error}".replace("\n", " "), flush=True)
-    sys.exit(3)
-print("READY", flush=True)
-sys.stdin.read()
-"""
-
-
-def frameworks() -> list[str]:
-    """Which of torch and cupy are installed, to allocate card memory with."""
-    return [name for name in ("torch", "cupy") if importlib.util.find_spec(name) is not None]
 
 
 def first_card() -> int | str:
@@ -70,35 +42,66 @@ def first_card() -> int | str:
     That is the first card NVML or ``nvidia-smi -L`` lists, narrowed by a
     ``CUDA_VISIBLE_DEVICES`` set on this process, as a kernel's would be.
     """
+    cards = cards_here()
+    return cards if isinstance(cards, str) else cards[0]
+
+
+def cards_here() -> list[int] | str:
+    """The cards this process may use, as fluksio_nb lists them, or why there are none."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return "no NVIDIA driver: nvidia-smi is not on PATH"
+        return "no card: nvidia-smi, which lists them, is not on PATH"
     try:
         listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError) as error:
-        return f"nvidia-smi at {smi} cannot be run: {error}"
+        return f"no card: nvidia-smi at {smi} cannot be run: {error}"
     if listed.returncode != 0 or "GPU " not in listed.stdout:
         said = (listed.stderr or listed.stdout).strip().splitlines()
-        return f"nvidia-smi at {smi} lists no card: {said[0] if said else 'nothing printed'}"
+        return f"no card: nvidia-smi at {smi} lists none: {said[0] if said else 'nothing printed'}"
     cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
     if not cards:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return f"none of the cards is visible to this process (CUDA_VISIBLE_DEVICES={visible})"
-    return cards[0].index
+        return f"no card: none is visible to this process (CUDA_VISIBLE_DEVICES={visible})"
+    return [card.index for card in cards]
+
+
+def cuda_name_of(card: int) -> str:
+    """How CUDA names card ``card``: its index, or, for a MIG instance, its UUID."""
+    cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return next((gpu.cuda_name for gpu in cards if gpu.index == card), str(card))
+
+
+def device_node_of(card: int) -> str:
+    """The device node card ``card``'s processes open: its own, or its MIG instance's card's."""
+    cards, _ = detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpu = next((gpu for gpu in cards if gpu.index == card), None)
+    return f"/dev/nvidia{card if gpu is None or gpu.parent is None else gpu.parent}"
+
+
+def nvml_missing() -> str | None:
+    """Why NVML cannot be asked here; ``None`` if it answers."""
+    try:
+        import pynvml
+    except ImportError:
+        return "no NVML: nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return f"no NVML: nvmlInit failed ({error})"
+    pynvml.nvmlShutdown()
+    return None
+
+
+def absences() -> dict[str, str]:
+    """What is missing here for the checks on a real card, each in its own words."""
+    found = {"card": cards_here(), "driver": driver_missing(), "NVML": nvml_missing()}
+    return {what: why for what, why in found.items() if isinstance(why, str)}
 
 
 def missing() -> str | None:
-    """What is missing here for a check on a real card, all of it; ``None`` if nothing is."""
-    reasons = []
-    card = first_card()
-    if isinstance(card, str):
-        reasons.append(card)
-    if not frameworks():
-        reasons.append(
-            "neither torch nor cupy is installed to allocate card memory with "
-            "(pip install torch, or cupy-cuda12x)"
-        )
-    return "; ".join(reasons) or None
+    """What is missing for a check on a real card (a card and the driver); ``None`` if nothing."""
+    gone = absences()
+    return "; ".join(gone[what] for what in ("card", "driver") if what in gone) or None
 
 
 # -- nvidia-smi's word -----------------------------------------------------------
@@ -202,28 +205,32 @@ def readers() -> dict[str, Callable[[], CardReader]]:
 
 
 class CannotAllocate(RuntimeError):
-    """The framework could not put memory on the card (no CUDA build, driver mismatch...)."""
+    """The driver could not put memory on the card (a driver in a bad state, no room...)."""
 
 
 @contextmanager
 def holding(
-    framework: str,
-    card: int | None = None,
+    card: int | str | None = None,
     mib: int = ALLOCATE_MIB,
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
     timeout_s: float = 45.0,
 ) -> Iterator[subprocess.Popen]:
-    """A process holding ``mib`` MiB on a card while inside, allocated with ``framework``.
+    """A process holding ``mib`` MiB on a card while inside, taken through ``libcuda``.
 
-    The card is ``card``, a physical index, or whichever card the process's
-    environment names: ``popen`` may be a claim's, whose environment names
-    the card the claim was granted.
+    The card is ``card``, a physical index (or a CUDA name: a MIG
+    instance's UUID), or whichever card the process's environment names:
+    ``popen`` may be a claim's, whose environment names the card the claim
+    was granted.
     """
     env = None
     if card is not None:
-        env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(card)}
+        env = {
+            **os.environ,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": cuda_name_of(card) if isinstance(card, int) else card,
+        }
     process = popen(
-        [sys.executable, "-c", ALLOCATE, str(mib), framework],
+        [sys.executable, str(PROGRAM), str(mib)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -8,8 +8,11 @@ it afresh. Each run also appends its arguments, as a JSON list, to
 
 It answers what fluksio_nb asks, as the real one does:
 
-- ``-L``: ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-...)``, one line a card;
-- ``--query-gpu=<fields> --format=csv[,noheader][,nounits]``: one line a card,
+- ``-L``: ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-...)``, one line a card,
+  then, for a card with MIG on (a ``"mig"`` list), one indented line an
+  instance: ``  MIG 1g.5gb     Device  0: (UUID: MIG-...)``;
+- ``--query-gpu=<fields> --format=csv[,noheader][,nounits]``: one line a
+  card (whole cards only, MIG instances are not listed here),
   the fields in the order asked, joined by ``", "``;
 - ``--query-compute-apps=<fields> --format=...``: one line a process with
   memory on a card (compute ones: type ``C`` or ``C+G``), nothing at all
@@ -42,6 +45,7 @@ GPU_FIELDS = {
     "memory.used": ("used_mib", "MiB"),
     "memory.total": ("total_mib", "MiB"),
     "memory.free": ("free_mib", "MiB"),
+    "mig.mode.current": ("mig_mode", None),
 }
 #: How the header names each field, as the real one does.
 GPU_HEADERS = {"gpu_uuid": "uuid", "gpu_name": "name"}
@@ -85,9 +89,23 @@ def _csv(records: list[dict], fields: list[str], known: dict, headers: dict, opt
 
 
 def _free(card: dict) -> dict:
+    """A card's row: its free memory, and its MIG mode (``[N/A]`` where it has none, as on
+    cards without MIG; ``"mig_mode"`` in the JSON says otherwise)."""
     used, total = card.get("used_mib"), card.get("total_mib")
     free = total - used if isinstance(used, int) and isinstance(total, int) else None
-    return {**card, "free_mib": free}
+    mode = card.get("mig_mode", "Enabled" if "mig" in card else None)
+    return {**card, "free_mib": free, "mig_mode": mode}
+
+
+def _listed(card: dict) -> str:
+    """A card's lines in ``-L``: its own, then its MIG instances', indented, as the real one."""
+    lines = f"GPU {card['index']}: {card.get('name', '')} (UUID: {card['uuid']})\n"
+    for slot, instance in enumerate(card.get("mig") or []):
+        if instance is not None:
+            lines += (
+                f"  MIG {instance['profile']:<12}Device {slot:>2}: (UUID: {instance['uuid']})\n"
+            )
+    return lines
 
 
 def answer(argv: list[str], state: dict) -> tuple[int, str, str]:
@@ -97,14 +115,7 @@ def answer(argv: list[str], state: dict) -> tuple[int, str, str]:
         return failure["exit"], failure.get("message", "") + "\n", ""
     cards = state.get("cards", [])
     if argv in (["-L"], ["--list-gpus"]):
-        return (
-            0,
-            "".join(
-                f"GPU {card['index']}: {card.get('name', '')} (UUID: {card['uuid']})\n"
-                for card in cards
-            ),
-            "",
-        )
+        return 0, "".join(_listed(card) for card in cards), ""
     queries = [arg for arg in argv if arg.startswith("--query-")]
     formats = [arg for arg in argv if arg.startswith("--format=")]
     if len(queries) != 1 or len(formats) != 1 or len(argv) != 2:

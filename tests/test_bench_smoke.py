@@ -4,14 +4,19 @@ Benchmarks are run by hand, so nothing else would notice one that broke. The
 numbers here mean nothing and are not looked at; that the table is whole is.
 """
 
+import ctypes.util
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from bench.__main__ import KEPT_ABOVE, SECTIONS, SMOKE, with_findings_kept
+from bench.wheelhouse import requirements
 from tests.gpu_standins import StandInNvml, StandInSmi, card
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +93,36 @@ def run_the_card_check(**env: str) -> subprocess.CompletedProcess[str]:
 def test_the_card_check_says_there_is_no_card_where_there_is_none(tmp_path):
     ran = run_the_card_check(PATH=str(tmp_path))  # no nvidia-smi on it
     assert ran.returncode == 0, ran.stderr
-    assert "There is no card to check here (no NVIDIA driver" in ran.stdout
+    assert "There is no card to check here (no card: nvidia-smi" in ran.stdout
+
+
+def test_every_card_check_says_in_the_summary_what_is_missing_for_it(tmp_path):
+    """Guards against `make gpu-check` on a machine without a card, a driver or NVML
+    reading as all well: every check, the real-card tests' and the benchmark's, has a
+    line of its own, and a skipped one names each absence it met, in its own words."""
+    if shutil.which("nvidia-smi") or ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has an NVIDIA driver: nothing here is absent")
+    ran = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--with-tests"],
+        cwd=ROOT,
+        env={**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    summary = ran.stdout.partition("Summary, a line per check:\n")[2].strip().splitlines()
+    by_check = dict(line.split(": ", 1) for line in summary)
+    real_card_tests = [c for c in by_check if c.startswith("SKIPPED  tests/test_gpu_real.py::")]
+    assert len(real_card_tests) >= 6, summary
+    no_card, no_driver, no_nvml = "no card: ", "no NVIDIA driver: libcuda.so.1", "no NVML: "
+    for check, why in by_check.items():
+        assert check.startswith("SKIPPED  "), summary
+        assert no_card in why, (check, why)
+        if "what a pass over the cards costs" not in check:
+            assert no_driver in why, (check, why)
+        if "nvml" in check:
+            assert no_nvml in why, (check, why)
 
 
 def test_the_card_check_sets_what_it_reads_beside_what_nvidia_smi_prints(tmp_path):
@@ -104,3 +138,14 @@ def test_the_card_check_sets_what_it_reads_beside_what_nvidia_smi_prints(tmp_pat
     assert f"pid {os.getpid()} (" in ran.stdout
     assert "| 1,234 MiB | 1,234 MiB | 1,234 MiB |" in ran.stdout
     assert "card 1  " in ran.stdout
+
+
+def test_the_wheelhouse_is_what_a_kernel_needs_and_pytest_and_no_ray_or_jupyterlab():
+    """Guards against a wheel folder that drifts from the package (a new dependency
+    missing on the machine with no registry), or that carries Ray or JupyterLab."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = requirements()
+    assert set(project["dependencies"]) <= set(wanted)
+    names = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in wanted}
+    assert {"pytest", "pytest-timeout"} <= names
+    assert not names & {"ray", "jupyterlab", "torch", "cupy"}, names

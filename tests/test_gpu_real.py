@@ -1,26 +1,39 @@
-"""On a real card: fluksio_nb's figure for a process's card memory is nvidia-smi's.
+"""On a real card: what the stand-ins cannot say, said by the driver.
 
 Everything else about the cards is tested against stand-ins of NVML and
 ``nvidia-smi``, which say what the tests tell them to. Only a driver says
 what a real process on a real card holds, and in which units, and under
-which pid; so here a process of its own allocates a known amount with torch
-or cupy, and fluksio_nb's reading of that process is checked against what
-``nvidia-smi --query-compute-apps`` prints, within 5%: read with each source
-fluksio_nb can use here (NVML, nvidia-smi), and through a claim granted a
-card, which also checks that the card CUDA puts the memory on is the card
-the books granted.
+which pid; only the kernel says whether a device node opens. So here a
+process of its own takes a known amount of card memory through the driver's
+own library (:mod:`tests.cuda_memory`, no torch or cupy), and:
 
-Skipped, saying what is missing, where there is no NVIDIA driver (no
-``nvidia-smi``, or one that lists no card) or neither torch nor cupy.
+- fluksio_nb's reading of that process is what ``nvidia-smi
+  --query-compute-apps`` prints, within 5%: read with each source
+  fluksio_nb can use here (NVML, nvidia-smi), and through a claim granted a
+  card, which also checks that the card CUDA puts the memory on is the card
+  the books granted;
+- two ``gpus=0.5`` slices hold memory on one card at once, and a
+  ``gpu_ram=`` slice past its budget is halted;
+- a claim granted one card cannot open another's ``/dev/nvidiaN`` (``EPERM``)
+  and can open its own.
+
+Skipped, saying what is missing, where there is no card, no NVIDIA driver
+(``libcuda.so.1``) or, for the NVML reading, no NVML. ``make gpu-check`` runs
+them with ``bench/gpu_check.py`` on a machine that reaches no registry.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
+import sys
 from typing import NoReturn
 
 import pytest
 
 from fluksio_nb import claim
+from fluksio_nb.errors import ClaimHalted
 from fluksio_nb.gpu_usage import CardsReading, kernel_cards
 from fluksio_nb.sampler import Sampler
 from tests.real_cards import (
@@ -28,10 +41,12 @@ from tests.real_cards import (
     MIB,
     CannotAllocate,
     SmiQuery,
+    cards_here,
+    device_node_of,
     first_card,
-    frameworks,
     holding,
     missing,
+    nvml_missing,
     readers,
     smi_query,
     wait_for,
@@ -55,16 +70,12 @@ def card() -> int:
 
 @pytest.fixture(scope="module")
 def held(card):
-    """A process holding ALLOCATE_MIB on ``card``, and the framework that allocated it."""
-    cannot = []
-    for framework in frameworks():
-        try:
-            with holding(framework, card=card) as process:
-                yield process, framework
-                return
-        except CannotAllocate as error:
-            cannot.append(str(error))
-    pytest.skip(f"nothing installed could allocate on card {card}: {'; '.join(cannot)}")
+    """A process holding ALLOCATE_MIB on ``card``."""
+    try:
+        with holding(card=card) as process:
+            yield process
+    except CannotAllocate as error:
+        pytest.fail(f"the driver could not put {ALLOCATE_MIB} MiB on card {card}: {error}")
 
 
 def driver_pid(reading: CardsReading | None, pid: int) -> tuple[int, int] | None:
@@ -101,14 +112,15 @@ def not_matched(reading: CardsReading | None, smi: SmiQuery, pid: int) -> NoRetu
 
 
 @pytest.mark.parametrize("source", ["nvml", "nvidia-smi"])
-def test_a_process_card_memory_is_what_nvidia_smi_says(card, held, source):
-    process, framework = held
+def test_a_process_card_memory_is_what_nvidia_smi_says(request, source):
+    # Every absence this check needs is said, NVML's too, not the first found.
+    why = [missing(), nvml_missing() if source == "nvml" else None]
+    if any(why):
+        pytest.skip("; ".join(filter(None, why)))
+    card, process = request.getfixturevalue("card"), request.getfixturevalue("held")
     make = readers().get(source)
     if make is None:
-        pytest.skip(
-            "nvidia-ml-py is not installed (the [gpu] extra), or NVML does not answer: "
-            "fluksio_nb reads the cards with nvidia-smi here"
-        )
+        pytest.skip(f"fluksio_nb has no {source} reader here")
     reader = make()
 
     def read() -> tuple[CardsReading | None, int] | None:
@@ -136,7 +148,7 @@ def test_a_process_card_memory_is_what_nvidia_smi_says(card, held, source):
     ours = Sampler(process.pid, gpus=(card,)).sample(cards=reading).gpu_bytes
     assert ours is not None and ours >= ALLOCATE_MIB * MIB
     assert near(ours / MIB, theirs), (
-        f"{framework} holds {ALLOCATE_MIB} MiB on card {card}: fluksio_nb ({source}) reads "
+        f"libcuda holds {ALLOCATE_MIB} MiB on card {card}: fluksio_nb ({source}) reads "
         f"{ours / MIB:.0f} MiB for the process, nvidia-smi {theirs:.0f} MiB\n{smi.printed}"
     )
     total = reading.card(card).total_bytes
@@ -145,10 +157,9 @@ def test_a_process_card_memory_is_what_nvidia_smi_says(card, held, source):
 
 
 def test_a_claims_card_memory_is_what_nvidia_smi_says(held):
-    _, framework = held
     with claim(gpus=1, label="real card") as c:
         (granted,) = c.allocation.gpus
-        with holding(framework, popen=c.popen) as process:
+        with holding(popen=c.popen) as process:
             latest = wait_for(
                 lambda: (
                     (sample := c.readings.latest) is not None
@@ -178,3 +189,75 @@ def test_a_claims_card_memory_is_what_nvidia_smi_says(held):
                 f"the claim reads {latest.gpu_bytes / MIB:.0f} MiB on card {granted}, "
                 f"nvidia-smi {theirs:.0f} MiB\n{smi.printed}"
             )
+
+
+# -- slices of a card, and the device hold ----------------------------------------
+
+#: What a slice's process takes, and the budget of a gpu_ram= slice it overruns.
+SLICE_MIB = 256
+BUDGET = "512M"
+OVER_BUDGET_MIB = 1024
+
+
+def test_two_half_card_slices_hold_memory_on_one_card_at_once(card):
+    """Guards against slices that the books grant and the card does not hold: both
+    granted the same card, each with its memory on it, at once."""
+    with claim(gpus=0.5, label="half a") as a, claim(gpus=0.5, label="half b", timeout=30) as b:
+        assert a.allocation.gpus == b.allocation.gpus, (a.allocation, b.allocation)
+        (granted,) = a.allocation.gpus
+        with holding(popen=a.popen, mib=SLICE_MIB), holding(popen=b.popen, mib=SLICE_MIB):
+            both = wait_for(
+                lambda: all(
+                    (s := c.readings.latest) is not None and (s.gpu_bytes or 0) >= SLICE_MIB * MIB
+                    for c in (a, b)
+                ),
+                timeout_s=20,
+            )
+            assert both, (
+                f"two slices of card {granted} each hold {SLICE_MIB} MiB; their readings: "
+                f"{a.readings.latest}, {b.readings.latest}\n{smi_query().printed}"
+            )
+
+
+def test_a_gpu_ram_slice_past_its_budget_is_halted(card):
+    """Guards against a slice's memory budget that holds on stand-ins only."""
+    with pytest.raises(ClaimHalted), claim(gpu_ram=BUDGET, label="over its slice") as c:
+        with holding(popen=c.popen, mib=OVER_BUDGET_MIB) as process:
+            ended = wait_for(lambda: process.poll() is not None, timeout_s=30)
+            assert ended, f"{OVER_BUDGET_MIB} MiB held under gpu_ram={BUDGET}, and still running"
+        c.run(int)
+
+
+_OPEN = """
+import errno, os, sys
+for path in sys.argv[1:]:
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        print("opened")
+    except OSError as error:
+        print(errno.errorcode.get(error.errno, error.errno))
+"""
+
+
+def test_a_claim_opens_its_own_cards_node_and_not_anothers(card):
+    """Guards against a card held by CUDA_VISIBLE_DEVICES alone, which any process ignores."""
+    cards = cards_here()
+    if isinstance(cards, str) or len(cards) < 2:
+        pytest.skip("needs two cards, one to be granted and one to be kept from")
+    if os.geteuid() != 0:
+        pytest.skip("the device hold needs root here (a devices cgroup, or a device program)")
+    with claim(gpus=1, label="one card of two") as c:
+        (granted,) = c.allocation.gpus
+        paths = [device_node_of(granted)]
+        others = {device_node_of(index) for index in cards} - set(paths)
+        if not others:
+            pytest.skip("every card here is a MIG instance of one card: no other card's node")
+        paths.append(sorted(others)[0])
+        opened = (
+            c.popen([sys.executable, "-c", _OPEN, *paths], stdout=subprocess.PIPE, text=True)
+            .communicate(timeout=30)[0]
+            .split()
+        )
+    assert opened == ["opened", errno.errorcode[errno.EPERM]], dict(
+        zip(paths, opened, strict=False)
+    )

@@ -48,7 +48,7 @@ CARD_0, CARD_1 = card(0), card(1)
 #: Exactly what gpu_usage asks nvidia-smi, one pass.
 SMI_PASS = [
     [
-        "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total",
+        "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total,mig.mode.current",
         "--format=csv,noheader,nounits",
     ],
     ["--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"],

@@ -212,7 +212,8 @@ def test_an_empty_label_in_out_or_on_is_refused_saying_what_to_write(line, words
         "ram=lots",
         "ram=0",
         "gpus=1 gpu_ram=x",
-        "gpu_ram=8G",
+        "gpus=1.5",
+        "gpus=0.5 gpu_ram=8G",
         "flavor=X",
         "gpus=1 CUDA_VISIBLE_DEVICES=1",
         "--timeout 0",
@@ -347,7 +348,7 @@ def test_gpu_ram_is_a_card_memory_budget_read_like_ram():
 @pytest.mark.parametrize(
     ("line", "words"),
     [
-        ("gpu_ram=8G", "asks for no card; add gpus=1"),
+        ("gpus=0.5 gpu_ram=8G", "both size a slice of one card"),
         ("gpus=1 gpu_ram=eight", "gpu_ram='eight' is not a size"),
         ("gpus=1 gpu_ram=0", "gpu_ram must be more than zero bytes"),
         ("gpus=1 gpuram=8G", "did you mean 'gpu_ram'?"),
@@ -368,3 +369,25 @@ def test_a_flavor_may_carry_a_card_memory_budget(isolated_settings):
     assert "10.0GB" in describe_flavors(settings_now)
     # Without one, the flavor leaves the claim's own alone.
     assert resolve_flavor(Resources(flavor="gpu-small"), settings_now).gpu_ram is None
+
+
+# -----------------------------------------------------------------------------
+# Slices of a card
+# -----------------------------------------------------------------------------
+
+
+def test_a_slice_of_a_card_is_asked_on_the_line_in_claim_and_in_a_flavor(isolated_settings):
+    """Guards against gpus=0.5 or gpu_ram= alone refused anywhere a claim can be said, and
+    against a slice read as whole cards (gpus=0.5 rounded to one, or to none)."""
+    from fluksio_nb.card_slices import Slice
+
+    half = parse_claim_line("gpus=0.5").resources
+    assert (half.gpus, half.is_slice, half.whole_gpus) == (0.5, True, 0)
+    assert half.card_ask.piece == Slice(fraction=0.5)
+    alone = ask(gpu_ram="20G")
+    assert alone.is_slice and alone.card_ask.piece == Slice(nbytes=20 * 10**9)
+    whole = ask(gpus=1, gpu_ram="20G")
+    assert not whole.is_slice and whole.card_ask.whole == 1
+    isolated_settings.write_text(json.dumps({"flavors": {"notebook": {"gpus": 0.25}}}))
+    flavored = resolve_flavor(parse_claim_line("flavor=notebook").resources, load_settings())
+    assert flavored.card_ask.piece == Slice(fraction=0.25)

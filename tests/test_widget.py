@@ -568,8 +568,13 @@ def test_the_monitor_says_who_holds_each_card_and_who_waits():
     assert facts["cpus"] == {"total": 4, "free": 2}
     assert facts["ram"] == {"total": 8_000_000_000, "free": 6_000_000_000}
     assert facts["gpus"] == [
-        {"id": 0, "holder": {"ticket": holder.number, "label": HOSTILE}, "card": None},
-        {"id": 1, "holder": None, "card": None},
+        {
+            "id": 0,
+            "holder": {"ticket": holder.number, "label": HOSTILE},
+            "card": None,
+            "slices": None,
+        },
+        {"id": 1, "holder": None, "card": None, "slices": None},
     ]
     assert [(w["position"], w["label"], w["asked"]) for w in facts["waiting"]] == [
         (1, "big", "cpus=4"),

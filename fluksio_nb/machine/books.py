@@ -15,6 +15,10 @@ waiting claims are ordered between people first, then by arrival:
 - **Cores are handed out by id**, as cards are, with
   :func:`~fluksio_nb.books.pick_cores`: disjoint between running claims,
   on one NUMA node where one has room.
+- **Cards, whole or sliced, are placed by** :mod:`fluksio_nb.card_slices`,
+  as the kernel's books place them: slices best-fit, never beside a
+  whole-card claim, and a card a process outside every claim fills (as the
+  service last read the cards, :attr:`MachineBooks.unclaimed`) not granted.
 - **An admin's cap is a user's own ceiling.** A claim its user's cap holds
   back sets nothing aside: one capped user never holds up anyone else.
 - **What a reader is shown is bounded.** A snapshot lists the first
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb.books import pick_cores
+from fluksio_nb.card_slices import CardAsk, Cards, Slice
 from fluksio_nb.machine.caps import Cap, Need
 
 
@@ -67,6 +72,10 @@ class Entry:
     state: Literal["waiting", "running"] = "waiting"
     gpus: tuple[int, ...] = ()
     cores: tuple[int, ...] = ()
+    #: A slice of one card it asks for instead of whole cards (``need[1]`` is 0).
+    piece: Slice | None = None
+    #: The card memory of its slice, once granted; 0 for whole cards.
+    gpu_bytes: int = 0
     granted_at: float | None = None
     cancel: str | None = None
     #: How the service ended it, if it did: what its record says, whoever
@@ -85,7 +94,16 @@ class Entry:
 
     @property
     def held(self) -> Need:
-        return (self.need[0], len(self.gpus), self.need[2])
+        # A slice counts as the share of its card it holds, for caps.
+        cards = self.gpu_share if self.gpu_bytes else len(self.gpus)
+        return (self.need[0], cards, self.need[2])  # type: ignore[return-value]
+
+    @property
+    def card_ask(self) -> CardAsk:
+        return CardAsk(whole=self.need[1], piece=self.piece)
+
+    #: The share of a card its slice holds, set at the grant: what caps count.
+    gpu_share: float = 0.0
 
 
 #: How many of the queue's first waiting claims a snapshot lists besides the
@@ -122,8 +140,14 @@ class MachineBooks:
         core_ids: Sequence[int] = (),
         core_nodes: Mapping[int, int] | None = None,
         numbers: Iterator[int] | None = None,
+        card_bytes: Mapping[int, int | None] | None = None,
     ) -> None:
         self.cpus, self.gpu_ids, self.ram_bytes = cpus, tuple(sorted(gpu_ids)), ram_bytes
+        #: Each card's memory, where it was read; a slice's bytes are of it.
+        self.card_bytes: dict[int, int | None] = dict(card_bytes or {})
+        #: Card memory held by no claim, per card, as the service last read the
+        #: cards: a grant meets the card as it is (:mod:`fluksio_nb.card_slices`).
+        self.unclaimed: dict[int, int] = {}
         self.core_ids, self.core_nodes = tuple(sorted(core_ids)), dict(core_nodes or {})
         self.entries: dict[int, Entry] = {}
         self.caps: dict[int, Cap] = {}
@@ -184,7 +208,16 @@ class MachineBooks:
             (e for mine in self._waiting.values() for e in mine.values()), key=lambda e: e.number
         )
 
+    def cards(self) -> Cards:
+        """The cards as the running claims hold them, for a walk to place on."""
+        return Cards(
+            {g: self.card_bytes.get(g) for g in self.gpu_ids},
+            [(e.gpus, e.gpu_bytes) for e in self._running.values() if e.gpus],
+            self.unclaimed,
+        )
+
     def free(self) -> tuple[int, list[int], int]:
+        """Free cores, idle cards (no claim on them, whole or sliced), free bytes."""
         running = self.running
         held = {g for e in running for g in e.gpus}
         return (
@@ -201,13 +234,24 @@ class MachineBooks:
         return [c for c in self.core_ids if c not in held]
 
     def fits_free(
-        self, cpus: int, gpus: Iterable[int], ram_bytes: int, cores: Iterable[int] = ()
+        self,
+        cpus: int,
+        gpus: Iterable[int],
+        ram_bytes: int,
+        cores: Iterable[int] = (),
+        gpu_bytes: int = 0,
     ) -> bool:
         """Whether a share named to the card is free now: for a claim restored after a restart."""
         free_cpus, free_gpus, free_ram = self.free()
+        cards = self.cards()
+        gpus = list(gpus)
         return (
             cpus <= free_cpus
-            and set(gpus) <= set(free_gpus)
+            and (
+                set(gpus) <= set(free_gpus)
+                if not gpu_bytes
+                else all(g in cards.size and cards.room(g) >= gpu_bytes for g in gpus)
+            )
             and set(cores) <= set(self.free_cores())
             and ram_bytes <= max(free_ram, 0)
         )
@@ -247,9 +291,12 @@ class MachineBooks:
         """Grant whatever may go now, fairly; returns the claims just granted."""
         if not self._waiting:
             return []
-        free_cpus, free_gpus, free_ram = self.free()
+        free_cpus, _, free_ram = self.free()
         free_cores = self.free_cores()
-        spare: list[float] = [free_cpus, len(free_gpus), free_ram]
+        cards = self.cards()
+        # Cards are walked by card_slices; spare keeps cores and memory (and a
+        # 0 for cards, which only caps read).
+        spare: list[float] = [free_cpus, 0, free_ram]
         room = {uid: cap.room(self.held_by(uid)) for uid, cap in self.caps.items()}
         granted: list[Entry] = []
         capped: dict[int, int] = {}
@@ -260,23 +307,31 @@ class MachineBooks:
                 # one walked sets aside what it needs: none behind can go now.
                 break
             mine = room.get(entry.uid)
-            if mine is not None and not _fits(entry.need, mine):
+            ask = entry.card_ask
+            if mine is not None and not _fits(self._counted(entry, cards), mine):
                 capped[entry.uid] = looked = capped.get(entry.uid, 0) + 1
                 if mine[0] < 1 or looked >= CAPPED_LOOKED_AT:
                     passed_over.add(entry.uid)
                 continue
-            if _fits(entry.need, spare):
-                cards, free_gpus = free_gpus[: entry.need[1]], free_gpus[entry.need[1] :]
+            need = (entry.need[0], 0, entry.need[2])
+            placed = cards.place(ask) if ask else ((), 0)
+            if placed is not None and _fits(need, spare):
+                cards.take(*placed)
                 entry.cores = pick_cores(free_cores, entry.need[0], self.core_nodes)
                 free_cores = [c for c in free_cores if c not in entry.cores]
-                entry.state, entry.gpus, entry.granted_at = "running", tuple(cards), time.time()
+                entry.state, entry.gpus, entry.granted_at = "running", placed[0], time.time()
+                entry.gpu_bytes = placed[1]
+                if placed[1]:
+                    entry.gpu_share = placed[1] / cards.size[placed[0][0]]
                 self._last_granted[entry.uid] = time.monotonic()
                 granted.append(entry)
                 if mine is not None:
-                    mine[:] = [r - n for r, n in zip(mine, entry.need, strict=True)]
+                    mine[:] = [r - n for r, n in zip(mine, entry.held, strict=True)]
+            else:
+                cards.set_aside(ask)
             # Granted or not, what it needs is spoken for: a claim behind it
             # may overtake it only with what it does not need.
-            spare = [s - n for s, n in zip(spare, entry.need, strict=True)]
+            spare = [s - n for s, n in zip(spare, need, strict=True)]
         for entry in granted:
             # Moved only now: the walk reads these dicts as it goes.
             self._waiting[entry.uid].pop(entry.number)
@@ -286,6 +341,13 @@ class MachineBooks:
         if granted:
             self.version += 1
         return granted
+
+    def _counted(self, entry: Entry, cards: Cards) -> Need:
+        """What a waiting claim would count against its user's cap: a slice as its share."""
+        if entry.piece is None:
+            return entry.need
+        size = min(cards.size.values(), default=0)
+        return (entry.need[0], entry.piece.of(size) if size else 1, entry.need[2])  # type: ignore[return-value]
 
     def snapshot(self, uid: int, *, admin: bool = False, sees_pids: bool = False) -> dict[str, Any]:
         """The machine as user ``uid`` may see it: everyone's shares, their own labels.
@@ -342,13 +404,23 @@ class MachineBooks:
         mine_unlisted = mine_waiting - mine_listed
         return {
             "cpus": {"total": self.cpus, "free": max(free_cpus, 0), "free_ids": self.free_cores()},
-            "gpus": {"total": len(self.gpu_ids), "free": len(free_gpus), "free_ids": free_gpus},
+            "gpus": {
+                "total": len(self.gpu_ids),
+                "free": len(free_gpus),
+                "free_ids": free_gpus,
+                "cards": self.cards().rows(),
+            },
             "ram_bytes": {"total": self.ram_bytes, "free": max(free_ram, 0)},
             "waiting": [
                 {
                     **who(e),
                     "position": position,
-                    "asked": {"cpus": e.need[0], "gpus": e.need[1], "ram_bytes": e.need[2]},
+                    "asked": {
+                        "cpus": e.need[0],
+                        "gpus": e.need[1],
+                        "ram_bytes": e.need[2],
+                        **_slice_asked(e.piece),
+                    },
                 }
                 for position, e in listed
             ],
@@ -363,6 +435,7 @@ class MachineBooks:
                         "gpus": list(e.gpus),
                         "ram_bytes": e.need[2],
                         "cores": list(e.cores),
+                        **({"gpu_bytes": e.gpu_bytes} if e.gpu_bytes else {}),
                     },
                     "granted_at": e.granted_at,
                     "readings": e.readings,
@@ -371,3 +444,11 @@ class MachineBooks:
             ],
             "can_cancel_any": admin,
         }
+
+
+def _slice_asked(piece: Slice | None) -> dict[str, Any]:
+    if piece is None:
+        return {}
+    if piece.fraction is not None:
+        return {"gpu_fraction": piece.fraction}
+    return {"gpu_bytes": piece.nbytes}

@@ -510,6 +510,7 @@ class ServiceQueue(Ownership, Seen):
                         gpus=tuple(message["gpus"]),
                         ram_bytes=r.ram_bytes,
                         cores=tuple(message.get("cores", ())),
+                        gpu_bytes=int(message.get("gpu_bytes") or 0),
                     )
                     ticket.state, ticket.granted_at = "running", message["granted_at"]
             elif op == "stop":
@@ -566,7 +567,7 @@ class ServiceQueue(Ownership, Seen):
     def enqueue(self, wanted: Resources, label: str | None = None) -> Ticket:
         fitted = self.fit_to_machine(wanted)
         given = label or wanted.label
-        need = {"cpus": fitted.cpus, "gpus": fitted.gpus, "ram_bytes": fitted.ram_bytes}
+        need = protocol.need_said(fitted.cpus, fitted.card_ask, fitted.ram_bytes)
         asked = next(self._ids)
         ticket: Ticket | None = None
         try:

@@ -24,6 +24,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from fluksio_nb.errors import ServiceUnavailable
+from fluksio_nb.machine import protocol
 from fluksio_nb.queue import Ticket
 
 if TYPE_CHECKING:
@@ -88,12 +89,13 @@ class Ownership:
                     "gpus": list(held.gpus),
                     "ram_bytes": held.ram_bytes,
                     "cores": list(held.cores),
+                    **({"gpu_bytes": held.gpu_bytes} if held.gpu_bytes else {}),
                     "ticket": ticket.number,
                     "secret": secret,
                 }
             elif ticket.state == "waiting":
                 r = ticket.resources
-                need = {"cpus": r.cpus, "gpus": r.gpus, "ram_bytes": r.ram_bytes}
+                need = protocol.need_said(r.cpus, r.card_ask, r.ram_bytes)
                 request = {"op": "claim", "label": ticket.label, "need": need}
             else:
                 continue

@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from fluksio_nb.card_slices import CardAsk, Slice
+
 # The same bounds as a usage record's: a time no clock can show, or more bytes
 # than any machine has, is only ever an attacker's.
 from fluksio_nb.records import LATEST_TIME, MOST_BYTES
@@ -56,6 +58,36 @@ class Need(_Message):
     cpus: int = Field(ge=1, le=1 << 20)
     gpus: int = Field(ge=0, le=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
+    #: A slice of one card instead of whole cards: a fraction strictly between
+    #: 0 and 1 of it, or that many bytes of its memory. At most one, and only
+    #: with ``gpus`` 0: a claim is whole cards or one slice.
+    gpu_fraction: float | None = Field(default=None, gt=0, lt=1, allow_inf_nan=False)
+    gpu_bytes: int | None = Field(default=None, ge=1, le=1 << 50)
+
+    @model_validator(mode="after")
+    def _whole_cards_or_one_slice(self) -> Need:
+        if self.gpu_fraction is not None and self.gpu_bytes is not None:
+            raise ValueError("a slice is a fraction of a card or bytes of it, not both")
+        if self.gpus and (self.gpu_fraction is not None or self.gpu_bytes is not None):
+            raise ValueError("a claim asks for whole cards or for a slice of one, not both")
+        return self
+
+    def piece(self) -> Slice | None:
+        """The slice of one card this need asks for, if it asks for one."""
+        if self.gpu_fraction is None and self.gpu_bytes is None:
+            return None
+        return Slice(fraction=self.gpu_fraction, nbytes=self.gpu_bytes)
+
+
+def need_said(cpus: int, cards: CardAsk, ram_bytes: int) -> dict[str, Any]:
+    """A claim's :class:`Need` as a kernel sends it: a slice only where it asks for one,
+    so that a service of a release before slices still reads every other claim."""
+    need: dict[str, Any] = {"cpus": cpus, "gpus": cards.whole, "ram_bytes": ram_bytes}
+    if cards.piece is not None and cards.piece.fraction is not None:
+        need["gpu_fraction"] = cards.piece.fraction
+    elif cards.piece is not None:
+        need["gpu_bytes"] = cards.piece.nbytes
+    return need
 
 
 class Described(_Message):
@@ -227,6 +259,8 @@ class Restore(_Message):
     gpus: list[int] = Field(max_length=1 << 12)
     ram_bytes: int = Field(ge=0, le=1 << 62)
     cores: list[int] = Field(default_factory=list, max_length=1 << 20)
+    #: The card memory of a slice it held of its one card; 0 for whole cards.
+    gpu_bytes: int = Field(default=0, ge=0, le=1 << 50)
     ticket: int | None = None
     secret: str | None = Field(default=None, max_length=128)
 

@@ -20,6 +20,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from fluksio_nb.card_slices import Slice
 from fluksio_nb.machine import protocol
 from fluksio_nb.machine.books import Entry
 from fluksio_nb.machine.state import HeldClaim, ServiceState, digest, matches, new_secret
@@ -67,7 +68,8 @@ class AcrossRestarts:
         they hold: at any other time a restore would be a way past the queue
         and the cap.
         """
-        need = (request.cpus, len(request.gpus), request.ram_bytes)
+        sliced = request.gpu_bytes
+        need = (request.cpus, 0 if sliced else len(request.gpus), request.ram_bytes)
         held = self.held_before.get(request.ticket) if request.ticket is not None else None
         why = None
         if not self._holding():
@@ -76,7 +78,7 @@ class AcrossRestarts:
             held is None
             or held.uid != connection.uid
             or not matches(request.secret, held.secret_sha256)
-            or not held.holds(request.cpus, request.gpus, request.ram_bytes, request.cores)
+            or not held.holds(request.cpus, request.gpus, request.ram_bytes, request.cores, sliced)
         ):
             # Whose it was, if anyone's, is not said: that is for a snapshot to show.
             named = "" if request.ticket is None else f" as claim {request.ticket}"
@@ -89,11 +91,12 @@ class AcrossRestarts:
             len(set(request.gpus)) != len(request.gpus)
             or len(set(request.cores)) != len(request.cores)
             or (request.cores and len(request.cores) != request.cpus)
+            or (sliced and len(request.gpus) != 1)
             or not set(request.gpus) <= set(self.books.gpu_ids)
             or self._too_big(connection, need)
             or not self.books.within_cap(connection.uid, need)
             or not self.books.fits_free(
-                request.cpus, request.gpus, request.ram_bytes, request.cores
+                request.cpus, request.gpus, request.ram_bytes, request.cores, sliced
             )
         ):
             why = "no longer free"
@@ -113,6 +116,8 @@ class AcrossRestarts:
             state="running",
             gpus=tuple(request.gpus),
             cores=tuple(request.cores),
+            gpu_bytes=sliced,
+            piece=Slice(nbytes=sliced) if sliced else None,
             since=now,
             # Its grant as before: a restart gives no claim more time (:mod:`.time_limits`).
             granted_at=held.granted_at or now,

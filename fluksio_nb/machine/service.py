@@ -79,10 +79,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from fluksio_nb.card_slices import CardAsk, Slice
 from fluksio_nb.machine import protocol, turns
 from fluksio_nb.machine.accounts import BooksAccounts
 from fluksio_nb.machine.books import Entry, MachineBooks
 from fluksio_nb.machine.caps import Cap
+from fluksio_nb.machine.cards_as_they_are import (
+    meet_the_cards,
+    say_why_waiting,
+    watch_cards_as_they_are,
+)
 from fluksio_nb.machine.idle_cards import IdlePolicy, watch_idle_cards
 from fluksio_nb.machine.restarts import RESTORE_GRACE_S, AcrossRestarts
 from fluksio_nb.machine.revoke import MOST_PIDS, Stopping
@@ -319,7 +325,8 @@ class BooksService(AcrossRestarts, Stopping):
 
     def _on_claim(self, connection: Connection, request: protocol.Claim) -> None:
         need = (request.need.cpus, request.need.gpus, request.need.ram_bytes)
-        too_big = self._too_big(connection, need)
+        piece = request.need.piece()
+        too_big = self._too_big(connection, need, piece)
         if too_big:
             connection.send({"op": "error", "id": request.id, "message": too_big})
             return
@@ -334,7 +341,7 @@ class BooksService(AcrossRestarts, Stopping):
                 }
             )
             return
-        entry = self._new_entry(connection, need, request.label)
+        entry = self._new_entry(connection, need, request.label, piece=piece)
         answer: dict[str, Any] = {
             "op": "ticket",
             "id": request.id,
@@ -349,6 +356,7 @@ class BooksService(AcrossRestarts, Stopping):
             self.time_limits.granted(entry)
             answer.update(
                 gpus=list(entry.gpus),
+                gpu_bytes=entry.gpu_bytes,
                 cores=list(entry.cores),
                 granted_at=entry.granted_at,
                 secret=self._grant_secret(entry),
@@ -389,12 +397,18 @@ class BooksService(AcrossRestarts, Stopping):
         connection.entries[entry.number] = entry
         return entry
 
-    def _too_big(self, connection: Connection, need: tuple[int, int, int]) -> str | None:
+    def _too_big(
+        self, connection: Connection, need: tuple[int, int, int], piece: Slice | None = None
+    ) -> str | None:
         """Why a claim can never be granted, or ``None``. The kernel fits claims first."""
         books = self.books
         if need[0] > books.cpus or need[1] > len(books.gpu_ids) or need[2] > books.ram_bytes:
             return "the claim asks for more than this machine has to hand out"
+        if piece is not None and not books.cards().fits_ever(CardAsk(piece=piece)):
+            return "the claim asks for a slice larger than any card of this machine"
         cap = books.caps.get(connection.uid)
+        if piece is not None:
+            need = (need[0], 1, need[2])  # a slice is at most one card, against a cap
         if cap is not None and not all(
             limit is None or n <= limit
             for n, limit in zip(need, (cap.cpus, cap.gpus, cap.ram_bytes), strict=True)
@@ -551,7 +565,11 @@ class BooksService(AcrossRestarts, Stopping):
 
     def _grant(self) -> list[Entry]:
         """Whatever may go now, granted in the books, each wait counted for the metrics."""
+        reading = self.cards.latest(wait_for_first=False) if self.cards is not None else None
+        squatted = meet_the_cards(self.books, reading)
         granted = self.books.dispatch()
+        if reading is not None:
+            say_why_waiting(self.books, squatted)
         for entry in granted:
             if entry.granted_at is not None:
                 self.tally.waited(entry.user, entry.granted_at - entry.since)
@@ -566,6 +584,7 @@ class BooksService(AcrossRestarts, Stopping):
                     "op": "granted",
                     "ticket": entry.number,
                     "gpus": list(entry.gpus),
+                    "gpu_bytes": entry.gpu_bytes,
                     "cores": list(entry.cores),
                     "granted_at": entry.granted_at,
                     "secret": self._grant_secret(entry),
@@ -613,11 +632,13 @@ async def serve(
     if ready is not None:
         ready(server)
     idle_watch = watch_idle_cards(service)
+    cards_watch = watch_cards_as_they_are(service)
     try:
         await stop.wait()
     finally:
-        if idle_watch is not None:
-            idle_watch.cancel()
+        for watch in (idle_watch, cards_watch):
+            if watch is not None:
+                watch.cancel()
         # The name goes first, so that a kernel reconnecting finds the next
         # service rather than this one on its way out.
         with contextlib.suppress(FileNotFoundError):

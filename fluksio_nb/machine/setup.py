@@ -118,6 +118,21 @@ class MachineConfig(BaseModel):
     gpus: int | None = Field(default=None, ge=0)
     ram: ByteSize | None = None
     reserve_cpus: int = Field(default=1, ge=0)
+    #: The most memory one kernel the Jupyter server starts may hold outside
+    #: its claims (:mod:`fluksio_nb.kernel_ram`); no limit when absent.
+    kernel_ram: ByteSize | None = None
+
+    @field_validator("kernel_ram")
+    @classmethod
+    def _some_memory(cls, size: ByteSize | None) -> ByteSize | None:
+        # Below what a Python kernel needs to start, every kernel dies at launch.
+        if size is not None and size < 64 * 1024 * 1024:
+            raise ValueError(
+                f'kernel_ram is the most one kernel may hold, as "8G"; {size} bytes is '
+                "below the 64M a kernel needs to start. Leave it out for no limit"
+            )
+        return size
+
     #: The service's account of each user's claims (:mod:`.accounts`): a file is
     #: closed past this size, and this many closed ones kept, per user.
     records_rotate_bytes: ByteSize | None = None
@@ -391,6 +406,12 @@ def rules_said(layout: Layout) -> list[str]:
             for name, hours in sorted(limits.items(), key=lambda item: item[0] == "*")
         )
         said.append(f"one claim runs at most (max_hours in {layout.config}): {each}")
+    if config.kernel_ram is not None:
+        said.append(
+            f"each kernel the Jupyter server starts holds at most "
+            f"{config.kernel_ram.human_readable(decimal=True)} outside its claims, or is "
+            f"stopped (kernel_ram in {layout.config})"
+        )
     if config.idle_card_minutes is not None:
         said.append(
             f"cards idle {config.idle_card_minutes:g} min while another claim waits are given "

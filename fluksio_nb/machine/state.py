@@ -86,14 +86,14 @@ class HeldClaim(_Strict):
     #: When it was granted (``time.time()``), which its time limit counts
     #: from; ``None`` in what a service before this field wrote.
     granted_at: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    #: The card memory of its slice of its one card; 0 for cards held whole.
+    gpu_bytes: int = Field(default=0, ge=0, le=1 << 50)
 
-    def holds(self, cpus: int, gpus: list[int], ram_bytes: int, cores: list[int]) -> bool:
-        return (self.cpus, sorted(self.gpus), self.ram_bytes, sorted(self.cores)) == (
-            cpus,
-            sorted(gpus),
-            ram_bytes,
-            sorted(cores),
-        )
+    def holds(
+        self, cpus: int, gpus: list[int], ram_bytes: int, cores: list[int], gpu_bytes: int = 0
+    ) -> bool:
+        mine = (self.cpus, sorted(self.gpus), self.ram_bytes, sorted(self.cores), self.gpu_bytes)
+        return mine == (cpus, sorted(gpus), ram_bytes, sorted(cores), gpu_bytes)
 
 
 class HeldClaims(_Strict):
@@ -144,6 +144,7 @@ class ServiceState:
                 ram_bytes=e.need[2],
                 cores=list(e.cores),
                 granted_at=e.granted_at,
+                gpu_bytes=e.gpu_bytes,
             )
             for e in running
             if e.secret_sha256 is not None

@@ -30,8 +30,8 @@ from typing import Any
 
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import human
-from fluksio_nb.env import derive_env
-from fluksio_nb.errors import ClaimTooBigForCluster
+from fluksio_nb.env import derive_env, fraction_env
+from fluksio_nb.errors import BadClaim, ClaimTooBigForCluster
 from fluksio_nb.ray.connection import Machine, _alive_nodes, ray_connection
 from fluksio_nb.resources import Resources
 
@@ -40,6 +40,9 @@ def ray_env(wanted: Resources) -> dict[str, str]:
     """The variables set through ``runtime_env``: the derived env, less Ray's cards."""
     env = derive_env(wanted, Allocation(cpus=wanted.cpus, ram_bytes=wanted.ram_bytes))
     del env["CUDA_VISIBLE_DEVICES"]
+    if isinstance(wanted.gpus, float):
+        # Ray's card is its own to pick; the share of it is this claim's to say.
+        env.update(fraction_env(wanted.gpus))
     return env
 
 
@@ -47,7 +50,7 @@ def task_options(wanted: Resources, label: str) -> dict[str, Any]:
     """Ray's options for the task that runs a claim."""
     options: dict[str, Any] = {
         "num_cpus": wanted.cpus,
-        "num_gpus": wanted.gpus,
+        "num_gpus": ray_gpus(wanted),
         "runtime_env": {"env_vars": ray_env(wanted)},
         "max_retries": 0,
         "name": f"%%claim {label}",
@@ -60,11 +63,21 @@ def task_options(wanted: Resources, label: str) -> dict[str, Any]:
 def ray_resources(wanted: Resources) -> dict[str, float]:
     """A claim in Ray's names: what a node must have, and what a placement group's bundle holds."""
     resources = {"CPU": float(wanted.cpus)}
-    if wanted.gpus:
-        resources["GPU"] = float(wanted.gpus)
+    if ray_gpus(wanted):
+        resources["GPU"] = float(ray_gpus(wanted))
     if wanted.ram is not None:
         resources["memory"] = float(wanted.ram_bytes)
     return resources
+
+
+def ray_gpus(wanted: Resources) -> float:
+    """Ray's ``num_gpus``: whole cards, or a fraction of one for a slice (``gpus=0.5``)."""
+    if wanted.is_slice and not isinstance(wanted.gpus, float):
+        raise BadClaim(
+            f"{wanted.describe()}: Ray shares a card by fraction, not by memory; "
+            "on Ray ask for a slice as gpus=0.5 (with gpu_ram= beside gpus=1 for a budget)"
+        )
+    return wanted.gpus
 
 
 def check_fits(wanted: Resources, nodes: Sequence[Mapping[str, Any]]) -> None:

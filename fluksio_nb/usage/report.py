@@ -199,22 +199,11 @@ def _plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def describe_usage(
-    summary: list[dict[str, Any]],
-    skipped: int = 0,
-    *,
-    not_plain: int = 0,
-    bad_lines: int = 0,
-    bad_reasons: dict[str, int] | None = None,
-    files_cut: int = 0,
-    not_seen_by_service: int = 0,
-    before_service: int = 0,
-) -> str:
+def describe_usage(summary: list[dict[str, Any]], skipped: int = 0, **unread: Any) -> str:
     """The summary as a table, a total for each user with several notebooks, and what was not read.
 
-    ``skipped`` counts other users' files that could not be read; ``bad_reasons``
-    says why the ``bad_lines`` were skipped, ``files_cut`` how many files were
-    read only in part. Names and endings are their records' owners' words,
+    ``skipped`` and ``unread`` say what was not read, as :func:`not_read` takes
+    them. Names and endings are their records' owners' words,
     shown escaped (:func:`~fluksio_nb.shown.shown`): a newline in a notebook's
     name would otherwise print a row of its own.
     """
@@ -247,15 +236,7 @@ def describe_usage(
             lines.append("  ".join(text + cells[9:]).rstrip())
     else:
         lines.append("No claims recorded.")
-    lines += not_read(
-        skipped,
-        not_plain=not_plain,
-        bad_lines=bad_lines,
-        bad_reasons=bad_reasons,
-        files_cut=files_cut,
-        not_seen_by_service=not_seen_by_service,
-        before_service=before_service,
-    )
+    lines += not_read(skipped, **unread)
     return "\n".join(lines)
 
 
@@ -269,7 +250,12 @@ def not_read(
     not_seen_by_service: int = 0,
     before_service: int = 0,
 ) -> list[str]:
-    """What the report did not count, and why, a sentence each (see :func:`describe_usage`)."""
+    """What the report did not count, and why, a sentence each.
+
+    ``skipped`` counts other users' files that could not be read; ``bad_reasons``
+    says why the ``bad_lines`` were skipped, ``files_cut`` how many files were
+    read only in part.
+    """
     lines: list[str] = []
     if skipped:
         lines.append(

@@ -44,6 +44,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from fluksio_nb.card_slices import card_words
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.queue import asked_words
 from fluksio_nb.sampler import Sample
@@ -203,7 +204,8 @@ def machine_facts(
                 "cpu_percent": reading.get("cpu_percent", 0.0),
             }
             entry["peak_rss_bytes"] = reading.get("peak_rss_bytes")
-        for card in allocation["gpus"]:
+        for card in allocation["gpus"] if not allocation.get("gpu_bytes") else ():
+            # A card shared by slices has no one holder: its row counts them.
             holder_of[card] = {"ticket": claim["ticket"], "label": _label(claim)}
         running.append(entry)
 
@@ -223,8 +225,15 @@ def machine_facts(
     ]
 
     read = {card["index"]: card for card in snapshot.get("cards") or ()}
+    shared = {row["index"]: card_words(row) for row in _sliced(snapshot)}
     gpus = [
-        {"id": card, "holder": holder_of.get(card), "card": _card_figures(read.get(card))}
+        {
+            "id": card,
+            "holder": holder_of.get(card),
+            "card": _card_figures(read.get(card)),
+            # "card 0: 3 claims, 60/80 GB", for a card shared by slices.
+            "slices": shared.get(card),
+        }
         for card in card_ids(snapshot)
     ]
     squatting = snapshot.get("squatters")
@@ -334,3 +343,8 @@ def monitor_html(text: str) -> str:
 def _label(claim: Mapping[str, Any]) -> str:
     """A claim's label, or whose it is where its owner keeps labels private."""
     return claim["label"] or f"a claim of {claim.get('user') or 'another user'}"
+
+
+def _sliced(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = (snapshot.get("gpus") or {}).get("cards") or ()
+    return [r for r in rows if isinstance(r, dict) and r.get("claims") and not r.get("whole")]

@@ -847,11 +847,13 @@ function renderMonitor(model, el) {
 
     for (const card of m.gpus || []) {
       const cell = h("div", "fluksio-card");
-      cell.dataset.held = card.holder ? "yes" : "no";
+      cell.dataset.held = card.holder || card.slices ? "yes" : "no";
       cell.append(
-        card.holder
-          ? put(h("span", "fluksio-holder"), "held by ", h("span", "fluksio-label", who(card.holder)))
-          : h("span", "fluksio-free", "free"),
+        card.slices
+          ? h("span", "fluksio-holder", card.slices)
+          : card.holder
+            ? put(h("span", "fluksio-holder"), "held by ", h("span", "fluksio-label", who(card.holder)))
+            : h("span", "fluksio-free", "free"),
       );
       if (card.card) {
         const used = card.card.used_bytes;

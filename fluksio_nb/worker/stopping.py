@@ -15,14 +15,20 @@ the kernel's back: stopping a cell is the kernel's decision
   worker, because it has left it in a state nobody can vouch for.
 
 A Ray task is given as long to stop as this ladder can take
-(:mod:`fluksio_nb.ray.claim`).
+(:mod:`fluksio_nb.ray.claim`). A process a claim started (``c.popen``) is
+ended with its group, SIGTERM then SIGKILL (:func:`end_process_group`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
+
+import psutil
 
 from fluksio_nb.sampler import Chances
 from fluksio_nb.worker.cell import CellInFlight
@@ -84,3 +90,32 @@ def _ended_given_its_chances(
                 return True
     finally:
         chances.close()
+
+
+def end_process_group(process: subprocess.Popen, leads: bool) -> None:
+    """SIGTERM the group the process leads, then SIGKILL whatever is left of it a moment later.
+
+    The group goes whole: the leader, what it left running, and what it
+    started as it ended. A process that shares a group (the kernel's own,
+    with ``start_new_session=False``) goes alone: the group is not the
+    claim's, and signalling it ended the kernel.
+    """
+
+    def send(sig: int) -> None:
+        if not leads:
+            process.send_signal(sig)  # nothing, once it has been waited for
+        elif process.returncode is None or not psutil.pid_exists(process.pid):
+            # Waited for, the leader's pid is free again only once its group is
+            # empty: whoever has it since leads no group of ours.
+            os.killpg(process.pid, sig)
+
+    try:
+        send(signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=0.5)
+    with contextlib.suppress(ProcessLookupError):
+        send(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)

@@ -90,7 +90,14 @@ interface Claim {
 }
 
 export interface RunningClaim extends Claim {
-  allocation: { cpus: number; gpus: number[]; ram_bytes: number; cores?: number[] };
+  allocation: {
+    cpus: number;
+    gpus: number[];
+    ram_bytes: number;
+    cores?: number[];
+    /** The card memory of a slice of its one card; absent for whole cards. */
+    gpu_bytes?: number;
+  };
   readings: Readings | null;
   gpu?: ClaimGpu | null;
   /**
@@ -111,14 +118,30 @@ export interface ExpectedWait {
 export interface WaitingClaim extends Claim {
   /** Its 1-based place in the machine's queue: what people read, not the ticket. */
   position: number;
-  asked: { cpus: number; gpus: number; ram_bytes: number };
+  asked: {
+    cpus: number;
+    gpus: number;
+    ram_bytes: number;
+    /** A slice of one card: a fraction of it, or bytes of its memory. */
+    gpu_fraction?: number;
+    gpu_bytes?: number;
+  };
   /** Absent from a server older than the expected-wait guess. */
   expected_wait?: ExpectedWait;
 }
 
+/** One card as the books hold it: whole, shared by slices, or idle. */
+export interface CardRow {
+  index: number;
+  claims: number;
+  whole: boolean;
+  held_bytes: number;
+  total_bytes: number;
+}
+
 export interface Snapshot {
   cpus: Amount;
-  gpus: Amount & { free_ids: number[] };
+  gpus: Amount & { free_ids: number[]; cards?: CardRow[] };
   ram_bytes: Amount;
   running: RunningClaim[];
   /** On books every user shares, only the first of other users' claims, and all of yours. */
@@ -140,6 +163,21 @@ export interface Snapshot {
   cards?: Card[];
   /** Null where it cannot be known: no card reading, or books that see one kernel only. */
   squatters?: Squatter[] | null;
+  /** This server's kernels the OS stopped at the admin's kernel_ram, newest first. */
+  kernel_stops?: KernelStop[];
+}
+
+/** A kernel the OS stopped at the admin's `kernel_ram`, and why, in words. */
+export interface KernelStop {
+  kernel_id: string;
+  /** When its provisioner saw it stopped, in seconds since the epoch. */
+  at: number;
+  kernel_ram: number;
+  peak_bytes: number | null;
+  /** The cap, where the admin set it, and how to claim more. */
+  why: string;
+  /** Its notebook, when this server serves one for it. */
+  path: string | null;
 }
 
 /** Every claim waiting on the machine, listed in `waiting` or not. */

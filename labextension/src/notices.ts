@@ -9,6 +9,11 @@
  * - when a claim that waited longer than `startedAfterWaitingSeconds` starts;
  * - when a claim that ran longer than `endedAfterRunningSeconds` ends, and
  *   how (ok, error, halted...), as the server's finished claims say it;
+ * - when the OS stopped one of this server's kernels at the admin's
+ *   `kernel_ram`, once for each stop, whatever the settings, and staying
+ *   until closed: Jupyter itself says only that the kernel died, and the
+ *   person needs to know why and how to claim more (its `why`). A stop
+ *   older than a page load by `STOPS_SHOWN_AFTER_S` is not told again;
  * - when the machine's books warn of a running claim (its time limit near,
  *   as the admin set it), once for each warning, whatever the settings: it
  *   is about to be stopped, and the user may want to save what it did.
@@ -28,7 +33,7 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 
-import { FinishedClaim, RunningClaim, WaitingClaim } from './api';
+import { FinishedClaim, KernelStop, RunningClaim, WaitingClaim } from './api';
 import { duration } from './format';
 import { MachineModel } from './model';
 
@@ -64,6 +69,9 @@ interface Seen {
 
 /** How many times the finished claims are read for one that just ended. */
 const RECORD_READS = 5;
+
+/** On a page's first look, a kernel stopped longer ago than this is not told of again. */
+const STOPS_SHOWN_AFTER_S = 600;
 
 const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'kernel died', 'timed out', 'halted']);
 
@@ -117,6 +125,24 @@ export class Notices {
       }
     }
     this._seen = still;
+    this._stopped(snapshot.kernel_stops ?? [], first ? now - STOPS_SHOWN_AFTER_S : 0);
+  }
+
+  private _stopped(stops: KernelStop[], after: number): void {
+    for (const stop of stops) {
+      const key = `${stop.kernel_id}@${stop.at}`;
+      if (this._stopsTold.has(key) || stop.at < after) {
+        continue;
+      }
+      this._stopsTold.add(key);
+      const path = stop.path;
+      Notification.emit(`${path ?? 'A kernel'}: ${stop.why}`, 'error', {
+        autoClose: false,
+        actions: path
+          ? [{ label: 'Open the notebook', callback: () => this._openNotebook(path) }]
+          : []
+      });
+    }
   }
 
   private _new(claim: RunningClaim | WaitingClaim, startedAt: number | null): Seen {
@@ -248,6 +274,7 @@ export class Notices {
   /** Null until the first look: claims already there then were not seen to start. */
   private _seen: Map<number, Seen> | null = null;
   private _asked = false;
+  private _stopsTold = new Set<string>();
 }
 
 /** A notice's kind from how the claim ended: the toast's colour and icon say it too. */

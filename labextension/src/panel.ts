@@ -19,7 +19,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { Card, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
+import { Card, KernelStop, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { FinishedView } from './finished';
 import { clock, cpuList, human, ordinal, plural, roughly, unlistedWords } from './format';
 import { HistoryView } from './history';
@@ -118,9 +118,11 @@ class ClaimRow {
 
     if (this.state === 'running') {
       const { allocation, readings, gpu } = claim as RunningClaim;
-      const cards = allocation.gpus.length
-        ? ` · GPU ${allocation.gpus.join(',')}`
-        : '';
+      const cards = allocation.gpu_bytes
+        ? ` · ${human(allocation.gpu_bytes)} of GPU ${allocation.gpus[0]}`
+        : allocation.gpus.length
+          ? ` · GPU ${allocation.gpus.join(',')}`
+          : '';
       const cores = allocation.cores?.length
         ? ` (cores ${cpuList(allocation.cores)})`
         : '';
@@ -151,6 +153,8 @@ class ClaimRow {
       this._share.textContent =
         `asks ${plural(asked.cpus, 'CPU')}` +
         (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
+        (asked.gpu_fraction ? ` · ${asked.gpu_fraction} of a GPU` : '') +
+        (asked.gpu_bytes ? ` · ${human(asked.gpu_bytes)} of a GPU` : '') +
         (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
       this._readings.textContent = describeWait(waiting);
       // What the guess rests on, for whoever wonders; the row itself says only the guess.
@@ -243,6 +247,7 @@ export class MachinePanel extends Widget {
     this._enforcement = element('div', 'fluksio-lab-enforcement', body);
     this._cards = element('ul', 'fluksio-lab-cards', body);
     this._squatters = element('div', 'fluksio-lab-squatters', body);
+    this._stops = element('div', 'fluksio-lab-kernel-stops', body);
     this._running = new ClaimList(body, 'Running', 'running', this);
     this._waiting = new ClaimList(body, 'Waiting', 'waiting', this);
     this._history = new HistoryView(body);
@@ -303,7 +308,19 @@ export class MachinePanel extends Widget {
     const cpusUsed = cpus.total - cpus.free;
     this._cpus.show(cpusUsed, cpus.total, `${cpusUsed}/${cpus.total} used`);
     const held = gpus.total - gpus.free;
-    this._gpus.show(held, gpus.total, `${held}/${gpus.total} used`);
+    // Each card shared by slices, as every view says it: "card 0: 3 claims, 60/80 GB".
+    const sliced = (gpus.cards ?? [])
+      .filter(card => card.claims && !card.whole)
+      .map(card => {
+        const gb = (n: number) => (n / 1e9).toFixed(0);
+        const noun = card.claims === 1 ? 'claim' : 'claims';
+        return `card ${card.index}: ${card.claims} ${noun}, ${gb(card.held_bytes)}/${gb(card.total_bytes)} GB`;
+      });
+    this._gpus.show(
+      held,
+      gpus.total,
+      `${held}/${gpus.total} used` + (sliced.length ? ` · ${sliced.join(' · ')}` : '')
+    );
     this._ram.show(
       ram.total - ram.free,
       ram.total,
@@ -324,6 +341,7 @@ export class MachinePanel extends Widget {
     this._running.show(snapshot.running);
     this._waiting.show(snapshot.waiting, snapshot.waiting_unlisted ?? 0);
     this._showCards(snapshot.cards ?? [], snapshot.squatters ?? []);
+    this._showStops(snapshot.kernel_stops ?? []);
     this._history.show(this._model.history, this._model.historyError);
     this._finished.show(this._model.finished, this._model.finishedError);
   }
@@ -353,6 +371,23 @@ export class MachinePanel extends Widget {
     }
   }
 
+  /** Kernels the OS stopped at the admin's kernel_ram: which notebook, and why. */
+  private _showStops(stops: KernelStop[]): void {
+    this._stops.replaceChildren();
+    this._stops.hidden = stops.length === 0;
+    if (stops.length) {
+      element('h3', 'fluksio-lab-heading', this._stops).textContent =
+        `Kernels stopped at their memory cap (${stops.length})`;
+      const list = element('ul', 'fluksio-lab-list', this._stops);
+      for (const stop of stops) {
+        const line = element('li', 'fluksio-lab-kernel-stop', list);
+        line.dataset.kernel = stop.kernel_id;
+        const when = new Date(stop.at * 1000).toLocaleTimeString();
+        line.textContent = `${stop.path ?? 'a kernel'} at ${when}: ${stop.why}`;
+      }
+    }
+  }
+
   private _message: HTMLElement;
   private _actionError: string | null = null;
   private _cpus: Bar;
@@ -361,6 +396,7 @@ export class MachinePanel extends Widget {
   private _enforcement: HTMLElement;
   private _cards: HTMLElement;
   private _squatters: HTMLElement;
+  private _stops: HTMLElement;
   private _running: ClaimList;
   private _waiting: ClaimList;
   private _history: HistoryView;

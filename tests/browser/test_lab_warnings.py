@@ -60,20 +60,23 @@ def idle_claim_with_a_waiter(books: Layout) -> Iterator[None]:
         sys.stdin.read()
         """,
     )
-    waiter = process(
-        books,
-        """
-        t = q.enqueue(Resources(cpus=1, gpus=1), label="waits for it")
-        say(queued=True)
-        sys.stdin.read()
-        """,
-    )
+    started = [holder]
     try:
+        # The card is the holder's before the other asks: they would race for it.
         assert heard(holder) == {"held": True}
+        waiter = process(
+            books,
+            """
+            t = q.enqueue(Resources(cpus=1, gpus=1), label="waits for it")
+            say(queued=True)
+            sys.stdin.read()
+            """,
+        )
+        started.append(waiter)
         assert heard(waiter) == {"queued": True}
         yield
     finally:
-        for one in (holder, waiter):
+        for one in started:
             one.kill()
             one.wait()
 

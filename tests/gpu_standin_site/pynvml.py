@@ -2,7 +2,7 @@
 
 This directory goes first on ``sys.path`` (``PYTHONPATH``), so that
 ``import pynvml`` in fluksio_nb finds this module through the ordinary import
-machinery. It implements only the calls fluksio_nb makes (``gpus.py`` and
+machinery. It implements only the calls fluksio_nb makes (``gpus.py``, ``mig.py`` and
 ``gpu_usage.py``), with nvidia-ml-py's signatures, return shapes and
 exceptions:
 
@@ -28,6 +28,13 @@ test may change it between two passes of a reader that stays initialised::
                 "nvml_errors": {"nvmlDeviceGetGraphicsRunningProcesses": "NotSupported"}}],
      "apps": [{"uuid": "GPU-...", "pid": 4242, "used_mib": 512, "type": "C"}],
      "init_error": null, "strings_as_bytes": false}
+
+A card with ``"mig"`` has MIG on, and that list is its instances, in slot
+order (``{"uuid": "MIG-...", "profile": "1g.5gb", "used_mib", "total_mib"}``
+each; ``null`` for an empty slot). An instance answers the calls a card
+does, with its own memory and processes (apps name it by its UUID), and no
+utilisation (``NotSupported``), as on real MIG devices.
+``nvmlDeviceGetMaxMigDeviceCount`` is 7, an A100's, on every card.
 
 A card's ``utilisation`` of ``null`` raises ``NVMLError_NotSupported`` from
 ``nvmlDeviceGetUtilizationRates``, and a ``used_mib`` or ``total_mib`` of
@@ -84,6 +91,10 @@ NVML_ERROR_GPU_NOT_FOUND = 28
 NVML_ERROR_INVALID_STATE = 29
 NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30
 NVML_ERROR_UNKNOWN = 999
+
+NVML_DEVICE_MIG_DISABLE = 0x0
+NVML_DEVICE_MIG_ENABLE = 0x1
+_MAX_MIG_DEVICES = 7
 
 #: What ``.gpuInstanceId`` and ``.computeInstanceId`` are on a card without MIG.
 _NO_INSTANCE = 0xFFFFFFFF
@@ -247,13 +258,25 @@ def _card(handle: c_nvmlDevice_t, call: str) -> tuple[dict, dict]:
     state = _initialised_state()
     if not isinstance(handle, c_nvmlDevice_t):
         raise _error(NVML_ERROR_INVALID_ARGUMENT)
-    for card in state.get("cards", []):
+    for card in _cards_and_instances(state):
         if card["uuid"] == handle._uuid:
             error = card.get("nvml_errors", {}).get(call)
             if error is not None:
                 raise _error(error)
             return card, state
     raise _error(NVML_ERROR_GPU_IS_LOST)
+
+
+def _cards_and_instances(state: dict) -> list[dict]:
+    """Every card, and every MIG instance as a card: its parent's name, its own memory."""
+    found = []
+    for card in state.get("cards", []):
+        found.append(card)
+        for instance in card.get("mig") or []:
+            if instance is not None:
+                name = f"{card.get('name', 'NVIDIA A100-SXM4-40GB')} MIG {instance['profile']}"
+                found.append({"name": name, "utilisation": None, **instance})
+    return found
 
 
 def _text(value: str, state: dict) -> str | bytes:
@@ -350,3 +373,26 @@ def nvmlDeviceGetComputeRunningProcesses(handle):
 
 def nvmlDeviceGetGraphicsRunningProcesses(handle):
     return _processes(handle, "nvmlDeviceGetGraphicsRunningProcesses", {"G", "C+G"})
+
+
+def nvmlDeviceGetMigMode(device):
+    card, _ = _card(device, "nvmlDeviceGetMigMode")
+    mode = NVML_DEVICE_MIG_ENABLE if "mig" in card else NVML_DEVICE_MIG_DISABLE
+    return [mode, mode]
+
+
+def nvmlDeviceGetMaxMigDeviceCount(device):
+    _card(device, "nvmlDeviceGetMaxMigDeviceCount")
+    return _MAX_MIG_DEVICES
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(device, index):
+    card, _ = _card(device, "nvmlDeviceGetMigDeviceHandleByIndex")
+    if "mig" not in card:
+        raise _error(NVML_ERROR_INVALID_ARGUMENT)  # MIG is off on this card
+    if not 0 <= index < _MAX_MIG_DEVICES:
+        raise _error(NVML_ERROR_INVALID_ARGUMENT)
+    instances = card["mig"]
+    if index >= len(instances) or instances[index] is None:
+        raise _error(NVML_ERROR_NOT_FOUND)  # a slot with no instance in it
+    return c_nvmlDevice_t(instances[index]["uuid"])
