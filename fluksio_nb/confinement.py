@@ -180,7 +180,11 @@ class Confinement:
         if not place.available:
             return cards_held_here(place)
         try:
-            self.cards = hold_cards(place, (int(card) for card in allocation.gpus))
+            # Made and known as one step, as the memory cgroup is: a stop held
+            # back inside hold_cards lands as it returns, and the cgroup would
+            # be left with nothing to remove it, one more a stop.
+            with stop_held_back():
+                self.cards = hold_cards(place, [int(card) for card in allocation.gpus])
         except CapNotMade as error:
             return cards_held_here(replace(place, version=None, why_not=str(error)))
         return cards_held_here(place)

@@ -242,3 +242,46 @@ def test_a_kernel_held_off_cards_has_its_claims_cgroups_made_beside_it(tmp_path)
         pytest.skip(f"the test's own directories are shared: {found.why_not}")
     assert found == CapPlace(CGROUP_V1, root / "devices" / "fluksio_nb", kernel)
     assert card_node(3) == (Path("/dev/nvidia3"), CARD_MAJOR, 3)
+
+
+#: A ``gpus=1`` claimed cell in an IPython shell of its own, on a machine declared to
+#: have two cards, stopped at every moment of fluksio_nb's code, one moment a round:
+#: as the claim's devices cgroup is made and denied its other card, as a worker
+#: starts or a warm one is handed over and moved in, as the cell runs, and as the
+#: claim ends. After each, no devices cgroup of the shell's may be left.
+STOP_AT_EVERY_MOMENT_OF_A_CARD_CELL = """
+import glob, os, tempfile
+os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
+os.environ["FLUKSIO_GPUS"] = "2"
+os.environ["FLUKSIO_RESERVE_CPUS"] = "0"
+from IPython.core.interactiveshell import InteractiveShell
+import fluksio_nb
+from fluksio_nb.card_devices import devices_place
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fluksio_nb")
+assert shell.run_cell("%%claim gpus=1\\nwarm = 1").success
+assert not devices_cgroups_left(), "a claim that ended as it should left its cgroup"
+
+def attempt(made):
+    shell.run_cell("%%claim gpus=1\\nx = 1")
+
+def check():
+    return what_a_claim_left(False)
+
+here = os.path.dirname(fluksio_nb.__file__)
+watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+each_moment(watched, attempt, lambda made: None, check, forgotten=True)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_at_any_moment_of_a_card_claim_leaves_no_devices_cgroup():
+    """Guards against the stop button landing as a claim's devices cgroup was made or its
+    worker started, handed over or moved in: the cgroup left for good, one more each
+    time, until every new claim's sweep of the directory walked a thousand of them."""
+    place = devices_place_here()
+    assert place.parent is not None
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_CARD_CELL, timeout=900)
+    assert "stopped_at" in said, said
+    assert said["stopped_at"] > 500, said
