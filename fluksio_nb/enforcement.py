@@ -87,9 +87,11 @@ def own_cores(by: str = AFFINITY, why: str = "") -> Enforcement:
 def cards_held(version: str | None, why: str = "") -> Enforcement:
     """A claim's cards held by a devices cgroup of ``version``, or, with none, by the variable only.
 
-    The words every view shows: a claim held by the variable alone is only as
-    good as every process of it honouring ``CUDA_VISIBLE_DEVICES``.
+    The words every view shows, the same in each: the claim's share
+    (``gpus=1 (card 0, devices cgroup v1)``) and every "held by" line
+    (``cards: devices cgroup v1``). A claim held by the variable alone is only
+    as good as every process of it honouring ``CUDA_VISIBLE_DEVICES``.
     """
     if version is None:
         return Enforcement(f"{CARD_VARIABLE} only", CARD_VARIABLE, why)
-    return Enforcement(f"own cards (devices {version})", f"devices {version}", why)
+    return Enforcement(f"devices {version}", f"devices {version}", why)

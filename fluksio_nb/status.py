@@ -90,7 +90,7 @@ class ClaimStatus:
     #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
     #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
-    #: What holds it to its cards: ``"own cards (devices cgroup v1)"``, or
+    #: What holds it to its cards: ``"devices cgroup v1"``, or
     #: ``"CUDA_VISIBLE_DEVICES only"`` with ``.why``. ``None``
     #: until the claim runs, and on a machine without cards.
     cards_enforcement: Enforcement | None = None
@@ -286,7 +286,7 @@ def _share(status: ClaimStatus) -> str:
     held_to = status.cards_enforcement
     if held_to is not None and allocation.gpus:
         # Inside the cards' parentheses, as a cpuset is beside the cores.
-        cards = f"{cards[:-1]}, {held_to.by if held_to.capped else held_to.label})"
+        cards = f"{cards[:-1]}, {held_to.label})"
     words.append(cards)
     if allocation.ram_bytes:
         memory = status.memory_enforcement

@@ -27,6 +27,7 @@ from fluksio_nb.machine.setup import MachineConfig, MachineSetupError, read_conf
 from fluksio_nb.memory_cap import CapPlace, process_start
 from tests.kernels import started_kernel
 from tests.machines import fluksio_nb, machine, machine_env
+from tests.stops import said_by
 from tests.unix_users import USER_A, ready_user
 from tests.waiting import gone, wait_until
 
@@ -115,13 +116,48 @@ def test_a_claim_granted_card_1_of_2_cannot_open_card_0(cards, tmp_path):
         assert child[0] == "EPERM" and child[1] in NO_DRIVER, child
         assert any("gpus=1 (card 1, devices cgroup v1)" in text for text in ran.texts), ran.texts
         held = kernel.books()["enforcement"]["cards"]
-        assert (held["label"], held["by"]) == (
-            "own cards (devices cgroup v1)",
-            "devices cgroup v1",
-        )
+        assert (held["label"], held["by"]) == ("devices cgroup v1", "devices cgroup v1")
         assert made_by(place.parent, kernel.pid) == before, "the claim's devices cgroup outlived it"
         kernel.run("first.__exit__(None, None, None)", check=True)
         assert made_by(place.parent, kernel.pid) == []
+
+
+#: A cell that prints, one a line, how each view says a claim's cards are held: the
+#: claim's share, its widget's "held by" row, and the "held by" line of the books'
+#: snapshot (the panel's, the widget's and ``%claims``'s) and of the terminal's text.
+EVERY_VIEWS_WORDS = """
+import fluksio_nb
+from fluksio_nb import claim
+from fluksio_nb.overview import describe_snapshot, read_books
+from fluksio_nb.status import describe
+from fluksio_nb.widget.facts import enforcement_facts
+with claim(gpus=1, label='held') as c:
+    c.run(int)
+    print(describe(c.status))
+    print(enforcement_facts(c.status)['cards']['label'])
+    snapshot = read_books()
+    print(snapshot['enforcement']['cards']['label'])
+    print([line for line in describe_snapshot(snapshot).splitlines() if 'held by' in line][0])
+"""
+
+
+def test_every_view_names_how_a_claims_cards_are_held_in_the_same_words(tmp_path):
+    """Guards against views that disagree on what holds a claim to its cards.
+
+    The claim's share said "devices cgroup v1", the "held by" line "own
+    cards (devices cgroup v1)", and the claim's own widget nothing at all:
+    a reader comparing them could not tell that one cgroup held them all.
+    """
+    place = devices_place_here()
+    with started_kernel(tmp_path, FLUKSIO_GPUS="2", FLUKSIO_RESERVE_CPUS="0") as kernel:
+        share, widget, books, terminal = kernel.run(EVERY_VIEWS_WORDS, check=True).stdout.split(
+            "\n"
+        )[:4]
+    words = f"devices {place.version}"
+    assert f"gpus=1 (card 0, {words})" in share, share
+    assert widget == words
+    assert books == words
+    assert f"cards: {words}" in terminal, terminal
 
 
 def test_a_killed_kernels_worker_removes_its_claims_devices_cgroup(tmp_path):
