@@ -23,8 +23,9 @@ import pytest
 
 from fluksio_nb.budget import CGROUP_V1
 from fluksio_nb.card_devices import CARD_MAJOR, card_node, find_devices_place
+from fluksio_nb.inventory import KERNEL_NAME
 from fluksio_nb.machine.setup import MachineConfig, MachineSetupError, read_config
-from fluksio_nb.memory_cap import CapPlace, process_start
+from fluksio_nb.memory_cap import CapPlace, find_cap_place, process_start
 from tests.kernels import started_kernel
 from tests.machines import fluksio_nb, machine, machine_env
 from tests.stops import said_by
@@ -223,6 +224,40 @@ def test_a_kernel_under_unclaimed_cards_false_opens_no_card_and_its_claim_opens_
             assert made_by(place.parent, kernel.pid) == [
                 f"fluksio_nb-{kernel.pid}-{process_start(kernel.pid)}-0"
             ], "the kernel's cgroup is not its own, or its claim's outlived the claim"
+        assert wait_until(lambda: not made_by(place.parent, kernel.pid)), (
+            "the kernel's devices cgroup outlived it"
+        )
+
+
+def test_a_kernel_under_kernel_ram_and_unclaimed_cards_false_is_held_by_both(cards, tmp_path):
+    """Guards against one of the admin's two rules undoing the other as the kernel starts.
+
+    Both put the kernel in a cgroup before it runs a line, each by the
+    launch's ``preexec_fn``: the one set last replaced the other, and the
+    kernel ran with no memory cap, or able to open every card.
+    """
+    place = devices_place_here()
+    assert place.parent is not None
+    if not find_cap_place().available:
+        pytest.skip(f"needs a memory cgroup: {find_cap_place().why_not}")
+    config = {"unclaimed_cards": False, "kernel_ram": "400M"}
+    with machine(cpus=2, gpus=2, config=config) as layout:
+        with started_kernel(
+            tmp_path, provisioner=PROVISIONER, **machine_env(layout, FLUKSIO_GPUS="2")
+        ) as kernel:
+            memory = kernel.facts(
+                "[line.rsplit('/', 1)[-1] for line in open('/proc/self/cgroup').read().split()"
+                " if line.split(':')[1] == 'memory'][0]"
+            )
+            assert KERNEL_NAME.match(memory), (
+                f"the kernel is outside its kernel_ram cgroup: {memory}"
+            )
+            unclaimed = json.loads(kernel.run(opens(cards), check=True).stdout)
+            assert unclaimed == ["EPERM", "EPERM"], (
+                f"an unclaimed kernel opened a card: {unclaimed}"
+            )
+            claimed = json.loads(kernel.run("%%claim gpus=1\n" + opens(cards), check=True).stdout)
+            assert claimed[0] in NO_DRIVER and claimed[1] == "EPERM", claimed
         assert wait_until(lambda: not made_by(place.parent, kernel.pid)), (
             "the kernel's devices cgroup outlived it"
         )
