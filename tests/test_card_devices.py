@@ -315,34 +315,39 @@ def test_a_kernel_held_off_cards_has_its_claims_cgroups_made_beside_it(tmp_path)
     assert card_node(3) == (Path("/dev/nvidia3"), CARD_MAJOR, 3)
 
 
-#: A ``gpus=1`` claimed cell in an IPython shell of its own, on a machine declared to
-#: have two cards, stopped at every moment of fluksio_nb's code, one moment a round:
-#: as the claim's devices cgroup is made and denied its other card, as a worker
-#: starts or a warm one is handed over and moved in, as the cell runs, and as the
-#: claim ends. After each, no devices cgroup of the shell's may be left.
-STOP_AT_EVERY_MOMENT_OF_A_CARD_CELL = """
+#: ``c.run`` in a block, on a machine declared to have two cards, stopped at every
+#: moment of fluksio_nb's code, one moment a round: as the claim's devices cgroup is
+#: made and denied every card (a claim with none opens none), as a worker starts (the one a stop
+#: killed) or a warm one is handed over and moved in, as it runs the call and goes
+#: back to its pool, and as the claim ends. After each, no devices cgroup of this
+#: process's may be left, nor a share, nor a worker out of the pool.
+STOP_AT_EVERY_MOMENT_OF_A_CARD_CLAIM = """
 import glob, os, tempfile
 os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
 os.environ["FLUKSIO_GPUS"] = "2"
 os.environ["FLUKSIO_RESERVE_CPUS"] = "0"
-from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
-from fluksio_nb.card_devices import devices_place
+import fluksio_nb.lifecycle
+from fluksio_nb import claim
 
-shell = InteractiveShell.instance()
-shell.run_line_magic("load_ext", "fluksio_nb")
-assert shell.run_cell("%%claim gpus=1\\nwarm = 1").success
+with claim(cpus=1, label="warm") as c:
+    c.run(int)
 assert not devices_cgroups_left(), "a claim that ended as it should left its cgroup"
 
 def attempt(made):
-    shell.run_cell("%%claim gpus=1\\nx = 1")
+    # No card: a gpus=1 claim starts a worker of its own every time (its
+    # CUDA_VISIBLE_DEVICES is in its env), a second a round; its cgroup is made,
+    # entered and removed as this one's is.
+    with claim(cpus=1, label="stopped") as c:
+        c.run(int)
 
 def check():
     return what_a_claim_left(False)
 
 here = os.path.dirname(fluksio_nb.__file__)
 watched = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
-each_moment(watched, attempt, lambda made: None, check, forgotten=True)
+beyond_reach = [(fluksio_nb.lifecycle.__file__, "__exit__")]
+each_moment(watched, attempt, lambda made: None, check, beyond_reach, forgotten=True)
 """
 
 
@@ -353,6 +358,6 @@ def test_a_stop_at_any_moment_of_a_card_claim_leaves_no_devices_cgroup():
     time, until every new claim's sweep of the directory walked a thousand of them."""
     place = devices_place_here()
     assert place.parent is not None
-    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_CARD_CELL, timeout=900)
+    said = said_by(STOP_AT_EVERY_MOMENT_OF_A_CARD_CLAIM, timeout=900)
     assert "stopped_at" in said, said
     assert said["stopped_at"] > 500, said
