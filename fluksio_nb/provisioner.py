@@ -22,6 +22,8 @@ What it decides:
 - **Cards through claims only, where the admin says so**
   (``"unclaimed_cards": false``): the kernel starts in a cgroup that opens
   no card (:mod:`fluksio_nb.unclaimed_cards`), removed as it is cleaned up.
+  Under ``"kernel_ram"`` too, it enters both before it runs a line: one
+  ``preexec_fn`` doing each in turn (:func:`in_turn`).
 - **A kernel always starts.** Settings that cannot be used, or books that
   cannot be read, start it as Jupyter would without fluksio_nb, with a
   warning in the server's log. The kernel says what is wrong with its
