@@ -2,7 +2,8 @@
 
 ``%load_ext fluksio_nb`` registers ``%%claim`` and ``%claims``. A claimed cell
 waits its turn for its cores, cards and memory, then runs in a worker process
-whose environment was derived from its share. See ``README.md``.
+whose environment was derived from its share. See ``README.md``, and
+``docs/`` for the reference.
 
 The public names are imported on first use. Every worker process imports this
 package to reach its own module, and a worker that loaded pydantic and the

@@ -18,22 +18,41 @@ from fluksio_nb.flavors import describe_flavors
 CLI_FINISHED = 5
 
 
+#: Every command, with the line ``fluksio-nb --help`` gives it.
+COMMANDS = {
+    "snapshot": "the machine now: its cores, cards and memory, who holds them, who waits "
+    "(the default)",
+    "flavors": "the named sizes a claim may ask for (`%%claim flavor=NAME`)",
+    "usage": "what past claims used, per user and notebook (`fluksio-nb usage -h`)",
+    "machine": "books every user of the machine shares: init, status, remove "
+    "(`fluksio-nb machine -h`)",
+}
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """``fluksio-nb``'s own parser: every command named, with a line each."""
+    parser = argparse.ArgumentParser(
+        prog="fluksio-nb",
+        description="This machine's shares in a terminal, and the books behind them.",
+    )
+    commands = parser.add_subparsers(dest="what", title="commands", metavar="command")
+    for name, line in COMMANDS.items():
+        # Help lines are %-formatted by argparse; descriptions are not.
+        described = line[0].upper() + line[1:] + "."
+        commands.add_parser(name, help=line.replace("%", "%%"), description=described)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # These two parse their own options: handed the rest of the line as it is.
     if argv[:1] == ["usage"]:
         from fluksio_nb.usage.report import usage_main
 
         return usage_main(argv[1:])
     if argv[:1] == ["machine"]:
         return machine_main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="fluksio-nb",
-        description="Show this machine's shares, or the flavors. "
-        "`fluksio-nb usage -h`: what past claims used; `fluksio-nb machine -h`: books "
-        "every user of the machine shares.",
-    )
-    parser.add_argument("what", nargs="?", choices=["snapshot", "flavors"], default="snapshot")
-    options = parser.parse_args(argv)
+    options = command_parser().parse_args(argv)
     from fluksio_nb.overview import describe_snapshot, read_books
     from fluksio_nb.settings import load_settings
 
@@ -119,6 +138,11 @@ def machine_main(argv: list[str]) -> int:
             if books.mode == "machine":
                 for rule in rules_said(layout):
                     print(rule)
+            from fluksio_nb.card_compute import NAME, compute_sharing
+
+            # Whichever books: how this machine's cards share their compute between slices.
+            sharing = compute_sharing()
+            print(f"{NAME}: {sharing['label']} ({sharing['why']})")
             if books.mode == "user":
                 from fluksio_nb.machine.user_service import running
 

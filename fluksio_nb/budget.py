@@ -182,7 +182,7 @@ def over_budget(
             else f"the kernel's memory cap ({enforced_by})"
         )
         message = (
-            f"halted while its results were copied back to the kernel, after the cell's "
+            f"stopped while its results were copied back to the kernel, after the cell's "
             f"code had run: copying {_names_and_sizes(sending)} took the worker to "
             f"{human(used_bytes)}, over its memory budget of {human(budget.applied_bytes)}"
             f"{why}{stage}, and it was stopped by {by}. Bytes, bytearrays and numpy arrays "
@@ -192,14 +192,14 @@ def over_budget(
         )
     elif enforced_by == SAMPLER:
         message = (
-            f"halted: the worker used {human(used_bytes)}, over its memory budget of "
+            f"the worker used {human(used_bytes)}, over its memory budget of "
             f"{human(budget.applied_bytes)}{why}{stage}. It was halted by the sampler, which "
             f"reads memory every {SAMPLE_INTERVAL_S:g} s, so a fast allocation can get "
             "further before it is seen. Ask for more with ram=, or use less."
         )
     else:
         message = (
-            f"halted: the claim's processes reached {human(used_bytes)}, all that its memory "
+            f"the claim's processes reached {human(used_bytes)}, all that its memory "
             f"budget of {human(budget.applied_bytes)}{why}{stage} allows, and were stopped by "
             f"the kernel's memory cap ({enforced_by}), which no allocation gets past. "
             "Ask for more with ram=, or use less."
@@ -262,7 +262,7 @@ def over_budget_before_it_ran(held_bytes: int, budget: Budget, enforced_by: str)
         should_halt=True,
         reason=HaltReason.OVER_BUDGET,
         message=(
-            f"halted before it ran: its worker alone holds {human(held_bytes)} (Python, "
+            f"stopped before it ran: its worker alone holds {human(held_bytes)} (Python, "
             "IPython and what earlier cells imported), over the claim's memory budget of "
             f"{human(budget.applied_bytes)}. Ask for more with ram=."
         ),
@@ -279,7 +279,7 @@ def over_gpu_budget(card: CardShare, budget: Budget) -> HaltDecision:
         should_halt=True,
         reason=HaltReason.OVER_GPU_BUDGET,
         message=(
-            f"halted: the worker held {human(card.held_bytes)}{of_card} on card {card.index}, "
+            f"the worker held {human(card.held_bytes)}{of_card} on card {card.index}, "
             f"over its card memory budget of {human(budget.gpu_bytes)} a card. It was halted "
             f"by the sampler, which reads the cards every {GPU_INTERVAL_S:g} s, so a fast "
             "allocation can get further before it is seen. Ask for more with gpu_ram=, "
@@ -328,7 +328,7 @@ def halt_decision(sample: Sample, budget: Budget, *, capped: bool = False) -> Ha
             should_halt=True,
             reason=HaltReason.HOST_SHORT,
             message=(
-                f"halted: the machine ran short of memory ({human(sample.host_available_bytes)} "
+                f"the machine ran short of memory ({human(sample.host_available_bytes)} "
                 f"free, under the {human(headroom)} kept for the host). The worker was using "
                 f"{human(sample.rss_bytes)}; something else on the machine may be the cause."
             ),

@@ -111,7 +111,7 @@ def claim_parser() -> argparse.ArgumentParser:
     """The one definition of what a ``%%claim`` line may say."""
     parser = _Parser(
         prog="%%claim",
-        # A fixed width, not the terminal's: the README quotes this text and a
+        # A fixed width, not the terminal's: docs/reference.md quotes this text and a
         # test holds the two to each other.
         formatter_class=lambda prog: argparse.HelpFormatter(prog, width=88),
         add_help=False,

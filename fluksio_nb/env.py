@@ -35,6 +35,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from fluksio_nb.books import Allocation
+from fluksio_nb.card_compute import MPS_SHARE_VAR, mps_daemon_runs_now
 from fluksio_nb.resources import Resources
 
 #: Every spelling of "how many threads may you use" that a scientific stack
@@ -99,11 +100,11 @@ def derive_env(
         else:
             budget = allocation.gpu_bytes or wanted.gpu_ram_bytes
             env.update(card_memory_share(budget, allocation.gpus, card_bytes))
-        if allocation.gpu_bytes and mps_daemon_runs():
+        if allocation.gpu_bytes and mps_daemon_runs_now():
             # Where MPS shares the card's cores, a slice gets its share of them too.
             share = float(env.get(GPU_FRACTION_VAR) or wanted.gpus or 0)
             if share:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
+                env[MPS_SHARE_VAR] = str(max(1, round(share * 100)))
     env.update(wanted.env)
     return env
 
@@ -125,25 +126,6 @@ def fraction_env(share: float) -> dict[str, str]:
     """JAX's and torch's cap at ``share`` of each card: a budget's, or a slice's."""
     fraction = f"{share:.3f}"
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction, GPU_FRACTION_VAR: fraction}
-
-
-def mps_daemon_runs(proc: str = "/proc") -> bool:
-    """Whether an MPS control daemon runs here: a slice's compute is then its share of the
-    card's cores (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), else the card's time is shared."""
-    import os
-
-    try:
-        pids = [name for name in os.listdir(proc) if name.isdigit()]
-    except OSError:
-        return False
-    for pid in pids:
-        try:
-            with open(f"{proc}/{pid}/comm") as comm:
-                if comm.read().strip() == "nvidia-cuda-mps":
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 class EnvironMark:

@@ -22,6 +22,7 @@ quotes the line as typed (:func:`typed_as`), ``%%claim`` and all.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import sys
 import warnings
 from collections.abc import Iterator
@@ -123,26 +124,41 @@ def warn_at_users_line(message: str, category: type[Warning]) -> None:
         outermost, frame = frame, frame.f_back
     # Machinery all the way out, which no claim made in a cell or a script is: the outermost.
     at = frame or outermost
-    where = (message, category, at.f_code.co_filename, at.f_lineno)
+    filename, lineno = at.f_code.co_filename, at.f_lineno
+    where = (message, category, _as_ipython_names(filename), lineno)
     module = str(at.f_globals.get("__name__", ""))
     typed = _TYPED.get()
-    if typed is not None:
-        _warn_quoting(typed, where, module)
-        return
+    if typed is None:
+        # Read here, by the file's real name: the name it is shown by is not a file.
+        typed = _line(filename, lineno, at.f_globals)
+    _warn_quoting(typed, where, module)
+
+
+def _line(filename: str, lineno: int, module_globals: dict[str, Any]) -> str | None:
     try:
-        # The module's globals let the warning quote the user's line.
-        warnings.warn_explicit(*where, module=module, registry=None, module_globals=at.f_globals)
+        # The module's globals let a module's line be read through its loader.
+        line = linecache.getline(filename, lineno, module_globals)
     except (ImportError, ValueError, AttributeError):
         # Globals no loader can give the source for: `python -c`'s __main__,
-        # whose loader is the built-in importer and raises ImportError, and
-        # from Python 3.12 a namespace whose __spec__ is None, as a kernel's
-        # is, which `warnings` refuses with ValueError (AttributeError for a
-        # __spec__ with no loader). The warning goes without them: a cell's
-        # lines are in the line cache already, and it quotes them from there.
-        warnings.warn_explicit(*where, module=module, registry=None)
+        # whose loader is the built-in importer, and a kernel's namespace,
+        # whose __spec__ is None. A cell's lines are in the cache already.
+        line = linecache.getline(filename, lineno)
+    return line.strip() or None
 
 
-def _warn_quoting(typed: str, where: tuple[Any, ...], module: str) -> None:
+def _as_ipython_names(filename: str) -> str:
+    """A cell's file as IPython names it in tracebacks, ``Cell In[3]``; other files as they are.
+
+    ipykernel compiles each cell under a temporary file's path, which says
+    nothing to the person who typed the cell.
+    """
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    count = names.get(filename) if isinstance(names, dict) else None
+    return f"Cell In[{count}]" if isinstance(count, int) else filename
+
+
+def _warn_quoting(typed: str | None, where: tuple[Any, ...], module: str) -> None:
     """Warn at ``where`` under the ``typed`` line, the user's filters deciding as ever.
 
     ``warn_explicit`` takes no source line: the one it shows comes from

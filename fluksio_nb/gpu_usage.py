@@ -264,6 +264,12 @@ class CardReader:
             self._open()
             return None if self._source is None else self._source.source
 
+    def before_the_first_pass(self) -> bool:
+        """Whether cards are read here and no pass has come back yet: their sizes unknown."""
+        with self._lock:
+            self._open()
+            return self._source is not None and self._passes == 0
+
     def read(self, max_age_s: float | None = None) -> CardsReading | None:
         """The cards as read within ``max_age_s`` (the interval): waits for a pass if due."""
         return self._get(max_age_s, wait="due")

@@ -48,6 +48,7 @@ import psutil
 from fluksio_nb import transfer
 from fluksio_nb.books import Allocation
 from fluksio_nb.budget import HaltDecision, budget_here, in_the_copy_back, memory_warning
+from fluksio_nb.card_compute import claim_compute_words
 from fluksio_nb.confinement import Confinement
 from fluksio_nb.env import derive_env, worker_environ
 from fluksio_nb.errors import (
@@ -203,6 +204,8 @@ class Claim(QueuedClaim):
         self.status.cards_enforcement = held.gpus
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
+        if allocation.gpu_bytes:
+            self.status.card_compute = claim_compute_words(self.env)
         note_running(self.status)
         self._update_view()
         if self._limit_kernel_threads:

@@ -7,10 +7,11 @@ that from here.
 
 What it decides:
 
-- **One small ring per process, in memory.** Nothing is written to disk and
-  nothing is shared between processes: the Jupyter server keeps one (its
+- **One small ring per process, in memory.** Nothing here writes to disk:
+  the Jupyter server keeps one (its
   extension feeds it on a timer), and a kernel keeps one while a ``%claims``
-  monitor is watched (its ticker feeds it). Points older than
+  monitor is watched (its ticker feeds it), and catches up on its server's
+  when a view opens (:mod:`fluksio_nb.server_history`). Points older than
   :data:`SPAN_S` fall off the end.
 - **At most one point every :data:`INTERVAL_S`**, however often it is fed:
   a ticker every second and a page polling the server must not crowd it.
@@ -138,6 +139,26 @@ class MachineHistory:
             while self._points and self._points[0]["at"] < now - self.span_s:
                 self._points.popleft()
             return point
+
+    def merge(self, points: Iterable[dict[str, Any]]) -> int:
+        """Take another process's points, oldest first, around this ring's own; how many were taken.
+
+        Those before this ring's oldest point go before it, those after its
+        newest after it: this ring's own points stay as they are. A point
+        taken here after them is due an interval after the newest of them.
+        """
+        with self._lock:
+            first = self._points[0]["at"] if self._points else float("inf")
+            last = self._points[-1]["at"] if self._points else -float("inf")
+            before = [p for p in points if p["at"] < first - self.interval_s / 2]
+            after = [p for p in points if p["at"] > last + self.interval_s / 2]
+            if not self._points:
+                after = []
+            self._points.extendleft(reversed(before))
+            self._points.extend(after)
+            if self._points:
+                self._last_at = max(self._last_at, self._points[-1]["at"])
+            return len(before) + len(after)
 
     def points(self, now: float | None = None) -> list[dict[str, Any]]:
         """The points of the last :attr:`span_s` seconds, oldest first."""

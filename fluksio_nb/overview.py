@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fluksio_nb.budget import human
-from fluksio_nb.card_slices import card_words
+from fluksio_nb.card_compute import sliced_card_words, with_card_compute
 from fluksio_nb.expected_wait import describe_wait
 from fluksio_nb.gpu_usage import CardsReading, held_below, kernel_cards, squatters
 from fluksio_nb.inventory import format_cpu_list
@@ -77,6 +77,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     # Kernel-only books show no claims: nobody here can say whose memory is whose.
     snapshot["sees_every_claim"] = books.mode != "kernel"
     with_trusted_readings(snapshot)
+    with_card_compute(snapshot)
     return with_history_facts(with_cards(snapshot, every_claim_known=books.mode != "kernel"))
 
 
@@ -134,6 +135,7 @@ def kernel_snapshot() -> dict[str, Any]:
     # A kernel's own queue sees no other kernel's claims: it names no squatters.
     snapshot["sees_every_claim"] = not isinstance(queue, ClaimQueue)
     with_trusted_readings(snapshot)
+    with_card_compute(snapshot)
     return with_history_facts(with_cards(snapshot, every_claim_known=snapshot["sees_every_claim"]))
 
 
@@ -282,10 +284,11 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def sliced_cards(snapshot: Mapping[str, Any]) -> list[str]:
-    """Each card shared by slices: ``card 0: 3 claims, 60/80 GB``; none from older books."""
+    """Each card shared by slices: ``card 0: 3 claims, 60/80 GB, compute shared by time``;
+    none from older books."""
     rows = (snapshot.get("gpus") or {}).get("cards") or ()
     return [
-        card_words(row)
+        sliced_card_words(row, snapshot)
         for row in rows
         if isinstance(row, Mapping) and row.get("claims") and not row.get("whole")
     ]

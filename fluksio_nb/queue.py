@@ -6,7 +6,10 @@ exception that keeps a machine from idling: a later claim may overtake the
 claims ahead of it only if it takes nothing they still need. A cell waiting
 for the one GPU does not hold up a CPU-only cell behind it when there are
 cores to spare, but a stream of small CPU cells can never starve a large one,
-because whatever the large one is short of is set aside for it.
+because whatever the large one is short of is set aside for it. Cards are
+placed by :mod:`fluksio_nb.card_slices`, where a claim short of a card is
+first packed around, best-fit, and holds the cards it could use only once a
+few later claims went ahead of it.
 
 Grants are made here, centrally, under one lock, when something is asked for
 and when something is given back, rather than by each waiter racing to take
@@ -78,6 +81,9 @@ class Ticket:
     #: Called, outside any lock, with each new warning: whoever runs the
     #: claim shows it in its cell.
     on_warning: Callable[[str], None] | None = None
+    #: Later claims granted a card it could use while it waited
+    #: (:data:`~fluksio_nb.card_slices.PASSES`).
+    passed: int = 0
 
     @property
     def asked(self) -> dict[str, Any]:
@@ -209,9 +215,15 @@ class ClaimQueue:
         """Grant whatever can be granted now, in order. Called with the lock held."""
         free_cpus, _, free_ram = self.books.free()
         needs = [(t.resources.cpus, t.resources.ram_bytes) for t in self._waiting]
-        going = who_goes_on_cards(
-            needs, (free_cpus, free_ram), self.books.cards_now(), self._asks()
+        going, passed = who_goes_on_cards(
+            needs,
+            (free_cpus, free_ram),
+            self.books.cards_now(),
+            self._asks(),
+            [t.passed for t in self._waiting],
         )
+        for index, times in passed.items():
+            self._waiting[index].passed = times
         for index, placed in going:
             ticket = self._waiting[index]
             r = ticket.resources
@@ -335,25 +347,33 @@ def who_goes_next(needs: list[Need], free: Need) -> list[int]:
 
 
 def who_goes_on_cards(
-    needs: Sequence[tuple[int, ...]], free: Sequence[float], cards: Cards, asks: Sequence[CardAsk]
-) -> list[tuple[int, tuple[tuple[int, ...], int]]]:
+    needs: Sequence[tuple[int, ...]],
+    free: Sequence[float],
+    cards: Cards,
+    asks: Sequence[CardAsk],
+    passed: Sequence[int] | None = None,
+) -> tuple[list[tuple[int, tuple[tuple[int, ...], int]]], dict[int, int]]:
     """:func:`who_goes_next` with each claim's cards placed on ``cards``: which go, and where.
 
-    The cards are walked by :mod:`fluksio_nb.card_slices`, which sets aside for a
-    claim that cannot go the cards it waits for, as ``spare`` does its cores and
-    memory: so a whole-card claim is not starved by a stream of slices.
+    The cards are walked by :mod:`fluksio_nb.card_slices`, which counts the
+    later claims granted a card a claim that cannot go could use (``passed``,
+    from earlier walks), and closes those cards for it once that is
+    :data:`~fluksio_nb.card_slices.PASSES`: so a whole-card claim is not
+    starved by a stream of slices. Cores and memory keep the rule of
+    :func:`who_goes_next`. Returns who goes, and each waiter's passes now.
     """
     spare = list(free)
     going = []
+    waiters = {}
     for index, (need, ask) in enumerate(zip(needs, asks, strict=True)):
         placed = cards.place(ask) if ask else ((), 0)
         if placed is not None and all(n == 0 or n <= s for n, s in zip(need, spare, strict=True)):
             cards.take(*placed)
             going.append((index, placed))
-        else:
-            cards.set_aside(ask)
+        elif ask:
+            waiters[index] = cards.walked_past(ask, passed[index] if passed else 0)
         spare = [s - n for s, n in zip(spare, need, strict=True)]
-    return going
+    return going, {index: waiter.passed for index, waiter in waiters.items()}
 
 
 def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
@@ -382,10 +402,23 @@ def fit_to_capacity(wanted: Resources, books: ResourceAccountant) -> Resources:
             "gpu_ram": gpu_ram,
         }
     )
+    given = shrunk.describe(gpus_if_none=bool(wanted.gpus))
+    # Only what was too much is named, beside what the machine has of it.
+    given_words = dict(word.split("=", 1) for word in given.split())
+    over = [
+        (key, value)
+        for key, value in (word.split("=", 1) for word in wanted.describe().split())
+        if given_words.get(key) != value
+    ]
+    has = {"cpus": f"cpus={books.cpus}", "gpus": f"gpus={books.gpus}"}
+    has["ram"] = f"ram={_size(books.ram_bytes)}"
+    if any(key == "gpu_ram" for key, _ in over):
+        biggest = max(books.cards_now().size.values(), default=0)
+        has["gpu_ram"] = f"{_size(biggest)} on its biggest card" if biggest else "no cards"
     warn_at_users_line(
-        f"{wanted.describe()} is more than this machine has to hand out ({capacity}); "
-        f"running with {shrunk.describe(gpus_if_none=bool(wanted.gpus))} instead. "
-        "Add --strict to refuse instead.",
+        f"{' '.join(f'{key}={value}' for key, value in over) or wanted.describe()} is more "
+        f"than this machine has to hand out ({', '.join(has[key] for key, _ in over) or capacity}"
+        f"); running with {given} instead. Add --strict to refuse instead.",
         ClampedWarning,
     )
     return shrunk

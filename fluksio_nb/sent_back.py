@@ -4,7 +4,7 @@ A worker maps the files of a cell's inputs copy-on-write
 (``unpack(..., remember=True)``, :mod:`fluksio_nb.transfer`): a page the
 cell writes becomes its own, the sender's file keeps what was sent, and
 which pages the cell wrote is the OS's to tell
-(:func:`~fluksio_nb.shared_in_place.changed_runs`). The files of the parcel
+(:func:`~fluksio_nb.written_pages.changed_runs`). The files of the parcel
 last unpacked so are remembered here, and what is decided is:
 
 - **An input the cell did not change does not go back at all**
@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass
 
 from fluksio_nb.segments import Segment, write_all
-from fluksio_nb.shared_in_place import changed_runs
+from fluksio_nb.written_pages import changed_runs
 
 #: A buffer goes back as a reference only if it covers at least this share of
 #: the file it lies in; a smaller slice is cheaper to copy than to pin the file.

@@ -31,7 +31,10 @@ What it decides:
 - **It keeps the machine's last ten minutes** (:mod:`fluksio_nb.machine_history`),
   a point every couple of seconds from a periodic callback that only hands
   the reading to a worker thread, and skips a beat while the last one is
-  still out: the loop never waits on it. The finished claims come from the
+  still out: the loop never waits on it. Its kernels read it from a file
+  (:mod:`fluksio_nb.server_history`), so ``%claims`` opens on ten minutes
+  too. The snapshot carries the host's CPU and memory, each kernel's
+  memory and the cores kept back (:mod:`fluksio_nb.glance`). The finished claims come from the
   usage records, read again only when they change
   (:mod:`fluksio_nb.usage.recent`).
 - **Metrics for Prometheus** at ``fluksio/metrics``, behind the same token
@@ -46,9 +49,12 @@ What it decides:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import json
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
@@ -118,10 +124,9 @@ class SnapshotHandler(_LedgerHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        from fluksio_nb.overview import read_books
-
+        pids = self._kernel_pids()
         try:
-            snapshot = await _off_the_loop(read_books)
+            snapshot = await _off_the_loop(_snapshot_at_a_glance, pids)
         except BadClaim as error:
             raise web.HTTPError(
                 500,
@@ -136,6 +141,24 @@ class SnapshotHandler(_LedgerHandler):
             claim["can_cancel"] = claim["mine"] or snapshot.get("can_cancel_any", False)
         snapshot["kernel_stops"] = _kernel_stops(paths)
         self.finish_json(snapshot)
+
+    def _kernel_pids(self) -> dict[str, int]:
+        """This server's kernels' process ids, where they run here as local processes."""
+        pids = {}
+        manager = self.kernel_manager
+        for kernel_id in manager.list_kernel_ids():
+            provisioner = getattr(manager.get_kernel(kernel_id), "provisioner", None)
+            pid = getattr(provisioner, "pid", None)
+            if isinstance(pid, int):
+                pids[kernel_id] = pid
+        return pids
+
+
+def _snapshot_at_a_glance(pids: dict[str, int]) -> dict[str, Any]:
+    from fluksio_nb.glance import with_glance
+    from fluksio_nb.overview import read_books
+
+    return with_glance(read_books(), pids)
 
 
 def _kernel_stops(paths: dict[str, str]) -> list[dict[str, Any]]:
@@ -201,8 +224,10 @@ def _metrics_text() -> bytes:
 class HistoryFeeder:
     """Takes a point of the machine's history on a timer, in a worker thread, one at a time."""
 
-    def __init__(self, log: logging.Logger) -> None:
+    def __init__(self, log: logging.Logger, path: Path | None = None) -> None:
         self.log = log
+        #: Where the points go for the kernels to read (:mod:`fluksio_nb.server_history`).
+        self.path = path
         self._out = False
         self._said: str | None = None
 
@@ -221,7 +246,10 @@ class HistoryFeeder:
         from fluksio_nb.overview import read_books
 
         try:
-            take_point(process_history(), read_books())
+            if take_point(process_history(), read_books()) is not None and self.path is not None:
+                from fluksio_nb.server_history import publish
+
+                publish(process_history(), self.path)
         except Exception as error:
             # Said once, not every two seconds: broken settings stay broken until fixed.
             if str(error) != self._said:
@@ -283,8 +311,13 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         ],
     )
     from fluksio_nb.machine_history import INTERVAL_S
+    from fluksio_nb.server_history import ENV, forget, history_path
 
-    feeder = HistoryFeeder(serverapp.log)
+    # Its kernels inherit the server's environment: this is how they find the history.
+    path = history_path()
+    os.environ[ENV] = str(path)
+    atexit.register(forget, path)
+    feeder = HistoryFeeder(serverapp.log, path)
     periodic = ioloop.PeriodicCallback(feeder.tick, INTERVAL_S * 1000)
     web_app.settings["fluksio_history_feeder"] = periodic
     serverapp.io_loop.add_callback(periodic.start)

@@ -94,6 +94,9 @@ class ClaimStatus:
     #: ``"CUDA_VISIBLE_DEVICES only"`` with ``.why``. ``None``
     #: until the claim runs, and on a machine without cards.
     cards_enforcement: Enforcement | None = None
+    #: How a slice of a card shares its compute, in the words of
+    #: :mod:`fluksio_nb.card_compute`; ``""`` for whole cards, or none.
+    card_compute: str = ""
     #: Amber: the claim reached its budget's warning stage (``memory_warn_at``)
     #: and the cell was told, once. It stays amber until the claim ends.
     memory_warning: bool = False
@@ -282,12 +285,19 @@ def _share(status: ClaimStatus) -> str:
         words[0] += f" (cores {format_cpu_list(allocation.cores)}{held})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
-    cards = cards_words(allocation.gpus) if allocation.gpus else "gpus=none"
     held_to = status.cards_enforcement
-    if held_to is not None and allocation.gpus:
-        # Inside the cards' parentheses, as a cpuset is beside the cores.
-        cards = f"{cards[:-1]}, {held_to.label})"
-    words.append(cards)
+    # Inside the cards' parentheses, as a cpuset is beside the cores.
+    held = f", {held_to.label}" if held_to is not None and allocation.gpus else ""
+    if allocation.gpus and allocation.gpu_bytes:
+        compute = f", {status.card_compute}" if status.card_compute else ""
+        words.append(
+            f"a slice of card {allocation.gpus[0]} "
+            f"(gpu_ram={human(allocation.gpu_bytes)}{compute}{held})"
+        )
+    elif allocation.gpus:
+        words.append(f"{cards_words(allocation.gpus)[:-1]}{held})")
+    else:
+        words.append("gpus=none")
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""

@@ -112,7 +112,7 @@ def test_a_stop_during_the_copy_back_says_so_and_names_what_was_copied_and_how_b
         assert decision.enforced_by == stopped.enforced_by
         assert decision.detail["sending"] == sending
         message = decision.message
-        assert message.startswith("halted while its results were copied back to the kernel")
+        assert message.startswith("stopped while its results were copied back to the kernel")
         assert "copying text (about 300.0MB), small0 (about 28B), " in message
         assert "small3 (about 28B) and 1 more took the worker to" in message
         assert "over its memory budget of 500.0MB" in message
@@ -177,7 +177,7 @@ def test_a_claim_over_its_card_memory_budget_is_halted_naming_the_card_and_the_n
     decision = halt_decision(with_card(9 * 10**9), budget)
     assert decision.should_halt and decision.reason is HaltReason.OVER_GPU_BUDGET
     assert decision.message.startswith(
-        "halted: the worker held 9.0GB of the card's 17.2GB on card 1, over its card memory "
+        "the worker held 9.0GB of the card's 17.2GB on card 1, over its card memory "
         "budget of 8.0GB a card."
     )
     assert "gpu_ram=" in decision.message

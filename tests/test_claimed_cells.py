@@ -1360,35 +1360,41 @@ def test_bad_input_is_one_clear_paragraph_and_nothing_starts(kernel, setup, cell
 
 def test_a_claim_shrunk_to_the_machine_is_told_at_the_users_own_line_every_time(kernel):
     """Guards against the warning pointing into fluksio_nb (`context.py:133`), where the user
-    can change nothing, against the next claim shrunk the same way going unsaid, as
-    Python's once-per-line default had it, and against quoting a `%%claim` cell's line as
-    IPython rewrote it, `get_ipython().run_cell_magic('claim', ...)`, not as it was typed."""
+    can change nothing, or at the temporary file ipykernel compiles a cell under
+    (`/tmp/ipykernel_<pid>/<number>.py:1`), which says nothing to them; against the next
+    claim shrunk the same way going unsaid, as Python's once-per-line default had it;
+    against quoting a `%%claim` cell's line as IPython rewrote it,
+    `get_ipython().run_cell_magic('claim', ...)`, not as it was typed; and against naming
+    what was not too much (`cpus=64 ram=1.0GB is more than…` when only cpus was)."""
 
     def where_told(ran):
         told = re.findall(r"^(.+):(\d+): ClampedWarning: cpus=64 is more than", ran.stderr, re.M)
         assert len(told) == 1, ran.stderr
-        assert "fluksio_nb" not in ran.stderr, ran.stderr
-        return Path(told[0][0]).parent, int(told[0][1])
+        assert "fluksio_nb" not in ran.stderr and "ipykernel_" not in ran.stderr, ran.stderr
+        (count,) = [m["content"]["execution_count"] for m in ran.of("execute_input")]
+        assert told[0][0] == f"Cell In[{count}]", "named as IPython's tracebacks name a cell"
+        return int(told[0][1])
 
-    # Where a normal cell's own warning points: the kernel's files for its cells.
-    mine = kernel.run("import warnings\nwarnings.warn('mine')", check=True).stderr
-    cells = Path(re.match(r"(.+):2: UserWarning: mine", mine)[1]).parent
     magic = kernel.run(
-        "%%claim  cpus=64 --label big\nn = __import__('os').environ['OMP_NUM_THREADS']"
+        "%%claim  cpus=64 ram=1G --label big\nn = __import__('os').environ['OMP_NUM_THREADS']"
     )
     assert magic.status == "ok" and kernel.facts("n") == "2"
-    assert where_told(magic) == (cells, 1)
-    assert "instead.\n  %%claim  cpus=64 --label big\n" in magic.stderr, "the line as typed"
+    assert where_told(magic) == 1
+    assert "ClampedWarning: cpus=64 is more than this machine has to hand out (cpus=" in (
+        magic.stderr
+    ), "only what was too much, beside what the machine has of it"
+    assert "ram=1.0GB is more" not in magic.stderr and "running with cpus=" in magic.stderr
+    assert "instead.\n  %%claim  cpus=64 ram=1G --label big\n" in magic.stderr, "as typed"
     assert "run_cell_magic" not in magic.stderr, magic.stderr
     block = kernel.run(
         "from fluksio_nb import claim\n\nwith claim(cpus=64) as c:\n    n = c.allocation.cpus",
         check=True,
     )
-    assert where_told(block) == (cells, 3)
+    assert where_told(block) == 3
     assert "\n  with claim(cpus=64) as c:\n" in block.stderr, "the user's line, shown under it"
     assert kernel.facts("n") == 2
     again = kernel.run("%%claim cpus=64\nx = 1", check=True)
-    assert where_told(again) == (cells, 1)
+    assert where_told(again) == 1
     assert_books_balanced(kernel)
 
 

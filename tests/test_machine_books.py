@@ -158,3 +158,37 @@ def test_another_users_shared_words_are_cut_short_and_my_own_are_whole():
     assert len(bobs["notebook"]) == OTHERS_NOTEBOOK_CHARS
     assert bobs["label"].startswith("b" * 100) and bobs["label"].endswith("…")
     assert (seen[mine.number]["label"], seen[mine.number]["notebook"]) == ("a" * 512, "m" * 4096)
+
+
+def test_slices_go_around_a_waiting_whole_card_claim_only_so_many_times():
+    """Guards against the machine's books placing cards by another rule than the kernel's:
+    a whole-card claim that keeps the room beside a slice empty for itself, or that
+    slices of other users overtake without end."""
+    from fluksio_nb.card_slices import PASSES, Slice
+
+    machine = MachineBooks(16, range(1), 0, card_bytes={0: 80 * 10**9})
+
+    def sliced(uid: int, nbytes: int) -> Entry:
+        entry = Entry(
+            number=machine.next_number(),
+            uid=uid,
+            user={ALICE: "alice", BOB: "bob"}[uid],
+            pid=uid,
+            need=(1, 0, 0),
+            label="",
+            piece=Slice(nbytes=nbytes),
+        )
+        machine.add(entry)
+        machine.dispatch()
+        return entry
+
+    half = sliced(ALICE, 40 * 10**9)
+    whole = ask(machine, BOB, gpus=1)
+    assert half.state == "running" and whole.state == "waiting"
+    slivers = [sliced(ALICE, 4 * 10**9) for _ in range(PASSES + 1)]
+    assert [s.state for s in slivers] == ["running"] * PASSES + ["waiting"]
+    for held in [half, *slivers[:PASSES]]:
+        assert whole.state == "waiting"
+        end(machine, held)
+    assert whole.state == "running" and whole.gpus == (0,) and whole.gpu_bytes == 0
+    assert end(machine, whole) == [slivers[-1]]

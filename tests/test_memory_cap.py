@@ -325,7 +325,7 @@ def test_a_copy_back_that_crosses_the_cap_says_so_naming_what_was_copied(kernels
     assert ran.error["ename"] == "ClaimHalted", ran.so_far()
     message = "".join(ran.error["traceback"])
     assert (
-        "halted while its results were copied back to the kernel, after the cell's code had run"
+        "stopped while its results were copied back to the kernel, after the cell's code had run"
         in message
     )
     assert "copying text (about 300.0MB) and small (about 28B) took the worker to" in message
@@ -343,7 +343,7 @@ def test_a_budget_below_what_the_worker_already_holds_is_halted_before_the_cell_
     ran = kernel.run("%%claim ram=10M --label tiny\nprint('ran')")
     assert ran.error["ename"] == "ClaimHalted"
     message = "".join(ran.error["traceback"])
-    assert "halted before it ran: its worker alone holds" in message
+    assert "stopped before it ran: its worker alone holds" in message
     assert "over the claim's memory budget of 10.0MB. Ask for more with ram=." in message
     assert "ran" not in ran.stdout
     assert kernel.books()["running"] == []

@@ -27,6 +27,7 @@ import pytest
 from fluksio_nb.claim_line import parse_claim_line
 from fluksio_nb.env import THREAD_VARS
 from fluksio_nb.errors import BadClaim, ClaimTooBigForCluster
+from fluksio_nb.ray.card_memory import fraction_of
 from fluksio_nb.ray.connection import parse_target
 from fluksio_nb.ray.task import check_fits, task_options
 from fluksio_nb.resources import ask
@@ -127,6 +128,25 @@ def test_a_claim_no_node_can_hold_is_refused_with_the_largest_node():
         # Each resource exists somewhere, but no one node has all three.
         check_fits(ask(cpus=8, gpus=1), nodes)
     assert "largest node of 2 has cpus=8 gpus=0 memory=32.0GB" in str(refused.value)
+
+
+def test_gpu_ram_alone_is_the_fraction_of_the_smallest_card_and_refused_where_none_holds_it():
+    """Guards against a gpu_ram= slice asked of Ray as a share of the biggest card (less
+    memory than asked where Ray puts it on a smaller one), or as a share above one card."""
+    nodes = [
+        {"Alive": True, "NodeID": "a", "Resources": {"CPU": 8.0, "GPU": 2.0}},
+        {"Alive": True, "NodeID": "b", "Resources": {"CPU": 8.0, "GPU": 1.0}},
+        {"Alive": True, "NodeID": "c", "Resources": {"CPU": 8.0}},
+    ]
+    sizes = {"a": (80 * 10**9, 80 * 10**9), "b": (40 * 10**9,)}
+    assert fraction_of(ask(gpu_ram="10G"), nodes, sizes) == 0.25
+    # Rounded up to Ray's ten-thousandths: never less memory than asked.
+    assert fraction_of(ask(gpu_ram="3G"), nodes, {"b": (7 * 10**9,)}) == 0.4286
+    assert fraction_of(ask(gpu_ram="40G"), nodes, sizes) == 1
+    with pytest.raises(BadClaim, match=r"the smallest card of this Ray cluster holds 40.0GB"):
+        fraction_of(ask(gpu_ram="50G"), nodes, sizes)
+    with pytest.raises(BadClaim, match="no live node of this Ray cluster has a card"):
+        fraction_of(ask(gpu_ram="10G"), nodes[2:], {})
 
 
 # -----------------------------------------------------------------------------
@@ -385,6 +405,20 @@ def test_a_claim_no_node_can_hold_fails_at_once_with_the_clusters_capacity(kerne
     assert ran.status == "error"
     shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
     assert "cpus=64 cannot run on this Ray cluster: its largest node has cpus=2 gpus=2" in shown
+    assert "never" not in ran.stdout
+    assert_cluster_idle(kernel)
+
+
+def test_gpu_ram_alone_where_no_node_reads_its_cards_is_refused_saying_how_to_fix_it(kernel):
+    """Guards against a gpu_ram= slice sent to Ray as a guess at the card's size (a share
+    of a card that may not hold it), or refused without saying what would work: this
+    cluster declares cards its nodes cannot read, as a node without the driver's tools."""
+    ran = kernel.run("%%claim gpu_ram=10G --on ray\nprint('never')", timeout=120)
+    assert ran.status == "error"
+    shown = ran.stderr + "".join((ran.error or {}).get("traceback", []))
+    assert "gpu_ram=10.0GB without gpus= cannot be turned into Ray's share of a card" in shown
+    assert "no node of this cluster with cards could read their memory" in shown
+    assert "gpus=0.25 is a quarter of a card" in shown
     assert "never" not in ran.stdout
     assert_cluster_idle(kernel)
 

@@ -140,6 +140,22 @@ def test_a_card_memory_budget_clamped_to_no_card_goes_with_the_card():
     assert (keeps.gpus, keeps.gpu_ram_bytes) == (1, 8 * 10**9)
 
 
+def test_the_clamp_warning_names_only_what_was_too_much():
+    """Guards against `cpus=64 ram=500B is more than…` when the memory asked for was there."""
+    q = queue(cpus=2, gpus=0, ram_bytes=1000)
+    with pytest.warns(ClampedWarning) as warned:
+        q.fit_to_machine(Resources(cpus=64, ram=500))
+    said = str(warned[0].message)
+    assert said.startswith("cpus=64 is more than this machine has to hand out (cpus=2); "), said
+    assert "running with cpus=2 ram=500B instead" in said
+    with pytest.warns(ClampedWarning) as warned:
+        q.fit_to_machine(Resources(cpus=1, gpus=1, gpu_ram="8G"))
+    said = str(warned[0].message)
+    assert said.startswith(
+        "gpus=1 gpu_ram=8.0GB is more than this machine has to hand out (gpus=0, no cards)"
+    ), said
+
+
 def test_a_strict_claim_too_large_is_refused_with_the_capacity():
     q = queue(cpus=2, gpus=1)
     with pytest.raises(ClaimTooLarge, match=r"cpus=2 gpus=1 ram=0B"):

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from fluksio_nb import shared_in_place
-from fluksio_nb.shared_in_place import MOVE_FROM, changed_runs, give_back, share, view_of
+from fluksio_nb.shared_in_place import MOVE_FROM, give_back, share, view_of
+from fluksio_nb.written_pages import changed_runs
 
 FLOATS = 8 * MOVE_FROM // 8  # 256 MiB of float64
 
@@ -159,6 +160,44 @@ def test_the_file_goes_with_the_array():
     assert shared.path not in shared_in_place._moved, "its file is let go of once it is freed"
     with pytest.raises(OSError):
         os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_a_new_array_where_a_freed_one_lay_is_sent_with_its_own_bytes():
+    """Guards against the quick look at a moved array's mapping taking a new array, made
+    where a freed one lay, for the old one: its send would be the old file's stale bytes.
+    """
+    old = np.ones(FLOATS)
+    shared = send(old)
+    assert shared is not None
+    give_back(shared.path)
+    address = old.__array_interface__["data"][0]
+    del old
+    gc.collect()
+    new = np.zeros(FLOATS)  # calloc: fresh pages, none of them written
+    assert new.__array_interface__["data"][0] == address, "glibc maps the freed hole again"
+    again = send(new)
+    assert again is not None
+    give_back(again.path)
+    last = again.offset + new.nbytes - 8
+    assert file_holds(again.path, last, 8) == np.float64(0).tobytes(), "the old array's bytes"
+
+
+def test_an_array_changed_in_pieces_is_still_sent_by_reference():
+    """Guards against a moved array whose mapping a change split into pieces being let go of
+    (its file closed, its next send a copy) because it is no longer one mapping.
+    """
+    big = np.arange(FLOATS, dtype=np.float64)
+    first = send(big)
+    assert first is not None
+    give_back(first.path)
+    big[1000] = -1.0
+    big[FLOATS // 2] = -2.0
+    changed = send(big)
+    assert changed is not None and changed.path == first.path
+    give_back(changed.path)
+    again = send(big)
+    assert again is not None and (again.path, again.written) == (first.path, 0)
+    give_back(again.path)
 
 
 #: Run in a process of its own: this one has threads (the look for freed

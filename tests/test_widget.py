@@ -193,7 +193,7 @@ def test_a_record_does_not_read_as_success_when_a_name_did_not_come_back():
 
 
 def test_a_record_holds_no_paragraph_of_why_which_the_cells_error_says():
-    status = done_status("halted", "halted: the claim's processes reached 1.0GB. Ask for more.")
+    status = done_status("halted", "the claim's processes reached 1.0GB. Ask for more.")
     said = describe(status)
     assert "\n" not in said and "Ask for more" not in said, said
 
@@ -257,10 +257,10 @@ def test_the_claim_widget_follows_a_claim_from_waiting_to_how_it_ended(wire):
     widget.follow(running)
     assert widget.reading["rss_bytes"] == 400_000_000
 
-    widget.follow(done_status("halted", "halted: over its memory budget"))
+    widget.follow(done_status("halted", "over its memory budget"))
     assert (widget.phase, widget.ending) == ("done", "halted")
     assert widget.peak_rss_bytes == 300_000_000 and widget.mean_cpu_percent == 12.5
-    assert widget.message == "halted: over its memory budget"
+    assert widget.message == "over its memory budget"
 
 
 def test_the_claim_widget_says_what_holds_the_claim_and_turns_amber_once_warned(wire):

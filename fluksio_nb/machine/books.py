@@ -10,8 +10,11 @@ waiting claims are ordered between people first, then by arrival:
   ago (or never) goes first. One user's fiftieth claim waits behind another
   user's first.
 - **Then the usual rule.** Walking that order, a claim that fits goes; one
-  that does not sets aside what it needs, so later claims may overtake it
-  only with what it does not need (:func:`~fluksio_nb.queue.who_goes_next`).
+  that does not sets aside the cores and memory it needs, so later claims
+  may overtake it only with what it does not need
+  (:func:`~fluksio_nb.queue.who_goes_next`); of cards, only after
+  :data:`~fluksio_nb.card_slices.PASSES` later claims went ahead of it
+  (:mod:`fluksio_nb.card_slices`), as on the kernel's books.
 - **Cores are handed out by id**, as cards are, with
   :func:`~fluksio_nb.books.pick_cores`: disjoint between running claims,
   on one NUMA node where one has room.
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fluksio_nb.books import pick_cores
-from fluksio_nb.card_slices import CardAsk, Cards, Slice
+from fluksio_nb.card_slices import CardAsk, Cards, Slice, Waiter
 from fluksio_nb.machine.caps import Cap, Need
 
 
@@ -91,6 +94,9 @@ class Entry:
     #: The processes its kernel said it started for it: what an admin's cancel
     #: kills if the kernel does not end the claim (:mod:`.revoke`). Never shown.
     pids: tuple[int, ...] = ()
+    #: Later claims granted a card it could use while it waited
+    #: (:data:`~fluksio_nb.card_slices.PASSES`). Not kept over a restart.
+    passed: int = 0
 
     @property
     def held(self) -> Need:
@@ -301,6 +307,7 @@ class MachineBooks:
         granted: list[Entry] = []
         capped: dict[int, int] = {}
         passed_over: set[int] = set()
+        waiters: list[tuple[Entry, Waiter]] = []
         for entry in self._fair_walk(passed_over):
             if spare[0] < 1:
                 # Every claim asks for a core (the protocol's Need), and every
@@ -327,11 +334,13 @@ class MachineBooks:
                 granted.append(entry)
                 if mine is not None:
                     mine[:] = [r - n for r, n in zip(mine, entry.held, strict=True)]
-            else:
-                cards.set_aside(ask)
+            elif ask:
+                waiters.append((entry, cards.walked_past(ask, entry.passed)))
             # Granted or not, what it needs is spoken for: a claim behind it
             # may overtake it only with what it does not need.
             spare = [s - n for s, n in zip(spare, need, strict=True)]
+        for entry, waiter in waiters:
+            entry.passed = waiter.passed
         for entry in granted:
             # Moved only now: the walk reads these dicts as it goes.
             self._waiting[entry.uid].pop(entry.number)

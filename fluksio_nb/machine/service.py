@@ -566,6 +566,16 @@ class BooksService(AcrossRestarts, Stopping):
     def _grant(self) -> list[Entry]:
         """Whatever may go now, granted in the books, each wait counted for the metrics."""
         reading = self.cards.latest(wait_for_first=False) if self.cards is not None else None
+        if (
+            reading is None
+            and self.cards is not None
+            and self.cards.before_the_first_pass()
+            and any(e.card_ask for e in self.books.waiting[:64])
+        ):
+            # The cards' sizes are not read yet (a service just started, or restarted
+            # under waiting claims): a slice sized on a guess may be more than its card
+            # holds. The watch grants again within a second (:mod:`.cards_as_they_are`).
+            return []
         squatted = meet_the_cards(self.books, reading)
         granted = self.books.dispatch()
         if reading is not None:

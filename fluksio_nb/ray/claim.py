@@ -51,6 +51,7 @@ from fluksio_nb.errors import (
     unsendable,
 )
 from fluksio_nb.lifecycle import SHOW_AFTER_S, ClaimLifecycle, cell_raised
+from fluksio_nb.ray.card_memory import sized_for_ray
 from fluksio_nb.ray.connection import (
     ElsewhereThanTheKernel,
     _job_of,
@@ -127,6 +128,8 @@ class RayClaim(ClaimLifecycle):
                 "granted. Ask for cards with gpus=N instead."
             )
         super().__init__(wanted, label="claim on ray", view=view, show_after=show_after)
+        #: What Ray is asked for: a ``gpu_ram=`` slice is sized as a fraction (:mod:`.card_memory`).
+        self.on_cluster = self.wanted
         #: The variables the task's worker was started with; before a task, the planned ones.
         self.env = ray_env(self.wanted)
         #: The Ray node the last task ran on.
@@ -178,7 +181,8 @@ class RayClaim(ClaimLifecycle):
         if self._ray is not None:
             return self
         ray = ray_connection.connect(self.target)
-        _check_fits(ray, _job_of(ray), self.wanted)
+        self.on_cluster = sized_for_ray(ray, _job_of(ray), self.wanted)
+        _check_fits(ray, _job_of(ray), self.on_cluster)
         self._ray = ray
         try:
             ray_connection.add_claim(self)
@@ -202,7 +206,7 @@ class RayClaim(ClaimLifecycle):
         if self.wanted.timeout is not None:
             self._deadline = time.monotonic() + self.wanted.timeout
         self.status.phase, self.status.asked_at = "waiting", time.monotonic()
-        group = placement_group([ray_resources(self.wanted)], strategy="STRICT_PACK")
+        group = placement_group([ray_resources(self.on_cluster)], strategy="STRICT_PACK")
         # Resolved by Ray itself when the group is placed: no task, no worker.
         ready = group.ready()
         try:
@@ -224,7 +228,7 @@ class RayClaim(ClaimLifecycle):
         self._held = group
         task = ray_connection.remote(ray, run_claimed_cell)
         self._held_task = task.options(
-            **task_options(self.wanted, self.status.label),
+            **task_options(self.on_cluster, self.status.label),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
         )
         self.status.phase, self.status.started_at = "running", time.monotonic()
@@ -275,7 +279,7 @@ class RayClaim(ClaimLifecycle):
         if packed.failures:
             raise unsendable(*next(iter(packed.failures.items())), "the Ray cluster")
         task = self._held_task or ray_connection.shaped(
-            ray, run_claimed_cell, task_options(self.wanted, self.status.label)
+            ray, run_claimed_cell, task_options(self.on_cluster, self.status.label)
         )
         job = _job_of(ray)
         mailboxes_name, mailboxes = ray_connection.mailboxes(ray, job, Mailboxes)

@@ -74,8 +74,9 @@ def ray_gpus(wanted: Resources) -> float:
     """Ray's ``num_gpus``: whole cards, or a fraction of one for a slice (``gpus=0.5``)."""
     if wanted.is_slice and not isinstance(wanted.gpus, float):
         raise BadClaim(
-            f"{wanted.describe()}: Ray shares a card by fraction, not by memory; "
-            "on Ray ask for a slice as gpus=0.5 (with gpu_ram= beside gpus=1 for a budget)"
+            f"{wanted.describe()}: Ray shares a card by fraction, not by memory; this "
+            "slice is sized from the cluster's cards when the claim is sent "
+            "(fluksio_nb.ray.card_memory), or ask for it as a fraction: gpus=0.5"
         )
     return wanted.gpus
 

@@ -302,12 +302,10 @@ class MonitorWidget(_Widget):
     LEASE_S = 90.0
 
     def __init__(self, watch: MonitorWatch | None = None, lease_s: float | None = None) -> None:
-        from fluksio_nb.machine_history import process_history
-
         watch = watch or kernel_monitor_watch()
         facts = _without_point(watch.read())
         # Sent with the widget itself, so the first view draws the machine at once.
-        super().__init__(machine=_stamped(facts), history=process_history().points())
+        super().__init__(machine=_stamped(facts), history=_history_points())
         self._history_at = time.monotonic()
         self._watch = watch
         self.lease_s = self.LEASE_S if lease_s is None else lease_s
@@ -346,10 +344,8 @@ class MonitorWidget(_Widget):
                 now = time.monotonic()
                 with self.hold_sync():
                     if now - self._history_at >= self.HISTORY_EVERY_S:
-                        from fluksio_nb.machine_history import process_history
-
                         self._history_at = now
-                        self.history = process_history().points()
+                        self.history = _history_points()
                     self.history_point = point
             if facts == self._shown_facts:
                 return
@@ -373,7 +369,6 @@ class MonitorWidget(_Widget):
                 self._watch.unwatch(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from fluksio_nb.machine_history import process_history
         from fluksio_nb.overview import describe_monitor, kernel_snapshot, ray_now
         from fluksio_nb.widget.ticker import finished_claims, kernel_rss_bytes
 
@@ -381,7 +376,7 @@ class MonitorWidget(_Widget):
         text = describe_monitor(
             kernel_snapshot(),
             ray_now(),
-            history=process_history().points(),
+            history=_history_points(),
             kernel_rss_bytes=kernel_rss_bytes(),
             finished=finished_claims(),
         )
@@ -399,6 +394,16 @@ class MonitorWidget(_Widget):
         if watch is not None:
             watch.unwatch(self)
         super().close()
+
+
+def _history_points() -> list[dict[str, Any]]:
+    """The kernel's history of the machine, caught up on its server's: views open on ten minutes."""
+    from fluksio_nb.machine_history import process_history
+    from fluksio_nb.server_history import catch_up
+
+    history = process_history()
+    catch_up(history)
+    return history.points()
 
 
 def _without_point(facts: dict[str, Any]) -> dict[str, Any]:

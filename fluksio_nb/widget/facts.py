@@ -44,7 +44,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from fluksio_nb.card_slices import card_words
+from fluksio_nb import card_compute
+from fluksio_nb.card_compute import sliced_card_words
 from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.queue import asked_words
 from fluksio_nb.sampler import Sample
@@ -125,7 +126,11 @@ def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
         "memory": status.memory_enforcement,
         "cards": status.cards_enforcement,
     }
-    return {name: how.as_dict() for name, how in held.items() if how is not None}
+    facts = {name: how.as_dict() for name, how in held.items() if how is not None}
+    if status.card_compute:
+        # A slice's compute, as its worker was told: shown beside what holds the rest.
+        facts[card_compute.NAME] = {"label": status.card_compute, "by": "", "why": ""}
+    return facts
 
 
 def _reading(sample: Sample) -> dict[str, Any]:
@@ -229,13 +234,13 @@ def machine_facts(
     ]
 
     read = {card["index"]: card for card in snapshot.get("cards") or ()}
-    shared = {row["index"]: card_words(row) for row in _sliced(snapshot)}
+    shared = {row["index"]: sliced_card_words(row, snapshot) for row in _sliced(snapshot)}
     gpus = [
         {
             "id": card,
             "holder": holder_of.get(card),
             "card": _card_figures(read.get(card)),
-            # "card 0: 3 claims, 60/80 GB", for a card shared by slices.
+            # "card 0: 3 claims, 60/80 GB, compute shared by time", for a card shared by slices.
             "slices": shared.get(card),
         }
         for card in card_ids(snapshot)

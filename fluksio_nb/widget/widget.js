@@ -611,11 +611,23 @@ function historyChart(name, series, top, show, now) {
     line.setAttribute("class", "fluksio-rule");
     svg.append(line);
   };
+  // 0, half and the top; ten minutes ago, five, and now: the panel's axes too.
+  const middle = (1 + height) / 2;
   rule(1);
+  rule(middle);
   rule(height);
+  const tick = document.createElementNS(SVG, "line");
+  tick.setAttribute("x1", String(left + width / 2));
+  tick.setAttribute("x2", String(left + width / 2));
+  tick.setAttribute("y1", "1");
+  tick.setAttribute("y2", String(height));
+  tick.setAttribute("class", "fluksio-rule fluksio-rule-time");
+  svg.append(tick);
   text(left - 4, 10, show(top), "end");
+  text(left - 4, middle + 4, show(top / 2), "end");
   text(left - 4, height, show(0), "end");
   text(left, height + 13, "10 min ago", "start");
+  text(left + width / 2, height + 13, "5 min ago", "middle");
   text(left + width, height + 13, "now", "end");
   const x = (at) =>
     left + width * (1 - Math.min(HISTORY_SPAN_S, Math.max(0, now - at)) / HISTORY_SPAN_S);

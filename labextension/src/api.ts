@@ -139,8 +139,22 @@ export interface CardRow {
   total_bytes: number;
 }
 
+/** The host as the server's history last read it (every process on it, not only claims). */
+export interface HostNow {
+  at: number;
+  /** Of the whole machine, 0 to 100. */
+  cpu_percent: number;
+  memory_used_bytes: number;
+  memory_total_bytes: number;
+}
+
 export interface Snapshot {
-  cpus: Amount;
+  /** `kept_back`: the machine's cores the books do not hand out, kept for kernels. */
+  cpus: Amount & { kept_back?: number };
+  /** The host now; null before the server's first reading, absent from an older server. */
+  host?: HostNow | null;
+  /** This server's kernels' own resident memory, by kernel id. */
+  kernel_memory?: Record<string, number>;
   gpus: Amount & { free_ids: number[]; cards?: CardRow[] };
   ram_bytes: Amount;
   running: RunningClaim[];

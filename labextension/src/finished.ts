@@ -29,7 +29,8 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
 export function describeTimes(claim: FinishedClaim): string {
   const parts = [`waited ${duration(claim.waited_s)}`];
   parts.push(claim.ran_s === null ? 'never started' : `ran ${duration(claim.ran_s)}`);
-  parts.push(`ended ${clock(claim.ended_at)}`);
+  // Held together: a narrow panel must not leave "AM" alone on the next line.
+  parts.push(`ended ${clock(claim.ended_at)}`.replace(/ /g, '\u00a0'));
   return parts.join(' · ');
 }
 

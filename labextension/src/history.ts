@@ -2,12 +2,15 @@
  * The machine's last ten minutes in the panel: CPU, memory and each card.
  *
  * Drawn by hand in SVG: a few paths and labels do not need a charting
- * library. Each chart has its scale written on it (0 to 100 % for CPU, 0 to
- * the total for memory) and a time axis from ten minutes ago to now, now
+ * library. Each chart has its scale written on it (0, half and 100 % for
+ * CPU; 0, half and the total for memory) and a time axis from ten minutes
+ * ago through five to now, now
  * being the server's latest reading, so a browser whose clock is off does
  * not shift the plot. Where readings stop for a while (the server was down)
  * the line breaks rather than drawing a straight line across what nobody
- * saw. Colours come from the theme's CSS variables, through classes.
+ * saw. Each series has one colour in every view, the same as the `%claims`
+ * monitor's: CPU blue, memory green, a card purple, CPU outside claims
+ * orange and dashed (classes, set in style/base.css for light and dark).
  */
 import { CardPoint, History, HistoryPoint } from './api';
 import { human } from './format';
@@ -65,7 +68,7 @@ class Chart {
     history: History,
     series: Series[],
     max: number,
-    scaleText: string,
+    scale: (value: number) => string,
     caption: string
   ): void {
     const plot = this._svg;
@@ -85,9 +88,16 @@ class Chart {
     const label = (text: string, attributes: Record<string, string | number>) => {
       svg('text', { class: 'fluksio-lab-scale', ...attributes }, plot).textContent = text;
     };
-    label(scaleText, { x: LEFT - 4, y: TOP + 4, 'text-anchor': 'end' });
-    label('0', { x: LEFT - 4, y: bottom, 'text-anchor': 'end' });
-    label(`${Math.round(span / 60)} min ago`, { x: LEFT, y: HEIGHT - 3 });
+    const middle = (TOP + bottom) / 2;
+    svg('line', { x1: LEFT, x2: right, y1: middle, y2: middle, class: 'fluksio-lab-grid' }, plot);
+    const halfway = (LEFT + right) / 2;
+    svg('line', { x1: halfway, x2: halfway, y1: TOP, y2: bottom, class: 'fluksio-lab-grid' }, plot);
+    label(scale(max), { x: LEFT - 4, y: TOP + 4, 'text-anchor': 'end' });
+    label(scale(max / 2), { x: LEFT - 4, y: middle + 4, 'text-anchor': 'end' });
+    label(scale(0), { x: LEFT - 4, y: bottom, 'text-anchor': 'end' });
+    const minutes = Math.round(span / 60);
+    label(`${minutes} min ago`, { x: LEFT, y: HEIGHT - 3 });
+    label(`${minutes / 2} min ago`, { x: halfway, y: HEIGHT - 3, 'text-anchor': 'middle' });
     label('now', { x: right, y: HEIGHT - 3, 'text-anchor': 'end' });
 
     // A gap of more than three intervals is readings nobody took: the line breaks there.
@@ -119,7 +129,7 @@ class Chart {
 }
 
 const CPU: Series[] = [
-  { name: 'cpu', className: 'fluksio-lab-line-main', value: point => point.cpu_percent },
+  { name: 'cpu', className: 'fluksio-lab-line-cpu', value: point => point.cpu_percent },
   {
     name: 'outside',
     className: 'fluksio-lab-line-outside',
@@ -128,8 +138,17 @@ const CPU: Series[] = [
 ];
 
 const MEMORY: Series[] = [
-  { name: 'memory', className: 'fluksio-lab-line-main', value: point => point.memory_used_bytes }
+  {
+    name: 'memory',
+    className: 'fluksio-lab-line-memory',
+    value: point => point.memory_used_bytes
+  }
 ];
+
+/** A memory scale's label: `0` at the bottom, as the `%claims` monitor writes it. */
+function bytesScale(value: number): string {
+  return value ? human(value) : '0';
+}
 
 function card(point: HistoryPoint, index: number): CardPoint | undefined {
   return point.cards.find(one => one.index === index);
@@ -176,7 +195,7 @@ export class HistoryView {
       history,
       CPU,
       100,
-      '100%',
+      value => `${Math.round(value)}%`,
       `Host CPU ${latest.cpu_percent.toFixed(0)}% used` +
         (outside === null ? '' : `, ${outside.toFixed(0)}% of it outside any claim (dashed)`)
     );
@@ -185,7 +204,7 @@ export class HistoryView {
       history,
       MEMORY,
       total,
-      human(total),
+      bytesScale,
       `Host memory ${human(latest.memory_used_bytes)}/${human(latest.memory_total_bytes)} used`
     );
     this._showCards(history, latest);
@@ -226,12 +245,12 @@ export class HistoryView {
         [
           {
             name: 'card-memory',
-            className: 'fluksio-lab-line-main',
+            className: 'fluksio-lab-line-card',
             value: p => card(p, index)?.used_bytes ?? null
           }
         ],
         scale,
-        human(scale),
+        bytesScale,
         `card ${index}: ${busy}${used}`
       );
     }

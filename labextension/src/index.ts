@@ -1,7 +1,9 @@
 /**
- * fluksio_nb in JupyterLab and Notebook 7: a status-bar item, a sidebar
- * panel, and notices when the user's claims start or end, all fed by one
- * poll of the server extension. The notices follow the extension's settings
+ * fluksio_nb in JupyterLab and Notebook 7: two status-bar items, the shares
+ * and what is used (in Notebook 7, which has no status bar, both in the
+ * page's top bar), a sidebar panel one click on either away, and notices
+ * when the user's claims start or end, all fed by one poll of the server
+ * extension. The notices follow the extension's settings
  * (schema/plugin.json), read through the setting registry, and change as
  * soon as the user changes them.
  */
@@ -13,11 +15,16 @@ import {
 import { ICommandPalette } from '@jupyterlab/apputils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { Panel } from '@lumino/widgets';
 
 import { MachineModel } from './model';
 import { Notices, noticeSettings } from './notices';
 import { MachinePanel } from './panel';
+import { UseStatus } from './glance';
 import { MachineStatus } from './status';
+
+/** What Notebook 7 calls itself: its pages have a top bar and no status bar. */
+const NOTEBOOK_7 = 'Jupyter Notebook';
 
 const OPEN = 'fluksio-nb:open';
 
@@ -68,11 +75,32 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     palette?.addItem({ command: OPEN, category: 'fluksio' });
 
-    statusBar?.registerStatusItem(OPEN, {
-      item: new MachineStatus(model, () => void app.commands.execute(OPEN)),
-      align: 'left',
-      rank: 100
-    });
+    // The kernel of the notebook in front, read as any document with a session
+    // says it: the item beside the shares shows that kernel's memory.
+    const currentKernel = () => {
+      const current = app.shell.currentWidget as {
+        sessionContext?: { session?: { kernel?: { id: string } | null } | null };
+      } | null;
+      return current?.sessionContext?.session?.kernel?.id ?? null;
+    };
+    const open = () => void app.commands.execute(OPEN);
+    const shares = new MachineStatus(model, open);
+    const use = new UseStatus(model, open, currentKernel);
+    const shell = app.shell as { currentChanged?: { connect: (slot: () => void) => void } };
+    shell.currentChanged?.connect(() => use.refresh());
+    if (app.name === NOTEBOOK_7 || statusBar === null) {
+      // Notebook 7 has no status bar: both items go in the page's top bar,
+      // right of the notebook's name, one click from the panel.
+      const bar = new Panel();
+      bar.id = 'fluksio-nb-topbar';
+      bar.addClass('fluksio-lab-topbar');
+      bar.addWidget(shares);
+      bar.addWidget(use);
+      app.shell.add(bar, 'top', { rank: 1000 });
+    } else {
+      statusBar.registerStatusItem(OPEN, { item: shares, align: 'left', rank: 100 });
+      statusBar.registerStatusItem('fluksio-nb:use', { item: use, align: 'left', rank: 101 });
+    }
   }
 };
 

@@ -20,6 +20,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { Card, KernelStop, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
+import { describeCores } from './cores';
 import { FinishedView } from './finished';
 import { clock, cpuList, human, ordinal, plural, roughly, unlistedWords } from './format';
 import { HistoryView } from './history';
@@ -241,9 +242,13 @@ export class MachinePanel extends Widget {
     const body = this.node;
     element('h2', 'fluksio-lab-title', body).textContent = 'Machine shares';
     this._message = element('div', 'fluksio-lab-message', body);
-    this._cpus = new Bar(body, 'CPU');
-    this._gpus = new Bar(body, 'GPU');
-    this._ram = new Bar(body, 'RAM');
+    // One grid for the three bars, so their tracks start and end together
+    // whatever each one's figures say.
+    const bars = element('div', 'fluksio-lab-bars', body);
+    this._cpus = new Bar(bars, 'CPU');
+    this._gpus = new Bar(bars, 'GPU');
+    this._ram = new Bar(bars, 'RAM');
+    this._keptBack = element('div', 'fluksio-lab-kept-back', body);
     this._enforcement = element('div', 'fluksio-lab-enforcement', body);
     this._cards = element('ul', 'fluksio-lab-cards', body);
     this._squatters = element('div', 'fluksio-lab-squatters', body);
@@ -307,6 +312,8 @@ export class MachinePanel extends Widget {
     const { cpus, gpus, ram_bytes: ram } = snapshot;
     const cpusUsed = cpus.total - cpus.free;
     this._cpus.show(cpusUsed, cpus.total, `${cpusUsed}/${cpus.total} used`);
+    this._keptBack.textContent = describeCores(snapshot);
+    this._keptBack.hidden = !this._keptBack.textContent;
     const held = gpus.total - gpus.free;
     // Each card shared by slices, as every view says it: "card 0: 3 claims, 60/80 GB".
     const sliced = (gpus.cards ?? [])
@@ -390,6 +397,7 @@ export class MachinePanel extends Widget {
 
   private _message: HTMLElement;
   private _actionError: string | null = null;
+  private _keptBack: HTMLElement;
   private _cpus: Bar;
   private _gpus: Bar;
   private _ram: Bar;

@@ -7,7 +7,8 @@
  * the machine's books count but do not list are in it. Card memory held
  * with no claim on its card adds `1 squatter`; its hover says whose. The
  * hover also names the user's own claims, each with its notebook, and a
- * waiting one's place in the queue.
+ * waiting one's place in the queue, and how many cores are kept back for
+ * kernels, so a 2-core machine that hands out one says where the other is.
  */
 import { Widget } from '@lumino/widgets';
 
@@ -15,6 +16,7 @@ import { MachineModel } from './model';
 import { plural } from './format';
 import { Snapshot, waitingCount } from './api';
 import { describeWait } from './panel';
+import { describeCores } from './cores';
 
 export function describeUse(snapshot: Snapshot): string {
   const { cpus, gpus } = snapshot;
@@ -93,7 +95,8 @@ export class MachineStatus extends Widget {
           ? 'Every kernel keeps its own books (FLUKSIO_LEDGER=kernel): claims are not visible here'
           : `${plural(snapshot.running.length, 'claim')} running, ` +
             `${waitingCount(snapshot)} waiting. Click to see them.`;
-      for (const more of [describeMine(snapshot), describeCards(snapshot)]) {
+      const mine = [describeCores(snapshot), describeMine(snapshot), describeCards(snapshot)];
+      for (const more of mine) {
         if (more) {
           this.node.title += `\n${more}`;
         }

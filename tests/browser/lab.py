@@ -538,10 +538,11 @@ def history_plot_moves(notebook: Any, page: Any) -> None:
         timeout=60_000,
     )
     axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
-    assert axis[:2] == ["100%", "0%"] and "10 min ago" in axis and "now" in axis, axis
+    assert axis[:3] == ["100%", "50%", "0%"], axis
+    assert axis[3:6] == ["10 min ago", "5 min ago", "now"], axis
     memory = monitor.locator("[data-field=history-memory]")
-    top, bottom = [t.strip() for t in memory.locator("text").all_text_contents()][:2]
-    assert top.endswith("GB") and bottom == "0", (top, bottom)
+    top, half, bottom = [t.strip() for t in memory.locator("text").all_text_contents()][:3]
+    assert top.endswith("GB") and half.endswith("B") and bottom == "0", (top, half, bottom)
     said = monitor.locator("[data-field=host-memory]").inner_text()
     assert said.endswith(" used") and "/" in said, said
     assert " outside claims" in monitor.locator("[data-field=host-cpu]").inner_text()

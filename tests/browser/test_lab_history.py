@@ -95,7 +95,8 @@ def test_the_history_plot_moves_and_has_its_scale(server, page):
     assert wait_until(lambda: line.get_attribute("d") != drawn, timeout=30)
     assert line.get_attribute("d").startswith("M")
     scale = cpu.locator(".fluksio-lab-scale").all_text_contents()
-    assert scale == ["100%", "0", "10 min ago", "now"], scale
+    # 0, half and all, and three times: the %claims monitor's axes, label for label.
+    assert scale == ["100%", "50%", "0%", "10 min ago", "5 min ago", "now"], scale
     memory = panel.locator('[data-chart="memory"]')
     caption = memory.locator("figcaption").inner_text()
     assert re.fullmatch(r"Host memory \S+/\S+ used", caption), caption

@@ -10,6 +10,7 @@ not draw the machine, and a label run as HTML instead of shown as text.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -98,4 +99,35 @@ def test_each_ending_is_said_once_in_notebook_7_too(notebook, page, server):
 def test_the_monitors_history_plot_moves_in_notebook_7_too(notebook, page):
     """The monitor's plot gains points against its scales in Notebook 7's page."""
     history_plot_moves(notebook, page)
+    assert not_notebook7s_own(page.errors) == [], page.errors
+
+
+def test_the_notebook_page_shows_the_machine_and_opens_the_panel_in_one_click(notebook, page):
+    """Guards against a Notebook 7 page with nothing of the machine on it, where the panel
+    could be reached only through View › Left Sidebar.
+
+    Notebook 7 has no status bar: the shares and the kernel's memory must be
+    in the page's top bar, and one click on them must show the panel.
+    """
+    nb = notebook("topbar.ipynb", ["block = bytearray(120_000_000)"])
+    nb.run_all()
+    nb.wait_until_ran(0)
+    ui = page.page
+    top = ui.locator("#top-panel #fluksio-nb-topbar")
+    shares = top.locator(".fluksio-lab-status")
+    shares.wait_for(timeout=30_000)
+    assert shares.inner_text().startswith("CPU 0/2 used"), shares.inner_text()
+    kernel = top.locator(".fluksio-lab-glance [data-field=kernel]")
+    kernel.wait_for(timeout=30_000)
+    assert re.fullmatch(r"Kernel \d+\.\dMB", kernel.inner_text()), kernel.inner_text()
+    assert top.locator(".fluksio-lab-glance [data-field=host]").inner_text().startswith("Host CPU ")
+    # On the page, beside the notebook's name: not under it, not off its right edge.
+    box, page_width = top.bounding_box(), ui.viewport_size["width"]
+    assert box["width"] > 0 and box["x"] + box["width"] <= page_width, (box, page_width)
+    panel = ui.locator("#fluksio-nb-panel")
+    assert not panel.is_visible()
+    shares.click()
+    panel.wait_for(state="visible", timeout=10_000)
+    assert panel.locator(".fluksio-lab-bar-track").count() == 3
+    nb.screenshot("notebook7-topbar-and-panel")
     assert not_notebook7s_own(page.errors) == [], page.errors
