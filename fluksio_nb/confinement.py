@@ -12,8 +12,10 @@ they can (:mod:`fluksio_nb.enforcement`).
 
 What this module decides:
 
-- **Which holds are made, and what each claim is told.** :meth:`Confinement.make`
-  returns what holds the claim's memory and its cores, for its status.
+- **Which holds are made, and what each claim is told.** Its cards, too, on a
+  machine that has some: a devices cgroup opening only its own
+  (:mod:`fluksio_nb.card_devices`). :meth:`Confinement.make`
+  returns what holds the claim's memory, cores and cards, for its status.
 - **A process enters before it runs a line** (:meth:`Confinement.into_the_share`,
   run in the child between fork and exec): moved after it started, what it
   allocated first would be charged outside the cap, and what it started first
@@ -43,6 +45,7 @@ from fluksio_nb.budget import (
     over_budget,
     over_budget_before_it_ran,
 )
+from fluksio_nb.card_devices import cards_held_here, devices_place, hold_cards
 from fluksio_nb.cpuset import by_affinity, cores_held_here, cpuset_place, hold_cores
 from fluksio_nb.enforcement import (
     THREAD_VARIABLES,
@@ -78,9 +81,13 @@ class Confinement:
         #: Where the claim has cores of its own: the cgroup that holds it to
         #: them (on v2 it may be :attr:`cap`, a process being in one v2 cgroup).
         self.cpuset: ClaimCgroup | None = None
-        #: What holds the claim's memory and its cores, as its status says.
+        #: Where the machine has cards: the cgroup whose processes may open
+        #: only the claim's own (:mod:`fluksio_nb.card_devices`).
+        self.cards: ClaimCgroup | None = None
+        #: What holds the claim's memory, its cores and its cards, as its status says.
         self.memory: Enforcement | None = None
         self.cpus: Enforcement | None = None
+        self.gpus: Enforcement | None = None
 
     @classmethod
     def make(
@@ -95,6 +102,8 @@ class Confinement:
         try:
             made.memory = made._make_cap(budget, settings)
             made.cpus = made._hold_to_cores(allocation, settings, inventory)
+            if inventory.gpus or allocation.gpus:
+                made.gpus = made._hold_to_cards(allocation)
         except BaseException:
             made.remove()
             raise
@@ -165,10 +174,25 @@ class Confinement:
             return by_affinity(str(error))
         return cores_held_here(place)
 
+    def _hold_to_cards(self, allocation: Allocation) -> Enforcement:
+        """A devices cgroup opening only the claim's cards, where one can be made."""
+        place = devices_place()
+        if not place.available:
+            return cards_held_here(place)
+        try:
+            # Made and known as one step, as the memory cgroup is: a stop held
+            # back inside hold_cards lands as it returns, and the cgroup would
+            # be left with nothing to remove it, one more a stop.
+            with stop_held_back():
+                self.cards = hold_cards(place, [int(card) for card in allocation.gpus])
+        except CapNotMade as error:
+            return cards_held_here(replace(place, version=None, why_not=str(error)))
+        return cards_held_here(place)
+
     def cgroups(self) -> list[ClaimCgroup]:
         """Each cgroup the claim holds, once: on v2 its cpuset may be its memory cgroup."""
         found: list[ClaimCgroup] = []
-        for cgroup in (self.cap, self.quota, self.cpuset):
+        for cgroup in (self.cap, self.quota, self.cpuset, self.cards):
             if cgroup is not None and not any(cgroup is seen for seen in found):
                 found.append(cgroup)
         return found
@@ -202,6 +226,20 @@ class Confinement:
                     THREAD_VARIABLES,
                     THREAD_VARIABLES,
                     f"the worker could not be moved into {quota.path}: {error}",
+                )
+        cards = self.cards
+        if cards is not None:
+            try:
+                cards.admit(pid)
+            except OSError as error:
+                self.cards = None
+                cards.remove()
+                self.gpus = cards_held_here(
+                    replace(
+                        devices_place(),
+                        version=None,
+                        why_not=f"the worker could not be moved into {cards.path}: {error}",
+                    )
                 )
         cap = self.cap
         if cap is None:
@@ -274,4 +312,4 @@ class Confinement:
     def remove(self) -> None:
         for cgroup in self.cgroups():
             cgroup.remove()
-        self.cap = self.quota = self.cpuset = None
+        self.cap = self.quota = self.cpuset = self.cards = None

@@ -7,7 +7,9 @@ is only as good as the libraries that read them. So the views (the claim's
 widget and text, ``%claims``, ``fluksio-nb``, the panel) never show a share
 without saying which of the two holds it.
 
-Memory is decided in :mod:`fluksio_nb.memory_cap`; cores here, because the
+Memory is decided in :mod:`fluksio_nb.memory_cap`, cards in
+:mod:`fluksio_nb.card_devices` (a devices cgroup, or the variable only,
+in the words of :func:`cards_held`); cores here, because the
 answer is only which cores the books handed out and whether pinning is on,
 and in :mod:`fluksio_nb.cpuset` whether a cpuset holds them or affinity only.
 """
@@ -25,6 +27,8 @@ AFFINITY = "affinity"
 CPUSET = "cpuset"
 #: What holds it when only the thread variables do.
 THREAD_VARIABLES = "thread variables"
+#: What holds a claim to its cards when no device cgroup does: CUDA reads it, nothing else.
+CARD_VARIABLE = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Enforcement:
 
     @property
     def capped(self) -> bool:
-        return self.by not in (SAMPLER, THREAD_VARIABLES)
+        return self.by not in (SAMPLER, THREAD_VARIABLES, CARD_VARIABLE)
 
     def as_dict(self) -> dict[str, str]:
         return {"label": self.label, "by": self.by, "why": self.why}
@@ -78,3 +82,16 @@ def own_cores(by: str = AFFINITY, why: str = "") -> Enforcement:
     process's own to change, so a cell may move itself onto another claim's core.
     """
     return Enforcement(f"own cores ({by})", by, why)
+
+
+def cards_held(version: str | None, why: str = "") -> Enforcement:
+    """A claim's cards held by a devices cgroup of ``version``, or, with none, by the variable only.
+
+    The words every view shows, the same in each: the claim's share
+    (``gpus=1 (card 0, devices cgroup v1)``) and every "held by" line
+    (``cards: devices cgroup v1``). A claim held by the variable alone is only
+    as good as every process of it honouring ``CUDA_VISIBLE_DEVICES``.
+    """
+    if version is None:
+        return Enforcement(f"{CARD_VARIABLE} only", CARD_VARIABLE, why)
+    return Enforcement(f"devices {version}", f"devices {version}", why)

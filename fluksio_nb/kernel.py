@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fluksio_nb.books import ResourceAccountant
+from fluksio_nb.card_devices import cards_held_here
 from fluksio_nb.cpuset import cores_held_here
 from fluksio_nb.enforcement import Enforcement, cores_enforcement
 from fluksio_nb.inventory import Inventory, take_inventory
@@ -110,9 +111,9 @@ def books_in_force(layout: Any = None, settings: Settings | None = None) -> Book
 
 
 def enforcement_in_force(
-    settings: Settings, core_ids: Sequence[int], cpus: int
+    settings: Settings, core_ids: Sequence[int], cpus: int, gpus: int = 0
 ) -> dict[str, dict[str, str]]:
-    """What holds claims made here to their cores and their memory, for a snapshot."""
+    """What holds claims made here to their cores, memory and (with ``gpus``) cards."""
     cores = cores_enforcement(core_ids, settings.pin_cores, cpus)
     if cores.capped:
         cores = cores_held_here()
@@ -121,10 +122,13 @@ def enforcement_in_force(
         if place.available:
             assert place.version is not None
             cores = Enforcement(f"a quota per claim ({place.version})", place.version, cores.why)
-    return {
+    held = {
         "cores": cores.as_dict(),
         "memory": memory_enforcement(settings).as_dict(),
     }
+    if gpus:
+        held["cards"] = cards_held_here().as_dict()
+    return held
 
 
 def cancel_in_books(number: int, reason: str, books: Books | None = None) -> bool:
@@ -174,7 +178,11 @@ def accountant() -> ClaimQueue | ServiceQueue:
                 )
                 _instance = ServiceQueue(at)
             _instance.enforcement = enforcement_in_force(
-                settings, _instance.books.core_ids, _instance.books.cpus
+                settings,
+                _instance.books.core_ids,
+                _instance.books.cpus,
+                # The service's cards, where it declares some this kernel cannot see.
+                max(len(found.gpus), len(_instance.books.gpu_ids)),
             )
         return _instance
 

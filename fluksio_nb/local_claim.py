@@ -201,6 +201,7 @@ class Claim(QueuedClaim):
             )
         held = self._confinement = Confinement.make(allocation, self.budget, stages, inventory())
         self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+        self.status.cards_enforcement = held.gpus
         self.status.phase, self.status.allocation = "running", allocation
         self.status.budget, self.status.started_at = self.budget, time.monotonic()
         if allocation.gpu_bytes:
@@ -339,6 +340,7 @@ class Claim(QueuedClaim):
             # pools are still there: every thread of it moves to this claim's.
             family = held.admit(worker.pid)
             self.status.memory_enforcement, self.status.cores_enforcement = held.memory, held.cpus
+            self.status.cards_enforcement = held.gpus
             if (too_big := held.over_before_it_ran(self.budget)) is not None:
                 self._halt(too_big)
                 raise ClaimHalted(too_big)

@@ -79,6 +79,8 @@ the same directories.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import itertools
 import os
 import re
@@ -514,8 +516,10 @@ def remove_cgroup(path: Path, grace_s: float = _KILL_GRACE_S) -> bool:
             return True
         except FileNotFoundError:
             return True
-        except OSError:
-            if time.monotonic() > deadline:
+        except OSError as error:
+            # Busy is the one a kill fixes: processes still in it. Not ours
+            # to remove is not worth the grace at every claim's sweep.
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
                 return False
         for pid in _pids(path):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -528,22 +532,36 @@ def sweep_stale(parent: Path) -> list[Path]:
 
     A kernel that is gone is one whose pid no longer names a process started
     when the name says: a pid can be given to somebody else's process since.
+    Every claim sweeps, so it costs what is stale, not what is there: one
+    listing, no look at this process's own (it lives, and removes each as its
+    claim ends), and one read of ``/proc`` per other owner, however many
+    cgroups it has there.
     """
-    removed = []
+    removed: list[Path] = []
     try:
-        entries = list(parent.iterdir())
+        names = os.listdir(parent)
     except OSError:
         return removed
-    for entry in entries:
-        match = CLAIM_NAME.match(entry.name) or KERNEL_NAME.match(entry.name)
-        if match is None or not entry.is_dir():
+    me = os.getpid()
+    alive = {(me, _own_start(me)): True}
+    for name in names:
+        match = CLAIM_NAME.match(name) or KERNEL_NAME.match(name)
+        if match is None:
             continue
-        pid, start = int(match[1]), int(match[2])
-        if process_start(pid) == start:
+        owner = int(match[1]), int(match[2])
+        if owner not in alive:
+            alive[owner] = process_start(owner[0]) == owner[1]
+        if alive[owner]:
             continue
-        if remove_cgroup(entry, _SWEEP_GRACE_S):
-            removed.append(entry)
+        if remove_cgroup(parent / name, _SWEEP_GRACE_S):
+            removed.append(parent / name)
     return removed
+
+
+@functools.cache
+def _own_start(pid: int) -> int | None:
+    """:func:`process_start` of this process, keyed by pid: a forked child reads its own."""
+    return process_start(pid)
 
 
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:

@@ -72,7 +72,7 @@ def read_books(books: Books | None = None) -> dict[str, Any]:
     held = {c for claim in snapshot["running"] for c in claim["allocation"].get("cores") or ()}
     core_ids = set(snapshot["cpus"].get("free_ids") or ()) | held
     snapshot["enforcement"] = enforcement_in_force(
-        settings, sorted(core_ids), snapshot["cpus"]["total"]
+        settings, sorted(core_ids), snapshot["cpus"]["total"], snapshot["gpus"]["total"]
     )
     # Kernel-only books show no claims: nobody here can say whose memory is whose.
     snapshot["sees_every_claim"] = books.mode != "kernel"

@@ -19,6 +19,11 @@ its own provisioner keeps it, and so does a user who chose a default
 
 What it decides:
 
+- **Cards through claims only, where the admin says so**
+  (``"unclaimed_cards": false``): the kernel starts in a cgroup that opens
+  no card (:mod:`fluksio_nb.unclaimed_cards`), removed as it is cleaned up.
+  Under ``"kernel_ram"`` too, it enters both before it runs a line: one
+  ``preexec_fn`` doing each in turn (:func:`in_turn`).
 - **A kernel always starts.** Settings that cannot be used, or books that
   cannot be read, start it as Jupyter would without fluksio_nb, with a
   warning in the server's log. The kernel says what is wrong with its
@@ -57,7 +62,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -66,13 +71,16 @@ import psutil
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerFactory, LocalProvisioner
 
+from fluksio_nb.card_devices import name_after
 from fluksio_nb.env import fair_share_env
 from fluksio_nb.fair_share import FairShare, unclaimed
 from fluksio_nb.inventory import confine_threads
 from fluksio_nb.kernel import Books, books_in_force
 from fluksio_nb.kernel_ram import KernelCap, kernel_ram_in_force
+from fluksio_nb.memory_cap import ClaimCgroup
 from fluksio_nb.overview import read_books
 from fluksio_nb.settings import load_settings
+from fluksio_nb.unclaimed_cards import hold_kernel_away
 
 #: The name the package registers under ``jupyter_client.kernel_provisioners``.
 PROVISIONER_NAME = "fluksio-fair-share"
@@ -207,6 +215,8 @@ class FairShareProvisioner(LocalProvisioner):
     _fair: tuple[Books, frozenset[int], FairShare] | None = None
     #: What the keeper keeps for the kernel this launched, to forget only that.
     _kept: _Kept | None = None
+    #: Where the admin keeps cards to claims: the cgroup the kernel opens none in.
+    _away: ClaimCgroup | None = None
     #: The kernel's ``kernel_ram`` cgroup, where the admin set one (:mod:`fluksio_nb.kernel_ram`).
     _ram: KernelCap | None = None
     #: How the kernel last ended, kept past jupyter_client's ``wait``, which forgets it.
@@ -227,6 +237,15 @@ class FairShareProvisioner(LocalProvisioner):
         if self._ram is not None:
             kwargs["preexec_fn"] = self._ram.enter
         self._fair = None
+        try:
+            self._away = await asyncio.to_thread(hold_kernel_away, env)
+        except Exception as error:
+            self.log.warning(
+                "fluksio_nb: kernel %s starts able to open every card, though the admin "
+                "keeps cards to claims (unclaimed_cards): %s",
+                self.kernel_id,
+                error,
+            )
         if not hasattr(os, "sched_setaffinity"):
             return kwargs
         try:
@@ -245,7 +264,16 @@ class FairShareProvisioner(LocalProvisioner):
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        connection_info = await super().launch_kernel(cmd, **kwargs)
+        if self._away is not None:
+            # Under kernel_ram too: the kernel enters both before it runs a line.
+            kwargs["preexec_fn"] = in_turn(kwargs.get("preexec_fn"), self._away.enter_from_child)
+        try:
+            connection_info = await super().launch_kernel(cmd, **kwargs)
+        except BaseException:
+            self._let_go_of_cards()
+            raise
+        if self._away is not None and self.pid is not None:
+            name_after(self._away, self.pid)
         if self._fair is not None and self.pid is not None:
             books, machine, share = self._fair
             try:
@@ -282,6 +310,24 @@ class FairShareProvisioner(LocalProvisioner):
             if stop is not None:
                 self.log.warning("fluksio_nb: kernel %s: %s", self.kernel_id, stop.words())
         await super().cleanup(restart=restart)
+        # Off the event loop: what the kernel left in it gets seconds to go.
+        await asyncio.to_thread(self._let_go_of_cards)
+
+    def _let_go_of_cards(self) -> None:
+        away, self._away = self._away, None
+        if away is not None:
+            away.remove()
+
+
+def in_turn(*steps: Callable[[], None] | None) -> Callable[[], None]:
+    """One ``preexec_fn`` running each of ``steps`` in turn: a kernel may enter several cgroups."""
+    chosen = [step for step in steps if step is not None]
+
+    def enter() -> None:
+        for step in chosen:
+            step()
+
+    return enter
 
 
 def _kernel_cap(environ: Mapping[str, str]) -> KernelCap | None:

@@ -90,6 +90,10 @@ class ClaimStatus:
     #: (affinity)"`` (``.why`` says why no cpuset), or ``"thread variables"``
     #: with ``.why``. ``None`` until the claim runs.
     cores_enforcement: Enforcement | None = None
+    #: What holds it to its cards: ``"devices cgroup v1"``, or
+    #: ``"CUDA_VISIBLE_DEVICES only"`` with ``.why``. ``None``
+    #: until the claim runs, and on a machine without cards.
+    cards_enforcement: Enforcement | None = None
     #: How a slice of a card shares its compute, in the words of
     #: :mod:`fluksio_nb.card_compute`; ``""`` for whole cards, or none.
     card_compute: str = ""
@@ -281,13 +285,19 @@ def _share(status: ClaimStatus) -> str:
         words[0] += f" (cores {format_cpu_list(allocation.cores)}{held})"
     elif cores is not None:
         words[0] += f" ({cores.label})" if cores.capped else f" ({cores.label} only)"
+    held_to = status.cards_enforcement
+    # Inside the cards' parentheses, as a cpuset is beside the cores.
+    held = f", {held_to.label}" if held_to is not None and allocation.gpus else ""
     if allocation.gpus and allocation.gpu_bytes:
         compute = f", {status.card_compute}" if status.card_compute else ""
         words.append(
-            f"a slice of card {allocation.gpus[0]} (gpu_ram={human(allocation.gpu_bytes)}{compute})"
+            f"a slice of card {allocation.gpus[0]} "
+            f"(gpu_ram={human(allocation.gpu_bytes)}{compute}{held})"
         )
+    elif allocation.gpus:
+        words.append(f"{cards_words(allocation.gpus)[:-1]}{held})")
     else:
-        words.append(cards_words(allocation.gpus) if allocation.gpus else "gpus=none")
+        words.append("gpus=none")
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""

@@ -157,6 +157,11 @@ class Kernel:
     records, runtime files and temporary files go where the test's are, in
     places of the run's own (``conftest.py`` at the top of the checkout).
 
+    ``provisioner`` names the kernel provisioner that launches it, as a
+    kernelspec's ``metadata.kernel_provisioner`` does (the test's own user
+    only): ``"fluksio-fair-share"`` is the one a Jupyter server with
+    fluksio_nb uses.
+
     ``launched_by`` is a command the kernel's own is handed to, as its
     arguments, and which must end by running it (``exec "$@"``) so that the
     kernel is the process jupyter_client started: a kernel in a namespace of
@@ -168,6 +173,7 @@ class Kernel:
         *,
         user: UnixUser | None = None,
         launched_by: Sequence[str] = (),
+        provisioner: str | None = None,
         **env: str,
     ) -> None:
         #: What this kernel was started with beyond the test's own environment.
@@ -189,6 +195,11 @@ class Kernel:
             spec = self.manager.kernel_spec
             # The venv's own python, whatever kernelspec happens to be installed.
             spec.argv = [*launched_by, sys.executable, *spec.argv[1:]]
+            if provisioner is not None:
+                spec.metadata = {
+                    **spec.metadata,
+                    "kernel_provisioner": {"provisioner_name": provisioner},
+                }
             try:
                 self.manager.start_kernel(env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
             except BaseException:
@@ -444,6 +455,7 @@ def started_kernel(
     *,
     user: UnixUser | None = None,
     launched_by: Sequence[str] = (),
+    provisioner: str | None = None,
     **env: str,
 ) -> Iterator[Kernel]:
     """A :class:`Kernel` for the length of a ``with`` block, shut down however it ends.
@@ -471,7 +483,7 @@ def started_kernel(
             "JUPYTER_DATA_DIR": str(place / "jupyter-data"),
             **env,
         }
-    kernel = Kernel(user=user, launched_by=launched_by, **env)
+    kernel = Kernel(user=user, launched_by=launched_by, provisioner=provisioner, **env)
     try:
         yield kernel
     finally:

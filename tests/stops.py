@@ -17,7 +17,7 @@ process of its own (its signals are its own): it defines
 ``{"stopped_at": N}`` once every moment passed, or ``{problem: where}`` for
 the first round whose ``check`` found one. It also defines the checks
 scripts of a kernel share: ``descriptors_left_open(before)``,
-``workers_out_of_the_pool()`` and ``what_a_claim_left(lent)``.
+``workers_out_of_the_pool()``, ``devices_cgroups_left()`` and ``what_a_claim_left(lent)``.
 """
 
 from __future__ import annotations
@@ -115,6 +115,29 @@ def books_clear(within=5.0):
         time.sleep(0.01)
 
 
+def devices_cgroups_left(within=5.0):
+    """This process's claims' devices cgroups still on the machine, given ``within`` s to go.
+
+    Every claim on a machine with cards gets one (fluksio_nb.card_devices), and
+    one left behind is left for good while this process lives.
+    """
+    from fluksio_nb.card_devices import devices_place
+
+    parent = devices_place().parent
+    if parent is None:
+        return []
+    mine = f"fluksio_nb-{os.getpid()}-"
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            left = [name for name in os.listdir(parent) if name.startswith(mine)]
+        except FileNotFoundError:
+            left = []
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
+
+
 def what_a_claim_left(lent):
     """The first thing a kernel's ended claim left behind, or None.
 
@@ -124,6 +147,8 @@ def what_a_claim_left(lent):
 
     if not books_clear():
         return "a_share_left_held"
+    if devices_cgroups_left():
+        return "a_devices_cgroup_left"
     if lent:
         return "shared_memory_left_lent"
     if workers_out_of_the_pool():

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fluksio_nb.card_compute import mps_daemon_runs
+from fluksio_nb.card_devices import cards_held_here
 from fluksio_nb.card_slices import PASSES
 from fluksio_nb.machine.connection import read_snapshot
 from tests.gpu_standins import StandInSmi, card
@@ -400,7 +401,9 @@ def test_every_view_of_a_slice_says_how_its_compute_is_shared_by_time_or_by_mps(
         ends.append(half)
         got = heard(half)
         assert got["mps"] is None
-        assert "a slice of card 0 (gpu_ram=21.5GB, compute shared by time)" in got["line"]
+        # Every view names how the card is held, too: the machine's answer, as the claim's.
+        held = cards_held_here().label
+        assert f"a slice of card 0 (gpu_ram=21.5GB, compute shared by time, {held})" in got["line"]
         assert got["held"]["card slices"]["label"] == "compute shared by time"
         shown = fluksio_nb(env={**machine_env(layout), **smi.env()}).stdout
         assert "  card 0: 1 claim, 21/43 GB, compute shared by time\n" in shown, shown
@@ -417,7 +420,7 @@ def test_every_view_of_a_slice_says_how_its_compute_is_shared_by_time_or_by_mps(
         ends.append(quarter)
         got = heard(quarter)
         assert got["mps"] == "25"
-        assert "(gpu_ram=10.7GB, compute: 25% of the card's cores (MPS))" in got["line"]
+        assert f"(gpu_ram=10.7GB, compute: 25% of the card's cores (MPS), {held})" in got["line"]
         assert got["held"]["card slices"]["label"] == "compute: 25% of the card's cores (MPS)"
         mps = "compute: each its share of the card's cores (MPS)"
         shown = fluksio_nb(env={**machine_env(layout), **smi.env()}).stdout

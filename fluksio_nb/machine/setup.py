@@ -160,6 +160,20 @@ class MachineConfig(BaseModel):
             )
         return minutes
 
+    #: ``false``: cards are used through claims only, and a kernel Jupyter
+    #: starts may open none (:mod:`fluksio_nb.unclaimed_cards`); its claims' workers open their own.
+    unclaimed_cards: bool = True
+
+    @field_validator("unclaimed_cards", mode="before")
+    @classmethod
+    def _true_or_false(cls, said: Any) -> Any:
+        if not isinstance(said, bool):
+            raise ValueError(
+                f"unclaimed_cards is true or false, not {said!r}: false keeps every card to "
+                "claims, so that kernels Jupyter starts open none; leave it out to let them"
+            )
+        return said
+
     #: ``HOST:PORT`` where the service serves its metrics for Prometheus (:mod:`.metrics_http`).
     metrics: str | None = None
 
@@ -403,6 +417,11 @@ def rules_said(layout: Layout) -> list[str]:
             f"cards idle {config.idle_card_minutes:g} min while another claim waits are given "
             f"back, {config.idle_card_grace_minutes:g} min after a warning "
             f"(idle_card_minutes in {layout.config})"
+        )
+    if not config.unclaimed_cards:
+        said.append(
+            f"cards are used through claims only: kernels Jupyter starts open none "
+            f"(unclaimed_cards in {layout.config})"
         )
     if config.metrics is not None:
         try:

@@ -121,7 +121,11 @@ def doing_fact(status: ClaimStatus) -> str:
 
 def enforcement_facts(status: ClaimStatus) -> dict[str, dict[str, str]]:
     """What holds the claim to each resource; empty until it runs."""
-    held = {"cores": status.cores_enforcement, "memory": status.memory_enforcement}
+    held = {
+        "cores": status.cores_enforcement,
+        "memory": status.memory_enforcement,
+        "cards": status.cards_enforcement,
+    }
     facts = {name: how.as_dict() for name, how in held.items() if how is not None}
     if status.card_compute:
         # A slice's compute, as its worker was told: shown beside what holds the rest.

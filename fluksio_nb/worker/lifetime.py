@@ -197,7 +197,10 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
 
     # Read now, while the worker is where its kernel started it: moved into a
     # claim's cgroup later, that is where it goes back to.
-    born_in = {c: memory_cap.own_memory_cgroup(controller=c) for c in ("memory", "cpu", "cpuset")}
+    born_in = {
+        c: memory_cap.own_memory_cgroup(controller=c)
+        for c in ("memory", "cpu", "cpuset", "devices")
+    }
 
     kernel_gone = kernels_death(kernel_pid)
 
