@@ -126,6 +126,9 @@ def test_gpu_ram_alone_on_ray_is_granted_as_the_fraction_of_the_nodes_card_it_is
         "job._claim.status.budget.gpu_bytes if job._claim.status.budget else None"
     )
     assert budget == 10 * 10**9
+    said = kernel.facts("__import__('fluksio_nb.status').status.describe(job._claim.status)")
+    assert f"a slice of card {worker['cards']} (gpu_ram=10.0GB, compute shared by time, " in said
+    assert "CUDA_VISIBLE_DEVICES only)" in said, "Ray holds a task's cards by the variable alone"
     open(go, "w").close()
     try:
         assert kernel.run("job.result(60); print('done')", check=True).stdout.strip() == "done"

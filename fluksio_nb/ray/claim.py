@@ -28,6 +28,12 @@ What this module decides:
   cell's own error as the cell's, a worker or node that died as
   :class:`~fluksio_nb.context.WorkerDied`, a cancel from outside as
   :class:`~fluksio_nb.queue.ClaimCancelled`.
+- **A task's cards are held by the variable only**, and its share line says
+  so, as a local claim's says what holds it: Ray sets ``CUDA_VISIBLE_DEVICES``
+  and makes no cgroup on the node.
+
+It is long because a claim on Ray keeps every promise a local claim keeps,
+each through Ray's own calls: queueing, output, names, timeout and stop.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from dataclasses import replace
 from typing import Any
 
 from fluksio_nb.books import Allocation
+from fluksio_nb.card_compute import claim_compute_words
+from fluksio_nb.enforcement import cards_held
 from fluksio_nb.errors import (
     BadClaim,
     ClaimCancelled,
@@ -74,6 +82,9 @@ from fluksio_nb.worker.stopping import (
     GRACE_AFTER_SIGTERM,
 )
 from fluksio_nb.worker.values import unpack_outputs
+
+#: Why a task's cards are held by the variable alone: what every view says beside them.
+RAY_HOLDS_NO_CARD = "Ray sets the task's CUDA_VISIBLE_DEVICES; nothing on the node holds it to them"
 
 #: The longest the kernel's thread blocks on Ray without looking for the stop
 #: button: Python only runs signal handlers between calls into Ray.
@@ -488,11 +499,18 @@ class RayClaim(ClaimLifecycle):
     def _started(self, facts: dict[str, Any]) -> None:
         self.node = facts["node"]
         self.env = dict(facts["env"])
+        cards = tuple(int(gpu) if gpu.isdigit() else gpu for gpu in facts["gpus"])
+        sliced = bool(cards) and self.wanted.is_slice
         self.allocation = Allocation(
             cpus=self.wanted.cpus,
-            gpus=tuple(int(gpu) if gpu.isdigit() else gpu for gpu in facts["gpus"]),
+            gpus=cards,
             ram_bytes=self.wanted.ram_bytes,
+            gpu_bytes=(self.wanted.gpu_ram_bytes or 0) if sliced else 0,
         )
+        if cards:
+            # Ray tells the task its cards, and nothing on the node holds it to them.
+            self.status.cards_enforcement = cards_held(None, RAY_HOLDS_NO_CARD)
+            self.status.card_compute = claim_compute_words(self.env) if sliced else ""
         self.status.phase, self.status.allocation = "running", self.allocation
         self.status.budget = facts["budget"]
         if self._held is None:
