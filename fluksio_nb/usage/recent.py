@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from fluksio_nb.budget import human
 from fluksio_nb.records import SUFFIX, UsageRecord
 from fluksio_nb.usage.read import UsageRows, each_usage
+from fluksio_nb.vocabulary import mark_of
 
 if TYPE_CHECKING:
     from fluksio_nb.metrics import Tally
@@ -91,11 +92,25 @@ def finished_entry(user: str, record: UsageRecord) -> dict[str, Any]:
         "user": user,
         "notebook": record.notebook,
         "ending": record.ending,
+        # Its colour in every view: the same mark for the same ending.
+        "mark": mark_of(record.ending),
         "asked_at": record.asked_at,
         "started_at": record.granted_at,
         "ended_at": record.ended_at,
-        "waited_s": round(record.waited_s, 3),
-        "ran_s": round(record.ran_s, 3) if granted else None,
+        # The figures its kernel said in the cell's record, where it wrote them:
+        # one figure for each time in every view (fluksio_nb.vocabulary).
+        "waited_s": round(
+            record.waited_s if record.waited_for_s is None else record.waited_for_s, 3
+        ),
+        "ran_s": (round(record.ran_s if record.ran_for_s is None else record.ran_for_s, 3))
+        if granted
+        else None,
+        "cpus": record.cpus,
+        "cores": record.cores,
+        "gpus": record.gpus,
+        "ram_bytes": record.ram_bytes,
+        # The user's own records only are read here: their error line reaches them alone.
+        "error": record.error,
         # A claim that never got its share used nothing: no peak, not a peak of 0.
         "peak_rss_bytes": record.peak_rss_bytes if granted else None,
         "peak_gpu_bytes": record.peak_gpu_bytes,

@@ -42,7 +42,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
       void app.commands.execute('docmanager:open', { path });
     };
     const panel = new MachinePanel(model, openNotebook);
-    const notices = new Notices(model, openNotebook);
+    // In front: the page is seen and the notebook is the widget the person works in.
+    const inFront = (path: string | null) =>
+      !document.hidden &&
+      path !== null &&
+      (app.shell.currentWidget as { context?: { path?: string } } | null)?.context?.path === path;
+    const notices = new Notices(model, openNotebook, inFront);
     settings
       ?.load(PLUGIN)
       .then(loaded => {

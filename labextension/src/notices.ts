@@ -7,8 +7,12 @@
  * This watches the shared poll for this user's own claims (`mine`) and
  * says, through JupyterLab's notifications (which Notebook 7 shows too):
  * - when a claim that waited longer than `startedAfterWaitingSeconds` starts;
- * - when a claim that ran longer than `endedAfterRunningSeconds` ends, and
- *   how (ok, error, halted...), as the server's finished claims say it;
+ * - when a claim ends, and how (`‘fit’ in a.ipynb failed after running
+ *   31 s: ValueError: the model diverged.`), in format.ts's words and with
+ *   the error line the server's finished claims carry: always when its
+ *   notebook is not the one in front (a `--background` cell the person
+ *   left, whatever its length), and otherwise when it ran longer than
+ *   `endedAfterRunningSeconds`;
  * - when the OS stopped one of this server's kernels at the admin's
  *   `kernel_ram`, once for each stop, whatever the settings, and staying
  *   until closed: Jupyter itself says only that the kernel died, and the
@@ -28,13 +32,14 @@
  * first seen already running (the page was opened late) gets no notice that
  * it started, and its run is counted from when it was first seen. A claim
  * that started and ended between two polls is never seen running: its
- * record among the finished claims says whether it started, and after how
- * long, and one notice says both.
+ * record among the finished claims says how it ended, and one notice says
+ * that. A "started" notice is never said of a claim already seen to end,
+ * nor after its end was told: the end is the news by then.
  */
 import { Notification } from '@jupyterlab/apputils';
 
 import { FinishedClaim, KernelStop, RunningClaim, WaitingClaim } from './api';
-import { duration } from './format';
+import { duration, endedWords } from './format';
 import { MachineModel } from './model';
 
 /** The extension's settings that concern notices; see schema/plugin.json. */
@@ -78,7 +83,9 @@ const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'kernel died', 'timed 
 export class Notices {
   constructor(
     private _model: MachineModel,
-    private _openNotebook: (path: string) => void
+    private _openNotebook: (path: string) => void,
+    /** Whether the notebook at `path` is the one the person has in front of them now. */
+    private _inFront: (path: string | null) => boolean = () => false
   ) {
     _model.changed.connect(() => this._look());
   }
@@ -163,7 +170,7 @@ export class Notices {
 
   private _started(claim: RunningClaim, waited: number, seen: Seen): void {
     const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
-    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds) {
+    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds || this._endTold.has(claim.ticket)) {
       return;
     }
     const message =
@@ -171,35 +178,38 @@ export class Notices {
     this._say(message, 'info', seen, `fluksio-started-${claim.ticket}`);
   }
 
+  /** A claim that started and ended between two polls: its end is told, once, never its start. */
   private async _startedAndEndedUnseen(ticket: number, seen: Seen): Promise<void> {
     const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
-    if (!notifyWhenStarted) {
+    this._endTold.add(ticket);
+    const away = !this._inFront(seen.path);
+    if (!(away && this.settings.notifyWhenEnded) && !notifyWhenStarted) {
       return;
     }
     const record = await this._record(ticket, seen);
     // Cancelled in the queue, or no record: it never started, and the user who cancelled knows.
-    if (!record || record.started_at === null || record.waited_s <= startedAfterWaitingSeconds) {
+    if (!record || record.started_at === null) {
       return;
     }
-    const message =
-      `${quoted(seen.label)} started after waiting ${duration(record.waited_s)}` +
-      `, and ended ${record.ending} after running ${duration(record.ran_s ?? 0)}` +
-      where(seen) +
-      '.';
-    this._say(message, kindOf(record), seen, `fluksio-started-${ticket}`);
+    if (!away && record.waited_s <= startedAfterWaitingSeconds) {
+      return;
+    }
+    this._say(endedMessage(seen, record), kindOf(record), seen, `fluksio-ended-${ticket}`);
   }
 
   private async _ended(ticket: number, seen: Seen, ran: number): Promise<void> {
     const { notifyWhenEnded, endedAfterRunningSeconds } = this.settings;
-    if (!notifyWhenEnded || ran <= endedAfterRunningSeconds) {
+    this._endTold.add(ticket);
+    // Away from its notebook, the person hears of every end; in front of it, of long ones.
+    const away = !this._inFront(seen.path);
+    if (!notifyWhenEnded || (!away && ran <= endedAfterRunningSeconds)) {
       return;
     }
     // The server's record says how it ended; without one, the notice says only that it did.
     const record = await this._record(ticket, seen);
-    const how = record ? ` ${record.ending}` : '';
-    const took = record?.ran_s ?? ran;
-    const message =
-      `${quoted(seen.label)} ended${how} after running ${duration(took)}` + where(seen) + '.';
+    const message = record
+      ? endedMessage(seen, record)
+      : `${quoted(seen.label)}${where(seen)} ended after running ${duration(ran)}.`;
     this._say(message, record ? kindOf(record) : 'info', seen, `fluksio-ended-${ticket}`);
   }
 
@@ -275,6 +285,13 @@ export class Notices {
   private _seen: Map<number, Seen> | null = null;
   private _asked = false;
   private _stopsTold = new Set<string>();
+  /** The claims whose end was seen: no "started" notice for them, ever. */
+  private _endTold = new Set<number>();
+}
+
+/** `‘fit’ in a.ipynb failed after running 31 s: ValueError: the model diverged.` */
+export function endedMessage(seen: { label: string; path: string | null; notebook: string | null }, record: FinishedClaim): string {
+  return `${quoted(seen.label)}${where(seen)} ${endedWords(record.ending, record.ran_s, record.error ?? null)}.`;
 }
 
 /** A notice's kind from how the claim ended: the toast's colour and icon say it too. */
@@ -289,7 +306,7 @@ function quoted(label: string): string {
   return `‘${label}’`;
 }
 
-function where(seen: Seen): string {
+function where(seen: { path: string | null; notebook: string | null }): string {
   const notebook = seen.path ?? seen.notebook;
   return notebook ? ` in ${notebook}` : '';
 }
