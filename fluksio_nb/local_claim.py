@@ -660,7 +660,6 @@ class Claim(QueuedClaim):
                     # The figures its cell's record says, figured once: every view says these.
                     waited_for_s=self.status.waited_s,
                     ran_for_s=self.status.ran_s if ticket.granted_at is not None else None,
-                    cores=list(held.cores) if held else [],
                     error=None if ending == "ok" else error_line(self.status.message),
                 )
             )

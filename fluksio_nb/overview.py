@@ -348,7 +348,7 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
 def describe_finished(claim: Mapping[str, Any]) -> str:
     """One finished claim (``GET fluksio/api/finished``'s entry) in a line.
 
-    ``15:19:17 error: fit (ana) in a.ipynb, waited 0.1 s, ran 8.7 s, cpus=1 (cores 1),
+    ``15:19:17 error: fit (ana) in a.ipynb, waited 0.1 s, ran 8.7 s, cpus=1 ram=1.0GB,
     peak RSS 1.2GB: ValueError: the model diverged``, in :mod:`fluksio_nb.vocabulary`'s words.
     """
     ended = clock(claim["ended_at"])
@@ -367,9 +367,11 @@ def describe_finished(claim: Mapping[str, Any]) -> str:
 
 
 def finished_share(claim: Mapping[str, Any]) -> str:
-    """A finished claim's share as the cell's record spells it: ``cpus=1 (cores 1) ram=4.0GB``."""
-    cores = format_cpu_list(claim["cores"]) if claim.get("cores") else ""
-    return share_words(claim["cpus"], claim.get("gpus") or [], claim.get("ram_bytes") or 0, cores)
+    """A finished claim's share as the record spells it: ``cpus=1 gpus=1 (card 0) ram=4.0GB``.
+
+    Which cores held it, and how, is said while it runs: once it has ended, what it held.
+    """
+    return share_words(claim["cpus"], claim.get("gpus") or [], claim.get("ram_bytes") or 0)
 
 
 def _in_notebook(claim: Mapping[str, Any]) -> str:

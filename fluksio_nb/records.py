@@ -140,10 +140,6 @@ class UsageRecord(BaseModel):
     #: finished claim says these. ``None`` in the service's records and older ones.
     waited_for_s: Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)] | None = None
     ran_for_s: Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)] | None = None
-    #: The core ids it held, where its kernel knew them.
-    cores: list[Annotated[int, Field(ge=0, le=MOST_CPUS)]] = Field(
-        default_factory=list, max_length=MOST_CPUS
-    )
     #: Why it failed, in one line (``ValueError: the model diverged``); ``None``
     #: when it ended well. Only in the user's own records, read by them alone.
     error: Annotated[str, Field(max_length=ERROR_LINE_MOST)] | None = None

@@ -74,9 +74,10 @@ def seconds(span: float) -> str:
     if not math.isfinite(span):
         return "-"
     span = max(0.0, span)
-    if span < 10:
-        # Rounded as JavaScript's toFixed(1) would be, so both sides agree.
-        return f"{math.floor(span * 10 + 0.5) / 10:.1f} s"
+    # Half up, as format.ts and widget.js round: every view says the same tenth.
+    tenths = math.floor(span * 10 + 0.5) / 10
+    if tenths < 10:
+        return f"{tenths:.1f} s"
     whole = math.floor(span + 0.5)
     if whole < 60:
         return f"{whole} s"

@@ -106,7 +106,6 @@ def finished_entry(user: str, record: UsageRecord) -> dict[str, Any]:
         if granted
         else None,
         "cpus": record.cpus,
-        "cores": record.cores,
         "gpus": record.gpus,
         "ram_bytes": record.ram_bytes,
         # The user's own records only are read here: their error line reaches them alone.

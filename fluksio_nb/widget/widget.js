@@ -56,7 +56,8 @@ function clock(seconds) {
 // `0.4 s`, `12 s`, `2 min 5 s`, `1 h 3 min`.
 function duration(seconds) {
   const s = Math.max(0, Number(seconds) || 0);
-  if (s < 10) return `${(Math.floor(s * 10 + 0.5) / 10).toFixed(1)} s`;
+  const tenths = Math.floor(s * 10 + 0.5) / 10;
+  if (tenths < 10) return `${tenths.toFixed(1)} s`;
   const whole = Math.floor(s + 0.5);
   if (whole < 60) return `${whole} s`;
   const minutes = Math.floor(whole / 60);
@@ -779,7 +780,7 @@ function finishedList(finished) {
     const ran = c.ran_s === null || c.ran_s === undefined;
     words.push(ran ? NEVER_RAN : `ran ${duration(c.ran_s)}`);
     if (!ran && c.cpus) {
-      words.push(share({ cpus: c.cpus, cores: c.cores || [], gpus: c.gpus || [], ram_bytes: c.ram_bytes }));
+      words.push(share({ cpus: c.cpus, gpus: c.gpus || [], ram_bytes: c.ram_bytes }));
     }
     if (c.peak_rss_bytes !== null && c.peak_rss_bytes !== undefined) {
       words.push(`peak RSS ${human(c.peak_rss_bytes)}`);

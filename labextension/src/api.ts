@@ -254,7 +254,6 @@ export interface FinishedClaim {
   peak_gpu_bytes: number | null;
   /** The share it held; 0 cpus for one that never got it. Missing from older servers. */
   cpus?: number;
-  cores?: number[];
   gpus?: number[];
   ram_bytes?: number;
   /**

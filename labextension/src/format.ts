@@ -53,9 +53,10 @@ export function ordinal(n: number): string {
 /** A measured span, to the second under a minute: `0.4 s`, `12 s`, `2 min 5 s`, `1 h 3 min`. */
 export function duration(seconds: number): string {
   seconds = Math.max(0, seconds);
-  if (seconds < 10) {
-    // Half up, as vocabulary.seconds rounds: both sides say the same tenth.
-    return `${(Math.floor(seconds * 10 + 0.5) / 10).toFixed(1)} s`;
+  // Half up, as vocabulary.seconds rounds: both sides say the same tenth.
+  const tenths = Math.floor(seconds * 10 + 0.5) / 10;
+  if (tenths < 10) {
+    return `${tenths.toFixed(1)} s`;
   }
   const whole = Math.floor(seconds + 0.5);
   if (whole < 60) {
