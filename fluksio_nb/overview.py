@@ -144,19 +144,20 @@ def with_history_facts(snapshot: dict[str, Any]) -> dict[str, Any]:
     The wait is guessed from the usage records (:mod:`fluksio_nb.expected_wait`);
     records that cannot be read make it "cannot tell", and never fail the view.
     """
-    from fluksio_nb.expected_wait import with_expected_waits
+    from fluksio_nb.expected_wait import CANNOT_TELL, with_expected_waits
     from fluksio_nb.usage.recent import process_recent_usage
 
     for claim in snapshot.get("running", []) + snapshot.get("waiting", []):
         claim.setdefault("notebook", None)
     try:
-        durations = process_recent_usage().durations()
+        recent = process_recent_usage()
+        durations, shapes = recent.durations(), recent.shapes()
     except Exception as error:
-        why = f"cannot tell: the usage records could not be read ({error})"
+        why = f"{CANNOT_TELL}the usage records could not be read ({error})"
         for claim in snapshot.get("waiting", []):
             claim["expected_wait"] = {"seconds": None, "why": why}
         return snapshot
-    return with_expected_waits(snapshot, durations)
+    return with_expected_waits(snapshot, durations, shapes)
 
 
 _UNREAD = object()

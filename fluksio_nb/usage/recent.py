@@ -219,6 +219,20 @@ class RecentUsage:
             for label, found in runs.items()
         }
 
+    def shapes(self) -> dict[tuple[int, int], list[float]]:
+        """How long the latest runs of each shape (cpus, cards) held their share, newest first.
+
+        What an expected wait falls back on for a label never run here before.
+        """
+        runs: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for one in self._kept()[0]:
+            for shape, found in one.shape_runs.items():
+                runs.setdefault(shape, []).extend(found)
+        return {
+            shape: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
+            for shape, found in runs.items()
+        }
+
 
 class _Kept:
     """What one directory's records leave that is shown: the last finished, each label's runs."""
@@ -228,6 +242,8 @@ class _Kept:
         self.finished: list[tuple[float, int, str, UsageRecord]] = []
         #: Each label's :data:`RUNS_PER_LABEL` latest runs: ``(ended_at, ran_s)``, a heap.
         self.runs: dict[str, list[tuple[float, float]]] = {}
+        #: The same of each shape, ``(cpus, cards)``, for at most :data:`LABELS` shapes.
+        self.shape_runs: dict[tuple[int, int], list[tuple[float, float]]] = {}
         #: What was not read, and why.
         self.counts = UsageRows()
         #: Every record read, added up for the metrics, if asked.
@@ -255,6 +271,13 @@ class _Kept:
             )
             if len(self.runs) > 2 * LABELS:
                 self.trim()
+            shape = (record.cpus, len(record.gpus))
+            if shape in self.shape_runs or len(self.shape_runs) < LABELS:
+                _keep(
+                    self.shape_runs.setdefault(shape, []),
+                    (record.ended_at, record.ran_s),
+                    RUNS_PER_LABEL,
+                )
 
     def trim(self) -> None:
         """Keep the :data:`LABELS` labels run last."""
