@@ -15,7 +15,7 @@
 import { FinishedClaim } from './api';
 import { clock, human, shareWords, timesWords } from './format';
 
-/** For servers that send no mark: which of three an ending gets (never colour alone: the word is there). */
+/** For servers that send no mark: an ending's mark (never colour alone: the word is there). */
 const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
   ok: 'good',
   error: 'bad',
@@ -31,7 +31,8 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
 
 /** `waited 12 s · ran 2 min 5 s · ended 14:03:12`. */
 export function describeTimes(claim: FinishedClaim): string {
-  return [...timesWords(claim.waited_s, claim.ran_s), `ended ${clock(claim.ended_at)}`].join(' · ');
+  const times = timesWords(claim.waited_s, claim.ran_s);
+  return [...times, `ended ${clock(claim.ended_at)}`].join(' · ');
 }
 
 /** `peak RSS 1.2GB · peak GPU 2.0GB`, or '' where neither was measured. */

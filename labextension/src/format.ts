@@ -103,7 +103,7 @@ export function timesWords(waitedS: number, ranS: number | null): string[] {
   return [`waited ${duration(waitedS)}`, ranS === null ? NEVER_RAN : `ran ${duration(ranS)}`];
 }
 
-/** What a share holds, as the claim line spells it: `cpus=2 (cores 0-1) gpus=1 (card 0) ram=4.0GB`. */
+/** A share as the claim line spells it: `cpus=2 (cores 0-1) gpus=1 (card 0) ram=4.0GB`. */
 export function shareWords(share: {
   cpus: number;
   cores?: number[] | null;
@@ -111,12 +111,14 @@ export function shareWords(share: {
   gpu_bytes?: number | null;
   ram_bytes?: number | null;
 }): string {
-  const words = [`cpus=${share.cpus}` + (share.cores?.length ? ` (cores ${cpuList(share.cores)})` : '')];
+  const cores = share.cores?.length ? ` (cores ${cpuList(share.cores)})` : '';
+  const words = [`cpus=${share.cpus}${cores}`];
   const cards = share.gpus ?? [];
   if (cards.length && share.gpu_bytes) {
     words.push(`a slice of card ${cards[0]} (gpu_ram=${human(share.gpu_bytes)})`);
   } else if (cards.length) {
-    words.push(`gpus=${cards.length} (${cards.length === 1 ? 'card' : 'cards'} ${cards.join(',')})`);
+    const which = `${cards.length === 1 ? 'card' : 'cards'} ${cards.join(',')}`;
+    words.push(`gpus=${cards.length} (${which})`);
   }
   if (share.ram_bytes) {
     words.push(`ram=${human(share.ram_bytes)}`);

@@ -42,12 +42,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       void app.commands.execute('docmanager:open', { path });
     };
     const panel = new MachinePanel(model, openNotebook);
-    // In front: the page is seen and the notebook is the widget the person works in.
-    const inFront = (path: string | null) =>
-      !document.hidden &&
-      path !== null &&
-      (app.shell.currentWidget as { context?: { path?: string } } | null)?.context?.path === path;
-    const notices = new Notices(model, openNotebook, inFront);
+    // The notebook the person works in: the notices of its claims' ends can wait.
+    const frontPath = () =>
+      (app.shell.currentWidget as { context?: { path?: string } } | null)?.context?.path ?? null;
+    const notices = new Notices(model, openNotebook, frontPath);
     settings
       ?.load(PLUGIN)
       .then(loaded => {

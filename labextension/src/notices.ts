@@ -33,7 +33,10 @@
  * it started, and its run is counted from when it was first seen. A claim
  * that started and ended between two polls is never seen running: its
  * record among the finished claims says how it ended, and one notice says
- * that. A "started" notice is never said of a claim already seen to end,
+ * that. A claim shorter than a poll may never be in a snapshot at all: the
+ * finished claims (the user's own) are read every few seconds too, and one
+ * that ended since the page was opened, never seen and not in front, is
+ * told as well. A "started" notice is never said of a claim already seen to end,
  * nor after its end was told: the end is the news by then.
  */
 import { Notification } from '@jupyterlab/apputils';
@@ -84,8 +87,8 @@ export class Notices {
   constructor(
     private _model: MachineModel,
     private _openNotebook: (path: string) => void,
-    /** Whether the notebook at `path` is the one the person has in front of them now. */
-    private _inFront: (path: string | null) => boolean = () => false
+    /** The path of the notebook the person has in front of them now, or null. */
+    private _frontPath: () => string | null = () => null
   ) {
     _model.changed.connect(() => this._look());
   }
@@ -132,6 +135,10 @@ export class Notices {
       }
     }
     this._seen = still;
+    for (const claim of [...snapshot.waiting, ...snapshot.running].filter(claim => claim.mine)) {
+      this._everSeen.push({ label: claim.label ?? 'a claim', since: claim.since });
+    }
+    void this._endedUnseen();
     this._stopped(snapshot.kernel_stops ?? [], first ? now - STOPS_SHOWN_AFTER_S : 0);
   }
 
@@ -170,7 +177,8 @@ export class Notices {
 
   private _started(claim: RunningClaim, waited: number, seen: Seen): void {
     const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
-    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds || this._endTold.has(claim.ticket)) {
+    const told = this._endTold.has(claim.ticket);
+    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds || told) {
       return;
     }
     const message =
@@ -211,6 +219,55 @@ export class Notices {
       ? endedMessage(seen, record)
       : `${quoted(seen.label)}${where(seen)} ended after running ${duration(ran)}.`;
     this._say(message, record ? kindOf(record) : 'info', seen, `fluksio-ended-${ticket}`);
+  }
+
+  /**
+   * The user's claims that ended since the page was opened without ever being in a
+   * snapshot (shorter than a poll): told, once, when their notebook is not in front.
+   */
+  private async _endedUnseen(): Promise<void> {
+    const now = Date.now() / 1000;
+    const soon = now - this._endsReadAt < ENDS_EVERY_S;
+    if (!this.settings.notifyWhenEnded || this._readingEnds || soon) {
+      return;
+    }
+    this._readingEnds = true;
+    this._endsReadAt = now;
+    try {
+      const finished = (await this._model.readFinished()) ?? [];
+      for (const record of finished) {
+        const key = `${record.label}@${record.asked_at}`;
+        const seen = this._everSeen.some(
+          one => one.label === record.label && Math.abs(one.since - record.asked_at) < 1
+        );
+        if (seen || record.ended_at < this._openedAt || this._unseenTold.has(key)) {
+          continue;
+        }
+        this._unseenTold.add(key);
+        // The record keeps the notebook's full path; the notice names it as the panel does.
+        const name = record.notebook ? record.notebook.split('/').pop() ?? null : null;
+        const front = !document.hidden && this._inFrontEndsWith(record.notebook);
+        if (record.started_at === null || front) {
+          continue;
+        }
+        const about: Seen = {
+          label: record.label,
+          since: record.asked_at,
+          notebook: name,
+          path: null,
+          startedAt: null,
+          warned: ''
+        };
+        this._say(endedMessage(about, record), kindOf(record), about, `fluksio-ended-${key}`);
+      }
+    } finally {
+      this._readingEnds = false;
+    }
+  }
+
+  /** Whether the notebook in front is the one at the absolute `path` a record keeps. */
+  private _inFrontEndsWith(path: string | null): boolean {
+    return path !== null && this._frontPath() !== null && path.endsWith(`/${this._frontPath()}`);
   }
 
   /**
@@ -287,11 +344,30 @@ export class Notices {
   private _stopsTold = new Set<string>();
   /** The claims whose end was seen: no "started" notice for them, ever. */
   private _endTold = new Set<number>();
+  /** Every claim of the user's any snapshot showed: their ends are told by `_ended`. */
+  private _everSeen: { label: string; since: number }[] = [];
+  /** The unseen claims whose end was told, by label and when asked. */
+  private _unseenTold = new Set<string>();
+  private _openedAt = Date.now() / 1000;
+  private _endsReadAt = 0;
+  private _readingEnds = false;
+
+  /** Whether the notebook at `path` (relative to the server's root) is the one in front. */
+  private _inFront(path: string | null): boolean {
+    return !document.hidden && path !== null && this._frontPath() === path;
+  }
 }
 
+/** How often the finished claims are read for ends no snapshot showed. */
+const ENDS_EVERY_S = 3;
+
 /** `‘fit’ in a.ipynb failed after running 31 s: ValueError: the model diverged.` */
-export function endedMessage(seen: { label: string; path: string | null; notebook: string | null }, record: FinishedClaim): string {
-  return `${quoted(seen.label)}${where(seen)} ${endedWords(record.ending, record.ran_s, record.error ?? null)}.`;
+export function endedMessage(
+  seen: { label: string; path: string | null; notebook: string | null },
+  record: FinishedClaim
+): string {
+  const how = endedWords(record.ending, record.ran_s, record.error ?? null);
+  return `${quoted(seen.label)}${where(seen)} ${how}.`;
 }
 
 /** A notice's kind from how the claim ended: the toast's colour and icon say it too. */

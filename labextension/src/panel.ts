@@ -21,7 +21,16 @@ import { Widget } from '@lumino/widgets';
 
 import { Card, KernelStop, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { FinishedView } from './finished';
-import { askedWords, clock, human, ordinal, plural, roughly, shareWords, unlistedWords } from './format';
+import {
+  askedWords,
+  clock,
+  human,
+  ordinal,
+  plural,
+  roughly,
+  shareWords,
+  unlistedWords
+} from './format';
 import { HistoryView } from './history';
 import { MachineModel } from './model';
 
