@@ -211,7 +211,7 @@ def test_start_notices_turned_off_in_the_settings_stay_silent(
         assert wait_until(lambda: status.inner_text().startswith("cpus 1/2 used"), timeout=30)
         go_on.touch()
         wait_for_toast(
-            server, ui, "success", "‘after the holder’ in queued.ipynb finished after running"
+            server, ui, "success", "‘after the holder’ in silent.ipynb finished after running"
         )
         assert [said for said in toasts_seen(ui, "info") if "started after waiting" in said] == []
         assert page.errors == [], page.errors
@@ -271,12 +271,12 @@ def test_a_notice_reaches_the_desktop_while_its_tab_is_hidden_and_only_then(
         tab_hidden(server, ui, False)
         go_on.touch()
         wait_for_toast(
-            server, ui, "success", "‘after the holder’ in queued.ipynb finished after running"
+            server, ui, "success", "‘after the holder’ in hidden.ipynb finished after running"
         )
         assert not [
             said
             for said in desktop_said(ui)
-            if "‘after the holder’ in queued.ipynb finished" in said
+            if "‘after the holder’ in hidden.ipynb finished" in said
         ]
         assert page.errors == [], page.errors
     finally:
