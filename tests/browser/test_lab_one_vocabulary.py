@@ -16,8 +16,12 @@ from __future__ import annotations
 import pytest
 
 from fluksio_nb.vocabulary import clock, seconds
-from tests.browser.lab import in_background, notebook_kernel
-from tests.browser.test_lab_notices import recording_toasts, wait_for_toast
+from tests.browser.lab import (
+    in_background,
+    notebook_kernel,
+    phases_until_the_record,
+)
+from tests.browser.test_lab_notices import hold_the_machine, recording_toasts, wait_for_toast
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,4 +77,33 @@ def test_a_failed_background_claim_is_told_and_listed_in_every_views_words(lab, 
               .map(part => getComputedStyle(row.querySelector(part)).color)"""
     )
     assert colours[0] != colours[1], colours
+    assert page.errors == [], page.errors
+
+
+def test_the_live_status_and_the_record_that_replaces_it_share_one_type_and_one_waiting(
+    lab, notebook, page
+):
+    """Guards against the line growing from 12 px to 14 px as the claim ends, and against a
+    queued cell's header saying "waiting" twice ("waiting … waiting 00:03")."""
+    released = lab.home / "release-one-type-holder"
+    client = hold_the_machine(lab, released)
+    try:
+        nb = notebook("one-type.ipynb", ["%load_ext fluksio_nb", "%%claim cpus=1 --label next\n1"])
+        nb.run_cell(0)
+        nb.wait_until_ran(0)
+        nb.run_cell(1)
+        output = nb.output_of(1)
+        head = output.locator(".fluksio-claim[data-phase='waiting'] .fluksio-head")
+        head.wait_for(timeout=60_000)
+        assert wait_until(lambda: head.inner_text().count("waiting") == 1, timeout=10), (
+            head.inner_text()
+        )
+        live = output.locator(".fluksio-claim").evaluate("e => getComputedStyle(e).fontSize")
+        released.touch()
+        _, record = phases_until_the_record(output)
+        said = record.evaluate("e => getComputedStyle(e).fontSize")
+        assert said == live, (live, said)
+    finally:
+        released.touch()
+        client.stop_channels()
     assert page.errors == [], page.errors
