@@ -72,6 +72,7 @@ from fluksio_nb.status import Ending, StatusView, note_ended, note_running
 from fluksio_nb.stop_button import stop_held_back
 from fluksio_nb.transfer import Parcel
 from fluksio_nb.usage.log import UsageNotRecorded, kernel_usage_log
+from fluksio_nb.vocabulary import error_line
 from fluksio_nb.watch import Watch, Watched, kernel_watch
 from fluksio_nb.worker.client import RUNNING_THE_CELL, Outcome, Worker
 from fluksio_nb.worker.messages import SendingBack
@@ -661,6 +662,10 @@ class Claim(QueuedClaim):
                     ending=ending,
                     peak_rss_bytes=self.status.readings.peak_rss_bytes,
                     peak_gpu_bytes=self.status.readings.peak_gpu_bytes,
+                    # The figures its cell's record says, figured once: every view says these.
+                    waited_for_s=self.status.waited_s,
+                    ran_for_s=self.status.ran_s if ticket.granted_at is not None else None,
+                    error=None if ending == "ok" else error_line(self.status.message),
                 )
             )
         except Exception as error:

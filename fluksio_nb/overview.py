@@ -36,6 +36,7 @@ from fluksio_nb.queue import asked_words, share_words
 from fluksio_nb.settings import Settings, load_settings
 from fluksio_nb.shown import shown
 from fluksio_nb.status import describe_gpu, ordinal, stopped_text
+from fluksio_nb.vocabulary import clock, times_words
 
 
 def read_books(books: Books | None = None) -> dict[str, Any]:
@@ -145,19 +146,20 @@ def with_history_facts(snapshot: dict[str, Any]) -> dict[str, Any]:
     The wait is guessed from the usage records (:mod:`fluksio_nb.expected_wait`);
     records that cannot be read make it "cannot tell", and never fail the view.
     """
-    from fluksio_nb.expected_wait import with_expected_waits
+    from fluksio_nb.expected_wait import CANNOT_TELL, with_expected_waits
     from fluksio_nb.usage.recent import process_recent_usage
 
     for claim in snapshot.get("running", []) + snapshot.get("waiting", []):
         claim.setdefault("notebook", None)
     try:
-        durations = process_recent_usage().durations()
+        recent = process_recent_usage()
+        durations, shapes = recent.durations(), recent.shapes()
     except Exception as error:
-        why = f"cannot tell: the usage records could not be read ({error})"
+        why = f"{CANNOT_TELL}the usage records could not be read ({error})"
         for claim in snapshot.get("waiting", []):
             claim["expected_wait"] = {"seconds": None, "why": why}
         return snapshot
-    return with_expected_waits(snapshot, durations)
+    return with_expected_waits(snapshot, durations, shapes)
 
 
 _UNREAD = object()
@@ -304,8 +306,10 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
     cpus, gpus, ram = snapshot["cpus"], snapshot["gpus"], snapshot["ram_bytes"]
     lines = [
         f"cpus  {cpus['total'] - cpus['free']}/{cpus['total']} used",
-        f"gpus  {gpus['total'] - gpus['free']}/{gpus['total']} used",
     ]
+    if gpus["total"]:
+        # A machine without cards says nothing of them, in every view.
+        lines.append(f"gpus  {gpus['total'] - gpus['free']}/{gpus['total']} used")
     lines += [f"  {card['text']}" for card in snapshot.get("cards") or ()]
     lines += [f"  {words}" for words in sliced_cards(snapshot)]
     lines.append(f"ram   {human(ram['total'] - ram['free'])}/{human(ram['total'])} used")
@@ -346,39 +350,32 @@ def describe_snapshot(snapshot: dict, finished: list[dict] | None = None) -> str
 
 
 def describe_finished(claim: Mapping[str, Any]) -> str:
-    """One finished claim (``GET fluksio/api/finished``'s entry) in a line."""
+    """One finished claim (``GET fluksio/api/finished``'s entry) in a line.
 
-    ended = _clock(claim["ended_at"])
+    ``15:19:17 error: fit (ana) in a.ipynb, waited 0.1 s, ran 8.7 s, cpus=1 ram=1.0GB,
+    peak RSS 1.2GB: ValueError: the model diverged``, in :mod:`fluksio_nb.vocabulary`'s words.
+    """
+    ended = clock(claim["ended_at"])
     whose = f"{shown(claim['label'])} ({shown(claim['user'])})"
     where = f" in {shown(claim['notebook'])}" if claim.get("notebook") else ""
-    words = [f"waited {_seconds(claim['waited_s'])}"]
-    if claim.get("ran_s") is not None:
-        words.append(f"ran {_seconds(claim['ran_s'])}")
-    else:
-        words.append("never got its share")
+    words = times_words(claim["waited_s"], claim.get("ran_s"))
+    if claim.get("ran_s") is not None and claim.get("cpus"):
+        words.append(finished_share(claim))
     if claim.get("peak_rss_bytes") is not None:
         words.append(f"peak RSS {human(claim['peak_rss_bytes'])}")
     if claim.get("peak_gpu_bytes") is not None:
         words.append(f"peak GPU {human(claim['peak_gpu_bytes'])}")
-    return f"{ended} {shown(claim['ending'])}: {whose}{where}, " + ", ".join(words)
+    # The user's own error line only ever reaches here (usage.recent reads no one else's).
+    error = f": {shown(claim['error'])}" if claim.get("error") else ""
+    return f"{ended} {shown(claim['ending'])}: {whose}{where}, " + ", ".join(words) + error
 
 
-def _clock(at: Any) -> str:
-    """``14:02:11``, or ``--:--:--`` for a time no clock can show (a forged record's)."""
-    import time
+def finished_share(claim: Mapping[str, Any]) -> str:
+    """A finished claim's share as the record spells it: ``cpus=1 gpus=1 (card 0) ram=4.0GB``.
 
-    try:
-        return time.strftime("%H:%M:%S", time.localtime(at))
-    except (OverflowError, ValueError, OSError, TypeError):
-        return "--:--:--"
-
-
-def _seconds(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+    Which cores held it, and how, is said while it runs: once it has ended, what it held.
+    """
+    return share_words(claim["cpus"], claim.get("gpus") or [], claim.get("ram_bytes") or 0)
 
 
 def _in_notebook(claim: Mapping[str, Any]) -> str:

@@ -191,7 +191,8 @@ class QueuedClaim(ClaimLifecycle):
         self._guessed_at = now
         try:
             snapshot = self._queue.snapshot()
-            guesses = expected_waits(snapshot, process_recent_usage().durations())
+            recent = process_recent_usage()
+            guesses = expected_waits(snapshot, recent.durations(), shapes=recent.shapes())
         except Exception:
             # A guess is a courtesy: records that cannot be read never fail a claim.
             return

@@ -62,6 +62,7 @@ from typing import Annotated, Final
 from pydantic import BaseModel, ConfigDict, Field
 
 from fluksio_nb.identity import user_name
+from fluksio_nb.vocabulary import ERROR_LINE_MOST
 
 #: How a records file's name ends: one record per line, each a JSON object.
 SUFFIX = ".jsonl"
@@ -134,6 +135,14 @@ class UsageRecord(BaseModel):
     #: granted, and when (:mod:`fluksio_nb.machine.accounts`). Believed only
     #: in a file root owns; root's report counts claims from these.
     by_service: bool | None = None
+    #: The times the claim's own kernel said in its cell's record, figured once
+    #: there from its status (:mod:`fluksio_nb.vocabulary`): every view of the
+    #: finished claim says these. ``None`` in the service's records and older ones.
+    waited_for_s: Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)] | None = None
+    ran_for_s: Annotated[float, Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)] | None = None
+    #: Why it failed, in one line (``ValueError: the model diverged``); ``None``
+    #: when it ended well. Only in the user's own records, read by them alone.
+    error: Annotated[str, Field(max_length=ERROR_LINE_MOST)] | None = None
 
     # Never below zero: the wall clock may be stepped back between two readings.
     @property

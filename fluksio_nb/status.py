@@ -42,6 +42,7 @@ from fluksio_nb.queue import cards_words
 from fluksio_nb.relay import new_display_id
 from fluksio_nb.resources import Resources
 from fluksio_nb.sampler import Readings
+from fluksio_nb.vocabulary import NEVER_RAN, UNKNOWN_CLOCK, clock, mark_of, seconds, times_words
 
 Phase = Literal["waiting", "running", "done"]
 
@@ -162,12 +163,11 @@ def describe(status: ClaimStatus) -> str:
             f"{name}: waiting for {status.asked.describe()}, {place}{behind} "
             f"({status.waited_s:.0f} s so far{guess})"
         )
-    if status.phase == "done" and status.started_at is None:
+    if status.phase == "done" and status.allocation is None:
         # Cancelled, timed out or stopped in the queue: it held no share and
         # ran nothing, so no share, memory or CPU is said of it.
-        return (
-            f"{name}: {status.ending or 'done'} after waiting {status.waited_s:.1f} s, "
-            "before it got its share"
+        return f"{name}: {status.ending or 'done'} · " + " · ".join(
+            times_words(status.waited_s, None)
         )
     share = _share(status)
     if status.phase == "running":
@@ -176,14 +176,16 @@ def describe(status: ClaimStatus) -> str:
     ending = status.ending or "done"
     if status.not_back:
         ending += ", but not every name came back"
-    times = f"waited {status.waited_s:.1f} s"
+    # The same figures the claim's usage record keeps, for every other view of it.
+    waited, ran = times_words(status.waited_s, status.ran_s)
+    times = waited
     if status.sent_in_bytes >= SENT_BACK_SAID_FROM_BYTES:
         times += f", sent {human(status.sent_in_bytes)} in"
     if status.starting_s:
-        times += f", started a worker in {status.starting_s:.1f} s"
-    times += f", ran {status.ran_s:.1f} s"
+        times += f", started a worker in {seconds(status.starting_s)}"
+    times += f", {ran}"
     if status.sent_s is not None and status.sent_bytes >= SENT_BACK_SAID_FROM_BYTES:
-        times += f", sent {human(status.sent_bytes)} back in {status.sent_s:.1f} s"
+        times += f", sent {human(status.sent_bytes)} back in {seconds(status.sent_s)}"
     if not status.readings.count and not status.readings.peak_rss_bytes:
         # Over before its first reading: nothing was measured, which is not zero.
         return f"{name}: {ending} · {times} · {share} · no reading taken"
@@ -208,20 +210,18 @@ def doing(status: ClaimStatus) -> str:
         took = time.monotonic() - status.sending_since
         if status.sending_total:
             share = min(100, 100 * status.sending_written // status.sending_total)
-            return f"sending {human(status.sending_total)} back, {share}% after {took:.1f} s"
-        return f"sending results back, {took:.1f} s so far"
-    return f"running for {status.elapsed_s:.1f} s"
+            return f"sending {human(status.sending_total)} back, {share}% after {seconds(took)}"
+        return f"sending results back, {seconds(took)} so far"
+    return f"running for {seconds(status.elapsed_s)}"
 
 
 def stopped_text(since: float | None) -> str:
     """``stopped by a signal since 14:02:11`` for a worker stopped (SIGSTOP) then; else ``""``."""
     if since is None:
         return ""
-    try:
-        return f"stopped by a signal since {time.strftime('%H:%M:%S', time.localtime(since))}"
-    except (OverflowError, ValueError, OSError, TypeError):
-        # Another user's kernel said when; a time no clock can show is not the view's end.
-        return "stopped by a signal"
+    at = clock(since)
+    # Another user's kernel said when; a time no clock can show is not the view's end.
+    return "stopped by a signal" if at == UNKNOWN_CLOCK else f"stopped by a signal since {at}"
 
 
 def _reading(status: ClaimStatus) -> str:
@@ -276,7 +276,7 @@ def _share(status: ClaimStatus) -> str:
     """The share and, beside each resource, what holds the claim to it."""
     allocation = status.allocation
     if allocation is None:
-        return "no share"
+        return NEVER_RAN
     words = [f"cpus={allocation.cpus}"]
     cores = status.cores_enforcement
     if cores is not None and cores.capped and allocation.cores:
@@ -296,8 +296,7 @@ def _share(status: ClaimStatus) -> str:
         )
     elif allocation.gpus:
         words.append(f"{cards_words(allocation.gpus)[:-1]}{held})")
-    else:
-        words.append("gpus=none")
+    # No cards, nothing said of them: as in every view of a claim.
     if allocation.ram_bytes:
         memory = status.memory_enforcement
         held = ""
@@ -338,7 +337,13 @@ _MARKS = {
     "running": "var(--jp-brand-color1, #1565c0)",
     "ok": "var(--jp-success-color1, #2e7d32)",
     "failed": "var(--jp-error-color1, #c62828)",
+    "stopped": "var(--jp-warn-color1, #b26b00)",
 }
+
+
+#: The live widget's type (widget.css's ``.fluksio``), kept by the record that
+#: replaces it: the same line does not grow from 12 px to 14 px as the claim ends.
+RECORD_FONT = "font-family: var(--jp-ui-font-family, system-ui, sans-serif); font-size: 12px"
 
 
 #: What a live view leaves where it was drawn when the record goes below the
@@ -351,16 +356,18 @@ def status_bundle(status: ClaimStatus) -> dict[str, str]:
     text = describe(status)
     tone: str = status.phase
     if status.phase == "done":
-        tone = "ok" if status.ending == "ok" and not status.not_back else "failed"
+        # One mark per ending in every view (vocabulary.MARKS): interrupted is amber everywhere.
+        mark = "bad" if status.not_back else mark_of(status.ending)
+        tone = {"good": "ok", "bad": "failed", "stopped": "stopped"}[mark]
     return {"text/plain": text, "text/html": marked_html(text, tone)}
 
 
 def marked_html(text: str, tone: str) -> str:
-    """``text`` as HTML with the mark of its tone (waiting, running, ok, failed) beside it."""
+    """``text`` as HTML with its tone's mark beside it: waiting, running, ok, failed, stopped."""
     # Labels and messages come from users and from cells: escaped, always.
     return (
         f'<div class="fluksio-status fluksio-{tone}" '
-        f'style="border-left: 3px solid {_MARKS[tone]}; padding-left: 0.5em">'
+        f'style="border-left: 3px solid {_MARKS[tone]}; padding-left: 0.5em; {RECORD_FONT}">'
         f"{html.escape(text)}</div>"
     )
 

@@ -76,7 +76,8 @@ def test_work_never_run_here_learns_when_it_starts_but_those_behind_it_cannot():
     }
     assert second == {
         "seconds": None,
-        "why": "cannot tell: nothing like the claim ahead of it, 'new', has finished here yet",
+        "why": "nobody can tell when it starts: 'new' is ahead of it, and no claim labelled "
+        "'new' has finished here yet",
     }
 
 
@@ -87,24 +88,50 @@ def test_cannot_tell_says_why_and_passes_it_down_the_queue():
     _, behind = expected_waits(ahead_private, durations, now=NOW)
     assert behind == {
         "seconds": None,
-        "why": "cannot tell: a claim ahead of it keeps its label private",
+        "why": "nobody can tell when it starts: a claim ahead of it keeps its label private, "
+        "so how long it runs is unknown",
     }
 
     unknown_running = {"running": [running("mystery", 0)], "waiting": [waiting("fit")]}
     (guess,) = expected_waits(unknown_running, durations, now=NOW)
-    assert (
-        guess["why"]
-        == "cannot tell: nothing like the running claim 'mystery' has finished here yet"
+    assert guess["why"] == (
+        "nobody can tell when it starts: it waits for 'mystery', and no claim labelled "
+        "'mystery' has finished here yet"
     )
 
     private = {"running": [running(None, 0)], "waiting": [waiting("fit")]}
     (guess,) = expected_waits(private, durations, now=NOW)
-    assert guess == {"seconds": None, "why": "cannot tell: a running claim keeps its label private"}
+    assert guess == {
+        "seconds": None,
+        "why": "nobody can tell when it starts: a running claim keeps its label private, "
+        "so how long it runs is unknown",
+    }
     assert describe_wait(guess) == guess["why"]
 
     nothing_running = {"running": [], "waiting": [waiting("fit")]}
     (guess,) = expected_waits(nothing_running, durations, now=NOW)
     assert guess["seconds"] is None and "nothing is running" in guess["why"]
+
+
+def test_a_label_never_run_here_is_guessed_from_finished_claims_of_its_shape():
+    """Guards against "cannot tell: nothing like the running claim 'bg' has finished here
+    yet" when other cpus=1 claims have finished: their runs stand in, and the guess says so."""
+    bg = {**running("bg", 0), "allocation": {"cpus": 1, "gpus": [], "ram_bytes": 0}}
+    snapshot = {"running": [bg], "waiting": [waiting("fit")]}
+    shapes = {(1, 0): [60.0, 100.0, 80.0], (2, 0): [999.0]}
+    (guess,) = expected_waits(snapshot, {}, now=NOW, shapes=shapes)
+    assert guess == {
+        "seconds": 80.0,
+        "why": "from 3 past runs of claims holding cpus=1 (none yet labelled 'bg') "
+        "and the running claims' ages",
+    }
+    # With no claim of its shape finished either, the sentence says both were looked for.
+    (guess,) = expected_waits(snapshot, {}, now=NOW, shapes={(2, 0): [999.0]})
+    assert guess == {
+        "seconds": None,
+        "why": "nobody can tell when it starts: it waits for 'bg', and no claim labelled "
+        "'bg' or holding cpus=1 has finished here yet",
+    }
 
 
 def test_the_guess_is_a_median_so_one_long_run_does_not_move_it():

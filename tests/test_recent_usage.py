@@ -120,6 +120,20 @@ def test_a_labels_past_runs_are_its_latest_granted_ones(tmp_path):
     assert RecentUsage(lambda: [directory]).durations() == {"fit": [70.0, 50.0], "prep": [5.0]}
 
 
+def test_the_runs_of_each_shape_are_kept_for_labels_never_run_before(tmp_path):
+    """Guards against a new label's expected wait having nothing to go by when claims of
+    its shape (as many cpus and cards) have finished."""
+    directory = tmp_path / "usage"
+    write(
+        directory,
+        record("a", 100.0, ran_s=50.0, cpus=1),
+        record("b", 300.0, ran_s=70.0, cpus=1),
+        record("c", 400.0, ran_s=None, cpus=1),
+        record("d", 200.0, ran_s=5.0, cpus=2, gpus=[0]),
+    )
+    assert RecentUsage(lambda: [directory]).shapes() == {(1, 0): [70.0, 50.0], (2, 1): [5.0]}
+
+
 def test_the_terminal_shows_the_machine_used_over_total_and_what_finished(tmp_path):
     """Guards against `fluksio-nb` saying free where the bar says used, or forgetting the ended."""
     data = tmp_path / "data"
@@ -142,10 +156,11 @@ def test_the_terminal_shows_the_machine_used_over_total_and_what_finished(tmp_pa
         [sys.executable, "-m", "fluksio_nb"], env=env, capture_output=True, text=True, check=True
     ).stdout
     lines = shown.splitlines()
-    assert lines[0] == "cpus  0/4 used" and lines[2] == "ram   0B/8.0GB used"
+    # No cards on this machine: nothing said of them, as in every view.
+    assert lines[0] == "cpus  0/4 used" and lines[1] == "ram   0B/8.0GB used"
     assert "finished (last 1, newest first)" in lines
     (said,) = [line for line in lines if "last-night" in line]
-    assert " ok: last-night (" in said and "waited 2.0 s, ran 10.0 s, peak RSS 5.0KB" in said
+    assert " ok: last-night (" in said and "waited 2.0 s, ran 10 s, peak RSS 5.0KB" in said
 
 
 # -----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from fluksio_nb.budget import human
 from fluksio_nb.records import SUFFIX, UsageRecord
 from fluksio_nb.usage.read import UsageRows, each_usage
+from fluksio_nb.vocabulary import mark_of
 
 if TYPE_CHECKING:
     from fluksio_nb.metrics import Tally
@@ -91,11 +92,24 @@ def finished_entry(user: str, record: UsageRecord) -> dict[str, Any]:
         "user": user,
         "notebook": record.notebook,
         "ending": record.ending,
+        # Its colour in every view: the same mark for the same ending.
+        "mark": mark_of(record.ending),
         "asked_at": record.asked_at,
         "started_at": record.granted_at,
         "ended_at": record.ended_at,
-        "waited_s": round(record.waited_s, 3),
-        "ran_s": round(record.ran_s, 3) if granted else None,
+        # The figures its kernel said in the cell's record, where it wrote them:
+        # one figure for each time in every view (fluksio_nb.vocabulary).
+        "waited_s": round(
+            record.waited_s if record.waited_for_s is None else record.waited_for_s, 3
+        ),
+        "ran_s": (round(record.ran_s if record.ran_for_s is None else record.ran_for_s, 3))
+        if granted
+        else None,
+        "cpus": record.cpus,
+        "gpus": record.gpus,
+        "ram_bytes": record.ram_bytes,
+        # The user's own records only are read here: their error line reaches them alone.
+        "error": record.error,
         # A claim that never got its share used nothing: no peak, not a peak of 0.
         "peak_rss_bytes": record.peak_rss_bytes if granted else None,
         "peak_gpu_bytes": record.peak_gpu_bytes,
@@ -205,6 +219,20 @@ class RecentUsage:
             for label, found in runs.items()
         }
 
+    def shapes(self) -> dict[tuple[int, int], list[float]]:
+        """How long the latest runs of each shape (cpus, cards) held their share, newest first.
+
+        What an expected wait falls back on for a label never run here before.
+        """
+        runs: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for one in self._kept()[0]:
+            for shape, found in one.shape_runs.items():
+                runs.setdefault(shape, []).extend(found)
+        return {
+            shape: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
+            for shape, found in runs.items()
+        }
+
 
 class _Kept:
     """What one directory's records leave that is shown: the last finished, each label's runs."""
@@ -214,6 +242,8 @@ class _Kept:
         self.finished: list[tuple[float, int, str, UsageRecord]] = []
         #: Each label's :data:`RUNS_PER_LABEL` latest runs: ``(ended_at, ran_s)``, a heap.
         self.runs: dict[str, list[tuple[float, float]]] = {}
+        #: The same of each shape, ``(cpus, cards)``, for at most :data:`LABELS` shapes.
+        self.shape_runs: dict[tuple[int, int], list[tuple[float, float]]] = {}
         #: What was not read, and why.
         self.counts = UsageRows()
         #: Every record read, added up for the metrics, if asked.
@@ -241,6 +271,13 @@ class _Kept:
             )
             if len(self.runs) > 2 * LABELS:
                 self.trim()
+            shape = (record.cpus, len(record.gpus))
+            if shape in self.shape_runs or len(self.shape_runs) < LABELS:
+                _keep(
+                    self.shape_runs.setdefault(shape, []),
+                    (record.ended_at, record.ran_s),
+                    RUNS_PER_LABEL,
+                )
 
     def trim(self) -> None:
         """Keep the :data:`LABELS` labels run last."""

@@ -120,6 +120,8 @@ class ClaimWidget(_Widget):
     #: The most card memory the claim held; ``None`` until a card is read.
     peak_gpu_bytes = t.Int(None, allow_none=True).tag(sync=True)
     ending = t.Unicode("").tag(sync=True)
+    #: The ending's mark, its colour in every view: good, bad or stopped (vocabulary.MARKS).
+    mark = t.Unicode("").tag(sync=True)
     message = t.Unicode("").tag(sync=True)
     #: What holds the claim to its cores and its memory: label, by, why each.
     enforcement = t.Dict().tag(sync=True)

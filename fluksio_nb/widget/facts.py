@@ -50,6 +50,7 @@ from fluksio_nb.inventory import system_headroom_bytes
 from fluksio_nb.queue import asked_words
 from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, claim_gpu_text, doing
+from fluksio_nb.vocabulary import mark_of
 
 #: Points in a claim's sparklines: a minute at one push a second. The monitor
 #: has none: it carries every running claim in each push, and each claim's
@@ -100,6 +101,8 @@ def claim_facts(status: ClaimStatus) -> dict[str, Any]:
         "gpu": claim_gpu_text(status),
         "peak_gpu_bytes": readings.peak_gpu_bytes,
         "ending": status.ending or "",
+        # Its colour, as every view marks this ending (vocabulary.MARKS).
+        "mark": mark_of(status.ending) if status.phase == "done" else "",
         "message": status.message,
         "enforcement": enforcement_facts(status),
         "memory_warning": status.memory_warning,

@@ -52,9 +52,22 @@ function clock(seconds) {
   return hours ? `${hours}:${mm}:${ss}` : `${mm}:${ss}`;
 }
 
+// A measured span, as fluksio_nb/vocabulary.py and the panel's format.ts say it:
+// `0.4 s`, `12 s`, `2 min 5 s`, `1 h 3 min`.
 function duration(seconds) {
-  return seconds < 60 ? `${Number(seconds).toFixed(1)} s` : clock(seconds);
+  const s = Math.max(0, Number(seconds) || 0);
+  const tenths = Math.floor(s * 10 + 0.5) / 10;
+  if (tenths < 10) return `${tenths.toFixed(1)} s`;
+  const whole = Math.floor(s + 0.5);
+  if (whole < 60) return `${whole} s`;
+  const minutes = Math.floor(whole / 60);
+  if (minutes < 60) return whole % 60 ? `${minutes} min ${whole % 60} s` : `${minutes} min`;
+  const hours = Math.floor(minutes / 60);
+  return minutes % 60 ? `${hours} h ${minutes % 60} min` : `${hours} h`;
 }
+
+// What every view says of a claim that ended before it got its share (vocabulary.NEVER_RAN).
+const NEVER_RAN = "never got its share";
 
 function percent(value) {
   return `${Math.round(Number(value) || 0)}%`;
@@ -77,9 +90,14 @@ function span(seconds) {
   return `about ${hours} h${minutes ? ` ${minutes} min` : ""}`;
 }
 
-// Epoch seconds as the wall clock reads them here: 14:02:11.
+// Epoch seconds as the wall clock reads them here, on the 24-hour clock in every
+// view and locale (vocabulary.clock): 14:02:11.
 function wallClock(epoch) {
-  return new Date(epoch * 1000).toLocaleTimeString([], { hour12: false });
+  const at = new Date(epoch * 1000);
+  if (Number.isNaN(at.getTime())) return "--:--:--";
+  return [at.getHours(), at.getMinutes(), at.getSeconds()]
+    .map((n) => String(n).padStart(2, "0"))
+    .join(":");
 }
 
 // A filled bar. `fraction` is clamped to [0, 1]; `state` colours it.
@@ -182,16 +200,18 @@ function field(name, value, text) {
   return span;
 }
 
+// A share as the claim line and every other view spell it (queue.share_words):
+// `cpus=2 (cores 0-1) gpus=1 (card 0) ram=4.0GB`; no cards, nothing said of them.
 function share(allocation, budgetBytes) {
-  const gpus = allocation.gpus && allocation.gpus.length ? allocation.gpus.join(", ") : "none";
-  const ram =
-    budgetBytes !== null && budgetBytes !== undefined
-      ? `RAM budget ${human(budgetBytes)}`
-      : allocation.ram_bytes
-        ? `RAM ${human(allocation.ram_bytes)}`
-        : "no RAM budget";
-  const cores = allocation.cores && allocation.cores.length ? ` (cores ${cpuList(allocation.cores)})` : "";
-  return `cpus ${allocation.cpus}${cores} · GPU ${gpus} · ${ram}`;
+  const words = [`cpus=${allocation.cpus}`];
+  if (allocation.cores && allocation.cores.length) words[0] += ` (cores ${cpuList(allocation.cores)})`;
+  const gpus = allocation.gpus || [];
+  if (gpus.length) {
+    words.push(`gpus=${gpus.length} (${gpus.length === 1 ? "card" : "cards"} ${gpus.join(",")})`);
+  }
+  const ram = budgetBytes !== null && budgetBytes !== undefined ? budgetBytes : allocation.ram_bytes;
+  if (ram) words.push(`ram=${human(ram)}`);
+  return words.join(" ");
 }
 
 /** Core ids as Linux writes them, and as the Python side prints them: `0-3,8`. */
@@ -296,6 +316,8 @@ function renderClaim(model, el) {
     const ending = model.get("ending");
     root.dataset.phase = phase;
     root.dataset.ending = ending || "";
+    // good, bad or stopped: the one colour this ending has in every view.
+    root.dataset.mark = model.get("mark") || "";
     root.dataset.warning = model.get("memory_warning")
       ? "memory"
       : model.get("warning") && phase === "running"
@@ -311,7 +333,8 @@ function renderClaim(model, el) {
     );
     const body = [];
     if (phase === "waiting") {
-      head.append(h("span", "fluksio-clock", `waiting ${clock(model.get("waited_s") + since())}`));
+      // The state beside it already says "waiting": the clock says for how long.
+      head.append(h("span", "fluksio-clock", clock(model.get("waited_s") + since())));
       const position = model.get("position");
       body.push(
         put(
@@ -520,7 +543,7 @@ function rayCluster(ray, kernelNow) {
           ? h(
               "span",
               "fluksio-clock",
-              `${c.phase === "running" ? "" : "waiting "}${clock(kernelNow() - since)}`,
+              clock(kernelNow() - since),
             )
           : null,
       ),
@@ -764,9 +787,13 @@ function finishedList(finished) {
   for (const c of finished) {
     const item = h("div", "fluksio-item");
     item.dataset.ending = c.ending;
+    item.dataset.mark = c.mark || "bad";
     const words = [`waited ${duration(c.waited_s)}`];
     const ran = c.ran_s === null || c.ran_s === undefined;
-    words.push(ran ? "never got its share" : `ran ${duration(c.ran_s)}`);
+    words.push(ran ? NEVER_RAN : `ran ${duration(c.ran_s)}`);
+    if (!ran && c.cpus) {
+      words.push(share({ cpus: c.cpus, gpus: c.gpus || [], ram_bytes: c.ram_bytes }));
+    }
     if (c.peak_rss_bytes !== null && c.peak_rss_bytes !== undefined) {
       words.push(`peak RSS ${human(c.peak_rss_bytes)}`);
     }
@@ -785,6 +812,12 @@ function finishedList(finished) {
         h("span", "fluksio-clock", `ended ${wallClock(c.ended_at)}`),
       ),
     );
+    if (c.error) {
+      // The user's own claim's error line: the server reads no one else's records.
+      const error = h("div", "fluksio-row fluksio-error-line", c.error);
+      error.dataset.field = "error";
+      item.append(error);
+    }
     list.append(item);
   }
   return list;
@@ -852,7 +885,7 @@ function renderMonitor(model, el) {
     }));
     put(
       rows,
-      h("span", "fluksio-name", "CPUs"),
+      h("span", "fluksio-name", "cpus"),
       segmented(m.cpus.total, cpuParts),
       field("cpus", m.cpus.total - m.cpus.free, `${m.cpus.total - m.cpus.free}/${m.cpus.total} used`),
     );
@@ -882,9 +915,7 @@ function renderMonitor(model, el) {
       }
       put(rows, h("span", "fluksio-name", `GPU ${card.id}`), cell, h("span"));
     }
-    if (!(m.gpus || []).length) {
-      put(rows, h("span", "fluksio-name", "GPUs"), h("span", "fluksio-muted", "none"), h("span"));
-    }
+    // A machine without cards says nothing of them, as every view does.
 
     const ramParts = running.map((c) => ({
       amount: c.allocation.ram_bytes,
@@ -892,7 +923,7 @@ function renderMonitor(model, el) {
     }));
     put(
       rows,
-      h("span", "fluksio-name", "RAM"),
+      h("span", "fluksio-name", "ram"),
       segmented(m.ram.total, ramParts),
       field(
         "ram",

@@ -266,6 +266,17 @@ export interface FinishedClaim {
   ran_s: number | null;
   peak_rss_bytes: number | null;
   peak_gpu_bytes: number | null;
+  /** The share it held; 0 cpus for one that never got it. Missing from older servers. */
+  cpus?: number;
+  gpus?: number[];
+  ram_bytes?: number;
+  /**
+   * Why it failed, in one line (`ValueError: the model diverged`); null when it
+   * ended well. Only ever the user's own: the server reads no one else's records.
+   */
+  error?: string | null;
+  /** Its colour in every view: `good`, `bad` or `stopped` (vocabulary.MARKS). */
+  mark?: 'good' | 'bad' | 'stopped';
 }
 
 /** What the server answered when it did not do what was asked. */

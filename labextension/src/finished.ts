@@ -6,12 +6,16 @@
  * whether it ended well could only be read in its notebook. The server keeps
  * the last twenty, everyone's; this shows them as it sends them, newest
  * first. A figure nobody measured is left out rather than shown as zero:
- * a claim cancelled in the queue never ran and held nothing.
+ * a claim cancelled in the queue never ran and held nothing. A failed claim
+ * carries its error line, which the server reads from the user's own records
+ * only. Words, figures and marks are those of every other view (format.ts,
+ * fluksio_nb/vocabulary.py): the server sends the times, not timestamps to
+ * subtract, and each ending's mark.
  */
 import { FinishedClaim } from './api';
-import { clock, duration, human } from './format';
+import { clock, human, shareWords, timesWords } from './format';
 
-/** How the ending reads, and which of three marks it gets (never colour alone: the word is there). */
+/** For servers that send no mark: an ending's mark (never colour alone: the word is there). */
 const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
   ok: 'good',
   error: 'bad',
@@ -27,11 +31,10 @@ const MARKS: Record<string, 'good' | 'bad' | 'stopped'> = {
 
 /** `waited 12 s · ran 2 min 5 s · ended 14:03:12`. */
 export function describeTimes(claim: FinishedClaim): string {
-  const parts = [`waited ${duration(claim.waited_s)}`];
-  parts.push(claim.ran_s === null ? 'never started' : `ran ${duration(claim.ran_s)}`);
-  // Held together: a narrow panel must not leave "AM" alone on the next line.
-  parts.push(`ended ${clock(claim.ended_at)}`.replace(/ /g, '\u00a0'));
-  return parts.join(' · ');
+  const times = timesWords(claim.waited_s, claim.ran_s);
+  // Held together: a narrow panel must not leave the clock alone on the next line.
+  const ended = `ended ${clock(claim.ended_at)}`.replace(/ /g, '\u00a0');
+  return [...times, ended].join(' · ');
 }
 
 /** `peak RSS 1.2GB · peak GPU 2.0GB`, or '' where neither was measured. */
@@ -92,7 +95,7 @@ function line(className: string, text: string, parent: HTMLElement): HTMLElement
 function row(claim: FinishedClaim): HTMLElement {
   const node = document.createElement('li');
   node.className = 'fluksio-lab-claim fluksio-lab-finished';
-  node.dataset.mark = MARKS[claim.ending] ?? 'bad';
+  node.dataset.mark = claim.mark ?? MARKS[claim.ending] ?? 'bad';
   const head = document.createElement('div');
   head.className = 'fluksio-lab-claim-head';
   node.appendChild(head);
@@ -104,6 +107,13 @@ function row(claim: FinishedClaim): HTMLElement {
   const who = line('fluksio-lab-claim-where', `${claim.user} · ${where}`, node);
   who.title = claim.notebook ?? 'The claim was not made from a notebook';
   line('fluksio-lab-claim-share', describeTimes(claim), node);
+  if (claim.ran_s !== null && claim.cpus) {
+    line('fluksio-lab-claim-held', shareWords({ ...claim, cpus: claim.cpus }), node);
+  }
+  if (claim.error) {
+    // The user's own claim's error line, as text: a cell's error may say anything.
+    line('fluksio-lab-claim-error', claim.error, node).dataset.field = 'error';
+  }
   const peaks = describePeaks(claim);
   if (peaks) {
     line('fluksio-lab-claim-readings', peaks, node);

@@ -1,4 +1,9 @@
-/** Numbers as the Python side prints them, so the panel and `fluksio-nb` agree. */
+/**
+ * Numbers and words as the Python side prints them (fluksio_nb/vocabulary.py
+ * and queue.share_words), so the panel, the notices and `fluksio-nb` agree:
+ * one spelling of a share, one format for a span and a clock, one phrase for
+ * a claim that never got its share, one sentence for how a claim ended.
+ */
 
 /** Bytes in decimal units, like pydantic's ByteSize: `8.0GB`. */
 export function human(bytes: number | null | undefined): string {
@@ -47,10 +52,13 @@ export function ordinal(n: number): string {
 
 /** A measured span, to the second under a minute: `0.4 s`, `12 s`, `2 min 5 s`, `1 h 3 min`. */
 export function duration(seconds: number): string {
-  if (seconds < 10) {
-    return `${Math.max(0, seconds).toFixed(1)} s`;
+  seconds = Math.max(0, seconds);
+  // Half up, as vocabulary.seconds rounds: both sides say the same tenth.
+  const tenths = Math.floor(seconds * 10 + 0.5) / 10;
+  if (tenths < 10) {
+    return `${tenths.toFixed(1)} s`;
   }
-  const whole = Math.round(seconds);
+  const whole = Math.floor(seconds + 0.5);
   if (whole < 60) {
     return `${whole} s`;
   }
@@ -76,7 +84,90 @@ export function roughly(seconds: number): string {
   return tens % 60 ? `about ${hours} h ${tens % 60} min` : `about ${hours} h`;
 }
 
-/** An epoch time as a clock reading in the user's locale, to the second. */
+/** An epoch time on the 24-hour clock, to the second, as every view says it: `15:19:17`. */
 export function clock(epochSeconds: number): string {
-  return new Date(epochSeconds * 1000).toLocaleTimeString();
+  const at = new Date(epochSeconds * 1000);
+  if (Number.isNaN(at.getTime())) {
+    return '--:--:--';
+  }
+  return [at.getHours(), at.getMinutes(), at.getSeconds()]
+    .map(n => String(n).padStart(2, '0'))
+    .join(':');
+}
+
+/** What every view says of a claim that ended before it got its share. */
+export const NEVER_RAN = 'never got its share';
+
+/** `waited 0.1 s · ran 8.7 s`, or `waited 3.0 s · never got its share` (`ranS` null). */
+export function timesWords(waitedS: number, ranS: number | null): string[] {
+  return [`waited ${duration(waitedS)}`, ranS === null ? NEVER_RAN : `ran ${duration(ranS)}`];
+}
+
+/** A share as the claim line spells it: `cpus=2 (cores 0-1) gpus=1 (card 0) ram=4.0GB`. */
+export function shareWords(share: {
+  cpus: number;
+  cores?: number[] | null;
+  gpus?: number[] | null;
+  gpu_bytes?: number | null;
+  ram_bytes?: number | null;
+}): string {
+  const cores = share.cores?.length ? ` (cores ${cpuList(share.cores)})` : '';
+  const words = [`cpus=${share.cpus}${cores}`];
+  const cards = share.gpus ?? [];
+  if (cards.length && share.gpu_bytes) {
+    words.push(`a slice of card ${cards[0]} (gpu_ram=${human(share.gpu_bytes)})`);
+  } else if (cards.length) {
+    const which = `${cards.length === 1 ? 'card' : 'cards'} ${cards.join(',')}`;
+    words.push(`gpus=${cards.length} (${which})`);
+  }
+  if (share.ram_bytes) {
+    words.push(`ram=${human(share.ram_bytes)}`);
+  }
+  return words.join(' ');
+}
+
+/** What a waiting claim asks, as its line says it: `cpus=2 gpus=1 ram=4.0GB`. */
+export function askedWords(asked: {
+  cpus: number;
+  gpus?: number | null;
+  gpu_fraction?: number | null;
+  gpu_bytes?: number | null;
+  ram_bytes?: number | null;
+}): string {
+  const words = [`cpus=${asked.cpus}`];
+  if (asked.gpus) {
+    words.push(`gpus=${asked.gpus}`);
+  } else if (asked.gpu_fraction) {
+    words.push(`gpus=${asked.gpu_fraction}`);
+  } else if (asked.gpu_bytes) {
+    words.push(`gpu_ram=${human(asked.gpu_bytes)}`);
+  }
+  if (asked.ram_bytes) {
+    words.push(`ram=${human(asked.ram_bytes)}`);
+  }
+  return words.join(' ');
+}
+
+/** How each ending reads in a sentence, as vocabulary.ENDED_AS says it. */
+const ENDED_AS: Record<string, string> = {
+  ok: 'finished',
+  error: 'failed',
+  interrupted: 'was interrupted',
+  halted: 'was halted',
+  'timed out': 'timed out',
+  died: 'ended when its worker died',
+  'kernel died': 'ended when its kernel died',
+  cancelled: 'was cancelled',
+  'time limit': 'reached its time limit',
+  'idle cards': 'was ended for holding idle cards'
+};
+
+/**
+ * How a claim ended, as a notice says it (vocabulary.ended_sentence without the quotes):
+ * `failed after running 31 s: ValueError: the model diverged`.
+ */
+export function endedWords(ending: string, ranS: number | null, error: string | null): string {
+  const how = ENDED_AS[ending] ?? `ended (${ending})`;
+  const after = ranS === null ? ' before it got its share' : ` after running ${duration(ranS)}`;
+  return `${how}${after}${error ? `: ${error}` : ''}`;
 }

@@ -49,7 +49,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       void app.commands.execute('docmanager:open', { path });
     };
     const panel = new MachinePanel(model, openNotebook);
-    const notices = new Notices(model, openNotebook);
+    // The notebook the person works in: the notices of its claims' ends can wait.
+    const frontPath = () =>
+      (app.shell.currentWidget as { context?: { path?: string } } | null)?.context?.path ?? null;
+    const notices = new Notices(model, openNotebook, frontPath);
     settings
       ?.load(PLUGIN)
       .then(loaded => {

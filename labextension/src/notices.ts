@@ -7,8 +7,12 @@
  * This watches the shared poll for this user's own claims (`mine`) and
  * says, through JupyterLab's notifications (which Notebook 7 shows too):
  * - when a claim that waited longer than `startedAfterWaitingSeconds` starts;
- * - when a claim that ran longer than `endedAfterRunningSeconds` ends, and
- *   how (ok, error, halted...), as the server's finished claims say it;
+ * - when a claim ends, and how (`‘fit’ in a.ipynb failed after running
+ *   31 s: ValueError: the model diverged.`), in format.ts's words and with
+ *   the error line the server's finished claims carry: always when its
+ *   notebook is not the one in front (a `--background` cell the person
+ *   left, whatever its length), and otherwise when it ran longer than
+ *   `endedAfterRunningSeconds`;
  * - when the OS stopped one of this server's kernels at the admin's
  *   `kernel_ram`, once for each stop, whatever the settings, and staying
  *   until closed: Jupyter itself says only that the kernel died, and the
@@ -28,13 +32,17 @@
  * first seen already running (the page was opened late) gets no notice that
  * it started, and its run is counted from when it was first seen. A claim
  * that started and ended between two polls is never seen running: its
- * record among the finished claims says whether it started, and after how
- * long, and one notice says both.
+ * record among the finished claims says how it ended, and one notice says
+ * that. A claim shorter than a poll may never be in a snapshot at all: the
+ * finished claims (the user's own) are read every few seconds too, and one
+ * that ended since the page was opened, never seen and not in front, is
+ * told as well. A "started" notice is never said of a claim already seen to end,
+ * nor after its end was told: the end is the news by then.
  */
 import { Notification } from '@jupyterlab/apputils';
 
 import { FinishedClaim, KernelStop, RunningClaim, WaitingClaim } from './api';
-import { duration } from './format';
+import { duration, endedWords } from './format';
 import { MachineModel } from './model';
 
 /** The extension's settings that concern notices; see schema/plugin.json. */
@@ -78,7 +86,9 @@ const ENDINGS_THAT_WENT_WRONG = new Set(['error', 'died', 'kernel died', 'timed 
 export class Notices {
   constructor(
     private _model: MachineModel,
-    private _openNotebook: (path: string) => void
+    private _openNotebook: (path: string) => void,
+    /** The path of the notebook the person has in front of them now, or null. */
+    private _frontPath: () => string | null = () => null
   ) {
     _model.changed.connect(() => this._look());
   }
@@ -125,6 +135,10 @@ export class Notices {
       }
     }
     this._seen = still;
+    for (const claim of [...snapshot.waiting, ...snapshot.running].filter(claim => claim.mine)) {
+      this._everSeen.push({ label: claim.label ?? 'a claim', since: claim.since });
+    }
+    void this._endedUnseen();
     this._stopped(snapshot.kernel_stops ?? [], first ? now - STOPS_SHOWN_AFTER_S : 0);
   }
 
@@ -163,7 +177,8 @@ export class Notices {
 
   private _started(claim: RunningClaim, waited: number, seen: Seen): void {
     const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
-    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds) {
+    const told = this._endTold.has(claim.ticket);
+    if (!notifyWhenStarted || waited <= startedAfterWaitingSeconds || told) {
       return;
     }
     const message =
@@ -171,36 +186,88 @@ export class Notices {
     this._say(message, 'info', seen, `fluksio-started-${claim.ticket}`);
   }
 
+  /** A claim that started and ended between two polls: its end is told, once, never its start. */
   private async _startedAndEndedUnseen(ticket: number, seen: Seen): Promise<void> {
     const { notifyWhenStarted, startedAfterWaitingSeconds } = this.settings;
-    if (!notifyWhenStarted) {
+    this._endTold.add(ticket);
+    const away = !this._inFront(seen.path);
+    if (!(away && this.settings.notifyWhenEnded) && !notifyWhenStarted) {
       return;
     }
     const record = await this._record(ticket, seen);
     // Cancelled in the queue, or no record: it never started, and the user who cancelled knows.
-    if (!record || record.started_at === null || record.waited_s <= startedAfterWaitingSeconds) {
+    if (!record || record.started_at === null) {
       return;
     }
-    const message =
-      `${quoted(seen.label)} started after waiting ${duration(record.waited_s)}` +
-      `, and ended ${record.ending} after running ${duration(record.ran_s ?? 0)}` +
-      where(seen) +
-      '.';
-    this._say(message, kindOf(record), seen, `fluksio-started-${ticket}`);
+    if (!away && record.waited_s <= startedAfterWaitingSeconds) {
+      return;
+    }
+    this._say(endedMessage(seen, record), kindOf(record), seen, `fluksio-ended-${ticket}`);
   }
 
   private async _ended(ticket: number, seen: Seen, ran: number): Promise<void> {
     const { notifyWhenEnded, endedAfterRunningSeconds } = this.settings;
-    if (!notifyWhenEnded || ran <= endedAfterRunningSeconds) {
+    this._endTold.add(ticket);
+    // Away from its notebook, the person hears of every end; in front of it, of long ones.
+    const away = !this._inFront(seen.path);
+    if (!notifyWhenEnded || (!away && ran <= endedAfterRunningSeconds)) {
       return;
     }
     // The server's record says how it ended; without one, the notice says only that it did.
     const record = await this._record(ticket, seen);
-    const how = record ? ` ${record.ending}` : '';
-    const took = record?.ran_s ?? ran;
-    const message =
-      `${quoted(seen.label)} ended${how} after running ${duration(took)}` + where(seen) + '.';
+    const message = record
+      ? endedMessage(seen, record)
+      : `${quoted(seen.label)}${where(seen)} ended after running ${duration(ran)}.`;
     this._say(message, record ? kindOf(record) : 'info', seen, `fluksio-ended-${ticket}`);
+  }
+
+  /**
+   * The user's claims that ended since the page was opened without ever being in a
+   * snapshot (shorter than a poll): told, once, when their notebook is not in front.
+   */
+  private async _endedUnseen(): Promise<void> {
+    const now = Date.now() / 1000;
+    const soon = now - this._endsReadAt < ENDS_EVERY_S;
+    if (!this.settings.notifyWhenEnded || this._readingEnds || soon) {
+      return;
+    }
+    this._readingEnds = true;
+    this._endsReadAt = now;
+    try {
+      const finished = (await this._model.readFinished()) ?? [];
+      for (const record of finished) {
+        const key = `${record.label}@${record.asked_at}`;
+        const seen = this._everSeen.some(
+          one => one.label === record.label && Math.abs(one.since - record.asked_at) < 1
+        );
+        if (seen || record.ended_at < this._openedAt || this._unseenTold.has(key)) {
+          continue;
+        }
+        this._unseenTold.add(key);
+        // The record keeps the notebook's full path; the notice names it as the panel does.
+        const name = record.notebook ? record.notebook.split('/').pop() ?? null : null;
+        const front = !document.hidden && this._inFrontEndsWith(record.notebook);
+        if (record.started_at === null || front) {
+          continue;
+        }
+        const about: Seen = {
+          label: record.label,
+          since: record.asked_at,
+          notebook: name,
+          path: null,
+          startedAt: null,
+          warned: ''
+        };
+        this._say(endedMessage(about, record), kindOf(record), about, `fluksio-ended-${key}`);
+      }
+    } finally {
+      this._readingEnds = false;
+    }
+  }
+
+  /** Whether the notebook in front is the one at the absolute `path` a record keeps. */
+  private _inFrontEndsWith(path: string | null): boolean {
+    return path !== null && this._frontPath() !== null && path.endsWith(`/${this._frontPath()}`);
   }
 
   /**
@@ -275,6 +342,32 @@ export class Notices {
   private _seen: Map<number, Seen> | null = null;
   private _asked = false;
   private _stopsTold = new Set<string>();
+  /** The claims whose end was seen: no "started" notice for them, ever. */
+  private _endTold = new Set<number>();
+  /** Every claim of the user's any snapshot showed: their ends are told by `_ended`. */
+  private _everSeen: { label: string; since: number }[] = [];
+  /** The unseen claims whose end was told, by label and when asked. */
+  private _unseenTold = new Set<string>();
+  private _openedAt = Date.now() / 1000;
+  private _endsReadAt = 0;
+  private _readingEnds = false;
+
+  /** Whether the notebook at `path` (relative to the server's root) is the one in front. */
+  private _inFront(path: string | null): boolean {
+    return !document.hidden && path !== null && this._frontPath() === path;
+  }
+}
+
+/** How often the finished claims are read for ends no snapshot showed. */
+const ENDS_EVERY_S = 3;
+
+/** `‘fit’ in a.ipynb failed after running 31 s: ValueError: the model diverged.` */
+export function endedMessage(
+  seen: { label: string; path: string | null; notebook: string | null },
+  record: FinishedClaim
+): string {
+  const how = endedWords(record.ending, record.ran_s, record.error ?? null);
+  return `${quoted(seen.label)}${where(seen)} ${how}.`;
 }
 
 /** A notice's kind from how the claim ended: the toast's colour and icon say it too. */
@@ -289,7 +382,7 @@ function quoted(label: string): string {
   return `‘${label}’`;
 }
 
-function where(seen: Seen): string {
+function where(seen: { path: string | null; notebook: string | null }): string {
   const notebook = seen.path ?? seen.notebook;
   return notebook ? ` in ${notebook}` : '';
 }

@@ -3,7 +3,7 @@
  * kernel's running and waiting claims with a button to cancel your own, and
  * the claims that ended lately.
  *
- * Every figure reads as used/total (`CPU 1/4 used`), as in the status bar
+ * Every figure reads as used/total (`cpus 1/4 used`), as in the status bar
  * and `%claims`. A waiting claim shows its place in the queue (`2nd in the
  * queue`) and when it may start; ticket numbers are ids and never shown.
  * On books every user shares, only the first of other users' waiting
@@ -22,7 +22,16 @@ import { Widget } from '@lumino/widgets';
 import { Card, KernelStop, RunningClaim, Squatter, WaitingClaim, cancelClaim } from './api';
 import { describeCores } from './cores';
 import { FinishedView } from './finished';
-import { clock, cpuList, human, ordinal, plural, roughly, unlistedWords } from './format';
+import {
+  askedWords,
+  clock,
+  human,
+  ordinal,
+  plural,
+  roughly,
+  shareWords,
+  unlistedWords
+} from './format';
 import { HistoryView } from './history';
 import { MachineModel } from './model';
 
@@ -49,7 +58,7 @@ function element<K extends keyof HTMLElementTagNameMap>(
 /** One resource's bar: what is used out of what there is. */
 class Bar {
   constructor(parent: HTMLElement, name: string) {
-    const row = element('div', 'fluksio-lab-bar', parent);
+    const row = (this._row = element('div', 'fluksio-lab-bar', parent));
     element('span', 'fluksio-lab-bar-name', row).textContent = name;
     const track = element('div', 'fluksio-lab-bar-track', row);
     this._fill = element('div', 'fluksio-lab-bar-fill', track);
@@ -57,11 +66,14 @@ class Bar {
   }
 
   show(used: number, total: number, text: string): void {
+    // Nothing of it on the machine (no cards), nothing said of it: as in every view.
+    this._row.hidden = total <= 0;
     const share = total > 0 ? Math.min(1, Math.max(0, used / total)) : 0;
     this._fill.style.width = `${(share * 100).toFixed(1)}%`;
     this._text.textContent = text;
   }
 
+  private _row: HTMLElement;
   private _fill: HTMLElement;
   private _text: HTMLElement;
 }
@@ -119,17 +131,8 @@ class ClaimRow {
 
     if (this.state === 'running') {
       const { allocation, readings, gpu } = claim as RunningClaim;
-      const cards = allocation.gpu_bytes
-        ? ` · ${human(allocation.gpu_bytes)} of GPU ${allocation.gpus[0]}`
-        : allocation.gpus.length
-          ? ` · GPU ${allocation.gpus.join(',')}`
-          : '';
-      const cores = allocation.cores?.length
-        ? ` (cores ${cpuList(allocation.cores)})`
-        : '';
-      this._share.textContent =
-        `${plural(allocation.cpus, 'CPU')}${cores}${cards}` +
-        (allocation.ram_bytes ? ` · ${human(allocation.ram_bytes)}` : '');
+      // Spelled as the claim line, the cell's record and %claims spell a share.
+      this._share.textContent = shareWords(allocation);
       // Card figures only where the cards were read: unknown is not zero.
       const cardsSaid = gpu ? ` · ${gpu.text}` : '';
       const stopped = readings?.stopped_since;
@@ -151,12 +154,7 @@ class ClaimRow {
     } else {
       const waiting = claim as WaitingClaim;
       const { asked } = waiting;
-      this._share.textContent =
-        `asks ${plural(asked.cpus, 'CPU')}` +
-        (asked.gpus ? ` · ${plural(asked.gpus, 'GPU')}` : '') +
-        (asked.gpu_fraction ? ` · ${asked.gpu_fraction} of a GPU` : '') +
-        (asked.gpu_bytes ? ` · ${human(asked.gpu_bytes)} of a GPU` : '') +
-        (asked.ram_bytes ? ` · ${human(asked.ram_bytes)}` : '');
+      this._share.textContent = `asks ${askedWords(asked)}`;
       this._readings.textContent = describeWait(waiting);
       // What the guess rests on, for whoever wonders; the row itself says only the guess.
       const why = waiting.expected_wait?.why;
@@ -243,11 +241,12 @@ export class MachinePanel extends Widget {
     element('h2', 'fluksio-lab-title', body).textContent = 'Machine shares';
     this._message = element('div', 'fluksio-lab-message', body);
     // One grid for the three bars, so their tracks start and end together
-    // whatever each one's figures say.
+    // whatever each one's figures say; named as the claim line and every
+    // other view name them.
     const bars = element('div', 'fluksio-lab-bars', body);
-    this._cpus = new Bar(bars, 'CPU');
-    this._gpus = new Bar(bars, 'GPU');
-    this._ram = new Bar(bars, 'RAM');
+    this._cpus = new Bar(bars, 'cpus');
+    this._gpus = new Bar(bars, 'gpus');
+    this._ram = new Bar(bars, 'ram');
     this._keptBack = element('div', 'fluksio-lab-kept-back', body);
     this._enforcement = element('div', 'fluksio-lab-enforcement', body);
     this._cards = element('ul', 'fluksio-lab-cards', body);

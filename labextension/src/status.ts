@@ -1,7 +1,7 @@
 /**
  * The status-bar item: how much of the machine is in use, at a glance.
  *
- * `CPU 6/14 used · GPU 1/2 used · 2 waiting`: used/total, as the panel and
+ * `cpus 6/14 used · gpus 1/2 used · 2 waiting`: used/total, as the panel and
  * `%claims` say it. Cards are left out on a machine without any, and the
  * queue when nobody waits. The queue is counted whole: other users' claims
  * the machine's books count but do not list are in it. Card memory held
@@ -20,9 +20,9 @@ import { describeCores } from './cores';
 
 export function describeUse(snapshot: Snapshot): string {
   const { cpus, gpus } = snapshot;
-  const parts = [`CPU ${cpus.total - cpus.free}/${cpus.total} used`];
+  const parts = [`cpus ${cpus.total - cpus.free}/${cpus.total} used`];
   if (gpus.total > 0) {
-    parts.push(`GPU ${gpus.total - gpus.free}/${gpus.total} used`);
+    parts.push(`gpus ${gpus.total - gpus.free}/${gpus.total} used`);
   }
   const waiting = waitingCount(snapshot);
   if (waiting > 0) {

@@ -95,7 +95,7 @@ def test_the_status_bar_and_panel_count_the_whole_queue_and_say_what_is_not_list
     ui.goto(server.url("lab/workspaces/long-queue"))
     status = ui.locator(".fluksio-lab-status", has_text="waiting")
     status.wait_for(timeout=60_000)
-    assert status.inner_text().endswith(f"GPU 1/1 used · {WAITING} waiting"), status.inner_text()
+    assert status.inner_text().endswith(f"gpus 1/1 used · {WAITING} waiting"), status.inner_text()
     assert f"{WAITING} waiting. Click to see them." in status.get_attribute("title")
 
     status.click()

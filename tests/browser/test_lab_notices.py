@@ -158,7 +158,9 @@ def test_a_claim_that_waited_says_so_when_it_starts_and_a_long_one_says_how_it_e
         started = wait_for_toast(server, ui, "info", "‘after the holder’ started after waiting")
         assert "in queued.ipynb" in started, started
         # The holder ran for seconds in another notebook of this user's, and ended well.
-        holder = wait_for_toast(server, ui, "success", "‘holder’ ended ok after running")
+        holder = wait_for_toast(
+            server, ui, "success", "‘holder’ in holders/holder.ipynb finished after running"
+        )
         assert "in holders/holder.ipynb" in holder, holder
         # The toasts slide in from the right: the picture is taken once they are in full view.
         width = ui.viewport_size["width"]
@@ -170,7 +172,9 @@ def test_a_claim_that_waited_says_so_when_it_starts_and_a_long_one_says_how_it_e
         ui.screenshot(path=str(OUTPUT / f"notices-{server.app}.png"))
 
         go_on.touch()
-        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
+        wait_for_toast(
+            server, ui, "success", "‘after the holder’ in queued.ipynb finished after running"
+        )
         queued.wait_for(1, "text=its work is done")
         assert not_notebook7s_own(page.errors) == [], page.errors
     finally:
@@ -204,9 +208,11 @@ def test_start_notices_turned_off_in_the_settings_stay_silent(
         ui = page.page
         # The status bar counts the queued claim's one CPU once the page has seen it run.
         status = ui.locator(".fluksio-lab-status")
-        assert wait_until(lambda: status.inner_text().startswith("CPU 1/2 used"), timeout=30)
+        assert wait_until(lambda: status.inner_text().startswith("cpus 1/2 used"), timeout=30)
         go_on.touch()
-        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
+        wait_for_toast(
+            server, ui, "success", "‘after the holder’ in silent.ipynb finished after running"
+        )
         assert [said for said in toasts_seen(ui, "info") if "started after waiting" in said] == []
         assert page.errors == [], page.errors
     finally:
@@ -264,8 +270,14 @@ def test_a_notice_reaches_the_desktop_while_its_tab_is_hidden_and_only_then(
 
         tab_hidden(server, ui, False)
         go_on.touch()
-        wait_for_toast(server, ui, "success", "‘after the holder’ ended ok after running")
-        assert not [said for said in desktop_said(ui) if "‘after the holder’ ended" in said]
+        wait_for_toast(
+            server, ui, "success", "‘after the holder’ in hidden.ipynb finished after running"
+        )
+        assert not [
+            said
+            for said in desktop_said(ui)
+            if "‘after the holder’ in hidden.ipynb finished" in said
+        ]
         assert page.errors == [], page.errors
     finally:
         released.touch()

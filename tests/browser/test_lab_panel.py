@@ -56,11 +56,11 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         ],
     )
     ui = page.page
-    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
+    wait_for_status(ui, "cpus 0/2 used · gpus 0/2 used")
     first.run_all()
-    wait_for_status(ui, "CPU 1/2 used · GPU 1/2 used")
+    wait_for_status(ui, "cpus 1/2 used · gpus 1/2 used")
     released.touch()
-    wait_for_status(ui, "CPU 0/2 used · GPU 0/2 used")
+    wait_for_status(ui, "cpus 0/2 used · gpus 0/2 used")
 
     holder_released = lab.home / "release-holder"
     client = notebook_kernel(lab, "work/second.ipynb")
@@ -68,7 +68,7 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         holding = "block = bytearray(40_000_000)\n" + until_exists(holder_released)
         in_background(client, "gpus=2 --label holder", holding, "holder")
         in_background(client, f"gpus=1 --label '{HOSTILE}'", "print('ran')", "waiting")
-        wait_for_status(ui, "CPU 1/2 used · GPU 2/2 used · 1 waiting")
+        wait_for_status(ui, "cpus 1/2 used · gpus 2/2 used · 1 waiting")
 
         ui.locator(".fluksio-lab-status").click()
         panel = ui.locator("#fluksio-nb-panel")
@@ -80,7 +80,7 @@ def test_the_status_bar_and_panel_follow_every_notebooks_claims(lab, notebook, p
         assert running.count() == 1 and waiting.count() == 1
         assert running.locator(".fluksio-lab-claim-label").inner_text() == "holder"
         assert running.locator(".fluksio-lab-claim-where").inner_text() == "work/second.ipynb"
-        assert "GPU 0,1" in running.locator(".fluksio-lab-claim-share").inner_text()
+        assert "gpus=2 (cards 0,1)" in running.locator(".fluksio-lab-claim-share").inner_text()
         held = panel.locator(".fluksio-lab-enforcement").inner_text()
         assert held.startswith("held by cores: ") and " · memory: " in held, held
         readings = running.locator(".fluksio-lab-claim-readings")

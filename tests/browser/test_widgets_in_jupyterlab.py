@@ -73,7 +73,7 @@ def test_the_monitor_shows_a_waiting_claim_and_labels_stay_text(notebook, page):
     # A place, not a ticket number; and how long it may wait, or why nobody can tell.
     assert waiting.first.locator("[data-field=position]").inner_text() == "1st in the queue"
     expected = waiting.first.locator("[data-field=expected]").inner_text()
-    assert expected.startswith(("cannot tell: ", "expected to start ")), expected
+    assert expected.startswith(("nobody can tell when it starts: ", "expected to start ")), expected
     assert "#" not in monitor.inner_text(), "a ticket number where a person reads"
     assert "holder" in running.first.locator(".fluksio-label").inner_text()
     assert monitor.locator("[data-field=cpus]").inner_text() == "2/2 used"
