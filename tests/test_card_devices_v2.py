@@ -26,7 +26,12 @@ from pathlib import Path
 import pytest
 
 from fluksio_nb.budget import CGROUP_V2
-from fluksio_nb.card_devices import cards_held_here, find_devices_place, hold_cards
+from fluksio_nb.card_devices import (
+    cards_held_here,
+    find_devices_place,
+    hold_away_from_cards,
+    hold_cards,
+)
 from fluksio_nb.card_devices_v2 import bpf_refusal, load
 from fluksio_nb.memory_cap import CapPlace
 from tests.unix_users import USER_A, ready_user, run_as
@@ -163,6 +168,35 @@ def test_a_card_program_on_a_claims_v2_cgroup_narrows_what_is_there_never_widens
         assert opened["255"] != EPERM, opened
     finally:
         first.remove()
+
+
+def test_a_v2_kernel_held_away_from_cards_opens_none_and_its_claim_opens_its_own(
+    cgroup2, nodes, tmp_path
+):
+    """Guards against a kernel kept off cards on v2 reaching one, or taking its claims' away.
+
+    A program holds every cgroup below the one it is on: were a claim's
+    cgroup made below its kernel's, the kernel's deny-all would deny the
+    claim's own card too. The claim's goes beside it.
+    """
+    place = v2_place(cgroup2, tmp_path)
+    kernel = hold_away_from_cards(place)
+    try:
+        in_kernel = opened_inside(kernel.path, nodes)
+        assert (in_kernel["0"], in_kernel["1"]) == (EPERM, EPERM), in_kernel
+        assert in_kernel["255"] != EPERM, in_kernel
+        kernels_cgroup = tmp_path / "kernel-cgroup"
+        kernels_cgroup.write_text(f"0::/{kernel.path.relative_to(cgroup2)}\n")
+        from_kernel = find_devices_place(root=cgroup2, proc_cgroup=kernels_cgroup)
+        assert from_kernel.parent == kernel.path.parent, from_kernel
+        claim = hold_cards(from_kernel, [1])
+        try:
+            in_claim = opened_inside(claim.path, nodes)
+            assert in_claim["0"] == EPERM and in_claim["1"] in NO_DRIVER, in_claim
+        finally:
+            claim.remove()
+    finally:
+        kernel.remove()
 
 
 @pytest.mark.parametrize("granted", [(), (1,), tuple(range(8))])
