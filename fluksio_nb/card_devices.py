@@ -27,9 +27,11 @@ What it decides:
   below it: the worker leaves the kernel's cgroup for its claim's own. The
   kernel's is named after the kernel once it runs (:func:`name_after`), so
   that only the kernel's end lets it be swept.
-- **cgroup v2 is not held here.** Its device controller is a BPF program
-  attached to the cgroup; this version loads none, so on a v2-only machine
-  the status says cards are held by the variable only, and why.
+- **cgroup v2 is held by a device program** where this process may load
+  one and v1's devices controller is not there
+  (:mod:`fluksio_nb.card_devices_v2`): the same rule, attached to the
+  claim's v2 cgroup. Where it may not, the status says cards are held by
+  the variable only, and why.
 
 Making one costs 254 writes to ``devices.deny`` on one descriptor; measured
 0.6 ms with its ``mkdir`` and ``rmdir`` (cgroup v1, two cores, median of 30).
@@ -43,7 +45,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from fluksio_nb.budget import CGROUP_V1
+from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
+from fluksio_nb.card_devices_v2 import find_v2_place, hold_cards_in
 from fluksio_nb.enforcement import Enforcement, cards_held
 from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
 from fluksio_nb.memory_cap import (
@@ -80,15 +83,9 @@ def find_devices_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_C
     """Where this process may make cgroups that hold processes to some cards, or why not."""
     paths = _cgroup_paths(proc_cgroup)
     if CONTROLLER not in paths:
-        v2 = "" in paths
-        return CapPlace(
-            None,
-            why_not=(
-                "cgroup v2's device controller is a BPF program, which this version does not load"
-                if v2
-                else f"{proc_cgroup} names no devices cgroup"
-            ),
-        )
+        if "" in paths:
+            return find_v2_place(paths[""], root)
+        return CapPlace(None, why_not=f"{proc_cgroup} names no devices cgroup")
     mount = root / CONTROLLER
     own = mount / paths[CONTROLLER].lstrip("/")
     if not (own / "devices.deny").exists():
@@ -126,17 +123,44 @@ def cards_held_here(place: CapPlace | None = None) -> Enforcement:
     return cards_held(place.version, place.why_not)
 
 
-def hold_cards(place: CapPlace, granted: Iterable[int]) -> ClaimCgroup:
+def hold_cards(
+    place: CapPlace, granted: Iterable[int], share: ClaimCgroup | None = None
+) -> ClaimCgroup:
     """A fresh cgroup whose processes may open only the ``granted`` cards' nodes.
 
+    On cgroup v2, ``share`` is the claim's v2 cgroup if it has one already (its
+    memory cap, its cpuset): the program goes there, and it is returned.
     Raises :class:`~fluksio_nb.memory_cap.CapNotMade`, having left nothing behind.
     """
+    if place.version == CGROUP_V2:
+        return _hold_cards_v2(place, set(granted), share)
     # Made, denied and known as one step, as a memory cgroup is: a stop
     # landing between them would leave it there, and nothing to remove it.
     with stop_held_back():
         made = ClaimCgroup._new(place, 0, CONTROLLER)
         try:
             _deny_cards(made.path, set(granted))
+        except OSError as error:
+            made.remove()
+            raise CapNotMade(
+                f"{made.path} could not be held to its cards: {error.strerror or error}"
+            ) from None
+    return made
+
+
+def _hold_cards_v2(place: CapPlace, granted: set[int], share: ClaimCgroup | None) -> ClaimCgroup:
+    if share is not None and share.version == CGROUP_V2:
+        try:
+            hold_cards_in(share.path, granted)
+        except OSError as error:
+            raise CapNotMade(
+                f"{share.path} could not be held to its cards: {error.strerror or error}"
+            ) from None
+        return share
+    with stop_held_back():
+        made = ClaimCgroup._new(place, 0, CONTROLLER)
+        try:
+            hold_cards_in(made.path, granted)
         except OSError as error:
             made.remove()
             raise CapNotMade(

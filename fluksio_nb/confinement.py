@@ -184,10 +184,19 @@ class Confinement:
             # back inside hold_cards lands as it returns, and the cgroup would
             # be left with nothing to remove it, one more a stop.
             with stop_held_back():
-                self.cards = hold_cards(place, [int(card) for card in allocation.gpus])
+                self.cards = hold_cards(
+                    place, [int(card) for card in allocation.gpus], self._v2_cgroup()
+                )
         except CapNotMade as error:
             return cards_held_here(replace(place, version=None, why_not=str(error)))
         return cards_held_here(place)
+
+    def _v2_cgroup(self) -> ClaimCgroup | None:
+        """The claim's cgroup v2 cgroup, if it has one: a process is in one v2 cgroup only."""
+        for cgroup in (self.cap, self.cpuset, self.quota):
+            if cgroup is not None and cgroup.version == CGROUP_V2:
+                return cgroup
+        return None
 
     def cgroups(self) -> list[ClaimCgroup]:
         """Each cgroup the claim holds, once: on v2 its cpuset may be its memory cgroup."""
@@ -212,6 +221,7 @@ class Confinement:
             except OSError as error:
                 self.cpuset = None
                 cpuset.remove()
+                self._lost_cards_with(cpuset, error)
                 self.cpus = by_affinity(
                     f"the worker could not be moved into {cpuset.path}: {error}"
                 )
@@ -222,13 +232,15 @@ class Confinement:
             except OSError as error:
                 self.quota = None
                 quota.remove()
+                self._lost_cards_with(quota, error)
                 self.cpus = Enforcement(
                     THREAD_VARIABLES,
                     THREAD_VARIABLES,
                     f"the worker could not be moved into {quota.path}: {error}",
                 )
         cards = self.cards
-        if cards is not None:
+        # On v2 it may be the claim's memory, cpuset or quota cgroup: moved in with it.
+        if cards is not None and not any(cards is other for other in (cpuset, quota, self.cap)):
             try:
                 cards.admit(pid)
             except OSError as error:
@@ -250,11 +262,24 @@ class Confinement:
         except (OSError, psutil.Error) as error:
             self.cap = None
             cap.remove()
+            self._lost_cards_with(cap, error)
             self.memory = sampled(f"the worker could not be moved into {cap.path}: {error}")
             if self.cpuset is cap:
                 self.cpuset = None
                 self.cpus = by_affinity(f"the worker could not be moved into {cap.path}: {error}")
         return family
+
+    def _lost_cards_with(self, cgroup: ClaimCgroup, error: object) -> None:
+        """On v2 the cards' program is on the claim's one cgroup: removed, it is gone too."""
+        if self.cards is cgroup:
+            self.cards = None
+            self.gpus = cards_held_here(
+                replace(
+                    devices_place(),
+                    version=None,
+                    why_not=f"the worker could not be moved into {cgroup.path}: {error}",
+                )
+            )
 
     def let_go(self, pid: int) -> None:
         """A warm worker goes back to the pool as it came: outside any claim.

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fluksio_nb.budget import SAMPLER
+from fluksio_nb.budget import CGROUP_V2, SAMPLER
 
 #: What holds a claim to its cores when the OS does.
 AFFINITY = "affinity"
@@ -89,9 +89,13 @@ def cards_held(version: str | None, why: str = "") -> Enforcement:
 
     The words every view shows, the same in each: the claim's share
     (``gpus=1 (card 0, devices cgroup v1)``) and every "held by" line
-    (``cards: devices cgroup v1``). A claim held by the variable alone is only
-    as good as every process of it honouring ``CUDA_VISIBLE_DEVICES``.
+    (``cards: devices cgroup v1``); on cgroup v2, ``device program (cgroup v2)``.
+    A claim held by the variable alone is only as good as every process of it
+    honouring ``CUDA_VISIBLE_DEVICES``.
     """
     if version is None:
         return Enforcement(f"{CARD_VARIABLE} only", CARD_VARIABLE, why)
+    if version == CGROUP_V2:
+        # v2 has no devices controller: a BPF program attached to the cgroup holds them.
+        return Enforcement(f"device program ({version})", f"device program ({version})", why)
     return Enforcement(f"devices {version}", f"devices {version}", why)

@@ -503,7 +503,8 @@ def _make_parent(place: CapPlace, controller: str = "memory") -> None:
         place.parent.mkdir()
     # Ours, and holding no process: under v2 it may hand the controller down to the claims.
     handed_down = _words(place.parent / "cgroup.subtree_control")
-    if place.version == CGROUP_V2 and controller not in handed_down:
+    # cgroup v2 holds devices by a program on the cgroup, no controller to hand down.
+    if place.version == CGROUP_V2 and controller != "devices" and controller not in handed_down:
         _write(place.parent / "cgroup.subtree_control", f"+{controller}")
 
 
