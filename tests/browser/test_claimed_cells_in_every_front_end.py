@@ -9,12 +9,13 @@ request was answered with an idle that JupyterLab took for the kernel's.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.browser.lab import CONTRAST_JS, JupyterLab, not_notebook7s_own
+from tests.browser.lab import CONTRAST_JS, JupyterLab, not_notebook7s_own, until_exists
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -140,3 +141,46 @@ def test_the_kernel_is_busy_for_the_whole_of_a_claimed_cell(server, notebook, pa
         started = next(i for i, (status, p) in enumerate(seen) if "Busy" in status and "*" in p)
         idle = [(status, p) for status, p in seen[started:] if "Idle" in status and "*" in p]
         assert idle == [], f"the status bar said Idle while the cell ran: {seen}"
+
+
+#: What each child of an output area shows, in order: "status" (the live widget),
+#: "record", or its text; blank ones (a place held for the status) left out.
+ORDER_JS = """area => [...area.querySelectorAll(':scope > .jp-OutputArea-child')]
+  .map(c => c.querySelector('.fluksio-claim') ? 'status'
+          : c.querySelector('.fluksio-status') ? 'record' : c.innerText.trim())
+  .filter(Boolean)"""
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_claimed_cells_output_is_all_below_its_status_then_its_record(
+    server, notebook, page, background
+):
+    """The live status, then the record in its place, above everything the cell printed.
+
+    Guards against the first printed line sitting above the live status and the
+    rest below it, and against a foreground cell's record going below its
+    output where a background cell's stays above.
+    """
+    # Each front end's own: JupyterLab's two themes share a server.
+    go = server.home / f"order-{uuid.uuid4().hex}"
+    cell = (
+        f"%%claim cpus=1 --label order{' --background' if background else ''}\n"
+        "print('first', flush=True)\n" + until_exists(go) + "print('second')"
+    )
+    nb = notebook("order.ipynb", ["%load_ext fluksio_nb", cell])
+    try:
+        nb.run_cell(0)
+        nb.wait_until_ran(0)
+        nb.run_cell(1)
+        area = nb.output_of(1)
+        area.locator(".fluksio-claim[data-phase=running]").wait_for(timeout=60_000)
+        area.get_by_text("first").wait_for(timeout=60_000)
+        assert area.evaluate(ORDER_JS) == ["status", "first"], area.evaluate(ORDER_JS)
+    finally:
+        go.touch()
+    area.locator(".fluksio-status").wait_for(timeout=60_000)
+    page.page.wait_for_function(
+        "area => area.innerText.includes('second')", arg=area.element_handle(), timeout=60_000
+    )
+    shown = area.evaluate(ORDER_JS)
+    assert shown[0] == "record" and "\n".join(shown[1:]) == "first\nsecond", shown
