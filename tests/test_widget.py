@@ -214,7 +214,7 @@ def test_the_text_fallback_never_changes_with_the_phase(wire, status):
     """nbval reads a display as first drawn, a saved notebook as last redrawn: they must agree."""
     data, _ = ClaimWidget(status)._repr_mimebundle_()
     assert data["text/plain"] == (
-        f"{status.label}: live status (its record replaces it when the claim ends)"
+        f"{status.label}: running when this was saved; `fluksio-nb usage` says how it ended"
     )
     assert WIDGET_VIEW in data
     assert data == ClaimWidget(waiting_status(label=status.label))._repr_mimebundle_()[0] | {
@@ -797,7 +797,7 @@ def test_a_claimed_cell_shows_the_widget_and_its_record_takes_the_widgets_place(
     assert WIDGET_VIEW in shown["content"]["data"]
     model = shown["content"]["data"][WIDGET_VIEW]["model_id"]
     assert shown["content"]["data"]["text/plain"] == (
-        "slow: live status (its record replaces it when the claim ends)"
+        "slow: running when this was saved; `fluksio-nb usage` says how it ended"
     )
     assert record["content"]["transient"] == shown["content"]["transient"]
     assert WIDGET_VIEW not in record["content"]["data"]

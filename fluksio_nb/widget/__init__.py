@@ -192,9 +192,11 @@ class ClaimWidget(_Widget):
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # The fallback never changes: nbval reads a display as it was first
         # drawn. The whole display is replaced when the claim ends
-        # (WidgetView.end), so this is read only of a claim that never did.
+        # (WidgetView.end), so this is read only where it never was: a copy
+        # saved while the claim ran, read long after, untrusted or converted.
+        # It says what is still true then, and where the ending is.
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = f"{self.label}: live status (its record replaces it when the claim ends)"
+        text = f"{self.label}: running when this was saved; `fluksio-nb usage` says how it ended"
         data["text/plain"] = text
         data["text/html"] = marked_html(text, "running")
         return data, metadata
