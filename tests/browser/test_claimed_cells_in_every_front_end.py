@@ -184,3 +184,20 @@ def test_a_claimed_cells_output_is_all_below_its_status_then_its_record(
     )
     shown = area.evaluate(ORDER_JS)
     assert shown[0] == "record" and "\n".join(shown[1:]) == "first\nsecond", shown
+
+
+def test_a_monitor_whose_kernel_is_gone_says_it_is_stale(server, notebook, page):
+    """``%claims`` must say its figures are stale once its kernel is shut down.
+
+    Guards against the monitor staying as it was after "Shut Down Kernel",
+    kernel RSS included, with nothing saying that none of it is live.
+    """
+    nb = notebook("stale.ipynb", ["%load_ext fluksio_nb", "%claims"])
+    nb.run_all()
+    monitor = nb.wait_for(1, ".fluksio-monitor")
+    monitor.locator("[data-field=kernel-rss]").wait_for(timeout=60_000)
+    assert monitor.get_attribute("data-stale") == "no"
+    server.shutdown_kernels()
+    stale = nb.output_of(1).locator(".fluksio-monitor[data-stale=yes]")
+    stale.wait_for(timeout=60_000)
+    assert "Stale: the kernel that showed this is gone" in stale.inner_text()
