@@ -100,6 +100,8 @@ class ClaimLifecycle(ABC):
         #: or at its first reading.
         self._show_after = show_after
         self._shown = False
+        #: The view holds its place above the cell's output from the claim's start.
+        self._placed = False
         #: The cell cleared its output after the view was drawn: the view is gone.
         self._view_cleared = False
         #: The cell showed output after the view was drawn: it is above that output.
@@ -301,6 +303,12 @@ class ClaimLifecycle(ABC):
         running when it ends.
         """
         self._cell = CellOutput()
+        hold = getattr(self._view, "hold_the_place", None)
+        if hold is not None:
+            # The status, then the record, above all the cell's output, in
+            # every cell: one drawn later went below what the cell printed first.
+            hold(self._cell)
+            self._placed = True
 
     def _show(self) -> None:
         with self._lock:
@@ -325,12 +333,12 @@ class ClaimLifecycle(ABC):
             # A live view due now is not drawn: the record takes its place.
             self._shown = True
         end = getattr(self._view, "end", None)
-        # Below the cell's output if any came after the view: the record ends
-        # the cell, wherever the view was drawn while it ran. A view drawn at
-        # once (a --background cell's) is above all the cell's output, always:
-        # its record stays there, the one place that a notebook saved by
+        # In the view's place, above all the cell's output, where the view
+        # held it from the claim's start (or was drawn at once, as a
+        # --background cell's is): the one place that a notebook saved by
         # nbclient, which reads no output sent after the cell ended, can show.
-        in_place = self._show_after is None or not self._output_after_view
+        # A view that held no place and came after output goes below it all.
+        in_place = self._placed or self._show_after is None or not self._output_after_view
         if end is not None and not self._view_cleared and end(self.status, in_place=in_place):
             return
         if end is None:
@@ -345,7 +353,7 @@ class ClaimLifecycle(ABC):
 
     def _cleared(self) -> None:
         with self._lock:
-            if self._shown:
+            if self._shown or self._placed:
                 self._view_cleared = True
 
     def _output_came(self) -> None:

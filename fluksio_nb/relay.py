@@ -67,6 +67,20 @@ def kernels_cell_number() -> int | None:
     return count if isinstance(count, int) else None
 
 
+def kernels_colors() -> str | None:
+    """The kernel's IPython colour scheme (``neutral`` in a notebook), or ``None`` outside one.
+
+    A claimed cell's traceback is formatted in the worker: in a scheme of its
+    own it came in a dark terminal's palette, near white on JupyterLab's light
+    error background. ``neutral`` is what ipykernel uses, in colours the
+    front ends map to their theme's.
+    """
+    getipython = sys.modules.get("IPython.core.getipython")
+    shell = getipython and getipython.get_ipython()
+    colors = getattr(shell, "colors", None)
+    return colors if isinstance(colors, str) else None
+
+
 class NoOneToAsk(Exception):
     """A claimed cell asked for input where no one can answer it."""
 

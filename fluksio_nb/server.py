@@ -300,6 +300,9 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
 
     # Its uid's name: $USER is anybody's to set.
     web_app.settings["fluksio_os_user"] = my_user()
+    from fluksio_nb.kernel_status import keep_subshell_requests_out_of_the_status
+
+    keep_subshell_requests_out_of_the_status(serverapp)
     web_app.add_handlers(
         ".*$",
         [

@@ -320,7 +320,9 @@ class StatusView(Protocol):
     drew, and say whether it had drawn anything to put it in place of; with
     ``in_place`` false, blank what it drew and say False, for the record to be
     shown after the cell's output. A view without ``end`` is updated one last
-    time, and the record is shown after it.
+    time, and the record is shown after it. A view may also have
+    ``hold_the_place(output)``: draw a blank display in the cell at once, for
+    the status and then the record to take, above all the cell's output.
     """
 
     def show(self, status: ClaimStatus) -> None: ...
@@ -388,6 +390,8 @@ class TextView:
         #: the cell executing when :meth:`show` is first called.
         self._output = output
         self._shown = False
+        #: A blank display holds the status's place (:meth:`hold_the_place`).
+        self._placed = False
         self._ended = False
         self._display_id = new_display_id()
         self._last = 0.0
@@ -409,12 +413,29 @@ class TextView:
                 return
             if not self._shown:
                 self._shown = True
-                if self._output is None:
-                    self._output = CellOutput()
-                self._output.display(status_bundle(status), display_id=self._display_id)
+                if self._placed:
+                    self._output.update_display(status_bundle(status), self._display_id)
+                else:
+                    if self._output is None:
+                        self._output = CellOutput()
+                    self._output.display(status_bundle(status), display_id=self._display_id)
                 self._last = time.monotonic()
                 return
         self.update(status)
+
+    def hold_the_place(self, output) -> None:
+        """Take the cell's first place now, blank, for the status to be drawn in later.
+
+        A claimed cell's status is drawn only once it has waited or run a
+        moment; its output meanwhile went above it, and the rest below. Held
+        from the claim's start, the status and then its record are above all
+        the cell's output, as a background cell's are.
+        """
+        with self._lock:
+            if self._shown or self._ended or self._placed:
+                return
+            self._output, self._placed = output, True
+            output.display(NOTHING_SHOWN, display_id=self._display_id)
 
     def update(self, status: ClaimStatus) -> None:
         now = time.monotonic()
@@ -431,10 +452,11 @@ class TextView:
         """Redraw as the record of how the claim ended; False if nothing was drawn there."""
         with self._lock:
             self._ended = True
-            if self._shown:
+            drawn = self._shown or self._placed
+            if drawn:
                 shown = status_bundle(status) if in_place else NOTHING_SHOWN
                 self._output.leave_display(shown, self._display_id)
-            return self._shown and in_place
+            return drawn and in_place
 
 
 @functools.cache

@@ -476,24 +476,35 @@ def test_a_cell_that_clears_its_output_after_the_live_view_still_ends_with_its_r
     assert len(kept) == 2 and kept[1].startswith("clearing: ok"), kept
 
 
-def test_the_record_ends_the_cell_below_output_that_came_after_its_live_view(kernel, tmp_path):
-    """Guards against the record landing between a cell's prints, where its live view
-    happened to be drawn, or above them all, as the cell's timing fell."""
+def test_a_foreground_cells_status_and_record_stay_above_all_its_output(kernel, tmp_path):
+    """Guards against a claimed cell's output split around its status: the first print
+    above the live view, drawn a moment into the claim, and the rest below it; and
+    against the record going below the output, where a background cell's stays above.
+    The status holds its place from the claim's start, and the record takes it."""
     go = tmp_path / "go"
     msg_id = kernel.client.execute(
-        f"%%claim --label steps\nprint('step 0')\n{until_it_exists(go)}"
+        f"%%claim --label steps\nprint('step 0', flush=True)\n{until_it_exists(go)}"
         "print('step 1')\nprint('step 2')"
     )
     try:
         kernel.messages_of(
-            msg_id, until=Until("draw its live view", lambda r: r.of("display_data"))
+            msg_id,
+            until=Until(
+                "draw its live view after its first print",
+                lambda r: (
+                    "step 0" in r.stdout
+                    and any(
+                        "application/vnd.jupyter.widget-view+json" in m["content"]["data"]
+                        for m in r.of("display_data", "update_display_data")
+                    )
+                ),
+            ),
         )
     finally:
         go.touch()
-    # The view's place is left blank; the prints may come in one message or three.
     kept = [text for text in kept_outputs(kernel.messages_of(msg_id)) if text]
-    assert "".join(kept[:-1]) == "step 0\nstep 1\nstep 2\n", kept
-    assert kept[-1].startswith("steps: ok"), kept
+    assert kept[0].startswith("steps: ok"), kept
+    assert "".join(kept[1:]) == "step 0\nstep 1\nstep 2\n", kept
 
 
 def test_a_background_cells_record_stays_above_its_output_where_its_status_was(kernel):

@@ -70,7 +70,9 @@ def test_nbconvert_html_of_an_executed_notebook_shows_each_claims_record(tmp_pat
         "later: ok · waited ",
     ):
         assert page.count(said) == 1, f"{said!r} is on the page {page.count(said)} times"
-    assert "live status" not in page, "a live widget's fallback was kept in place of its record"
+    assert "running when this was saved" not in page, (
+        "a live widget's fallback was kept in place of its record"
+    )
     assert page.index("later: ok · waited ") < page.index("the job is over"), "not in its cell"
     # How nbconvert places a widget view, for a widget manager that is not there.
     assert '<script type="application/vnd.jupyter.widget-view+json">' not in page

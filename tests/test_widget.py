@@ -214,7 +214,7 @@ def test_the_text_fallback_never_changes_with_the_phase(wire, status):
     """nbval reads a display as first drawn, a saved notebook as last redrawn: they must agree."""
     data, _ = ClaimWidget(status)._repr_mimebundle_()
     assert data["text/plain"] == (
-        f"{status.label}: live status (its record replaces it when the claim ends)"
+        f"{status.label}: running when this was saved; `fluksio-nb usage` says how it ended"
     )
     assert WIDGET_VIEW in data
     assert data == ClaimWidget(waiting_status(label=status.label))._repr_mimebundle_()[0] | {
@@ -789,13 +789,16 @@ def test_a_claimed_cell_shows_the_widget_and_its_record_takes_the_widgets_place(
     started = time.monotonic()
     ran = kernel.run("%%claim cpus=1 --label slow\nimport time\ntime.sleep(3)", check=True)
     took = time.monotonic() - started
-    (shown,) = ran.of("display_data")
+    # Its place is held, blank, from the claim's start: above anything the cell prints.
+    (held,) = ran.of("display_data")
+    assert held["content"]["data"] == {"text/plain": ""}
+    shown, record = ran.of("update_display_data")
+    assert shown["content"]["transient"] == held["content"]["transient"]
     assert WIDGET_VIEW in shown["content"]["data"]
     model = shown["content"]["data"][WIDGET_VIEW]["model_id"]
     assert shown["content"]["data"]["text/plain"] == (
-        "slow: live status (its record replaces it when the claim ends)"
+        "slow: running when this was saved; `fluksio-nb usage` says how it ended"
     )
-    (record,) = ran.of("update_display_data")
     assert record["content"]["transient"] == shown["content"]["transient"]
     assert WIDGET_VIEW not in record["content"]["data"]
     said = record["content"]["data"]["text/plain"]

@@ -194,9 +194,11 @@ class ClaimWidget(_Widget):
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # The fallback never changes: nbval reads a display as it was first
         # drawn. The whole display is replaced when the claim ends
-        # (WidgetView.end), so this is read only of a claim that never did.
+        # (WidgetView.end), so this is read only where it never was: a copy
+        # saved while the claim ran, read long after, untrusted or converted.
+        # It says what is still true then, and where the ending is.
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = f"{self.label}: live status (its record replaces it when the claim ends)"
+        text = f"{self.label}: running when this was saved; `fluksio-nb usage` says how it ended"
         data["text/plain"] = text
         data["text/html"] = marked_html(text, "running")
         return data, metadata
@@ -242,11 +244,23 @@ class WidgetView:
             if self.widget is None:
                 self.widget = ClaimWidget(status)
                 self._phase, self._last = status.phase, time.monotonic()
-                self._output = CellOutput()
                 data, metadata = self.widget._repr_mimebundle_()
-                self._output.display(data, metadata, display_id=self._display_id)
+                if self._output is not None:
+                    # In the place held for it, above the cell's output.
+                    self._output.update_display(data, self._display_id, metadata)
+                else:
+                    self._output = CellOutput()
+                    self._output.display(data, metadata, display_id=self._display_id)
                 return
         self.update(status)
+
+    def hold_the_place(self, output: Any) -> None:
+        """Take the cell's first place now, blank, for the widget (see :class:`TextView`)."""
+        with self._lock:
+            if self.widget is not None or self._ended or self._output is not None:
+                return
+            self._output = output
+            output.display(NOTHING_SHOWN, display_id=self._display_id)
 
     def update(self, status: ClaimStatus) -> None:
         now = time.monotonic()
@@ -267,11 +281,12 @@ class WidgetView:
         with self._lock:
             self._ended = True
             widget = self.widget
-            if widget is None:
+            if widget is None and self._output is None:
                 return False
             shown = status_bundle(status) if in_place else NOTHING_SHOWN
             self._output.leave_display(shown, self._display_id)
-            widget.let_go()
+            if widget is not None:
+                widget.let_go()
             return in_place
 
 

@@ -13,6 +13,11 @@ const SVG = "http://www.w3.org/2000/svg";
 // is still looking (its lease is 90 s of the kernel's idle time). Rarely,
 // because each message costs the kernel a few milliseconds of its main thread.
 const PING_MS = 30000;
+// A monitor that heard nothing this long is stale: while anyone watches, the
+// kernel sends a point of the machine's history every 2 s, from a thread of
+// its own, busy or not. Its kernel shut down, restarted or died, the monitor
+// would otherwise go on showing the last figures, kernel RSS included, as live.
+const STALE_MS = 15000;
 
 // RSS at or above this share of the budget turns the bar amber.
 const NEAR_BUDGET = 0.8;
@@ -864,9 +869,14 @@ function renderMonitor(model, el) {
   // The kernel's clock, as seen from here: pushes carry its time.
   let offset = 0;
   const kernelNow = () => Date.now() / 1000 + offset;
+  // When the kernel last sent anything, and whether it can no longer be told.
+  let heardAt = Date.now();
+  let gone = false;
 
   const draw = () => {
     const m = model.get("machine") || {};
+    const stale = gone || Date.now() - heardAt > STALE_MS;
+    root.dataset.stale = stale ? "yes" : "no";
     if (!m.cpus) {
       root.replaceChildren(h("div", "fluksio-muted", "Reading the machine…"));
       return;
@@ -1048,6 +1058,13 @@ function renderMonitor(model, el) {
     put(
       root,
       h("div", "fluksio-title", "Machine"),
+      stale
+        ? h(
+            "div",
+            "fluksio-stale",
+            `Stale: the kernel that showed this is gone or silent; as it was ${clock((Date.now() - heardAt) / 1000)} ago. Run %claims again in a running kernel.`,
+          )
+        : null,
       rows,
       enforcementRow(m.enforcement, true),
       runningList,
@@ -1061,6 +1078,7 @@ function renderMonitor(model, el) {
 
   const redraw = scheduler(draw);
   const onChange = () => {
+    heardAt = Date.now();
     const m = model.get("machine") || {};
     if (m.clock) offset = m.clock - Date.now() / 1000;
     redraw();
@@ -1075,7 +1093,9 @@ function renderMonitor(model, el) {
     try {
       model.send({ type, view });
     } catch (error) {
-      // The kernel has gone; there is nobody to tell.
+      // The kernel has gone; there is nobody to tell, and the figures are stale.
+      gone = true;
+      redraw();
     }
   };
   say("hello");

@@ -57,7 +57,7 @@ from fluksio_nb.env import EnvironMark, differs_only_in_threads, worker_environ
 from fluksio_nb.errors import Interrupted
 from fluksio_nb.inventory import confine
 from fluksio_nb.random_streams import SAME
-from fluksio_nb.relay import kernels_cell_number
+from fluksio_nb.relay import kernels_cell_number, kernels_colors
 from fluksio_nb.stop_button import stop_held_back, the_cell_is_over
 from fluksio_nb.worker.cell import CellInFlight
 from fluksio_nb.worker.messages import (
@@ -283,6 +283,7 @@ class Worker:
                         path=list(sys.path),
                         cwd=os.getcwd(),
                         execution_count=kernels_cell_number(),
+                        colors=kernels_colors(),
                     )
                     return self._run(cell, request, on_sent)
                 except KeyboardInterrupt:

@@ -86,6 +86,7 @@ from fluksio_nb.worker.shell import (
     make_shell,
     report_exception_only,
     start_fresh,
+    use_the_kernels_colors,
 )
 from fluksio_nb.worker.threads import take_threads
 
@@ -348,6 +349,7 @@ def run_one_cell(shell: WorkerShell, request: Run, interrupts: Interrupts) -> No
     given = request.random_state
     streams_before: dict[str, Any] = {}
     try:
+        use_the_kernels_colors(shell, request.colors)
         follow_the_kernel(request.path, request.cwd, request.environ)
         if given is not None:
             streams_before = random_streams.arrive(given)

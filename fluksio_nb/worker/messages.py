@@ -117,6 +117,10 @@ class Run(_Message):
     #: The kernel's ``In[n]`` for the cell, so that its traceback says
     #: ``Cell In[n]`` as the notebook numbers it; None outside a kernel.
     execution_count: int | None = None
+    #: The kernel's IPython colour scheme (``InteractiveShell.colors``), so that
+    #: the cell's traceback is coloured for the notebook's theme as the
+    #: kernel's own are; None outside a kernel.
+    colors: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

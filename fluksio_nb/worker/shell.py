@@ -402,7 +402,8 @@ def make_shell(reporter: Reporter) -> WorkerShell:
         # The output cache (Out, _1, _2...) holds every result; the namespace
         # is emptied between cells anyway.
         cache_size=0,
-        colors="linux",
+        # ipykernel's own scheme, until the kernel says which (use_the_kernels_colors).
+        colors="neutral",
         display_pub_class=FramePublisher,
         displayhook_class=ResultHook,
     )
@@ -417,6 +418,21 @@ def make_shell(reporter: Reporter) -> WorkerShell:
 
 #: What IPython's own reset keeps in the namespace: objects' ``__del__`` may need them.
 _KEPT_BY_RESET = frozenset({"__builtin__", "__builtins__", "__name__"})
+
+
+def use_the_kernels_colors(shell: WorkerShell, colors: str | None) -> None:
+    """Colour tracebacks as the kernel does, so that they read in the notebook's theme.
+
+    A scheme the worker does not know (one a kernel registered for itself)
+    leaves the one it has: a traceback in the wrong colours still says what
+    went wrong, a cell that fails on its colours says nothing.
+    """
+    if colors is None or colors == shell.colors:
+        return
+    try:
+        shell.colors = colors
+    except Exception:
+        shell.colors = "neutral"
 
 
 def let_go_of_the_cells_values(shell: WorkerShell) -> None:

@@ -57,7 +57,7 @@ def test_the_claim_status_and_the_monitor_draw_in_notebook_7(notebook, page):
     assert claim.locator(".fluksio-label").inner_text() == HOSTILE
     # The 3px edge comes from widget.css alone: the record's is inline, on another element.
     assert claim.evaluate("e => getComputedStyle(e).borderLeftWidth") == "3px"
-    assert "live status (its record replaces it" not in nb.output_of(1).inner_text(), (
+    assert "running when this was saved" not in nb.output_of(1).inner_text(), (
         "the fallback was drawn"
     )
     seen, record = phases_until_the_record(nb.output_of(1))
