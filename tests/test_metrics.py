@@ -256,6 +256,8 @@ def test_machine_status_says_the_admins_rules_and_where_the_metrics_are():
         "cards idle 30 min while another claim waits are given back, 5 min after a warning "
         f"(idle_card_minutes in {layout.config})",
         f"metrics for Prometheus at http://{where}/metrics",
+        "card slices: compute shared by time (no MPS control daemon (nvidia-cuda-mps-control) "
+        "runs here: the slices of a card take turns on all its cores)",
     ]
 
 

@@ -166,7 +166,7 @@ def test_the_snapshot_shows_every_claim_on_the_machine_and_whose_it_is(server, c
 
     assert machine["ledger"] == server.env["FLUKSIO_LEDGER"]
     assert machine["books"] == "user"
-    assert machine["cpus"] == {"total": 4, "free": 2, "free_ids": []}
+    assert machine["cpus"] == {"total": 4, "free": 2, "free_ids": [], "kept_back": 0}
     assert machine["gpus"]["total"] == 2 and machine["gpus"]["free"] == 0
     assert machine["ram_bytes"]["total"] == 8_000_000_000
     assert labels(machine["running"]) == ["holds-both-cards", "also-mine"]
