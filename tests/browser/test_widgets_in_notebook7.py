@@ -116,7 +116,7 @@ def test_the_notebook_page_shows_the_machine_and_opens_the_panel_in_one_click(no
     top = ui.locator("#top-panel #fluksio-nb-topbar")
     shares = top.locator(".fluksio-lab-status")
     shares.wait_for(timeout=30_000)
-    assert shares.inner_text().startswith("CPU 0/2 used"), shares.inner_text()
+    assert shares.inner_text().startswith("cpus 0/2 used"), shares.inner_text()
     kernel = top.locator(".fluksio-lab-glance [data-field=kernel]")
     kernel.wait_for(timeout=30_000)
     assert re.fullmatch(r"Kernel \d+\.\dMB", kernel.inner_text()), kernel.inner_text()
