@@ -169,9 +169,14 @@ def _hold_cards_v2(place: CapPlace, granted: set[int], share: ClaimCgroup | None
     return made
 
 
-def hold_away_from_cards(place: CapPlace) -> ClaimCgroup:
-    """A cgroup for a kernel that may open no card: its claims' workers leave it for their own."""
-    return hold_cards(place, ())
+def hold_away_from_cards(place: CapPlace, share: ClaimCgroup | None = None) -> ClaimCgroup:
+    """A cgroup for a kernel that may open no card: its claims' workers leave it for their own.
+
+    On cgroup v2, ``share`` is the kernel's ``kernel_ram`` cgroup if it has one:
+    a process is in one v2 cgroup, so the program goes on that one, and a
+    second cgroup would take the kernel out of its memory cap.
+    """
+    return hold_cards(place, (), share)
 
 
 def name_after(cgroup: ClaimCgroup, pid: int) -> None:

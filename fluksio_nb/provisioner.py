@@ -217,6 +217,8 @@ class FairShareProvisioner(LocalProvisioner):
     _kept: _Kept | None = None
     #: Where the admin keeps cards to claims: the cgroup the kernel opens none in.
     _away: ClaimCgroup | None = None
+    #: Whether that is the ``kernel_ram`` cgroup itself, as on cgroup v2.
+    _away_is_ram: bool = False
     #: The kernel's ``kernel_ram`` cgroup, where the admin set one (:mod:`fluksio_nb.kernel_ram`).
     _ram: KernelCap | None = None
     #: How the kernel last ended, kept past jupyter_client's ``wait``, which forgets it.
@@ -238,7 +240,10 @@ class FairShareProvisioner(LocalProvisioner):
             kwargs["preexec_fn"] = self._ram.enter
         self._fair = None
         try:
-            self._away = await asyncio.to_thread(hold_kernel_away, env)
+            kernel_ram = None if self._ram is None else self._ram.cgroup
+            self._away = await asyncio.to_thread(hold_kernel_away, env, kernel_ram)
+            # On cgroup v2 the two are one cgroup: entered, named and removed as kernel_ram's.
+            self._away_is_ram = self._away is not None and self._away is kernel_ram
         except Exception as error:
             self.log.warning(
                 "fluksio_nb: kernel %s starts able to open every card, though the admin "
@@ -264,7 +269,7 @@ class FairShareProvisioner(LocalProvisioner):
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        if self._away is not None:
+        if self._away is not None and not self._away_is_ram:
             # Under kernel_ram too: the kernel enters both before it runs a line.
             kwargs["preexec_fn"] = in_turn(kwargs.get("preexec_fn"), self._away.enter_from_child)
         try:
@@ -272,7 +277,7 @@ class FairShareProvisioner(LocalProvisioner):
         except BaseException:
             self._let_go_of_cards()
             raise
-        if self._away is not None and self.pid is not None:
+        if self._away is not None and not self._away_is_ram and self.pid is not None:
             name_after(self._away, self.pid)
         if self._fair is not None and self.pid is not None:
             books, machine, share = self._fair
@@ -315,7 +320,7 @@ class FairShareProvisioner(LocalProvisioner):
 
     def _let_go_of_cards(self) -> None:
         away, self._away = self._away, None
-        if away is not None:
+        if away is not None and not self._away_is_ram:
             away.remove()
 
 

@@ -62,11 +62,14 @@ def kernels_may_use_cards(environ: Mapping[str, str]) -> bool:
     return read_config(Layout(Path(*run_dir.parts[:-depth]))).unclaimed_cards
 
 
-def hold_kernel_away(environ: Mapping[str, str]) -> ClaimCgroup | None:
+def hold_kernel_away(
+    environ: Mapping[str, str], share: ClaimCgroup | None = None
+) -> ClaimCgroup | None:
     """The cgroup a kernel about to start enters, where the admin keeps cards to claims.
 
     ``None`` where kernels may use cards; :class:`CardsNotHeld`, saying why,
-    where they may not and no cgroup can hold them.
+    where they may not and no cgroup can hold them. On cgroup v2 the kernel's
+    ``kernel_ram`` cgroup (``share``) is the one held, and returned.
     """
     if kernels_may_use_cards(environ):
         return None
@@ -74,6 +77,6 @@ def hold_kernel_away(environ: Mapping[str, str]) -> ClaimCgroup | None:
     if not place.available:
         raise CardsNotHeld(place.why_not)
     try:
-        return hold_away_from_cards(place)
+        return hold_away_from_cards(place, share)
     except CapNotMade as error:
         raise CardsNotHeld(str(error)) from None

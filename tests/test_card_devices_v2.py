@@ -199,6 +199,26 @@ def test_a_v2_kernel_held_away_from_cards_opens_none_and_its_claim_opens_its_own
         kernel.remove()
 
 
+def test_a_v2_kernel_under_kernel_ram_is_held_away_from_cards_in_that_one_cgroup(
+    cgroup2, nodes, tmp_path
+):
+    """Guards against a kernel under both kernel_ram and unclaimed_cards: false on v2 being
+    moved out of its memory cgroup into a second one for its cards: a process is in one v2
+    cgroup, so the program goes on the kernel_ram cgroup, which is the one returned."""
+    place = v2_place(cgroup2, tmp_path)
+    kernel_ram = hold_cards(place, [0, 1])  # stands in for the kernel's memory cgroup
+    try:
+        assert opened_inside(kernel_ram.path, nodes)["0"] in NO_DRIVER
+        assert hold_away_from_cards(place, share=kernel_ram) is kernel_ram
+        in_kernel = opened_inside(kernel_ram.path, nodes)
+        assert (in_kernel["0"], in_kernel["1"]) == (EPERM, EPERM), in_kernel
+        assert [p.name for p in (cgroup2 / "fluksio_nb").iterdir() if p.is_dir()] == [
+            kernel_ram.path.name
+        ], "no second cgroup for the cards"
+    finally:
+        kernel_ram.remove()
+
+
 @pytest.mark.parametrize("granted", [(), (1,), tuple(range(8))])
 def test_the_device_program_passes_the_kernels_verifier(granted):
     """Guards against an instruction encoded wrong: the kernel's verifier refuses the program.
