@@ -132,40 +132,32 @@ def hold_cards(
     memory cap, its cpuset): the program goes there, and it is returned.
     Raises :class:`~fluksio_nb.memory_cap.CapNotMade`, having left nothing behind.
     """
-    if place.version == CGROUP_V2:
-        return _hold_cards_v2(place, set(granted), share)
-    # Made, denied and known as one step, as a memory cgroup is: a stop
+    cards = set(granted)
+
+    def hold(path: Path) -> None:
+        if place.version == CGROUP_V2:
+            hold_cards_in(path, cards)
+        else:
+            _deny_cards(path, cards)
+
+    def not_held(path: Path, error: OSError) -> CapNotMade:
+        return CapNotMade(f"{path} could not be held to its cards: {error.strerror or error}")
+
+    if place.version == CGROUP_V2 and share is not None and share.version == CGROUP_V2:
+        try:
+            hold(share.path)
+        except OSError as error:
+            raise not_held(share.path, error) from None
+        return share
+    # Made, held and known as one step, as a memory cgroup is: a stop
     # landing between them would leave it there, and nothing to remove it.
     with stop_held_back():
         made = ClaimCgroup._new(place, 0, CONTROLLER)
         try:
-            _deny_cards(made.path, set(granted))
+            hold(made.path)
         except OSError as error:
             made.remove()
-            raise CapNotMade(
-                f"{made.path} could not be held to its cards: {error.strerror or error}"
-            ) from None
-    return made
-
-
-def _hold_cards_v2(place: CapPlace, granted: set[int], share: ClaimCgroup | None) -> ClaimCgroup:
-    if share is not None and share.version == CGROUP_V2:
-        try:
-            hold_cards_in(share.path, granted)
-        except OSError as error:
-            raise CapNotMade(
-                f"{share.path} could not be held to its cards: {error.strerror or error}"
-            ) from None
-        return share
-    with stop_held_back():
-        made = ClaimCgroup._new(place, 0, CONTROLLER)
-        try:
-            hold_cards_in(made.path, granted)
-        except OSError as error:
-            made.remove()
-            raise CapNotMade(
-                f"{made.path} could not be held to its cards: {error.strerror or error}"
-            ) from None
+            raise not_held(made.path, error) from None
     return made
 
 

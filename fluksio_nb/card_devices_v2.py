@@ -56,9 +56,8 @@ from fluksio_nb.memory_cap import (
     CLAIM_NAME,
     PARENT_NAME,
     CapPlace,
-    _changed_by_others,
-    _may_write,
     _v2_mount,
+    v2_not_ours,
 )
 
 #: ``bpf``'s system call number, per machine (``uname -m``).
@@ -245,16 +244,8 @@ def find_v2_place(v2_path: str, root: Path = CGROUP_ROOT) -> CapPlace:
     if CLAIM_NAME.match(own.name) and own.parent.name == PARENT_NAME:
         # A kernel held away from every card: a child could open no more.
         base = own.parent.parent
-    if not (_may_write(base) and _may_write(base / "cgroup.procs")):
-        return CapPlace(
-            None,
-            why_not=(
-                f"cgroup v2's {base} is not delegated to this user (it may not make "
-                "cgroups there, or move processes between them)"
-            ),
-        )
-    if (shared := _changed_by_others(mount, base)) is not None:
-        return CapPlace(None, why_not=shared)
+    if (not_ours := v2_not_ours(mount, base)) is not None:
+        return CapPlace(None, why_not=not_ours)
     if (refused := bpf_refusal()) is not None:
         return CapPlace(None, why_not=refused)
     return CapPlace(CGROUP_V2, parent=base / PARENT_NAME, home=own)

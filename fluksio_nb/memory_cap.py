@@ -201,17 +201,19 @@ def _v2_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
                 "(not in its cgroup.subtree_control)"
             ),
         )
-    if not (_may_write(base) and _may_write(base / "cgroup.procs")):
-        return CapPlace(
-            None,
-            why_not=(
-                f"cgroup v2's {base} is not delegated to this user (it may not make "
-                "cgroups there, or move processes between them)"
-            ),
-        )
-    if (shared := _changed_by_others(mount, base)) is not None:
-        return CapPlace(None, why_not=shared)
+    if (refused := v2_not_ours(mount, base)) is not None:
+        return CapPlace(None, why_not=refused)
     return CapPlace(CGROUP_V2, parent=base / PARENT_NAME, home=own)
+
+
+def v2_not_ours(mount: Path, base: Path) -> str | None:
+    """Why claims' cgroups may not be made under cgroup v2's ``base``; ``None`` if they may."""
+    if not (_may_write(base) and _may_write(base / "cgroup.procs")):
+        return (
+            f"cgroup v2's {base} is not delegated to this user (it may not make "
+            "cgroups there, or move processes between them)"
+        )
+    return _changed_by_others(mount, base)
 
 
 def _v1_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
