@@ -11,6 +11,7 @@ every user's claims and refuse to cancel another user's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -384,27 +385,17 @@ def test_a_waiting_claim_has_its_place_an_expected_wait_and_its_notebook(server,
         assert claim["notebook"] is None, "a claim made outside Jupyter names no notebook"
 
 
-def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = find()
-        if found:
-            return found
-        time.sleep(0.25)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
-
-
-def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(server):
-    """Guards against a panel that cannot say which notebook holds a card, or cannot stop it."""
-    (server.root / "work").mkdir(exist_ok=True)
-    server.write_notebook("work/train.ipynb", [])
+@contextlib.contextmanager
+def kernel_of(server: JupyterLab, path: str) -> Iterator[tuple[str, BlockingKernelClient]]:
+    """A kernel the server started for the notebook at ``path``, and a client of it."""
+    server.write_notebook(path, [])
     status, _, session = call(
         server,
         "POST",
         "api/sessions",
         body={
-            "path": "work/train.ipynb",
-            "name": "train.ipynb",
+            "path": path,
+            "name": Path(path).name,
             "type": "notebook",
             "kernel": {"name": "python3"},
         },
@@ -420,6 +411,26 @@ def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(s
     client.start_channels(hb=False)
     try:
         client.wait_for_ready(timeout=60)
+        yield kernel_id, client
+    finally:
+        client.stop_channels()
+        call(server, "DELETE", f"api/sessions/{session['id']}")
+
+
+def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = find()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(server):
+    """Guards against a panel that cannot say which notebook holds a card, or cannot stop it."""
+    (server.root / "work").mkdir(exist_ok=True)
+    with kernel_of(server, "work/train.ipynb") as (kernel_id, client):
         run_in(client, "%load_ext fluksio_nb")
         run_in(
             client,
@@ -452,9 +463,6 @@ def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(s
             "    print(job.status, type(error).__name__, error)",
         )
         assert "from JupyterLab" in ended, ended
-    finally:
-        client.stop_channels()
-        call(server, "DELETE", f"api/sessions/{session['id']}")
 
 
 AUTHORIZER = """

@@ -6,19 +6,16 @@ real kernel it starts through a session, as a notebook's would be.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
 from tests.browser.lab import JupyterLab
 from tests.kernels import run_in
-from tests.test_server import call, snapshot, wait_for
+from tests.test_server import call, kernel_of, snapshot, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,36 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
     lab.stop()
 
 
-@contextlib.contextmanager
-def kernel_of(server: JupyterLab) -> Iterator[tuple[str, BlockingKernelClient]]:
-    """A kernel the server started for a notebook, and a client of it."""
-    server.write_notebook("glance.ipynb", [])
-    status, _, session = call(
-        server,
-        "POST",
-        "api/sessions",
-        body={
-            "path": "glance.ipynb",
-            "name": "glance.ipynb",
-            "type": "notebook",
-            "kernel": {"name": "python3"},
-        },
-    )
-    assert status == 201, session
-    kernel_id = session["kernel"]["id"]
-    client = BlockingKernelClient(
-        connection_file=str(Path(server.env["JUPYTER_RUNTIME_DIR"]) / f"kernel-{kernel_id}.json")
-    )
-    client.load_connection_file()
-    client.start_channels(hb=False)
-    try:
-        client.wait_for_ready(timeout=60)
-        yield kernel_id, client
-    finally:
-        client.stop_channels()
-        call(server, "DELETE", f"api/sessions/{session['id']}")
-
-
 def history_points(server: JupyterLab) -> list[dict[str, Any]]:
     status, _, body = call(server, "GET", "fluksio/api/history")
     assert status == 200, body
@@ -82,7 +49,7 @@ def test_a_monitor_in_a_new_kernel_opens_with_the_servers_history(server):
     taken a single point of its own.
     """
     wait_for(lambda: len(history_points(server)) >= 3, "three points of the server's history", 60)
-    with kernel_of(server) as (_, client):
+    with kernel_of(server, "glance.ipynb") as (_, client):
         said = run_in(
             client,
             "import json, time\n"
@@ -110,7 +77,7 @@ def with_the_kernel(server: JupyterLab, kernel_id: str) -> Any:
 def test_the_snapshot_says_the_hosts_use_each_kernels_memory_and_the_cores_kept_back(server):
     """Guards against a status bar that can say only what is claimed: no memory, no CPU use,
     and a 4-core machine with one core kept back said as 3 cores with nothing about the fourth."""
-    with kernel_of(server) as (kernel_id, client):
+    with kernel_of(server, "glance.ipynb") as (kernel_id, client):
         run_in(client, "block = bytearray(80_000_000)")
         found = wait_for(
             with_the_kernel(server, kernel_id), "the kernel's 80 MB in the snapshot", 60
