@@ -213,8 +213,13 @@ NON_TEXT_JS = """
 
 
 def non_text_below_3(locator: Any) -> list[tuple[str, float]]:
-    marks = [(one.get_attribute("class"), one.evaluate(NON_TEXT_JS)) for one in locator.all()]
-    assert marks, f"nothing found at {locator}"
+    def styled() -> list[tuple[str, float]] | None:
+        marks = [(one.get_attribute("class"), one.evaluate(NON_TEXT_JS)) for one in locator.all()]
+        # 0 is no fill and no edge at all: the widget's stylesheet not applied yet (it
+        # comes with the widget's module, after its DOM), not a contrast to judge.
+        return marks if marks and all(ratio > 0 for _, ratio in marks) else None
+
+    marks = wait_for(styled, f"{locator} drawn with its stylesheet", 30)
     return [(name, round(ratio, 2)) for name, ratio in marks if ratio < 3]
 
 
