@@ -17,6 +17,7 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Panel } from '@lumino/widgets';
 
+import { errorsPlugin } from './errors';
 import { MachineModel } from './model';
 import { Notices, noticeSettings } from './notices';
 import { MachinePanel } from './panel';
@@ -107,4 +108,4 @@ const plugin: JupyterFrontEndPlugin<void> = {
   }
 };
 
-export default plugin;
+export default [plugin, errorsPlugin];
