@@ -109,10 +109,14 @@ export class SavedView extends Widget implements IRenderMime.IRenderer {
       .requestCommInfo({ target_name: 'jupyter.widget' })
       .then(reply => {
         const content = reply.content;
-        const held = content.status === 'ok' && modelId in (content.comms ?? {});
-        // The live view drew a widget of its own: whatever the kernel says now, it is shown.
-        // (ipywidgets' renderer is a panel that holds the widget's view once drawn.)
-        const drewNothing = ((live as Widget & { widgets?: readonly Widget[] }).widgets ?? []).length === 0;
+        // Own keys only: a model id is the notebook file's to say, "__proto__" included.
+        const held =
+          content.status === 'ok' &&
+          Object.prototype.hasOwnProperty.call(content.comms ?? {}, modelId);
+        // ipywidgets' renderer is a panel that holds the widget's view once drawn;
+        // one drawn is shown, whatever the kernel says of it now.
+        const views = (live as Widget & { widgets?: readonly Widget[] }).widgets ?? [];
+        const drewNothing = views.length === 0;
         if (!held && drewNothing && !this.isDisposed && !live.isDisposed) {
           live.dispose();
           this._showSaved(model, view.kind);
