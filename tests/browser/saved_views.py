@@ -48,6 +48,12 @@ def live_views_read_as_saved(notebook: Any, server: JupyterLab) -> None:
         nb.wait_until_idle()
         nb.save()
 
+        # The page opened again beside the same kernel, still running: still live, not stale.
+        nb.open()
+        nb.wait_for(1, ".fluksio-monitor[data-stale=no]")
+        nb.wait_for(2, ".fluksio-claim[data-phase=running]")
+        assert not nb.panel.locator(".fluksio-lab-saved-view[data-stale]").count()
+
         # (b) With a new kernel, which holds no widget of the old one's.
         server.shutdown_kernels()
         nb.open()
