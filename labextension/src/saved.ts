@@ -22,13 +22,15 @@
  *
  * The factory is not safe: an untrusted notebook keeps its sanitized
  * text/html, as it does for a widget view. Stale is said in the words of the
- * live monitor's own mark (fluksio_nb/widget/widget.js).
+ * live monitor's own mark (format.ts, from fluksio_nb/widget/widget.js).
  */
 import type { JupyterFrontEnd } from '@jupyterlab/application';
 import type { ISessionContext } from '@jupyterlab/apputils';
 import type { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { PanelLayout, Widget } from '@lumino/widgets';
+
+import { STALE_MONITOR, STALE_SAVED } from './format';
 
 /** Which of our widgets a display is: `{"model_id": ..., "kind": "monitor" | "claim"}`. */
 export const SAVED_VIEW = 'application/vnd.fluksio-nb.live-view+json';
@@ -37,12 +39,6 @@ const WIDGET_VIEW = 'application/vnd.jupyter.widget-view+json';
 
 /** ipywidgets' widget-view renderers are at -10: ours must be picked first. */
 const RANK = -20;
-
-/** What is said above a view whose kernel is gone, as the live monitor says it. */
-export const STALE = 'Stale: the kernel that showed this is gone; as it was when saved.';
-
-/** What a monitor adds: how to see the machine now. */
-const STALE_MONITOR = 'Run %claims again in a running kernel.';
 
 /** Where one notebook draws: its rendermime and its session. */
 interface Place {
@@ -133,7 +129,7 @@ export class SavedView extends Widget implements IRenderMime.IRenderer {
     this.node.dataset.stale = 'yes';
     const mark = new Widget();
     mark.addClass('fluksio-lab-saved-stale');
-    mark.node.textContent = kind === 'monitor' ? `${STALE} ${STALE_MONITOR}` : STALE;
+    mark.node.textContent = kind === 'monitor' ? `${STALE_SAVED} ${STALE_MONITOR}` : STALE_SAVED;
     // Bold, as the live monitor's own mark (widget.css's .fluksio-stale).
     mark.node.style.fontWeight = '600';
     (this.layout as PanelLayout).addWidget(mark);

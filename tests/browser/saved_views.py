@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.browser.lab import JupyterLab, Notebook, until_exists
+from tests.browser.lab import JupyterLab, Notebook, contrast_failures, until_exists
 
 SAVED_VIEW = "application/vnd.fluksio-nb.live-view+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -54,11 +54,19 @@ def live_views_read_as_saved(notebook: Any, server: JupyterLab) -> None:
         nb.wait_for(2, ".fluksio-claim[data-phase=running]")
         assert not nb.panel.locator(".fluksio-lab-saved-view[data-stale]").count()
 
-        # (b) With a new kernel, which holds no widget of the old one's.
+        # (b) With a new kernel, which holds no widget of the old one's: in either theme.
         server.shutdown_kernels()
         nb.open()
         each_reads_as_saved(nb, "a new kernel")
         nb.screenshot(f"live-views-saved-new-kernel-{server.app}")
+        low = contrast_failures(nb.panel.locator(".fluksio-lab-saved-view"))
+        assert low == [], f"saved views below 4.5:1 on the light theme: {low}"
+        server.use_theme("JupyterLab Dark")
+        nb.open()
+        nb.page.locator('body[data-jp-theme-light="false"]').wait_for(state="attached")
+        each_reads_as_saved(nb, "a new kernel, in the dark theme")
+        low = contrast_failures(nb.panel.locator(".fluksio-lab-saved-view"))
+        assert low == [], f"saved views below 4.5:1 on the dark theme: {low}"
 
         # (a) With no kernel: shut down, and the notebook read again from disk.
         nb.menu("Kernel", "kernelmenu:shutdown")
@@ -77,6 +85,7 @@ def live_views_read_as_saved(notebook: Any, server: JupyterLab) -> None:
             kinds = {kind for o in saved["cells"][index]["outputs"] for kind in o.get("data", {})}
             assert {SAVED_VIEW, WIDGET_VIEW, "text/plain", "text/html"} <= kinds, (index, kinds)
     finally:
+        server.use_theme("JupyterLab Light")
         release.touch()
 
 
