@@ -12,6 +12,7 @@ call :func:`live_views_read_as_saved` with that app's fixtures.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.browser.lab import JupyterLab, Notebook, contrast_failures, until_exists
@@ -84,6 +85,18 @@ def live_views_read_as_saved(notebook: Any, server: JupyterLab) -> None:
         for index in (1, 2):
             kinds = {kind for o in saved["cells"][index]["outputs"] for kind in o.get("data", {})}
             assert {SAVED_VIEW, WIDGET_VIEW, "text/plain", "text/html"} <= kinds, (index, kinds)
+
+        # An untrusted copy (another's, changed since it was signed) keeps its sanitized
+        # HTML, as it did before: ours, like the widget view, is drawn only where trusted.
+        saved["metadata"]["copied"] = True
+        (server.root / "live-saved-copy.ipynb").write_text(json.dumps(saved))
+        copy = Notebook(server, nb.page, "live-saved-copy.ipynb").open()
+        for index, said in ((1, "machine as of "), (2, "bg: running when this was saved")):
+            output = copy.output_of(index)
+            output.get_by_text(said).first.wait_for(timeout=60_000)
+            text = output.inner_text()
+            assert not any(broken in text for broken in BROKEN), text
+            assert not output.locator(".fluksio-lab-saved-view").count(), text
     finally:
         server.use_theme("JupyterLab Light")
         release.touch()
