@@ -20,6 +20,11 @@
  *   its place, marked stale. That question waits behind a running cell, so
  *   it is only ever asked beside the live renderer, not before it.
  *
+ * It is added as the Notebook widget factory's extension, which runs as each
+ * notebook panel is made, before its outputs are drawn (the notebook tracker
+ * would do as well, but @jupyterlab/notebook is not among this package's
+ * dependencies, and nothing else here needs it).
+ *
  * The factory is not safe: an untrusted notebook keeps its sanitized
  * text/html, as it does for a widget view. Stale is said in the words of the
  * live monitor's own mark (format.ts, from fluksio_nb/widget/widget.js).
