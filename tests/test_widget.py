@@ -15,6 +15,7 @@ end would receive, and delivering the messages a front end would send.
 from __future__ import annotations
 
 import gc
+import html
 import re
 import sys
 import threading
@@ -35,6 +36,7 @@ from fluksio_nb.sampler import Sample
 from fluksio_nb.status import ClaimStatus, describe, ordinal, running_statuses, status_bundle
 from fluksio_nb.widget import ClaimWidget, MonitorWidget, monitor
 from fluksio_nb.widget.facts import doing_fact, machine_facts, monitor_html
+from fluksio_nb.widget.saved import SAVED_VIEW
 from fluksio_nb.widget.ticker import KernelActivity, MachineReader, MonitorWatch
 from tests.waiting import wait_until
 
@@ -218,8 +220,31 @@ def test_the_text_fallback_never_changes_with_the_phase(wire, status):
     )
     assert WIDGET_VIEW in data
     assert data == ClaimWidget(waiting_status(label=status.label))._repr_mimebundle_()[0] | {
-        WIDGET_VIEW: data[WIDGET_VIEW]
+        WIDGET_VIEW: data[WIDGET_VIEW],
+        SAVED_VIEW: data[SAVED_VIEW],
     }
+
+
+def test_a_live_widgets_display_says_which_of_ours_it_is_and_when_its_text_was_true(
+    wire, declared_machine
+):
+    """Guards against a saved ``%claims`` or running claim that JupyterLab, opened again
+    without its kernel, can only draw as "model not found": the display must name the
+    widget in our own mime type (which the lab extension draws), keep the widget view
+    and fallbacks other front ends pick, and the monitor's text must say when it was true."""
+    claim = ClaimWidget(running_status())
+    data, _ = claim._repr_mimebundle_()
+    assert data[SAVED_VIEW] == {"model_id": claim.model_id, "kind": "claim"}
+    assert data[WIDGET_VIEW]["model_id"] == claim.model_id
+    assert {"text/plain", "text/html"} <= data.keys()
+    widget = monitor()
+    data, _ = widget._repr_mimebundle_()
+    assert data[SAVED_VIEW] == {"model_id": widget.model_id, "kind": "monitor"}
+    assert data[WIDGET_VIEW]["model_id"] == widget.model_id
+    first = data["text/plain"].splitlines()[0]
+    assert re.fullmatch(r"machine as of \d\d:\d\d:\d\d, when %claims drew it", first), first
+    assert html.escape(first) in data["text/html"]
+    widget.close()
 
 
 def test_labels_and_messages_are_escaped_in_every_html_fallback(wire, declared_machine):
@@ -752,7 +777,7 @@ def test_monitor_is_public_and_its_text_is_the_snapshot(wire, declared_machine):
     widget = monitor()
     data, _ = widget._repr_mimebundle_()
     said = data["text/plain"]
-    assert said.startswith(describe_snapshot(kernel_snapshot()) + "\n"), said
+    assert said.split("\n", 1)[1].startswith(describe_snapshot(kernel_snapshot()) + "\n"), said
     assert re.search(r"^this kernel  RSS \d+\.\dMB$", said, re.M), said
     assert WIDGET_VIEW in data
     assert widget.machine["cpus"] == {"total": 4, "free": 4}
@@ -826,7 +851,7 @@ def test_claims_shows_the_live_monitor(kernel):
     (result,) = ran.of("execute_result")
     data = result["content"]["data"]
     assert WIDGET_VIEW in data
-    assert data["text/plain"].splitlines()[0] == "cpus  0/2 used"
+    assert data["text/plain"].splitlines()[1] == "cpus  0/2 used"
 
 
 def test_the_monitor_in_a_kernel_keeps_history_and_shows_the_kernels_memory(kernel):

@@ -29,6 +29,11 @@ What is decided here:
   widget's last state in the notebooks it executes, closed ones too. The
   text fallback beside a live view never changes: it is read only where the
   claim never ended.
+- **A live view opened again without its kernel reads as saved, not as an
+  error** (:mod:`fluksio_nb.widget.saved`): the monitor's display, and a
+  claim's that never ended, say which widget they are in a mime type of
+  ours, which JupyterLab's extension draws as the saved HTML, marked stale,
+  once the kernel that held the widget is gone.
 - **The monitor is refreshed by one thread for all monitors**
   (:mod:`fluksio_nb.widget.ticker`), only while one is watched, and pushes
   only what changed (:mod:`fluksio_nb.widget.facts`).
@@ -50,7 +55,9 @@ import traitlets as t
 from fluksio_nb.relay import new_display_id
 from fluksio_nb.sampler import Sample, is_news
 from fluksio_nb.status import NOTHING_SHOWN, ClaimStatus, marked_html, status_bundle
+from fluksio_nb.vocabulary import clock
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, doing_fact, monitor_html
+from fluksio_nb.widget.saved import with_saved_view
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
 
 __all__ = ["ClaimWidget", "MonitorWidget", "WidgetView", "monitor"]
@@ -201,7 +208,7 @@ class ClaimWidget(_Widget):
         text = f"{self.label}: running when this was saved; `fluksio-nb usage` says how it ended"
         data["text/plain"] = text
         data["text/html"] = marked_html(text, "running")
-        return data, metadata
+        return with_saved_view(data, "claim"), metadata
 
 
 class WidgetView:
@@ -390,7 +397,8 @@ class MonitorWidget(_Widget):
         from fluksio_nb.widget.ticker import finished_claims, kernel_rss_bytes
 
         data, metadata = super()._repr_mimebundle_(**kwargs)
-        text = describe_monitor(
+        # Read only once the live view is gone, maybe days later: it says when it was true.
+        text = f"machine as of {clock(time.time())}, when %claims drew it\n" + describe_monitor(
             kernel_snapshot(),
             ray_now(),
             history=_history_points(),
@@ -399,6 +407,7 @@ class MonitorWidget(_Widget):
         )
         data["text/plain"] = text
         data["text/html"] = monitor_html(text)
+        with_saved_view(data, "monitor")
         # Being drawn is what starts the refreshing.
         self._shown_at = time.monotonic()
         self._watch.watch(self)

@@ -171,3 +171,12 @@ export function endedWords(ending: string, ranS: number | null, error: string | 
   const after = ranS === null ? ' before it got its share' : ` after running ${duration(ranS)}`;
   return `${how}${after}${error ? `: ${error}` : ''}`;
 }
+
+/**
+ * Above a widget's saved view whose kernel is gone: the live monitor's own
+ * stale mark (fluksio_nb/widget/widget.js), for a view that is now its saved text.
+ */
+export const STALE_SAVED = 'Stale: the kernel that showed this is gone; as it was when saved.';
+
+/** What a stale monitor adds, live or saved: how to see the machine now. */
+export const STALE_MONITOR = 'Run %claims again in a running kernel.';

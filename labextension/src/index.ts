@@ -22,6 +22,7 @@ import { MachineModel } from './model';
 import { Notices, noticeSettings } from './notices';
 import { MachinePanel } from './panel';
 import { UseStatus } from './glance';
+import { drawSavedViews } from './saved';
 import { MachineStatus } from './status';
 
 /** What Notebook 7 calls itself: its pages have a top bar and no status bar. */
@@ -45,6 +46,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null,
     settings: ISettingRegistry | null
   ) => {
+    // Before any notebook opens: a saved monitor must never say "model not found".
+    drawSavedViews(app);
     const model = new MachineModel();
     const openNotebook = (path: string) => {
       void app.commands.execute('docmanager:open', { path });
