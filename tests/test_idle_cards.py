@@ -32,7 +32,7 @@ from fluksio_nb.records import IDLE_CARDS
 from tests.gpu_standins import StandInSmi, card
 from tests.kernels import Kernel, until_it_exists
 from tests.machines import fluksio_nb, kernels_on_books, machine, wait_until
-from tests.unix_users import USER_A, USER_B, require_unix_users, shared_tmp_dir, unix_user
+from tests.unix_users import USER_A, USER_B, ready_user, require_unix_users, shared_tmp_dir
 
 GIB = 1 << 30
 
@@ -203,7 +203,7 @@ NEVER = Path("/nonexistent")
 def people():
     require_unix_users()
     with kernels_on_books() as start:
-        yield unix_user(USER_A), unix_user(USER_B), start
+        yield ready_user(USER_A), ready_user(USER_B), start
 
 
 def hold(label: str) -> str:

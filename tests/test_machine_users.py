@@ -29,9 +29,9 @@ from tests.unix_users import (
     USER_A,
     USER_B,
     as_user,
+    ready_user,
     require_unix_users,
     run_as,
-    unix_user,
     user_environ,
 )
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture
 def users():
     require_unix_users()
-    return unix_user(USER_A), unix_user(USER_B)
+    return ready_user(USER_A), ready_user(USER_B)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from fluksio_nb.machine.setup import Layout
 from tests.browser.lab import JupyterLab
 from tests.machines import fluksio_nb, heard, machine, machine_env, process
 from tests.prometheus import prometheus, require_prometheus
-from tests.unix_users import USER_A, require_unix_users, unix_user
+from tests.unix_users import USER_A, ready_user, require_unix_users
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -88,7 +88,7 @@ def test_prometheus_finds_a_users_cores_at_both_places_and_nobodys_label(tmp_pat
     leaking into series anyone reading Prometheus can see."""
     require_prometheus()
     require_unix_users()
-    them = unix_user(USER_A)
+    them = ready_user(USER_A)
     with machine(cpus=5, gpus=1, config={"metrics": "127.0.0.1:0"}) as layout:
         lab = JupyterLab(tmp_path / "lab", FLUKSIO_LEDGER=str(layout.run_dir)).start()
         holders = []

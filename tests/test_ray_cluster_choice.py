@@ -23,7 +23,7 @@ import pytest
 
 from fluksio_nb.ray.connection import OthersRayCluster, address_to_join
 from tests.stops import said_by
-from tests.unix_users import USER_B, as_user, require_unix_users, unix_user, user_environ
+from tests.unix_users import USER_B, as_user, ready_user, require_unix_users, user_environ
 
 LISTEN = (
     "import socket, sys\n"
@@ -46,7 +46,7 @@ def ray_dir(tmp_path, monkeypatch):
 
 def test_a_cluster_another_user_listens_for_is_not_joined_and_the_warning_says_whose(ray_dir):
     require_unix_users()
-    bob = unix_user(USER_B)
+    bob = ready_user(USER_B)
     listener = subprocess.Popen(
         [*as_user(bob), sys.executable, "-c", LISTEN],
         stdin=subprocess.PIPE,

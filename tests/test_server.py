@@ -28,7 +28,7 @@ from jupyter_client import BlockingKernelClient
 from tests.browser.lab import JupyterLab
 from tests.kernels import run_in
 from tests.machines import machine, machine_env
-from tests.unix_users import USER_A, UnixUser, as_user, require_unix_users, unix_user, user_environ
+from tests.unix_users import USER_A, UnixUser, as_user, ready_user, require_unix_users, user_environ
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,7 +81,7 @@ def machine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jupyter
     with machine(cpus=4, gpus=2) as layout:
         home = tmp_path_factory.mktemp("machine-server")
         lab = JupyterLab(home, INVENTORY, FLUKSIO_LEDGER=str(layout.run_dir)).start()
-        lab.second_user = unix_user(USER_A)
+        lab.second_user = ready_user(USER_A)
         yield lab
         lab.stop()
 

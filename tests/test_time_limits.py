@@ -31,7 +31,7 @@ from tests.machines import (
     process,
     wait_until,
 )
-from tests.unix_users import USER_A, USER_B, require_unix_users, shared_tmp_dir, unix_user
+from tests.unix_users import USER_A, USER_B, ready_user, require_unix_users, shared_tmp_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,7 +49,7 @@ FOR_EVER = "import time\nwhile True:\n    time.sleep(0.05)"
 @pytest.fixture
 def users():
     require_unix_users()
-    return unix_user(USER_A), unix_user(USER_B)
+    return ready_user(USER_A), ready_user(USER_B)
 
 
 @pytest.fixture
