@@ -152,8 +152,7 @@ def with_history_facts(snapshot: dict[str, Any]) -> dict[str, Any]:
     for claim in snapshot.get("running", []) + snapshot.get("waiting", []):
         claim.setdefault("notebook", None)
     try:
-        recent = process_recent_usage()
-        durations, shapes = recent.durations(), recent.shapes()
+        durations, shapes = process_recent_usage().past_runs()
     except Exception as error:
         why = f"{CANNOT_TELL}the usage records could not be read ({error})"
         for claim in snapshot.get("waiting", []):

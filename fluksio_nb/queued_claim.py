@@ -191,8 +191,8 @@ class QueuedClaim(ClaimLifecycle):
         self._guessed_at = now
         try:
             snapshot = self._queue.snapshot()
-            recent = process_recent_usage()
-            guesses = expected_waits(snapshot, recent.durations(), shapes=recent.shapes())
+            durations, shapes = process_recent_usage().past_runs()
+            guesses = expected_waits(snapshot, durations, shapes=shapes)
         except Exception:
             # A guess is a courtesy: records that cannot be read never fail a claim.
             return

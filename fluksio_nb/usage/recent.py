@@ -210,28 +210,34 @@ class RecentUsage:
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
-        runs: dict[str, list[tuple[float, float]]] = {}
-        for one in self._kept()[0]:
-            for label, found in one.runs.items():
-                runs.setdefault(label, []).extend(found)
-        return {
-            label: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
-            for label, found in runs.items()
-        }
+        return _newest_runs(self._kept()[0], "runs")
 
     def shapes(self) -> dict[tuple[int, int], list[float]]:
         """How long the latest runs of each shape (cpus, cards) held their share, newest first.
 
         What an expected wait falls back on for a label never run here before.
         """
-        runs: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        for one in self._kept()[0]:
-            for shape, found in one.shape_runs.items():
-                runs.setdefault(shape, []).extend(found)
-        return {
-            shape: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
-            for shape, found in runs.items()
-        }
+        return _newest_runs(self._kept()[0], "shape_runs")
+
+    def past_runs(self) -> tuple[dict[str, list[float]], dict[tuple[int, int], list[float]]]:
+        """:meth:`durations` and :meth:`shapes` from one look at the directories."""
+        kept = self._kept()[0]
+        return _newest_runs(kept, "runs"), _newest_runs(kept, "shape_runs")
+
+
+def _newest_runs(kept: list[_Kept], runs_of: str) -> dict[Any, list[float]]:
+    """Each key's :data:`RUNS_PER_LABEL` latest run times over every directory, newest first.
+
+    ``runs_of`` names the :class:`_Kept` map read: by label or by shape.
+    """
+    runs: dict[Any, list[tuple[float, float]]] = {}
+    for one in kept:
+        for key, found in getattr(one, runs_of).items():
+            runs.setdefault(key, []).extend(found)
+    return {
+        key: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]
+        for key, found in runs.items()
+    }
 
 
 class _Kept:
