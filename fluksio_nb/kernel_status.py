@@ -40,15 +40,15 @@ def keep_subshell_requests_out_of_the_status(serverapp: Any) -> None:
     untracked = getattr(manager, "untracked_message_types", None)
     if not isinstance(untracked, list):
         return
-    missing = [kind for kind in SUBSHELL_MESSAGES if kind not in untracked]
-    if missing:
-        manager.untracked_message_types = [*untracked, *missing]
+    manager.untracked_message_types = _with_subshell_messages(untracked)
     # JupyterLab's server extension copies the list into the page config as it
     # loads; if it loaded before this one, its copy is the one pages get.
     page_config = serverapp.web_app.settings.get("page_config_data", {})
     copied = page_config.get("untracked_message_types")
     if isinstance(copied, list):
-        page_config["untracked_message_types"] = [
-            *copied,
-            *(kind for kind in SUBSHELL_MESSAGES if kind not in copied),
-        ]
+        page_config["untracked_message_types"] = _with_subshell_messages(copied)
+
+
+def _with_subshell_messages(kinds: list[str]) -> list[str]:
+    """``kinds``, then each of :data:`SUBSHELL_MESSAGES` it does not hold yet."""
+    return [*kinds, *(kind for kind in SUBSHELL_MESSAGES if kind not in kinds)]

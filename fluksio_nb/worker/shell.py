@@ -424,8 +424,8 @@ def use_the_kernels_colors(shell: WorkerShell, colors: str | None) -> None:
     """Colour tracebacks as the kernel does, so that they read in the notebook's theme.
 
     A scheme the worker does not know (one a kernel registered for itself)
-    leaves the one it has: a traceback in the wrong colours still says what
-    went wrong, a cell that fails on its colours says nothing.
+    falls back on ipykernel's ``neutral``: a traceback in other colours still
+    says what went wrong, a cell that fails on its colours says nothing.
     """
     if colors is None or colors == shell.colors:
         return
