@@ -136,7 +136,10 @@ export class Notices {
     }
     this._seen = still;
     for (const claim of [...snapshot.waiting, ...snapshot.running].filter(claim => claim.mine)) {
-      this._everSeen.push({ label: claim.label ?? 'a claim', since: claim.since });
+      // A claim is in every poll while it waits or runs: kept once, by when it was asked.
+      const label = claim.label ?? 'a claim';
+      const asked = this._everSeen.get(label) ?? new Set<number>();
+      this._everSeen.set(label, asked.add(claim.since));
     }
     void this._endedUnseen();
     this._stopped(snapshot.kernel_stops ?? [], first ? now - STOPS_SHOWN_AFTER_S : 0);
@@ -237,8 +240,8 @@ export class Notices {
       const finished = (await this._model.readFinished()) ?? [];
       for (const record of finished) {
         const key = `${record.label}@${record.asked_at}`;
-        const seen = this._everSeen.some(
-          one => one.label === record.label && Math.abs(one.since - record.asked_at) < 1
+        const seen = [...(this._everSeen.get(record.label) ?? [])].some(
+          since => Math.abs(since - record.asked_at) < 1
         );
         if (seen || record.ended_at < this._openedAt || this._unseenTold.has(key)) {
           continue;
@@ -344,8 +347,11 @@ export class Notices {
   private _stopsTold = new Set<string>();
   /** The claims whose end was seen: no "started" notice for them, ever. */
   private _endTold = new Set<number>();
-  /** Every claim of the user's any snapshot showed: their ends are told by `_ended`. */
-  private _everSeen: { label: string; since: number }[] = [];
+  /**
+   * Every claim of the user's any snapshot showed, by label, and when each was asked:
+   * their ends are told by `_ended`.
+   */
+  private _everSeen = new Map<string, Set<number>>();
   /** The unseen claims whose end was told, by label and when asked. */
   private _unseenTold = new Set<string>();
   private _openedAt = Date.now() / 1000;
