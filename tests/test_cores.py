@@ -10,11 +10,13 @@ two NUMA nodes when one had room.
 """
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import signal
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -535,11 +537,28 @@ def heavy():
     finally:
         below = sorted((p for p in heavy.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
         for cgroup in [*below, heavy]:
-            # What outlived the kernel goes back where it came from, so the cgroup can go.
-            for pid in (cgroup / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    (base / "cgroup.procs").write_text(pid)
+            removed_once_empty(cgroup, base)
+
+
+def removed_once_empty(cgroup: Path, base: Path, within_s: float = 60.0) -> None:
+    """Remove ``cgroup``, its processes moved back to ``base`` first.
+
+    A process still exiting (a kernel just shut down, under load) stays in its
+    cgroup and cannot be moved, and the cgroup is busy until it is gone: so
+    until ``within_s``, moved and tried again.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (base / "cgroup.procs").write_text(pid)
+        try:
             cgroup.rmdir()
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 # Appended to GREEDY, still inside the claim: what the kernel's scheduler says
