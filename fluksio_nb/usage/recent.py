@@ -45,7 +45,7 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,29 +210,29 @@ class RecentUsage:
 
     def durations(self) -> dict[str, list[float]]:
         """How long each label's latest runs held their share, newest first."""
-        return _newest_runs(self._kept()[0], "runs")
+        return _newest_runs(one.runs for one in self._kept()[0])
 
     def shapes(self) -> dict[tuple[int, int], list[float]]:
         """How long the latest runs of each shape (cpus, cards) held their share, newest first.
 
         What an expected wait falls back on for a label never run here before.
         """
-        return _newest_runs(self._kept()[0], "shape_runs")
+        return _newest_runs(one.shape_runs for one in self._kept()[0])
 
     def past_runs(self) -> tuple[dict[str, list[float]], dict[tuple[int, int], list[float]]]:
         """:meth:`durations` and :meth:`shapes` from one look at the directories."""
         kept = self._kept()[0]
-        return _newest_runs(kept, "runs"), _newest_runs(kept, "shape_runs")
+        return _newest_runs(one.runs for one in kept), _newest_runs(one.shape_runs for one in kept)
 
 
-def _newest_runs(kept: list[_Kept], runs_of: str) -> dict[Any, list[float]]:
-    """Each key's :data:`RUNS_PER_LABEL` latest run times over every directory, newest first.
-
-    ``runs_of`` names the :class:`_Kept` map read: by label or by shape.
-    """
+def _newest_runs(
+    maps: Iterable[Mapping[Any, list[tuple[float, float]]]],
+) -> dict[Any, list[float]]:
+    """Each key's :data:`RUNS_PER_LABEL` latest run times over every directory's map
+    (by label, or by shape), newest first."""
     runs: dict[Any, list[tuple[float, float]]] = {}
-    for one in kept:
-        for key, found in getattr(one, runs_of).items():
+    for one in maps:
+        for key, found in one.items():
             runs.setdefault(key, []).extend(found)
     return {
         key: [ran for _, ran in sorted(found, reverse=True)[:RUNS_PER_LABEL]]

@@ -57,7 +57,7 @@ from fluksio_nb.sampler import Sample, is_news
 from fluksio_nb.status import NOTHING_SHOWN, ClaimStatus, marked_html, status_bundle
 from fluksio_nb.vocabulary import clock
 from fluksio_nb.widget.facts import SPARK_POINTS, claim_facts, doing_fact, monitor_html
-from fluksio_nb.widget.saved import with_saved_view
+from fluksio_nb.widget.saved import add_saved_view
 from fluksio_nb.widget.ticker import MonitorWatch, kernel_monitor_watch
 
 __all__ = ["ClaimWidget", "MonitorWidget", "WidgetView", "monitor"]
@@ -208,7 +208,8 @@ class ClaimWidget(_Widget):
         text = f"{self.label}: running when this was saved; `fluksio-nb usage` says how it ended"
         data["text/plain"] = text
         data["text/html"] = marked_html(text, "running")
-        return with_saved_view(data, "claim"), metadata
+        add_saved_view(data, "claim")
+        return data, metadata
 
 
 class WidgetView:
@@ -407,7 +408,7 @@ class MonitorWidget(_Widget):
         )
         data["text/plain"] = text
         data["text/html"] = monitor_html(text)
-        with_saved_view(data, "monitor")
+        add_saved_view(data, "monitor")
         # Being drawn is what starts the refreshing.
         self._shown_at = time.monotonic()
         self._watch.watch(self)

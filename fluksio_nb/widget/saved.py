@@ -30,10 +30,9 @@ from typing import Any, Literal
 SAVED_VIEW = "application/vnd.fluksio-nb.live-view+json"
 
 
-def with_saved_view(data: dict[str, Any], kind: Literal["monitor", "claim"]) -> dict[str, Any]:
-    """``data``, a widget's bundle, with :data:`SAVED_VIEW` beside its widget view."""
+def add_saved_view(data: dict[str, Any], kind: Literal["monitor", "claim"]) -> None:
+    """Put :data:`SAVED_VIEW` in ``data``, a widget's bundle, beside its widget view."""
     view = data.get("application/vnd.jupyter.widget-view+json") or {}
     model_id = view.get("model_id")
     if model_id:
         data[SAVED_VIEW] = {"model_id": model_id, "kind": kind}
-    return data

@@ -135,8 +135,6 @@ export class SavedView extends Widget implements IRenderMime.IRenderer {
     const mark = new Widget();
     mark.addClass('fluksio-lab-saved-stale');
     mark.node.textContent = kind === 'monitor' ? `${STALE_SAVED} ${STALE_MONITOR}` : STALE_SAVED;
-    // Bold, as the live monitor's own mark (widget.css's .fluksio-stale).
-    mark.node.style.fontWeight = '600';
     (this.layout as PanelLayout).addWidget(mark);
     const html = model.data['text/html'];
     const text = model.data['text/plain'];
