@@ -47,12 +47,18 @@ def process_started(pid: int) -> float | None:
 def this_kernel() -> dict[str, str | None]:
     """Which kernel this process is, as its user's views name it: its id and its notebook."""
     import contextlib
+    import sys
     from pathlib import Path
 
     kernel_id = None
-    with contextlib.suppress(Exception):
-        from ipykernel.connect import get_connection_file
+    # A kernel imported its app before anything of ours ran. Anything else (the
+    # command line, a script, a Ray task) would import ipykernel and
+    # jupyter_client only to hear it is no kernel: 0.2 CPU-s of every
+    # `fluksio-nb machine status`.
+    if "ipykernel.kernelapp" in sys.modules:
+        with contextlib.suppress(Exception):
+            from ipykernel.connect import get_connection_file
 
-        kernel_id = Path(get_connection_file()).stem.removeprefix("kernel-")
+            kernel_id = Path(get_connection_file()).stem.removeprefix("kernel-")
     # jupyter_server tells the kernels it starts which notebook they serve.
     return {"kernel_id": kernel_id, "notebook": os.environ.get("JPY_SESSION_NAME")}

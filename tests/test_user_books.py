@@ -495,3 +495,26 @@ def test_books_in_force_names_the_users_service_and_why():
     books = books_in_force()
     assert books.mode == "user" and books.socket == books_dir() / SOCKET_NAME
     assert "FLUKSIO_LEDGER" in books.describe()
+
+
+def test_a_process_that_is_no_kernel_says_so_without_loading_a_kernels_machinery():
+    """Guards the command line and every script that claims: each hello to the books
+    imported ipykernel and jupyter_client (0.2 CPU-s, most of `fluksio-nb machine
+    status`) only to learn the process was no kernel. A kernel naming itself is
+    guarded in ``test_server.py``."""
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys\n"
+            "from fluksio_nb.identity import this_kernel\n"
+            "said = this_kernel()\n"
+            "loaded = [name for name in ('ipykernel', 'jupyter_client') if name in sys.modules]\n"
+            "print(json.dumps([said['kernel_id'], loaded]))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(ran.stdout) == [None, []]
