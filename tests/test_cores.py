@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -547,18 +546,20 @@ def removed_once_empty(cgroup: Path, base: Path, within_s: float = 60.0) -> None
     cgroup and cannot be moved, and the cgroup is busy until it is gone: so
     until ``within_s``, moved and tried again.
     """
-    deadline = time.monotonic() + within_s
-    while True:
+
+    def removed() -> bool:
         for pid in (cgroup / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):
                 (base / "cgroup.procs").write_text(pid)
         try:
             cgroup.rmdir()
-            return
         except OSError as error:
-            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+            if error.errno != errno.EBUSY:
                 raise
-        time.sleep(0.05)
+            return False
+        return True
+
+    wait_until(removed, timeout=within_s, what=f"{cgroup} emptied and removed")
 
 
 # Appended to GREEDY, still inside the claim: what the kernel's scheduler says
