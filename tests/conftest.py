@@ -7,9 +7,16 @@ change what the suite sees.
 
 Run in parallel (``pytest -n N --dist loadgroup``, as ``make test`` does), the
 tests that share a fixture wider than one test run on one worker, one after
-another, as they would without workers: a module's kernel, say, or the
-browser tests' one JupyterLab and Chromium. Apart, each worker would start one
-of its own, and sharing it is the point of the fixture.
+another, as they would without workers: a module's kernel, say, or a
+directory's session-wide server. Apart, each worker would start one of its
+own, and sharing it is the point of the fixture.
+
+The browser tests are the one exception (:data:`SHARED_BY_MODULE`). As one
+group they ran one after another on one worker: 528 s of a 622 s run, more
+than the 7 minutes the whole suite is meant to take, so no run could be
+shorter. Each browser module is a group of its own, so that every worker may
+run some, and a worker that does starts its own JupyterLab and Chromium, once,
+for all the browser modules it is given.
 """
 
 import signal
@@ -27,13 +34,19 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+#: Directories whose session-wide fixtures are shared by a module's tests on
+#: one worker, not by the whole directory's: see the module's docstring.
+SHARED_BY_MODULE = frozenset({"tests/browser"})
+
+
 def shared_with(item: pytest.Item) -> str | None:
     """The group of tests ``item`` shares a fixture of the suite's with; ``None`` if none.
 
     A session-wide fixture's tests are grouped by the directory whose
-    conftest made it, a module's by the module. pytest's own session-wide
-    fixtures (``tmp_path_factory``, every ``tmp_path`` is made by it) are no
-    reason: they are defined outside the suite, with no base id.
+    conftest made it (by module in :data:`SHARED_BY_MODULE`), a module's by
+    the module. pytest's own session-wide fixtures (``tmp_path_factory``,
+    every ``tmp_path`` is made by it) are no reason: they are defined outside
+    the suite, with no base id.
     """
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
@@ -44,9 +57,9 @@ def shared_with(item: pytest.Item) -> str | None:
         for fixture in fixtures[-1:]
         if fixture.baseid
     }
-    if "session" in scopes:
+    if "session" in scopes and scopes["session"] not in SHARED_BY_MODULE:
         return scopes["session"]
-    if scopes.keys() & {"package", "module", "class"}:
+    if scopes.keys() & {"session", "package", "module", "class"}:
         return item.nodeid.split("::")[0]
     return None
 
