@@ -12,8 +12,8 @@ STAMP := $(VENV)/.installed
 # rfc3987-syntax comes with jsonschema's format-nongpl extra (Jupyter's event
 # validation asks for it), and jsonschema imports it eagerly, for the "iri"
 # formats that no schema here uses. On import it compiles 38 grammars: 1.2
-# CPU-s in every process that imports jsonschema, of which the suite starts
-# hundreds (each pytest process through nbval, each Jupyter server, each Ray
+# CPU-s in every process that imports jsonschema, which the suite starts by
+# the dozen (each pytest process, through nbval; each Jupyter server; each Ray
 # process). Without it jsonschema skips those two formats, and imports in 0.1 s.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
