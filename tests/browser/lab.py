@@ -37,9 +37,11 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -141,8 +143,13 @@ class JupyterLab:
     def _environment(self, extra: dict[str, str | None]) -> dict[str, str]:
         dirs = {
             name: self.home / name
-            for name in ("config", "data", "runtime", "settings", "workspaces", "ipython", "ledger")
+            for name in ("config", "data", "settings", "workspaces", "ipython", "ledger")
         }
+        # The kernels' sockets are files named after their connection files
+        # (see the transport in :meth:`start`), and a socket's path holds 107
+        # bytes: a test's home is too deep for them, so the runtime directory,
+        # where both go, is a short one of its own, removed by :meth:`stop`.
+        dirs["runtime"] = Path(tempfile.mkdtemp(prefix="fluksio-lab-"))
         for path in [self.root, *dirs.values()]:
             path.mkdir(parents=True, exist_ok=True)
         # This venv's python as the one kernel, whatever else is installed for the user.
@@ -203,6 +210,12 @@ class JupyterLab:
             "--ServerApp.port=0",
             "--ServerApp.port_retries=0",
             f"--ServerApp.root_dir={self.root}",
+            # Kernels over Unix sockets, as tests.kernels starts its own: over
+            # TCP jupyter_client picks each port by binding it and letting it
+            # go, and with other suites' kernels, servers and Ray taking ports
+            # too, a kernel now and then died "Address already in use" before
+            # it ever answered, and the page waited for it in vain.
+            "--KernelManager.transport=ipc",
         ]
         # Either server loads both apps as extensions, and both answer at the
         # same settings URL, so which one reads the settings depends on load
@@ -244,6 +257,12 @@ class JupyterLab:
 
     def stop(self) -> None:
         """End the server by its PID, and its kernels with it."""
+        try:
+            self._stop()
+        finally:
+            shutil.rmtree(self.env["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
+
+    def _stop(self) -> None:
         process = self.process
         if process is None or process.poll() is not None:
             return
