@@ -580,6 +580,18 @@ def history_plot_moves(notebook: Any, page: Any) -> None:
     nb.screenshot(f"monitor-history-{nb.lab.app}")
 
 
+def scroll_to(found: Any) -> None:
+    """Scroll ``found`` (a locator) into view, for a screenshot of it.
+
+    The panel and the monitor draw their lists again as the books change:
+    playwright's ``scroll_into_view_if_needed`` finds the element, then waits
+    for it to be still, and failed "Element is not attached to the DOM" when
+    a redraw replaced it in between. Found and scrolled in one call into the
+    page (``evaluate_all`` looks the locator up there), there is no between.
+    """
+    found.evaluate_all("all => all.forEach(e => e.scrollIntoView({block: 'center'}))")
+
+
 def stray_text(element: Any) -> list[str]:
     """The bare text nodes directly inside ``element``, a locator on a widget's root.
 

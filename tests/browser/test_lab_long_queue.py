@@ -23,7 +23,7 @@ import pytest
 
 from fluksio_nb.machine.books import OTHERS_WAITING_LISTED
 from fluksio_nb.machine.setup import Layout
-from tests.browser.lab import OUTPUT, JupyterLab
+from tests.browser.lab import OUTPUT, JupyterLab, scroll_to
 from tests.machines import machine, machine_env
 from tests.unix_users import USER_A, as_user, ready_user, require_unix_users, user_environ
 
@@ -110,7 +110,7 @@ def test_the_status_bar_and_panel_count_the_whole_queue_and_say_what_is_not_list
     assert said.inner_text() == NOT_LISTED
     assert page.errors == [], page.errors
     OUTPUT.mkdir(parents=True, exist_ok=True)
-    said.scroll_into_view_if_needed()
+    scroll_to(said)
     ui.screenshot(path=str(OUTPUT / "lab-panel-long-queue.png"))
 
 
@@ -129,5 +129,5 @@ def test_claims_counts_the_whole_queue_and_says_what_is_not_listed(
     said = waiting.get_by_text("more of other users' claims, not listed")
     assert said.count() == 1 and said.inner_text() == NOT_LISTED
     assert page.errors == [], page.errors
-    said.scroll_into_view_if_needed()
+    scroll_to(said)
     nb.screenshot("monitor-long-queue")

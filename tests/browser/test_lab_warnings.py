@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fluksio_nb.machine.setup import Layout
-from tests.browser.lab import OUTPUT, JupyterLab
+from tests.browser.lab import OUTPUT, JupyterLab, scroll_to
 from tests.browser.test_lab_notices import recording_toasts, toasts_seen
 from tests.gpu_standins import StandInSmi, card
 from tests.machines import heard, machine, process, wait_until
@@ -112,5 +112,5 @@ def test_the_panel_shows_a_claims_warning_and_its_owner_is_told(
     )
     assert page.errors == [], page.errors
     OUTPUT.mkdir(parents=True, exist_ok=True)
-    said.scroll_into_view_if_needed()
+    scroll_to(said)
     ui.screenshot(path=str(OUTPUT / "lab-panel-warning.png"))
