@@ -17,14 +17,13 @@ notebooks' ``conftest.py`` use it in their own processes.
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pwd
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tests.suite_locks import held_across_suites
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,21 +43,9 @@ START_TIMEOUT_S = 2 * ATTEMPTS * 60
 
 @contextmanager
 def one_start_at_a_time() -> Iterator[None]:
-    """Held while this user starts a Ray on this machine, by any suite or notebook.
-
-    The lock file is kept in the user's home directory (as the OS names it,
-    whatever a test set ``HOME`` to), so that the notebooks leave nothing in
-    the machine's temporary directory.
-    """
-    folder = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "fluksio-tests"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "ray-start.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """Held while this user starts a Ray on this machine, by any suite or notebook."""
+    with held_across_suites("ray-start"):
         yield
-    finally:
-        os.close(fd)
 
 
 def started_again_when_ray_gave_up(start: Callable[[], T], undo: Callable[[], object]) -> T:
