@@ -60,6 +60,12 @@ DRIVER_GONE = (
 
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+#: The lock (:func:`tests.suite_locks.held_across_suites`) a test holds alone
+#: while it runs a stand-in MPS control daemon, and one that must find none
+#: holds shared: every process on the machine finds the stand-in, another
+#: suite's claims too.
+MPS_DAEMON = "mps-daemon"
+
 
 def card(index: int, **fields: Any) -> dict[str, Any]:
     """An idle 40 GB A100 at ``index``, with ``fields`` changed.

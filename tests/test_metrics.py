@@ -30,8 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from fluksio_nb.machine.metrics_http import ADDRESS_NAME
 from fluksio_nb.machine.setup import Layout
 from tests.browser.lab import JupyterLab
+from tests.gpu_standins import MPS_DAEMON
 from tests.machines import fluksio_nb, heard, machine, machine_env, process
 from tests.prometheus import prometheus, require_prometheus
+from tests.suite_locks import held_across_suites
 from tests.unix_users import USER_A, ready_user, require_unix_users
 from tests.waiting import wait_until
 
@@ -245,7 +247,11 @@ def test_machine_status_says_the_admins_rules_and_where_the_metrics_are():
         "caps": {"*": {"max_hours": 8}, "alice": {"max_hours": 1.5}},
         "idle_card_minutes": 30,
     }
-    with machine(cpus=5, gpus=1, config=rules) as layout:
+    # Its last line says whether an MPS control daemon runs: none of another test's.
+    with (
+        held_across_suites(MPS_DAEMON, shared=True),
+        machine(cpus=5, gpus=1, config=rules) as layout,
+    ):
         where = metrics_address(layout)
         said = fluksio_nb(
             "machine", "status", "--prefix", str(layout.prefix), env=machine_env(layout)

@@ -18,9 +18,10 @@ import time
 
 import pytest
 
-from tests.gpu_standins import StandInSmi, card
+from tests.gpu_standins import MPS_DAEMON, StandInSmi, card
 from tests.kernels import printed, started_kernel
 from tests.local_ray import START_TIMEOUT_S, ray_env, starting_ray
+from tests.suite_locks import held_across_suites
 from tests.waiting import gone, processes_using
 
 pytestmark = pytest.mark.timeout(240 + START_TIMEOUT_S)
@@ -126,7 +127,9 @@ def test_gpu_ram_alone_on_ray_is_granted_as_the_fraction_of_the_nodes_card_it_is
         "job._claim.status.budget.gpu_bytes if job._claim.status.budget else None"
     )
     assert budget == 10 * 10**9
-    said = kernel.facts("__import__('fluksio_nb.status').status.describe(job._claim.status)")
+    # Which says whether an MPS control daemon runs: none of another test's.
+    with held_across_suites(MPS_DAEMON, shared=True):
+        said = kernel.facts("__import__('fluksio_nb.status').status.describe(job._claim.status)")
     assert f"a slice of card {worker['cards']} (gpu_ram=10.0GB, compute shared by time, " in said
     assert "CUDA_VISIBLE_DEVICES only)" in said, "Ray holds a task's cards by the variable alone"
     open(go, "w").close()

@@ -15,16 +15,18 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from fluksio_nb.card_compute import mps_daemon_runs
+from fluksio_nb.card_compute import LOOKED_FOR_EVERY_S, mps_daemon_runs
 from fluksio_nb.card_devices import cards_held_here
 from fluksio_nb.card_slices import PASSES
 from fluksio_nb.machine.connection import read_snapshot
-from tests.gpu_standins import StandInSmi, card
+from tests.gpu_standins import MPS_DAEMON, StandInSmi, card
 from tests.machines import fluksio_nb, heard, machine, machine_env, wait_until
+from tests.suite_locks import held_across_suites
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,6 +101,21 @@ def ends():
     for proc in started:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def only_our_mps_daemon():
+    """No stand-in MPS daemon of another test, this suite's or another's, runs while the
+    test does, and its own is gone, and known to be gone, before any other may look.
+
+    Asked for before ``ends``, which ends the test's stand-in: fixtures end in the
+    reverse of the order they were made in.
+    """
+    with held_across_suites(MPS_DAEMON):
+        yield
+        wait_until(lambda: not mps_daemon_runs(), what="no stand-in MPS daemon left")
+        # A process that looked while it ran keeps that answer this long.
+        time.sleep(LOOKED_FOR_EVERY_S)
 
 
 def passes_of_the_cards(smi: StandInSmi) -> int:
@@ -387,7 +404,9 @@ def a_stand_in_mps_daemon(tmp_path) -> subprocess.Popen:
     return started
 
 
-def test_every_view_of_a_slice_says_how_its_compute_is_shared_by_time_or_by_mps(tmp_path, ends):
+def test_every_view_of_a_slice_says_how_its_compute_is_shared_by_time_or_by_mps(
+    tmp_path, only_our_mps_daemon, ends
+):
     """Guards against a slice shown as if its card's cores were its own: without an MPS
     control daemon its compute is shared by time, and each view (the claim's status line
     and widget, the terminal, ``machine status``, ``%claims`` and the panel's snapshot)
