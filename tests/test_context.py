@@ -163,7 +163,8 @@ def left_in_group(group: int) -> list[int]:
 
     found = []
     for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
+        # A process listed may be gone by the look: os.getpgid says so in an OSError.
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process.pid)
     return found
