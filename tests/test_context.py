@@ -6,7 +6,6 @@ left limited after it), a subprocess that outlives its claim, and threads
 using claims at once over-granting the machine.
 """
 
-import contextlib
 import os
 import re
 import subprocess
@@ -24,7 +23,7 @@ from fluksio_nb.resources import ask
 from fluksio_nb.watch import Watch
 from tests.kernels import started_kernel
 from tests.stops import said_by
-from tests.waiting import wait_until
+from tests.waiting import living_in_group, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,19 +156,6 @@ def test_a_subprocess_still_running_when_the_block_ends_is_ended():
     assert process.poll() is not None
 
 
-def left_in_group(group: int) -> list[int]:
-    """The live processes in process group ``group``."""
-    import psutil
-
-    found = []
-    for process in psutil.process_iter():
-        # A process listed may be gone by the look: os.getpgid says so in an OSError.
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
-                found.append(process.pid)
-    return found
-
-
 def started_and_ready(c, script: str, ready) -> int:
     """``sh -c script`` in the claim, once it says it is ready (touches ``ready``): its group."""
     group = c.popen(["sh", "-c", script]).pid
@@ -193,7 +179,7 @@ def test_a_second_stop_while_a_stopped_claim_ends_still_gives_everything_back(tm
     assert pressed.exists(), "the second stop was never pressed"
     books = accountant().snapshot()
     assert books["running"] == [] and books["cpus"]["free"] == 2
-    assert wait_until(lambda: not left_in_group(group), 30), "the claim's processes ran on"
+    assert wait_until(lambda: not living_in_group(group), 30), "the claim's processes ran on"
 
 
 #: A ``with claim()`` block entered and left, stopped at every moment in
@@ -399,9 +385,9 @@ def test_what_a_process_started_as_it_ended_goes_with_the_claim(tmp_path):
     with claim(cpus=1) as c:
         left = c.popen(["sh", "-c", leaves_one_behind])
         left.wait(30)
-        assert left_in_group(left.pid), "nothing was left running to end"
+        assert living_in_group(left.pid), "nothing was left running to end"
         ending = started_and_ready(c, starts_one_as_it_ends, ready)
-    assert wait_until(lambda: not left_in_group(left.pid) and not left_in_group(ending), 30)
+    assert wait_until(lambda: not living_in_group(left.pid) and not living_in_group(ending), 30)
 
 
 def test_a_claims_ended_subprocess_no_longer_keeps_the_sampling_thread():

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 import fluksio_nb
@@ -33,7 +32,7 @@ from fluksio_nb.worker.client import Sink, Worker
 from fluksio_nb.worker.protocol import Channel, ChannelClosed
 from tests.kernels import LEAVES_THREE_RUNNING
 from tests.stops import said_by
-from tests.waiting import has_ended, wait_until
+from tests.waiting import has_ended, living_in_group, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -70,18 +69,6 @@ class Recorder(Sink):
 
 def cell(source: str) -> str:
     return textwrap.dedent(source).strip()
-
-
-def living_members_of_group(pgid: int) -> list[int]:
-    """Processes still in the group. Zombies have ended; reaping orphans is init's job."""
-    living = []
-    for process in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(process.pid) == pgid and process.info["status"] != "zombie":
-                living.append(process.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return living
 
 
 def interrupt_once_it_prints(worker: Worker, recorder: Recorder, stop=None) -> None:
@@ -587,7 +574,7 @@ def test_a_cell_that_ignores_sigint_is_killed_with_everything_it_started(own_wor
     assert not own_worker.alive
     # Killed with the group, and gone once the scheduler lets it die: on a
     # crowded machine, a moment after the worker itself was reaped.
-    assert wait_until(lambda: living_members_of_group(own_worker.pid) == [])
+    assert wait_until(lambda: living_in_group(own_worker.pid) == [])
 
 
 def test_an_interrupt_that_arrives_after_its_cell_ended_does_not_touch_the_next_one(
@@ -616,7 +603,7 @@ def test_keyboard_interrupt_in_the_calling_thread_stops_the_cell_and_is_reraised
         )
     if deaf_to_sigint:
         assert not own_worker.alive
-        assert wait_until(lambda: living_members_of_group(own_worker.pid) == [])
+        assert wait_until(lambda: living_in_group(own_worker.pid) == [])
     else:
         assert own_worker.run("1 + 1").ok
 

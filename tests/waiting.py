@@ -8,6 +8,7 @@ only its parent's reaping is left, which is not what any test is about.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -43,3 +44,16 @@ def processes_using(directory: str) -> list[psutil.Process]:
         if any(directory in part for part in process.info["cmdline"] or ()):
             found.append(process)
     return found
+
+
+def living_in_group(pgid: int) -> list[int]:
+    """The processes still in process group ``pgid``: zombies have ended, and reaping
+    orphans is init's job. A process listed may be gone by the look at its group."""
+    living = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != "zombie":
+                living.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return living
