@@ -170,6 +170,15 @@ class JupyterLab:
         (news / "notification.jupyterlab-settings").write_text(
             json.dumps({"fetchNews": "false", "checkForUpdates": False})
         )
+        # Every page load asks the server whether JupyterLab needs a rebuild,
+        # and to answer it runs `yarn config` and a node version check: 0.45
+        # CPU-s a page, for a question no test asks (the extension is
+        # prebuilt). Page config from the config directory turns the check off.
+        labconfig = dirs["config"] / "labconfig"
+        labconfig.mkdir(parents=True, exist_ok=True)
+        (labconfig / "page_config.json").write_text(
+            json.dumps({"buildCheck": False, "buildAvailable": False})
+        )
         # Without this, a notebook opened before the kernel specs have loaded
         # asks which kernel to start, in a dialog over the page.
         tracker = dirs["settings"] / "@jupyterlab" / "notebook-extension"
