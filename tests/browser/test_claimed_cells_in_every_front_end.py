@@ -21,14 +21,18 @@ import pytest
 
 from tests.browser.lab import CONTRAST_JS, JupyterLab, not_notebook7s_own, until_exists
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.keeps_its_page]
 
 FRONT_ENDS = ["JupyterLab Light", "JupyterLab Dark", "Notebook 7"]
 
 
-@pytest.fixture(params=FRONT_ENDS)
+@pytest.fixture(scope="module", params=FRONT_ENDS)
 def server(request: pytest.FixtureRequest) -> Iterator[JupyterLab]:
-    """Each test in JupyterLab's light theme, its dark theme, and Notebook 7."""
+    """Each test in JupyterLab's light theme, its dark theme, and Notebook 7.
+
+    For the module, so that the tests run a front end at a time, each in the
+    page the one before left (``keeps_its_page``).
+    """
     if request.param == "Notebook 7":
         yield request.getfixturevalue("notebook7")
         return
@@ -146,7 +150,8 @@ def test_the_kernel_is_busy_for_the_whole_of_a_claimed_cell(server, notebook, pa
             const last = window.fluksioSeen[window.fluksioSeen.length - 1];
             if (!last || last[0] !== now[0] || last[1] !== now[1]) window.fluksioSeen.push(now);
           };
-          new MutationObserver(read).observe(document.body,
+          window.fluksioSeenBy = new MutationObserver(read);
+          window.fluksioSeenBy.observe(document.body,
             {subtree: true, childList: true, characterData: true});
           read();
         }"""
@@ -163,6 +168,8 @@ def test_the_kernel_is_busy_for_the_whole_of_a_claimed_cell(server, notebook, pa
             page.page.wait_for_timeout(200)
         seen = page.page.evaluate("window.fluksioSeen.slice()")
     finally:
+        # Nothing of the test's own goes on in the page the next test is given.
+        page.page.evaluate("() => { window.fluksioSeenBy.disconnect(); }")
         go.touch()
     nb.wait_until_ran(1)
     assert "idle" not in server_said, f"the server said idle while the cell ran: {server_said}"

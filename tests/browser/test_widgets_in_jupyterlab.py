@@ -16,7 +16,7 @@ import pytest
 from tests.browser.lab import HOSTILE, memory_hog, peak_rss_of, phases_until_the_record, stray_text
 from tests.local_ray import START_TIMEOUT_S, ray_env, starting_ray
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.keeps_its_page]
 
 
 def test_a_claimed_cell_shows_its_memory_live_and_how_it_ended(notebook, page):
