@@ -174,8 +174,8 @@ class JupyterLab:
             json.dumps({"fetchNews": "false", "checkForUpdates": False})
         )
         # Every page load asks the server whether JupyterLab needs a rebuild,
-        # and to answer it runs `yarn config` and a node version check: 0.45
-        # CPU-s a page, for a question no test asks (the extension is
+        # and to answer it runs `yarn config` and a node version check: about
+        # 0.4 CPU-s a page, for a question no test asks (the extension is
         # prebuilt). Page config from the config directory turns the check off.
         labconfig = dirs["config"] / "labconfig"
         labconfig.mkdir(parents=True, exist_ok=True)
@@ -427,9 +427,9 @@ class Notebook:
     def open_in_the_loaded_page(self, timeout_ms: float = 60_000) -> Notebook:
         """Open it alone in the JupyterLab the page has loaded, as :meth:`open` shows it.
 
-        Loading JupyterLab costs Chromium about 3 CPU-s, opening a notebook in
-        it a tenth of that. The documents the page had open are closed first,
-        unsaved, so that the page shows this notebook alone.
+        Loading JupyterLab again costs about 2 CPU-s more, in Chromium and the
+        server. The documents the page had open are closed first, unsaved, so
+        that the page shows this notebook alone.
         """
         close_every_document(self.page)
         self.page.evaluate(

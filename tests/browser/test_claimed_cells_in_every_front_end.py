@@ -168,9 +168,9 @@ def test_the_kernel_is_busy_for_the_whole_of_a_claimed_cell(server, notebook, pa
             page.page.wait_for_timeout(200)
         seen = page.page.evaluate("window.fluksioSeen.slice()")
     finally:
-        # Nothing of the test's own goes on in the page the next test is given.
-        page.page.evaluate("() => { window.fluksioSeenBy.disconnect(); }")
         go.touch()
+        # Nothing of the test's own goes on in the page the next test is given.
+        page.page.evaluate("() => window.fluksioSeenBy?.disconnect()")
     nb.wait_until_ran(1)
     assert "idle" not in server_said, f"the server said idle while the cell ran: {server_said}"
     if server.app == "jupyter-lab":
