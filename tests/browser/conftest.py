@@ -188,6 +188,11 @@ LEFT_BY_A_PAGE = ",".join(
 _kept: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
 
+def _shown_by(request: pytest.FixtureRequest, server: JupyterLab) -> tuple[str, str, int]:
+    """What a page of this test shows, as ``_kept`` keys it."""
+    return (request.node.module.__name__, server.base_url, server.settings_version)
+
+
 def _forget_the_kept_page() -> None:
     for (_, server_url, _), (kept, profile) in _kept.items():
         _forget(kept, server_url, profile)
@@ -218,8 +223,7 @@ def page(request: pytest.FixtureRequest, server: JupyterLab, profile: Any) -> It
     """A fresh page, or the one a ``keeps_its_page`` module's last test left; a failing test
     leaves a screenshot of it, and the server's log, behind."""
     keeps = server.app == "jupyter-lab" and bool(request.node.get_closest_marker("keeps_its_page"))
-    shows = (request.node.module.__name__, server.base_url, server.settings_version)
-    kept, _ = _kept.pop(shows, (None, None)) if keeps else (None, None)
+    kept, _ = _kept.pop(_shown_by(request, server), (None, None)) if keeps else (None, None)
     # One of the module's that shows other settings, or another front end.
     _forget_the_kept_page()
     already_open = list(profile.pages)
@@ -236,13 +240,12 @@ def page(request: pytest.FixtureRequest, server: JupyterLab, profile: Any) -> It
             opened.close()
     # Kept only after its test ran and passed, and with nothing open: a
     # notebook would see its kernel end below.
-    kept = keeps and watched.loaded and failed is False
-    if kept:
+    keep = keeps and watched.loaded and failed is False
+    if keep:
         close_every_document(watched.page)
     server.shutdown_kernels()
-    if kept:
-        shows = (request.node.module.__name__, server.base_url, server.settings_version)
-        _kept[shows] = (watched.page, profile)
+    if keep:
+        _kept[_shown_by(request, server)] = (watched.page, profile)
     else:
         _forget(watched.page, server.base_url, profile)
 
