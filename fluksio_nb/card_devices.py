@@ -47,10 +47,10 @@ from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
 from fluksio_nb.card_devices_v2 import find_v2_place, hold_cards_in
+from fluksio_nb.claim_cgroups import CLAIM_NAME
 from fluksio_nb.enforcement import Enforcement, cards_held
-from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, _cgroup_paths
+from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, cgroup_paths
 from fluksio_nb.memory_cap import (
-    CLAIM_NAME,
     PARENT_NAME,
     CapNotMade,
     CapPlace,
@@ -81,7 +81,7 @@ def card_node(card: int) -> tuple[Path, int, int]:
 
 def find_devices_place(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> CapPlace:
     """Where this process may make cgroups that hold processes to some cards, or why not."""
-    paths = _cgroup_paths(proc_cgroup)
+    paths = cgroup_paths(proc_cgroup)
     if CONTROLLER not in paths:
         if "" in paths:
             return find_v2_place(paths[""], root)

@@ -51,14 +51,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V2
+from fluksio_nb.claim_cgroups import CLAIM_NAME, v2_mount
 from fluksio_nb.inventory import CGROUP_ROOT
-from fluksio_nb.memory_cap import (
-    CLAIM_NAME,
-    PARENT_NAME,
-    CapPlace,
-    _v2_mount,
-    v2_not_ours,
-)
+from fluksio_nb.memory_cap import PARENT_NAME, CapPlace, v2_not_ours
 
 #: ``bpf``'s system call number, per machine (``uname -m``).
 SYS_BPF = {
@@ -234,7 +229,7 @@ def bpf_refusal() -> str | None:
 
 def find_v2_place(v2_path: str, root: Path = CGROUP_ROOT) -> CapPlace:
     """Where the v2 cgroups holding claims to cards go, for a process in ``v2_path``; or why not."""
-    mount = _v2_mount(root)
+    mount = v2_mount(root)
     if mount is None:
         return CapPlace(None, why_not=f"no cgroup v2 hierarchy is mounted at {root}")
     own = mount / v2_path.lstrip("/")

@@ -43,6 +43,7 @@ import contextlib
 from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2
+from fluksio_nb.claim_cgroups import write_cgroup_file
 from fluksio_nb.enforcement import CPUSET, Enforcement, own_cores
 from fluksio_nb.inventory import CGROUP_ROOT, PROC_SELF_CGROUP, format_cpu_list
 from fluksio_nb.memory_cap import (
@@ -50,7 +51,6 @@ from fluksio_nb.memory_cap import (
     CapPlace,
     ClaimCgroup,
     _words,
-    _write,
     cap_place,
 )
 
@@ -89,13 +89,13 @@ def hold_cores(place: CapPlace, cores: frozenset[int], cap: ClaimCgroup | None) 
     if cap is not None and cap.version == place.version == CGROUP_V2:
         try:
             if "cpuset" not in _words(cap.path.parent / "cgroup.subtree_control"):
-                _write(cap.path.parent / "cgroup.subtree_control", "+cpuset")
+                write_cgroup_file(cap.path.parent / "cgroup.subtree_control", "+cpuset")
             _give_cores(cap.path, cores)
         except OSError as error:
             # The memory cap stands; only the cores go back to affinity, and
             # v2's empty list is the parent's cores, as the status will say.
             with contextlib.suppress(OSError):
-                _write(cap.path / "cpuset.cpus", "\n")
+                write_cgroup_file(cap.path / "cpuset.cpus", "\n")
             raise CapNotMade(
                 f"{cap.path} could not be held to its cores: {error.strerror or error}"
             ) from None
@@ -119,15 +119,15 @@ def _fill_if_empty(parent: Path) -> None:
     """Give v1's ``fluksio_nb`` directory its own parent's cores and nodes, once."""
     for names in (_CPUS, _MEMS):
         if not _first_of(parent, names[:1]):
-            _write(parent / names[0], _first_of(parent.parent, names))
+            write_cgroup_file(parent / names[0], _first_of(parent.parent, names))
 
 
 def _give_cores(path: Path, cores: frozenset[int]) -> None:
-    _write(path / "cpuset.cpus", format_cpu_list(cores))
+    write_cgroup_file(path / "cpuset.cpus", format_cpu_list(cores))
     mems = _first_of(path.parent, _MEMS)
     if not mems:
         raise CapNotMade(f"{path.parent} says of no memory node its processes may use")
-    _write(path / "cpuset.mems", mems)
+    write_cgroup_file(path / "cpuset.mems", mems)
 
 
 def _first_of(directory: Path, names: tuple[str, ...]) -> str:

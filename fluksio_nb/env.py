@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from fluksio_nb.books import Allocation
 from fluksio_nb.card_compute import MPS_SHARE_VAR, mps_daemon_runs_now
-from fluksio_nb.resources import Resources
+
+if TYPE_CHECKING:
+    from fluksio_nb.books import Allocation
+    from fluksio_nb.resources import Resources
 
 #: Every spelling of "how many threads may you use" that a scientific stack
 #: reads at import: OpenMP (and torch), OpenBLAS, MKL, Apple's Accelerate,

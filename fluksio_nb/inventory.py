@@ -30,12 +30,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from fluksio_nb.gpus import Gpu, GpuId, detect_gpus
-from fluksio_nb.settings import Settings
+
+if TYPE_CHECKING:
+    from fluksio_nb.settings import Settings
 
 #: Where the cgroup filesystems are mounted. A parameter everywhere below, so
 #: that tests can point at a tree of real files they wrote.
@@ -97,7 +99,7 @@ class Inventory:
 # -----------------------------------------------------------------------------
 
 
-def _cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
+def cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
     """Each controller's cgroup path for this process; ``""`` is the v2 one."""
     paths: dict[str, str] = {}
     try:
@@ -120,14 +122,14 @@ KERNEL_NAME = re.compile(r"^fluksio_nb-kernel-(\d+)-(\d+)-(\d+)$")
 
 
 def _memory_paths(proc_cgroup: Path) -> dict[str, str]:
-    """:func:`_cgroup_paths`, as the machine's memory is seen for claims.
+    """:func:`cgroup_paths`, as the machine's memory is seen for claims.
 
     A kernel held to the admin's ``kernel_ram`` sees the machine as the
     server it was started by does: its claims run beside its cap, not under
     it, and an inventory of a machine with 8G would otherwise be one of the
     kernel's 8G.
     """
-    paths = _cgroup_paths(proc_cgroup)
+    paths = cgroup_paths(proc_cgroup)
     for controller in ("", "memory"):
         path = paths.get(controller)
         if path is not None and KERNEL_NAME.match(path.rsplit("/", 1)[-1]):
@@ -162,7 +164,7 @@ def cgroup_cpu_limit(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> float | None:
     """The cgroup CPU quota in cores, or ``None`` when there is none."""
-    paths = _cgroup_paths(proc_cgroup)
+    paths = cgroup_paths(proc_cgroup)
     limits: list[float] = []
     if "" in paths:
         for directory in _walk_up(root, paths[""]):

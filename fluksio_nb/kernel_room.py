@@ -48,7 +48,8 @@ from pathlib import Path
 
 import psutil
 
-from fluksio_nb.memory_cap import key_values, own_memory_cgroup
+from fluksio_nb.claim_cgroups import own_memory_cgroup
+from fluksio_nb.memory_cap import key_values
 from fluksio_nb.transfer import PackedValue, Parcel
 
 #: Every reason a name was refused for starts so: how the notebook knows to

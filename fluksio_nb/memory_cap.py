@@ -63,54 +63,48 @@ What it decides:
 - **The copy back is not the claim's.** The shared memory a worker writes
   its results into is charged to the cgroup it writes from, and is the
   kernel's from then on: the worker writes it from its kernel's
-  (:func:`copy_back_outside_the_cap`).
+  (:func:`fluksio_nb.claim_cgroups.copy_back_outside_the_cap`).
 
 Making, filling and removing one claim's cgroup costs about a millisecond
 (measured on cgroup v1: mkdir, four writes, a move in and out, rmdir), paid
 only by claims with a ``ram=``. Every path is a parameter, so the detection
 can be tried on a tree of real files laid out as the kernel lays them out.
 
-It is long because a claim's cgroups are one set of promises kept from both
-sides: where they may go, how they are made, filled and removed by the
-kernel, and how a worker leaves one, for a while or for good, must agree on
-the same directories.
+A worker's own steps out of its claim's cgroup, and the file operations
+both sides share, are in :mod:`fluksio_nb.claim_cgroups`: a worker imports
+them without the settings and the budget this module decides with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import itertools
 import os
-import re
-import signal
 import stat
 import threading
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
+from fluksio_nb.claim_cgroups import (
+    CLAIM_NAME,
+    cgroup_pids,
+    remove_cgroup,
+    v2_mount,
+    write_cgroup_file,
+)
 from fluksio_nb.enforcement import Enforcement
-from fluksio_nb.inventory import CGROUP_ROOT, KERNEL_NAME, PROC_SELF_CGROUP, _cgroup_paths
+from fluksio_nb.inventory import CGROUP_ROOT, KERNEL_NAME, PROC_SELF_CGROUP, cgroup_paths
 from fluksio_nb.sampler import SAMPLE_INTERVAL_S
 from fluksio_nb.settings import Settings
-from fluksio_nb.stop_button import open_whole
 
 #: The directory every claim cgroup of this package is made in.
 PARENT_NAME = "fluksio_nb"
 
-#: ``fluksio_nb-<owner pid>-<owner start time in clock ticks>-<claim number>``.
-CLAIM_NAME = re.compile(r"^fluksio_nb-(\d+)-(\d+)-(\d+)$")
-
 #: The smallest limit written: a budget the worker already spent before it
 #: came in is a claim over its budget from the start, and is stopped at once.
 _SMALLEST_LIMIT = 1 << 20
-
-#: How long the processes left in a claim's cgroup get to be gone after SIGKILL.
-_KILL_GRACE_S = 5.0
 
 #: The same, for a dead kernel's leftovers swept as a new claim starts: that
 #: claim's cell is waiting, and a cgroup not gone by then is tried again at
@@ -157,7 +151,7 @@ def find_cap_place(
     a v1 memory controller next. The reasons either gave for refusing are kept
     for the tooltip: "no" is not worth showing without the why.
     """
-    paths = _cgroup_paths(proc_cgroup)
+    paths = cgroup_paths(proc_cgroup)
     if not paths:
         return CapPlace(None, why_not=f"{proc_cgroup} cannot be read, so no cgroup is known")
     reasons = []
@@ -176,16 +170,8 @@ def find_cap_place(
     return CapPlace(None, why_not="; ".join(reasons))
 
 
-def _v2_mount(root: Path) -> Path | None:
-    """Where the unified hierarchy is: ``root`` itself, or ``root/unified`` beside v1."""
-    for candidate in (root, root / "unified"):
-        if (candidate / "cgroup.controllers").exists():
-            return candidate
-    return None
-
-
 def _v2_place(root: Path, path: str, controller: str = "memory") -> CapPlace:
-    mount = _v2_mount(root)
+    mount = v2_mount(root)
     if mount is None:
         return CapPlace(None, why_not=f"no cgroup v2 hierarchy is mounted at {root}")
     own = mount / path.lstrip("/")
@@ -409,17 +395,17 @@ class ClaimCgroup:
         """
         quota = max(1, cpus) * CPU_PERIOD_US
         if self.version == CGROUP_V1:
-            _write(self.path / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-            _write(self.path / "cpu.cfs_quota_us", str(quota))
+            write_cgroup_file(self.path / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            write_cgroup_file(self.path / "cpu.cfs_quota_us", str(quota))
         else:
             if "cpu" not in _words(self.path.parent / "cgroup.subtree_control"):
-                _write(self.path.parent / "cgroup.subtree_control", "+cpu")
-            _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+                write_cgroup_file(self.path.parent / "cgroup.subtree_control", "+cpu")
+            write_cgroup_file(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
 
     def admit(self, pid: int, held_bytes: int = 0) -> None:
         """Move ``pid`` (all its threads) in; ``held_bytes`` is what it holds as it comes."""
         self.settle(held_bytes)
-        _write(self.path / "cgroup.procs", str(pid))
+        write_cgroup_file(self.path / "cgroup.procs", str(pid))
 
     def settle(self, held_bytes: int) -> None:
         """Before the first process comes in: the limit, less what it holds uncharged.
@@ -448,7 +434,7 @@ class ClaimCgroup:
     def let_go(self, pid: int) -> None:
         """Move ``pid`` back to the kernel's own cgroup; a process already gone is let go."""
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-            _write(self.home / "cgroup.procs", str(pid))
+            write_cgroup_file(self.home / "cgroup.procs", str(pid))
 
     def oom_kills(self) -> int:
         """How many processes the kernel's out-of-memory killer ended in this cgroup."""
@@ -462,7 +448,7 @@ class ClaimCgroup:
         return None if peak is None else peak + self.baseline_bytes
 
     def pids(self) -> list[int]:
-        return _pids(self.path)
+        return cgroup_pids(self.path)
 
     def remove(self) -> None:
         """Kill whatever is still in it, and remove it. Safe to call twice."""
@@ -484,19 +470,19 @@ class ClaimCgroup:
             for name in order:
                 if name == memsw.name and not memsw.exists():
                     continue
-                _write(self.path / name, str(limit))
+                write_cgroup_file(self.path / name, str(limit))
         else:
-            _write(self.path / "memory.max", str(limit))
+            write_cgroup_file(self.path / "memory.max", str(limit))
 
     def _swap_off(self) -> None:
         if self.version == CGROUP_V1:
             # Refused on some kernels for a cgroup below one with use_hierarchy;
             # the memsw limit above holds swap off there.
             with contextlib.suppress(OSError):
-                _write(self.path / "memory.swappiness", "0")
+                write_cgroup_file(self.path / "memory.swappiness", "0")
         else:
             with contextlib.suppress(FileNotFoundError):
-                _write(self.path / "memory.swap.max", "0")
+                write_cgroup_file(self.path / "memory.swap.max", "0")
 
 
 def _make_parent(place: CapPlace, controller: str = "memory") -> None:
@@ -507,27 +493,7 @@ def _make_parent(place: CapPlace, controller: str = "memory") -> None:
     handed_down = _words(place.parent / "cgroup.subtree_control")
     # cgroup v2 holds devices by a program on the cgroup, no controller to hand down.
     if place.version == CGROUP_V2 and controller != "devices" and controller not in handed_down:
-        _write(place.parent / "cgroup.subtree_control", f"+{controller}")
-
-
-def remove_cgroup(path: Path, grace_s: float = _KILL_GRACE_S) -> bool:
-    """Kill every process in the cgroup at ``path`` and remove it; whether it is gone."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        try:
-            path.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError as error:
-            # Busy is the one a kill fixes: processes still in it. Not ours
-            # to remove is not worth the grace at every claim's sweep.
-            if error.errno != errno.EBUSY or time.monotonic() > deadline:
-                return False
-        for pid in _pids(path):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+        write_cgroup_file(place.parent / "cgroup.subtree_control", f"+{controller}")
 
 
 def sweep_stale(parent: Path) -> list[Path]:
@@ -581,88 +547,8 @@ def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 
 # -----------------------------------------------------------------------------
-# The worker's side: leaving with the kernel
-# -----------------------------------------------------------------------------
-
-
-def own_memory_cgroup(
-    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP, controller: str = "memory"
-) -> Path | None:
-    """This process's ``controller`` cgroup directory: the v1 one, else the v2 one."""
-    paths = _cgroup_paths(proc_cgroup)
-    if controller in paths and (root / controller).is_dir():
-        return root / controller / paths[controller].lstrip("/")
-    mount = _v2_mount(root)
-    if "" in paths and mount is not None:
-        return mount / paths[""].lstrip("/")
-    return None
-
-
-def leave_claim_cgroup(home: Path | None, controller: str = "memory") -> None:
-    """Move this process home and remove the claim cgroup it is in, if it is in one.
-
-    For a worker whose kernel is gone: nobody else will remove the cgroup,
-    and a cgroup cannot be removed while the process removing it is inside.
-    ``home`` is the cgroup the worker was born in, its kernel's.
-    """
-    here = own_memory_cgroup(controller=controller)
-    if home is None or here is None or not CLAIM_NAME.match(here.name) or here == home:
-        return
-    with contextlib.suppress(OSError):
-        _write(home / "cgroup.procs", str(os.getpid()))
-        remove_cgroup(here)
-
-
-@contextlib.contextmanager
-def copy_back_outside_the_cap() -> Iterator[Callable[[], None]]:
-    """A step out of the claim's memory cgroup for writing its results, and back in after.
-
-    Pages written in ``/dev/shm`` stay charged to the cgroup of whoever wrote
-    them: a cell keeping 320 MB under ``ram=500M`` was killed by its cap
-    writing the second 320 MB, which is the kernel's memory from then on. So
-    they are written from the kernel's own cgroup, where
-    :meth:`ClaimCgroup.let_go` puts the worker after the cell anyway. The
-    step is taken (call what this gives) once every value is pickled: a value
-    whose pickling copies it (text, objects) is still held to the budget, and
-    only ``write()`` of buffers, which allocates nothing in the worker, is
-    outside. A worker in no claim cgroup, or that may not move, stays, and
-    the cap counts the copy.
-    """
-    left: Path | None = None
-
-    def step_out() -> None:
-        nonlocal left
-        claim = own_memory_cgroup()
-        if left is not None or claim is None or not CLAIM_NAME.match(claim.name):
-            return
-        # The kernel started the worker, and is never in a claim's cgroup itself.
-        home = own_memory_cgroup(proc_cgroup=Path(f"/proc/{os.getppid()}/cgroup"))
-        if home is None or home == claim:
-            return
-        with contextlib.suppress(OSError):
-            _write(home / "cgroup.procs", str(os.getpid()))
-            left = claim
-
-    try:
-        yield step_out
-    finally:
-        if left is not None:
-            # Gone if the claim ended meanwhile: the worker then stays home.
-            with contextlib.suppress(OSError):
-                _write(left / "cgroup.procs", str(os.getpid()))
-
-
-# -----------------------------------------------------------------------------
 # Files
 # -----------------------------------------------------------------------------
-
-
-def _write(path: Path, text: str) -> None:
-    fd = open_whole(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
 
 
 def _number(path: Path) -> int | None:
@@ -685,10 +571,3 @@ def key_values(path: Path) -> dict[str, int]:
         if value.strip().isdigit():
             found[key] = int(value)
     return found
-
-
-def _pids(path: Path) -> list[int]:
-    try:
-        return [int(pid) for pid in (path / "cgroup.procs").read_text().split()]
-    except (OSError, ValueError):
-        return []

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from fluksio_nb.memory_cap import find_cap_place, remove_cgroup
+from fluksio_nb.claim_cgroups import remove_cgroup
+from fluksio_nb.memory_cap import find_cap_place
 from tests.kernels import Kernel
 
 #: The kernel's room once moved in: what it allocates from then on.

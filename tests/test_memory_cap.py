@@ -22,16 +22,15 @@ import sys
 import pytest
 
 from fluksio_nb.budget import CGROUP_V1, CGROUP_V2, SAMPLER
+from fluksio_nb.claim_cgroups import CLAIM_NAME, remove_cgroup
 from fluksio_nb.errors import BadSettings
 from fluksio_nb.memory_cap import (
-    CLAIM_NAME,
     WATCHED,
     CapPlace,
     ClaimCgroup,
     find_cap_place,
     memory_enforcement,
     process_start,
-    remove_cgroup,
     sweep_stale,
 )
 from fluksio_nb.settings import Settings, load_settings
@@ -506,7 +505,8 @@ def test_a_dead_kernels_leftover_is_swept_and_a_live_ones_is_not(place):
 CAP_AS_A_USER = """
 import json, os, sys
 from pathlib import Path
-from fluksio_nb.memory_cap import ClaimCgroup, find_cap_place, own_memory_cgroup
+from fluksio_nb.claim_cgroups import own_memory_cgroup
+from fluksio_nb.memory_cap import ClaimCgroup, find_cap_place
 place = find_cap_place()
 if not place.available:
     print(json.dumps({"refused": place.why_not}), flush=True)

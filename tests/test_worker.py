@@ -139,6 +139,21 @@ def test_a_fluksio_nb_folder_where_the_kernel_works_does_not_replace_the_workers
     assert outcome.outputs["where"] == fluksio_nb.__file__
 
 
+def test_a_worker_starts_and_runs_a_cell_without_the_kernels_books(own_worker):
+    """Guards against a worker paying for the kernel's side as it starts: the settings,
+    the books and pydantic under them were half of a fresh worker's start, paid by
+    every claimed cell that waited for one, and the worker uses none of them."""
+    outcome = own_worker.run(
+        "import sys\n"
+        "loaded = sorted(name for name in sys.modules if name == 'pydantic' or name in ("
+        "'fluksio_nb.settings', 'fluksio_nb.books', 'fluksio_nb.budget', "
+        "'fluksio_nb.memory_cap', 'fluksio_nb.worker.client'))",
+        outputs=["loaded"],
+    )
+    assert outcome.ok, outcome.description
+    assert outcome.outputs["loaded"] == []
+
+
 def test_a_message_the_kernel_cannot_read_ends_the_worker_instead_of_hanging():
     """Guards against a kernel waiting forever for a cell's end that it could not read."""
     with Worker(dict(os.environ)) as worker:

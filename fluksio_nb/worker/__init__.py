@@ -6,12 +6,8 @@ in a worker that was started with them. :mod:`~fluksio_nb.worker.client` is the
 kernel's side, :mod:`~fluksio_nb.worker.main` the worker's,
 :mod:`~fluksio_nb.worker.messages` what passes between them, and
 :mod:`~fluksio_nb.worker.protocol` how.
+
+Nothing is imported here: ``python -m fluksio_nb.worker`` imports this
+package first, and the worker's process has no use for the kernel's side
+(the books, the settings, pydantic under them), which was half of its start.
 """
-
-from fluksio_nb.errors import UnsendableInput
-from fluksio_nb.worker.client import Worker
-from fluksio_nb.worker.messages import Sink
-from fluksio_nb.worker.outcome import CellError, Outcome
-from fluksio_nb.worker.protocol import ChannelClosed
-
-__all__ = ["CellError", "ChannelClosed", "Outcome", "Sink", "UnsendableInput", "Worker"]

@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from fluksio_nb import memory_cap, segments, shelf
+from fluksio_nb import claim_cgroups, segments, shelf
 from fluksio_nb.inventory import descendants
 
 #: How often the worker asks who its parent is, for the case the lifeline
@@ -198,7 +198,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
     # Read now, while the worker is where its kernel started it: moved into a
     # claim's cgroup later, that is where it goes back to.
     born_in = {
-        c: memory_cap.own_memory_cgroup(controller=c)
+        c: claim_cgroups.own_memory_cgroup(controller=c)
         for c in ("memory", "cpu", "cpuset", "devices")
     }
 
@@ -222,7 +222,7 @@ def leave_with_the_kernel(lifeline_fd: int, kernel_pid: int) -> None:
         sweep_after(kernel_pid)
         for controller, home in born_in.items():
             with contextlib.suppress(Exception):
-                memory_cap.leave_claim_cgroup(home, controller)
+                claim_cgroups.leave_claim_cgroup(home, controller)
         # os._exit runs no atexit: let go of the memory kept for the next
         # cell's outputs now rather than with the process.
         with contextlib.suppress(Exception):

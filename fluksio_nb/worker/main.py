@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 from IPython.core.interactiveshell import InteractiveShell
 
-from fluksio_nb import memory_cap, namespaces, random_streams, transfer
+from fluksio_nb import claim_cgroups, namespaces, random_streams, transfer
 from fluksio_nb.env import GPU_FRACTION_VAR, EnvironMark
 from fluksio_nb.variables import EVERY_NAME_BOUND
 from fluksio_nb.worker.lifetime import (
@@ -174,7 +174,7 @@ def pack_outputs(
     to take over. ``progress(written, total)`` is told how the writing goes.
 
     The writing happens outside the claim's memory cgroup, once every value
-    is pickled (:func:`~fluksio_nb.memory_cap.copy_back_outside_the_cap`):
+    is pickled (:func:`~fluksio_nb.claim_cgroups.copy_back_outside_the_cap`):
     the pages written are the kernel's, not the cell's.
     """
     # A file the cell closed has nothing in it to bring back: as good as absent.
@@ -184,7 +184,7 @@ def pack_outputs(
         if name in namespace and not _closed_file(namespace[name])
     }
     absent = [name for name in names if name not in present]
-    with memory_cap.copy_back_outside_the_cap() as step_out:
+    with claim_cgroups.copy_back_outside_the_cap() as step_out:
 
         def writing(written: int, total: int) -> None:
             # Told the size once every value is pickled, before a byte is written.
