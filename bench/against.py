@@ -16,6 +16,7 @@ sees.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import sys
@@ -36,6 +37,9 @@ CELLS = {
     "with claim(): c.run(fn)": "with claim(cpus=1) as c:\n    c.run(int, '1')",
     "2000 prints": "%%claim cpus=1\nfor i in range(2000):\n    print(i)",
 }
+#: A claim no warm worker can take, a variable on its line that none was started
+#: with (``{n}`` differs every time): what a cell pays for a fresh worker to start.
+FRESH_WORKER_CELL = "%%claim cpus=1 BENCH_FRESH={n}\nx = 1"
 # The extension is loaded already: Kernel loads it as it starts.
 SETUP = "import numpy\nfrom fluksio_nb import claim\na = numpy.ones(64 * 2**20 // 8)"
 RAY_CELL = "%%claim cpus=1 --on ray\nresult = 1"
@@ -88,13 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                 for which, kernel in kernels.items()
                 for name, cell in cells.items()
             }
+            fresh = itertools.count()
+            for which, kernel in kernels.items():
+                actions[which, "claimed cell on a fresh worker"] = lambda k=kernel: k.run(
+                    FRESH_WORKER_CELL.format(n=next(fresh)), check=True
+                )
             interleaved(actions, 2)  # warm: workers started, Ray's workers too
             samples = interleaved(actions, options.rounds)
         finally:
             for kernel in kernels.values():
                 kernel.shutdown()
     rows = []
-    for name in cells:
+    for name in [*cells, "claimed cell on a fresh worker"]:
         this, that = median(samples["this", name]), median(samples["other", name])
         rows.append([name, ms(that), ms(this), f"{this / that:.2f}"])
     print(f"this checkout ({HERE}) against {other}, {options.rounds} rounds, medians\n")
