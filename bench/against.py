@@ -40,6 +40,7 @@ CELLS = {
 #: A claim no warm worker can take, a variable on its line that none was started
 #: with (``{n}`` differs every time): what a cell pays for a fresh worker to start.
 FRESH_WORKER_CELL = "%%claim cpus=1 BENCH_FRESH={n}\nx = 1"
+FRESH_WORKER = "claimed cell on a fresh worker"
 # The extension is loaded already: Kernel loads it as it starts.
 SETUP = "import numpy\nfrom fluksio_nb import claim\na = numpy.ones(64 * 2**20 // 8)"
 RAY_CELL = "%%claim cpus=1 --on ray\nresult = 1"
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             fresh = itertools.count()
             for which, kernel in kernels.items():
-                actions[which, "claimed cell on a fresh worker"] = lambda k=kernel: k.run(
+                actions[which, FRESH_WORKER] = lambda k=kernel: k.run(
                     FRESH_WORKER_CELL.format(n=next(fresh)), check=True
                 )
             interleaved(actions, 2)  # warm: workers started, Ray's workers too
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             for kernel in kernels.values():
                 kernel.shutdown()
     rows = []
-    for name in [*cells, "claimed cell on a fresh worker"]:
+    # Each cell once, in the order the actions were made.
+    for name in dict.fromkeys(name for _, name in samples):
         this, that = median(samples["this", name]), median(samples["other", name])
         rows.append([name, ms(that), ms(this), f"{this / that:.2f}"])
     print(f"this checkout ({HERE}) against {other}, {options.rounds} rounds, medians\n")
