@@ -268,7 +268,7 @@ def _unshare_attempts(unshare: str) -> list[list[str]]:
 #: Sets the namespace's next pid, then starts the command in it (a fork, so it gets that pid).
 _CHOSEN_PID = (
     "max=$(cat /proc/sys/kernel/pid_max) || exit 97\n"
-    'target="${STANDIN_INNER_PID:-$((max - 10))}"\n'
+    'target="${STANDIN_INNER_PID:-$((max - 10 - ${STANDIN_SPREAD:-0} % (max / 4)))}"\n'
     'echo "$((target - 1))" > /proc/sys/kernel/ns_last_pid || exit 98\n'
     '"$@" >&2 &\n'
     'echo "$!"\n'
@@ -329,10 +329,14 @@ def nested_process(
 ) -> Iterator[NestedProcess]:
     """``command`` running in a new pid namespace, as its pid ``inner_pid``.
 
-    Without ``inner_pid`` it is 10 below the namespace's ``pid_max``: a pid
-    that, on any machine that has not raised its own ``pid_max`` that far,
-    is no process here. Skips the test, saying what is missing, where pid
-    namespaces cannot be made. Everything in the namespace ends on leaving.
+    Without ``inner_pid`` it is near the namespace's ``pid_max``: a pid that,
+    on any machine that has not raised its own ``pid_max`` that far, is no
+    process here. How near is this process's own pid (within a quarter of
+    ``pid_max``): at a fixed distance, two test processes that each made one
+    at once, on two pytest workers or in two suites, had the same inner pid,
+    and a driver's pid found in two namespaces is nobody's. Skips the test,
+    saying what is missing, where pid namespaces cannot be made. Everything
+    in the namespace ends on leaving.
     """
     reason = missing_for_nested_pid_namespaces()
     if reason is not None:
@@ -341,6 +345,7 @@ def nested_process(
     assert prefix is not None
     env = dict(os.environ)
     env.pop("STANDIN_INNER_PID", None)
+    env["STANDIN_SPREAD"] = str(os.getpid())
     if inner_pid is not None:
         env["STANDIN_INNER_PID"] = str(inner_pid)
     outer = subprocess.Popen(
