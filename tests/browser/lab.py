@@ -59,6 +59,12 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 
+#: How often a wait in a page checks its condition, in ms. Playwright's
+#: default checks on every animation frame, and so has the page drawn 60
+#: frames a second for as long as the wait lasts: 0.15 of a core in headless
+#: Chromium (measured), against none at this pace.
+POLL_MS = 100
+
 #: A small machine, declared, so tests do not depend on the one they run on.
 DEFAULT_INVENTORY = {
     "FLUKSIO_CPUS": "2",
@@ -92,12 +98,19 @@ def launch_chromium(playwright: Any) -> Any:
 
 def launch_chromium_profile(playwright: Any, folder: Path) -> Any:
     """Chromium with a profile kept in ``folder``: a browser context whose pages share a
-    disk cache, at the size the tests' screenshots are taken at."""
+    disk cache, at the size the tests' screenshots are taken at.
+
+    Its pages ask for reduced motion, as a user may: a running claim's dot
+    then does not pulse, which kept Chromium drawing 60 frames a second, 0.25
+    of a core (measured), for as long as a test's claim ran. The test of the
+    pulse's contrast asks for motion on its page (``with_motion``).
+    """
     return playwright.chromium.launch_persistent_context(
         str(folder),
         executable_path=str(CHROMIUM),
         args=CHROMIUM_ARGS,
         viewport={"width": 1280, "height": 1000},
+        reduced_motion="reduce",
     )
 
 
@@ -492,6 +505,7 @@ class Notebook:
             "cell => cell.classList.contains('jp-mod-active')",
             arg=cell.element_handle(),
             timeout=timeout_ms,
+            polling=POLL_MS,
         )
         self.menu("Run", "notebook:run-cell")
         # Started: "[*]", or already a number, where "[ ]" was.
@@ -499,6 +513,7 @@ class Notebook:
             "p => /[*\\d]/.test(p.textContent)",
             arg=cell.locator(".jp-InputPrompt").element_handle(),
             timeout=timeout_ms,
+            polling=POLL_MS,
         )
 
     def wait_until_ran(self, index: int, timeout_ms: float = 60_000) -> None:
@@ -514,6 +529,7 @@ class Notebook:
             "p => /\\[\\d+\\]/.test(p.textContent)",
             arg=prompt.element_handle(),
             timeout=timeout_ms,
+            polling=POLL_MS,
         )
 
     def save(self, timeout_ms: float = 30_000) -> None:
@@ -526,7 +542,7 @@ class Notebook:
                 raise TimeoutError(f"{self.name} was not saved within {timeout_ms / 1000:g} s")
             time.sleep(0.1)
         self.page.wait_for_function(
-            "() => !document.querySelector('.jp-mod-dirty')", timeout=timeout_ms
+            "() => !document.querySelector('.jp-mod-dirty')", timeout=timeout_ms, polling=POLL_MS
         )
 
     @property
@@ -614,6 +630,7 @@ def history_plot_moves(notebook: Any, page: Any) -> None:
         }""",
         arg=first,
         timeout=60_000,
+        polling=POLL_MS,
     )
     axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
     assert axis[:3] == ["100%", "50%", "0%"], axis

@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import CONTRAST_JS, JupyterLab, not_notebook7s_own, until_exists
+from tests.browser.lab import (
+    CONTRAST_JS,
+    POLL_MS,
+    JupyterLab,
+    not_notebook7s_own,
+    until_exists,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.keeps_its_page]
 
@@ -217,7 +223,10 @@ def test_a_claimed_cells_output_is_all_below_its_status_then_its_record(
         go.touch()
     area.locator(".fluksio-status").wait_for(timeout=60_000)
     page.page.wait_for_function(
-        "area => area.innerText.includes('second')", arg=area.element_handle(), timeout=60_000
+        "area => area.innerText.includes('second')",
+        arg=area.element_handle(),
+        timeout=60_000,
+        polling=POLL_MS,
     )
     shown = area.evaluate(ORDER_JS)
     assert shown[0] == "record" and "\n".join(shown[1:]) == "first\nsecond", shown

@@ -14,7 +14,8 @@ What only a browser shows, and what this guards against:
   720 px, or whose parts overflow at 400 px; panel bars of three lengths;
 - a running dot and an empty bar track below 3:1 (WCAG 1.4.11, for what is
   not text), measured from the colours the browser computed, with the
-  running dot's pulse stopped at each point of its cycle.
+  running dot's pulse stopped at each point of its cycle; and a dot that
+  pulses on for a user who asked for less motion.
 
 The server declares 2 cores with 1 kept back for kernels.
 """
@@ -309,8 +310,27 @@ def test_the_widgets_and_the_panel_lay_out_cleanly_at_720_and_400_px(widgets_and
 
 def test_the_running_dot_and_empty_bars_keep_3_to_1_in_light_and_dark(widgets_and_panel):
     """Guards against a running dot that pulses down to 2.2:1 and an empty track at 2.6:1
-    on the dark theme, and against a fix for dark that spoils light."""
+    on the dark theme, against a fix for dark that spoils light, and against a dot that
+    pulses on for a user who asked for less motion."""
     nb, ui, panel = widgets_and_panel
+    dot = nb.output_of(2).locator(".fluksio-claim[data-phase=running] .fluksio-dot")
+    pulses = "e => e.getAnimations().length"
+    # The suite's pages ask for reduced motion (tests/browser/lab.py); this one
+    # asks for motion, so that the pulse is judged at each point of its cycle.
+    ui.emulate_media(reduced_motion="no-preference")
+    try:
+        wait_for(lambda: dot.evaluate(pulses) == 1, "the running dot pulsing", 30)
+        ui.emulate_media(reduced_motion="reduce")
+        assert dot.evaluate(pulses) == 0, "the dot pulses for a user who asked for less motion"
+        ui.emulate_media(reduced_motion="no-preference")
+        failing = _contrast_in_light_and_dark(nb, ui, panel, dot)
+    finally:
+        ui.emulate_media(reduced_motion="reduce")
+    assert all(not marks for parts in failing.values() for marks in parts.values()), failing
+
+
+def _contrast_in_light_and_dark(nb: Any, ui: Any, panel: Any, dot: Any) -> dict[str, Any]:
+    """The marks under 3:1 in each theme, by part; the light theme again after."""
     failing = {}
     for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
         if not light:
@@ -319,11 +339,9 @@ def test_the_running_dot_and_empty_bars_keep_3_to_1_in_light_and_dark(widgets_an
         low = contrast_failures(ui.locator(".fluksio-lab-glance"))
         assert low == [], (theme, low)
         failing[theme] = {
-            "running dot": non_text_below_3(
-                nb.output_of(2).locator(".fluksio-claim[data-phase=running] .fluksio-dot")
-            ),
+            "running dot": non_text_below_3(dot),
             "widget bars": non_text_below_3(nb.panel.locator(".fluksio-bar")),
             "panel bars": non_text_below_3(panel.locator(".fluksio-lab-bar-track")),
         }
     switch_theme(ui, "JupyterLab Light", True)
-    assert all(not marks for parts in failing.values() for marks in parts.values()), failing
+    return failing

@@ -20,6 +20,7 @@ import pytest
 from tests.browser.lab import (
     HOSTILE,
     OUTPUT,
+    POLL_MS,
     JupyterLab,
     contrast_failures,
     in_background,
@@ -116,6 +117,7 @@ def switch_theme(page: Any, theme: str, light: bool) -> None:
         f"document.body.dataset.jpThemeName === {theme!r} "
         f"&& document.body.dataset.jpThemeLight === {str(light).lower()!r}",
         timeout=30_000,
+        polling=POLL_MS,
     )
 
 
