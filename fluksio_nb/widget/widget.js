@@ -877,6 +877,8 @@ function renderMonitor(model, el) {
     const m = model.get("machine") || {};
     const stale = gone || Date.now() - heardAt > STALE_MS;
     root.dataset.stale = stale ? "yes" : "no";
+    // Why, for whoever reads the page: its kernel said to be gone, or a silence.
+    root.dataset.staleWhy = gone ? "gone" : stale ? "silent" : "";
     if (!m.cpus) {
       root.replaceChildren(h("div", "fluksio-muted", "Reading the machine…"));
       return;
@@ -1104,6 +1106,17 @@ function renderMonitor(model, el) {
     if (document.visibilityState === "visible") say("ping");
   };
   document.addEventListener("visibilitychange", onVisible);
+  // JupyterLab and Notebook 7 say when the kernel is dead (shut down, or gone
+  // from the server): stale at once, not a silence of STALE_MS later. Other
+  // front ends have no such kernel here, and rely on the silence alone.
+  const kernel = model.widget_manager && model.widget_manager.kernel;
+  const onStatus = (_, status) => {
+    if (status === "dead") {
+      gone = true;
+      redraw();
+    }
+  };
+  if (kernel && kernel.statusChanged) kernel.statusChanged.connect(onStatus);
   // Waiting and running clocks move between pushes.
   const ticking = setInterval(redraw, 1000);
   draw();
@@ -1111,6 +1124,7 @@ function renderMonitor(model, el) {
     clearInterval(pinging);
     clearInterval(ticking);
     document.removeEventListener("visibilitychange", onVisible);
+    if (kernel && kernel.statusChanged) kernel.statusChanged.disconnect(onStatus);
     stop();
     say("gone");
   };

@@ -236,7 +236,9 @@ def test_a_monitor_whose_kernel_is_gone_says_it_is_stale(server, notebook, page)
     """``%claims`` must say its figures are stale once its kernel is shut down.
 
     Guards against the monitor staying as it was after "Shut Down Kernel",
-    kernel RSS included, with nothing saying that none of it is live.
+    kernel RSS included, with nothing saying that none of it is live; and
+    against one that says so only after 15 s of silence, when the front end
+    had said at once that the kernel was dead.
     """
     nb = notebook("stale.ipynb", ["%load_ext fluksio_nb", "%claims"])
     nb.run_all()
@@ -246,4 +248,5 @@ def test_a_monitor_whose_kernel_is_gone_says_it_is_stale(server, notebook, page)
     server.shutdown_kernels()
     stale = nb.output_of(1).locator(".fluksio-monitor[data-stale=yes]")
     stale.wait_for(timeout=60_000)
+    assert stale.get_attribute("data-stale-why") == "gone"
     assert "Stale: the kernel that showed this is gone" in stale.inner_text()
