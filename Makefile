@@ -36,8 +36,9 @@ lab: $(STAMP)
 # (measured quiet: three workers kept the cores 1.77 of 2 busy, four 1.93, and
 # ran the suite about 5 % sooner). `make test WORKERS=1` runs it on one.
 # Tests that share a fixture wider than a test, and a notebook's cells, stay
-# on one worker (tests/conftest.py, notebooks/conftest.py). It ends saying how long it took, and which ten
-# tests took longest, so that whoever runs it knows what to expect.
+# on one worker (tests/conftest.py, notebooks/conftest.py). It ends saying how
+# long it took, and which ten tests took longest, so that whoever runs it
+# knows what to expect.
 #
 # The suite starts about a thousand Pythons (kernels, workers, services, the
 # command line), each importing the package, and pytest rewrites every test
