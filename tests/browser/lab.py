@@ -59,11 +59,6 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 
-#: How often a wait in a page checks its condition, in ms. Playwright's
-#: default checks on every animation frame, and so has the page drawn 60
-#: frames a second for as long as the wait lasts: 0.15 of a core in headless
-#: Chromium (measured), against none at this pace.
-POLL_MS = 100
 
 #: A small machine, declared, so tests do not depend on the one they run on.
 DEFAULT_INVENTORY = {
@@ -113,6 +108,20 @@ def launch_chromium_profile(playwright: Any, folder: Path) -> Any:
         viewport={"width": 1280, "height": 1000},
         reduced_motion="reduce",
     )
+
+
+#: How often :func:`wait_in_page` checks its condition, in ms.
+POLL_MS = 100
+
+
+def wait_in_page(page: Any, expression: str, *, timeout_ms: float, arg: Any = None) -> Any:
+    """``page.wait_for_function``, checking every :data:`POLL_MS`.
+
+    Playwright's default checks on every animation frame, and so has the page
+    drawn 60 frames a second for as long as the wait lasts: 0.15 of a core in
+    headless Chromium (measured), against none at this pace.
+    """
+    return page.wait_for_function(expression, arg=arg, timeout=timeout_ms, polling=POLL_MS)
 
 
 class JupyterLab:
@@ -502,19 +511,19 @@ class Notebook:
         """
         cell = self.panel.locator(".jp-Cell").nth(index)
         cell.locator(".jp-InputPrompt").click()
-        self.page.wait_for_function(
+        wait_in_page(
+            self.page,
             "cell => cell.classList.contains('jp-mod-active')",
             arg=cell.element_handle(),
-            timeout=timeout_ms,
-            polling=POLL_MS,
+            timeout_ms=timeout_ms,
         )
         self.menu("Run", "notebook:run-cell")
         # Started: "[*]", or already a number, where "[ ]" was.
-        self.page.wait_for_function(
+        wait_in_page(
+            self.page,
             "p => /[*\\d]/.test(p.textContent)",
             arg=cell.locator(".jp-InputPrompt").element_handle(),
-            timeout=timeout_ms,
-            polling=POLL_MS,
+            timeout_ms=timeout_ms,
         )
 
     def wait_until_ran(self, index: int, timeout_ms: float = 60_000) -> None:
@@ -526,11 +535,11 @@ class Notebook:
         kernel dropped it, as it drops whatever was queued behind an error.
         """
         prompt = self.panel.locator(".jp-Cell").nth(index).locator(".jp-InputPrompt")
-        self.page.wait_for_function(
+        wait_in_page(
+            self.page,
             "p => /\\[\\d+\\]/.test(p.textContent)",
             arg=prompt.element_handle(),
-            timeout=timeout_ms,
-            polling=POLL_MS,
+            timeout_ms=timeout_ms,
         )
 
     def save(self, timeout_ms: float = 30_000) -> None:
@@ -542,8 +551,8 @@ class Notebook:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} was not saved within {timeout_ms / 1000:g} s")
             time.sleep(0.1)
-        self.page.wait_for_function(
-            "() => !document.querySelector('.jp-mod-dirty')", timeout=timeout_ms, polling=POLL_MS
+        wait_in_page(
+            self.page, "() => !document.querySelector('.jp-mod-dirty')", timeout_ms=timeout_ms
         )
 
     @property
@@ -624,14 +633,14 @@ def history_plot_moves(notebook: Any, page: Any) -> None:
     cpu.wait_for(timeout=60_000)
     first = int(cpu.get_attribute("data-points"))
     # A point every two seconds while the monitor is shown: wait for two more.
-    page.page.wait_for_function(
+    wait_in_page(
+        page.page,
         """(first) => {
           const svg = document.querySelector('.fluksio-monitor [data-field=history-cpu]');
           return svg && Number(svg.dataset.points) >= first + 2;
         }""",
         arg=first,
-        timeout=60_000,
-        polling=POLL_MS,
+        timeout_ms=60_000,
     )
     axis = [t.strip() for t in cpu.locator("text").all_text_contents()]
     assert axis[:3] == ["100%", "50%", "0%"], axis

@@ -21,10 +21,10 @@ import pytest
 
 from tests.browser.lab import (
     CONTRAST_JS,
-    POLL_MS,
     JupyterLab,
     not_notebook7s_own,
     until_exists,
+    wait_in_page,
 )
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.keeps_its_page]
@@ -222,11 +222,11 @@ def test_a_claimed_cells_output_is_all_below_its_status_then_its_record(
     finally:
         go.touch()
     area.locator(".fluksio-status").wait_for(timeout=60_000)
-    page.page.wait_for_function(
+    wait_in_page(
+        page.page,
         "area => area.innerText.includes('second')",
         arg=area.element_handle(),
-        timeout=60_000,
-        polling=POLL_MS,
+        timeout_ms=60_000,
     )
     shown = area.evaluate(ORDER_JS)
     assert shown[0] == "record" and "\n".join(shown[1:]) == "first\nsecond", shown

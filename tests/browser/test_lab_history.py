@@ -20,12 +20,12 @@ import pytest
 from tests.browser.lab import (
     HOSTILE,
     OUTPUT,
-    POLL_MS,
     JupyterLab,
     contrast_failures,
     in_background,
     notebook_kernel,
     until_exists,
+    wait_in_page,
 )
 from tests.kernels import run_in
 from tests.waiting import wait_until
@@ -113,11 +113,11 @@ def switch_theme(page: Any, theme: str, light: bool) -> None:
     page.locator(
         '.lm-Menu-item[data-command="apputils:change-theme"]', has_text=theme
     ).first.click()
-    page.wait_for_function(
+    wait_in_page(
+        page,
         f"document.body.dataset.jpThemeName === {theme!r} "
         f"&& document.body.dataset.jpThemeLight === {str(light).lower()!r}",
-        timeout=30_000,
-        polling=POLL_MS,
+        timeout_ms=30_000,
     )
 
 
