@@ -251,17 +251,19 @@ class JupyterLab:
             # too, a kernel now and then died "Address already in use" before
             # it ever answered, and the page waited for it in vain.
             "--KernelManager.transport=ipc",
-            # window.jupyterapp, through which a page that has JupyterLab
-            # loaded opens the next notebook (:meth:`Notebook.open_in_the_loaded_page`).
-            "--LabApp.expose_app_in_browser=True",
         ]
         # Either server loads both apps as extensions, and both answer at the
         # same settings URL, so which one reads the settings depends on load
-        # order: both are pointed at the test's own directories.
+        # order: both are pointed at the test's own directories. Both pages
+        # show their app as window.jupyterapp: through it a page that has
+        # JupyterLab loaded opens the next notebook
+        # (:meth:`Notebook.open_in_the_loaded_page`), and either asks the
+        # server which kernels still run (the stale monitor's test).
         for app_class in ("LabApp", "JupyterNotebookApp"):
             argv += [
                 f"--{app_class}.user_settings_dir={self.settings_dir}",
                 f"--{app_class}.workspaces_dir={self.workspaces_dir}",
+                f"--{app_class}.expose_app_in_browser=True",
             ]
         if os.geteuid() == 0:
             argv.append("--allow-root")
