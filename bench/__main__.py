@@ -41,7 +41,7 @@ SMOKE = {
     "cells": lambda: cells.main(rounds=2, mib=8, others=False, first_rounds=1, idle_s=0.2),
     "hop": lambda: hop.main(rounds=2, gaps=(0.0, 0.001)),
     "books": lambda: books.main(cycles=40, rounds=3, most=2, floods=2),
-    "enforcement": lambda: enforcement.main(seconds=0.5, repeats=1),
+    "enforcement": lambda: enforcement.main(seconds=0.2, repeats=1),
     "metrics": lambda: metrics.main(rounds=5),
 }
 

@@ -18,6 +18,15 @@ process of its own (its signals are its own): it defines
 the first round whose ``check`` found one. It also defines the checks
 scripts of a kernel share: ``descriptors_left_open(before)``,
 ``workers_out_of_the_pool()``, ``devices_cgroups_left()`` and ``what_a_claim_left(lent)``.
+
+A script about what a claim makes beside its share (a cgroup, a descriptor)
+keeps its books in the kernel (``FLUKSIO_LEDGER=kernel``). On a books service
+every round's claim and check are round trips to another process, each
+waiting for it to be scheduled: the capped cell's 1,300 rounds took 17.7
+CPU-s against 12.9 on the kernel's books, and beside another suite its books
+check alone went from 0.85 s to 7.3 s. What a stop does to the books
+themselves is pressed at every moment by :data:`STOP_AT_EVERY_MOMENT_OF_A_CLAIM`,
+on the machine's service and on the user's.
 """
 
 from __future__ import annotations

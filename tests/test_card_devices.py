@@ -320,10 +320,11 @@ def test_a_kernel_held_off_cards_has_its_claims_cgroups_made_beside_it(tmp_path)
 #: made and denied every card (a claim with none opens none), as a worker starts (the one a stop
 #: killed) or a warm one is handed over and moved in, as it runs the call and goes
 #: back to its pool, and as the claim ends. After each, no devices cgroup of this
-#: process's may be left, nor a share, nor a worker out of the pool.
+#: process's may be left, nor a share, nor a worker out of the pool. The books
+#: are the kernel's own (see :mod:`tests.stops`).
 STOP_AT_EVERY_MOMENT_OF_A_CARD_CLAIM = """
-import glob, os, tempfile
-os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
+import glob, os
+os.environ["FLUKSIO_LEDGER"] = "kernel"
 os.environ["FLUKSIO_GPUS"] = "2"
 os.environ["FLUKSIO_RESERVE_CPUS"] = "0"
 import fluksio_nb

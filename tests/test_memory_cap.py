@@ -601,10 +601,11 @@ def test_a_cgroup_other_users_may_write_is_no_place_for_a_cap(place):
 #: moment of fluksio_nb's code, one moment a round: as its memory cgroup is
 #: made and limited, as the warm worker is moved into it and back out, and as
 #: the cgroup is removed. After each, no cgroup of the shell's may be left, no
-#: share held, and no descriptor left open.
+#: share held, and no descriptor left open. The books are the kernel's own
+#: (see :mod:`tests.stops`).
 STOP_AT_EVERY_MOMENT_OF_A_CAPPED_CELL = """
-import glob, os, tempfile
-os.environ["FLUKSIO_LEDGER"] = os.path.join(tempfile.mkdtemp(), "ledger")
+import glob, os
+os.environ["FLUKSIO_LEDGER"] = "kernel"
 from IPython.core.interactiveshell import InteractiveShell
 import fluksio_nb
 from fluksio_nb import accountant
