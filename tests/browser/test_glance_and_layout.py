@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.lab import OUTPUT, JupyterLab, contrast_failures, until_exists
+from tests.browser.lab import OUTPUT, JupyterLab, contrast_failures, evaluate_each, until_exists
 from tests.browser.test_lab_history import open_panel, switch_theme
 from tests.test_server import call, wait_for
 
@@ -214,13 +214,20 @@ NON_TEXT_JS = """
 
 
 def non_text_below_3(locator: Any) -> list[tuple[str, float]]:
+    seen: list[Any] = []
+
     def styled() -> list[tuple[str, float]] | None:
-        marks = [(one.get_attribute("class"), one.evaluate(NON_TEXT_JS)) for one in locator.all()]
-        # 0 is no fill and no edge at all: the widget's stylesheet not applied yet (it
-        # comes with the widget's module, after its DOM), not a contrast to judge.
+        found = evaluate_each(locator, f"e => [e.getAttribute('class'), ({NON_TEXT_JS})(e)]")
+        marks = [(name, ratio) for name, ratio in found]
+        seen[:] = [marks]
+        # 0 is no colour read at all, not a contrast to judge: an element gone from
+        # the page by the time it is read has an empty computed style.
         return marks if marks and all(ratio > 0 for _, ratio in marks) else None
 
-    marks = wait_for(styled, f"{locator} drawn with its stylesheet", 30)
+    try:
+        marks = wait_for(styled, f"{locator} drawn with its stylesheet", 30)
+    except AssertionError as late:
+        raise AssertionError(f"{late}; the last look found {seen}") from None
     return [(name, round(ratio, 2)) for name, ratio in marks if ratio < 3]
 
 
@@ -314,14 +321,17 @@ def test_the_running_dot_and_empty_bars_keep_3_to_1_in_light_and_dark(widgets_an
     pulses on for a user who asked for less motion."""
     nb, ui, panel = widgets_and_panel
     dot = nb.output_of(2).locator(".fluksio-claim[data-phase=running] .fluksio-dot")
-    pulses = "e => e.getAnimations().length"
+
+    def pulses() -> list[int]:
+        return evaluate_each(dot, "e => e.getAnimations().length")
+
     # The suite's pages ask for reduced motion (tests/browser/lab.py); this one
     # asks for motion, so that the pulse is judged at each point of its cycle.
     ui.emulate_media(reduced_motion="no-preference")
     try:
-        wait_for(lambda: dot.evaluate(pulses) == 1, "the running dot pulsing", 30)
+        wait_for(lambda: pulses() == [1], "the running dot pulsing", 30)
         ui.emulate_media(reduced_motion="reduce")
-        assert dot.evaluate(pulses) == 0, "the dot pulses for a user who asked for less motion"
+        assert pulses() == [0], "the dot pulses for a user who asked for less motion"
         ui.emulate_media(reduced_motion="no-preference")
         failing = _contrast_in_light_and_dark(nb, ui, panel, dot)
     finally:
