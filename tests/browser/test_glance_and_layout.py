@@ -214,12 +214,11 @@ NON_TEXT_JS = """
 
 
 def non_text_below_3(locator: Any) -> list[tuple[str, float]]:
-    seen: list[Any] = []
+    seen: list[tuple[str, float]] = []
 
     def styled() -> list[tuple[str, float]] | None:
         found = evaluate_each(locator, f"e => [e.getAttribute('class'), ({NON_TEXT_JS})(e)]")
-        marks = [(name, ratio) for name, ratio in found]
-        seen[:] = [marks]
+        seen[:] = marks = [(name, ratio) for name, ratio in found]
         # 0 is no colour read at all, not a contrast to judge: an element gone from
         # the page by the time it is read has an empty computed style.
         return marks if marks and all(ratio > 0 for _, ratio in marks) else None
