@@ -417,14 +417,21 @@ def kernel_of(server: JupyterLab, path: str) -> Iterator[tuple[str, BlockingKern
         call(server, "DELETE", f"api/sessions/{session['id']}")
 
 
-def wait_for(find: Callable[[], Any], what: str, timeout: float = 20) -> Any:
+def wait_for(
+    find: Callable[[], Any],
+    what: str,
+    timeout: float = 20,
+    until: Callable[[Any], bool] = bool,
+) -> Any:
+    """``find()`` once ``until`` holds of it; if it never does, says ``what`` and the last look."""
     deadline = time.monotonic() + timeout
+    found = None
     while time.monotonic() < deadline:
         found = find()
-        if found:
+        if until(found):
             return found
         time.sleep(0.25)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
+    raise AssertionError(f"{what} did not happen within {timeout} s; the last look found {found!r}")
 
 
 def test_a_notebooks_claim_shows_its_notebook_path_readings_and_can_be_stopped(server):

@@ -214,20 +214,16 @@ NON_TEXT_JS = """
 
 
 def non_text_below_3(locator: Any) -> list[tuple[str, float]]:
-    seen: list[tuple[str, float]] = []
+    def marks() -> list[list[Any]]:
+        return evaluate_each(locator, f"e => [e.getAttribute('class'), ({NON_TEXT_JS})(e)]")
 
-    def styled() -> list[tuple[str, float]] | None:
-        found = evaluate_each(locator, f"e => [e.getAttribute('class'), ({NON_TEXT_JS})(e)]")
-        seen[:] = marks = [(name, ratio) for name, ratio in found]
+    def styled(found: list[list[Any]]) -> bool:
         # 0 is no colour read at all, not a contrast to judge: an element gone from
         # the page by the time it is read has an empty computed style.
-        return marks if marks and all(ratio > 0 for _, ratio in marks) else None
+        return bool(found) and all(ratio > 0 for _, ratio in found)
 
-    try:
-        marks = wait_for(styled, f"{locator} drawn with its stylesheet", 30)
-    except AssertionError as late:
-        raise AssertionError(f"{late}; the last look found {seen}") from None
-    return [(name, round(ratio, 2)) for name, ratio in marks if ratio < 3]
+    drawn = wait_for(marks, f"{locator} drawn with its stylesheet", 30, until=styled)
+    return [(name, round(ratio, 2)) for name, ratio in drawn if ratio < 3]
 
 
 @pytest.fixture
